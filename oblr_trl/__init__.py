@@ -1,0 +1,36 @@
+"""oblr-trl: OBLR-PO (Optimal Baseline and Learning-Rate Policy Optimization, arXiv 2511.23310) for Hugging Face TRL.
+
+Swap ``GRPOTrainer``/``GRPOConfig`` for :class:`OBLRPOTrainer`/:class:`OBLRPOConfig`.
+"""
+
+from .config import OBLRPOConfig
+from .estimators import (
+    BASELINES,
+    gradient_signal_noise,
+    gradient_snr,
+    gradient_weighted_baseline,
+    mean_baseline,
+    register_baseline,
+    snr_lr_scale,
+    step_scale_from_contributions,
+)
+from .grad_norms import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, register_grad_norm_rule
+from .trainer import OBLRPOTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BASELINES",
+    "OBLRPOConfig",
+    "OBLRPOTrainer",
+    "gradient_signal_noise",
+    "gradient_snr",
+    "gradient_weighted_baseline",
+    "mean_baseline",
+    "per_sequence_grad_inner_products",
+    "per_sequence_grad_sq_norms",
+    "register_baseline",
+    "register_grad_norm_rule",
+    "snr_lr_scale",
+    "step_scale_from_contributions",
+]

@@ -1,0 +1,160 @@
+"""`OBLRPOConfig`: `trl.GRPOConfig` plus the options of OBLR-PO (arXiv 2511.23310)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .estimators import BASELINES
+
+SUPPORTED_LOSS_TYPES = ("dapo", "dr_grpo", "bnpo", "grpo")
+GRAD_NORM_ESTIMATORS = ("exact", "length")
+SNR_SAMPLE_UNITS = ("group", "completion")
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"OBLRPOConfig.{name}={value!r} is not allowed; allowed values: {list(allowed)}.")
+
+
+@dataclass
+class OBLRPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`OBLRPOTrainer`]: every option of `trl.GRPOConfig`, plus OBLR-PO's.
+
+    OBLR-PO replaces GRPO's heuristics with two results of its theory:
+
+    - the variance-optimal **gradient-weighted baseline** (Theorem 7), `b(q) = sum_i w_i r_i / sum_i w_i` with
+      `w_i = ||grad log pi(o_i|q)||^2`, here in its leave-one-out form, without division by the reward std;
+    - the **SNR-governed step size** (Theorem 4), `lr_t = lr_max * N SNR_t / (1 + N SNR_t)`, where `lr_max` is the
+      scheduled learning rate and `SNR_t` is estimated from the step's own samples.
+
+    Defaults differ from `GRPOConfig` where the paper's theory requires it: `scale_rewards="none"` (std scaling biases
+    the gradient), `beta=0.0` and `num_iterations=1` (on-policy, unbiased updates).
+
+    Parameters:
+        baseline (`str`, defaults to `"gradient_weighted"`):
+            `"gradient_weighted"` (Theorem 7) or `"mean"` (GRPO's group mean; RLOO's with `leave_one_out=True`).
+        leave_one_out (`bool`, defaults to `True`):
+            Leave each completion out of its own baseline, so the baseline does not depend on the sample it is
+            subtracted from and the gradient estimate stays unbiased (Assumption 1).
+        grad_norm_estimator (`str`, defaults to `"exact"`):
+            Source of the weights `w_i`: `"exact"` computes `||grad log pi(o_i|q)||^2` from one extra forward and
+            backward; `"length"` uses verl OPO's proxy `w_i = |o_i|` (no extra pass for the baseline).
+        snr_lr (`bool`, defaults to `True`):
+            Scale each optimizer step's learning rate by `N SNR / (1 + N SNR)` (Theorem 4).
+        snr_sample_unit (`str`, defaults to `"group"`):
+            What counts as one i.i.d. sample in the SNR estimate: `"group"` (a prompt with its completions, which share
+            a leave-one-out baseline and are therefore correlated; `N` = number of prompts) or `"completion"` (`N` =
+            number of completions; cheaper, but misestimates the noise when completions are correlated).
+        lr_scale_min (`float`, defaults to `0.0`):
+            Floor of the step-size factor, a guard against the step collapsing when the SNR is ~0 for many steps. The
+            paper has no floor (0.0).
+        snr_ema (`float`, defaults to `0.0`):
+            Exponential smoothing of the SNR's numerator and denominator across steps (0 = this step's samples only,
+            as in the paper). A ratio of noisy estimates is biased; smoothing both parts before dividing reduces that.
+    """
+
+    baseline: str = field(
+        default="gradient_weighted",
+        metadata={
+            "help": "Baseline subtracted from the rewards: 'gradient_weighted' (default; the variance-optimal "
+            "baseline of Theorem 7, weighted by ||grad log pi||^2) or 'mean' (GRPO's group mean, RLOO's with "
+            "leave_one_out).",
+            "choices": sorted(BASELINES),
+        },
+    )
+    leave_one_out: bool = field(
+        default=True,
+        metadata={
+            "help": "Leave each completion out of its own baseline (default True): the baseline then does not depend "
+            "on the sample, which keeps the policy gradient unbiased (Assumption 1)."
+        },
+    )
+    grad_norm_estimator: str = field(
+        default="exact",
+        metadata={
+            "help": "Source of the baseline weights w_i: 'exact' (default; ||grad log pi(o_i|q)||^2 from one extra "
+            "forward/backward, per-sample norms by ghost-norm rules) or 'length' (verl OPO's proxy w_i = |o_i|).",
+            "choices": list(GRAD_NORM_ESTIMATORS),
+        },
+    )
+    snr_lr: bool = field(
+        default=True,
+        metadata={
+            "help": "Scale each step's learning rate by N*SNR/(1+N*SNR) (Theorem 4; default True). The configured "
+            "learning_rate (and its schedule) is the maximum step size."
+        },
+    )
+    snr_sample_unit: str = field(
+        default="group",
+        metadata={
+            "help": "What the SNR estimate counts as one independent sample: 'group' (default; a prompt and its "
+            "completions, the paper's N = number of prompts) or 'completion' (cheaper, misestimates correlated noise).",
+            "choices": list(SNR_SAMPLE_UNITS),
+        },
+    )
+    lr_scale_min: float = field(
+        default=0.0,
+        metadata={
+            "help": "Floor of the step-size factor in [0, 1] (default 0.0, as in the paper). Set e.g. 0.05 to keep "
+            "learning when the SNR is ~0 for long stretches (the 'step collapse' failure mode)."
+        },
+    )
+    snr_ema: float = field(
+        default=0.0,
+        metadata={
+            "help": "EMA factor in [0, 1) smoothing the SNR's numerator and denominator across steps (default 0.0: "
+            "this step's samples only, as in the paper)."
+        },
+    )
+
+    # Paper defaults that differ from GRPOConfig's.
+    scale_rewards: str = field(
+        default="none",
+        metadata={
+            "help": "Reward scaling. OBLR-PO default 'none': dividing by the group's reward std biases the gradient. "
+            "'group'/'batch' are accepted only with baseline='mean', leave_one_out=False (plain GRPO, for ablations)."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_choice("baseline", self.baseline, sorted(BASELINES))
+        _check_choice("grad_norm_estimator", self.grad_norm_estimator, GRAD_NORM_ESTIMATORS)
+        _check_choice("snr_sample_unit", self.snr_sample_unit, SNR_SAMPLE_UNITS)
+        _check_choice("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
+        if not 0.0 <= self.lr_scale_min <= 1.0:
+            raise ValueError(f"OBLRPOConfig.lr_scale_min={self.lr_scale_min} must lie in [0, 1].")
+        if not 0.0 <= self.snr_ema < 1.0:
+            raise ValueError(f"OBLRPOConfig.snr_ema={self.snr_ema} must lie in [0, 1).")
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                "OBLRPOConfig.multi_objective_aggregation must be 'sum_then_normalize': 'normalize_then_sum' "
+                "standardizes each reward per group, which the OBLR-PO baseline does not cover."
+            )
+        if self.scale_rewards != "none" and (self.baseline != "mean" or self.leave_one_out):
+            raise ValueError(
+                f"OBLRPOConfig.scale_rewards={self.scale_rewards!r} is only allowed with baseline='mean' and "
+                "leave_one_out=False (plain GRPO); OBLR-PO's theory uses unscaled advantages: set scale_rewards='none'."
+            )
+        if self.num_iterations > 1:
+            warnings.warn(
+                f"OBLRPOConfig.num_iterations={self.num_iterations} > 1: updates after the first are off-policy "
+                "(importance ratio != 1, clipping); the SNR uses on-policy per-sample norms and is approximate there.",
+                stacklevel=2,
+            )
+        if self.beta != 0.0:
+            warnings.warn(
+                f"OBLRPOConfig.beta={self.beta}: the KL term's gradient is not part of the SNR estimate (the paper's "
+                "theory has no KL term).",
+                stacklevel=2,
+            )
+        if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
+            warnings.warn(
+                "top_entropy_quantile < 1 or off_policy_mask_threshold masks tokens out of the loss; the baseline "
+                "weights and the SNR use every completion token.",
+                stacklevel=2,
+            )

@@ -1,0 +1,171 @@
+"""OBLR-PO's estimators as pure tensor functions (no trainer state).
+
+Each formula of the paper lives here, once:
+
+* :func:`gradient_weighted_baseline`: the variance-optimal baseline (Theorem 7),
+  ``b(q) = sum_i w_i r_i / sum_i w_i`` with ``w_i = ||grad log pi(o_i|q)||^2``.
+* :func:`mean_baseline`: the uniform baseline of GRPO (group mean) and RLOO (leave-one-out mean), for ablations.
+* :func:`gradient_snr`: the SNR of the single-sample gradient estimator from per-sample norms and the batch norm
+  (McCandlish et al. 2018, App. A).
+* :func:`snr_lr_scale`: the step-size factor of Theorem 4, ``N*SNR / (1 + N*SNR)``.
+* :func:`step_scale_from_contributions`: the same factor written directly in the per-sample contributions ``h_i``
+  whose sum is the step's gradient (``../shared/paper/estimators.md``).
+
+Baselines are registered by name (as verl's ``core_algos`` does) so that ``OBLRPOConfig.baseline`` selects one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+BaselineFn = Callable[..., tuple[torch.Tensor, int]]
+BASELINES: dict[str, BaselineFn] = {}
+
+
+def register_baseline(name: str) -> Callable[[BaselineFn], BaselineFn]:
+    """Register a baseline estimator under ``name`` (selected by ``OBLRPOConfig.baseline``)."""
+
+    def decorator(fn: BaselineFn) -> BaselineFn:
+        BASELINES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_baseline(name: str) -> BaselineFn:
+    if name not in BASELINES:
+        raise ValueError(f"Unknown baseline {name!r}; allowed values: {sorted(BASELINES)}.")
+    return BASELINES[name]
+
+
+def _grouped_weighted_mean(
+    rewards: torch.Tensor, weights: torch.Tensor, group_size: int, leave_one_out: bool
+) -> tuple[torch.Tensor, int]:
+    if rewards.dim() != 1 or weights.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and weights must be 1-D tensors of the same length, got {tuple(rewards.shape)} and "
+            f"{tuple(weights.shape)}."
+        )
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"group_size={group_size} must be >= 1 and divide the number of samples ({rewards.numel()}).")
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    r = rewards.to(dtype).view(-1, group_size)
+    w = weights.to(dtype).view(-1, group_size)
+    valid = ~torch.isnan(r)
+    # NaN rewards (unscorable completions) and non-finite or negative weights enter no one's baseline.
+    w = torch.where(valid & torch.isfinite(w) & (w > 0), w, torch.zeros_like(w))
+    r0 = torch.where(valid, r, torch.zeros_like(r))
+    count = valid.to(dtype)
+
+    wr_sum, w_sum = (w * r0).sum(1, keepdim=True), w.sum(1, keepdim=True)
+    r_sum, n_sum = r0.sum(1, keepdim=True), count.sum(1, keepdim=True)
+    if leave_one_out:
+        wr_sum, w_sum = wr_sum - w * r0, w_sum - w
+        r_sum, n_sum = r_sum - r0, n_sum - count
+
+    # Relative threshold: leave-one-out subtraction of a float sum leaves rounding residue, not a true zero.
+    w_scale = w.sum(1, keepdim=True).clamp(min=torch.finfo(dtype).tiny)
+    weighted_ok = w_sum > w_scale * 1e-6
+    plain_mean = torch.where(n_sum > 0, r_sum / n_sum.clamp(min=1), torch.zeros_like(r_sum))
+    weighted = wr_sum / torch.where(weighted_ok, w_sum, torch.ones_like(w_sum))
+    baseline = torch.where(weighted_ok, weighted, plain_mean)
+    num_fallback = int((~weighted_ok).expand_as(r).sum())
+    return baseline.reshape(-1).to(rewards.dtype), num_fallback
+
+
+@register_baseline("gradient_weighted")
+def gradient_weighted_baseline(
+    rewards: torch.Tensor, weights: torch.Tensor, group_size: int, leave_one_out: bool = False
+) -> tuple[torch.Tensor, int]:
+    """Variance-optimal baseline of OBLR-PO (Theorem 7): the gradient-weighted mean of the group's rewards.
+
+    ``b_i = sum_j w_j r_j / sum_j w_j`` over sample ``i``'s group, ``w_j = ||grad_theta log pi(o_j|q)||^2``. With
+    ``leave_one_out=True`` the sum runs over ``j != i``, so ``b_i`` does not depend on ``o_i`` and the policy gradient
+    stays unbiased (Assumption 1).
+
+    Args:
+        rewards: flat ``(n_groups * group_size,)`` rewards, groups of ``group_size`` consecutive samples. A NaN
+            reward (an unscorable completion) enters no one's baseline; its own baseline is still computed.
+        weights: same shape, the per-sample squared gradient norms. Zero, negative or non-finite weights count as 0.
+        group_size: samples per prompt (TRL's ``num_generations``).
+        leave_one_out: leave the sample out of its own baseline.
+
+    Returns:
+        ``(baseline, num_fallback)``: the per-sample baseline, shaped like ``rewards``, and the number of samples whose
+        set of weights summed to zero; those fall back to the plain mean of the set's rewards (0 for an empty set).
+    """
+    return _grouped_weighted_mean(rewards, weights, group_size, leave_one_out)
+
+
+@register_baseline("mean")
+def mean_baseline(
+    rewards: torch.Tensor, weights: torch.Tensor | None, group_size: int, leave_one_out: bool = False
+) -> tuple[torch.Tensor, int]:
+    """Uniform baseline: GRPO's/Dr. GRPO's group mean, or RLOO's leave-one-out mean. ``weights`` is ignored."""
+    return _grouped_weighted_mean(rewards, torch.ones_like(rewards), group_size, leave_one_out)
+
+
+def gradient_signal_noise(
+    mean_sample_sq_norm: torch.Tensor | float, batch_sq_norm: torch.Tensor | float, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unbiased estimates of ``||grad J||^2`` and ``tr(Sigma)`` (McCandlish et al. 2018, App. A), not clipped.
+
+    From ``m = mean_i ||g_i||^2`` over ``n`` i.i.d. single-sample estimates ``g_i`` and the squared norm of their
+    mean ``||gbar||^2``: ``||grad J||^2 ~ (n ||gbar||^2 - m) / (n - 1)`` and ``tr Sigma ~ n (m - ||gbar||^2) / (n - 1)``.
+    """
+    if n < 2:
+        raise ValueError(f"gradient_snr needs n >= 2 samples, got n={n}.")
+    m = torch.as_tensor(mean_sample_sq_norm, dtype=torch.float64)
+    g2 = torch.as_tensor(batch_sq_norm, dtype=torch.float64)
+    return (n * g2 - m) / (n - 1), n * (m - g2) / (n - 1)
+
+
+def snr_from_signal_noise(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``max(signal, 0) / max(noise, 0)``; ``inf`` when only the noise is 0, 0 when both are."""
+    signal, noise = signal.clamp(min=0), noise.clamp(min=0)
+    return torch.where(
+        noise > 0,
+        signal / torch.where(noise > 0, noise, torch.ones_like(noise)),
+        torch.where(signal > 0, torch.full_like(signal, float("inf")), torch.zeros_like(signal)),
+    )
+
+
+def gradient_snr(
+    mean_sample_sq_norm: torch.Tensor | float, batch_sq_norm: torch.Tensor | float, n: int
+) -> torch.Tensor:
+    """SNR of the single-sample gradient estimator, ``SNR_t = ||grad J||^2 / tr(Sigma)`` (Theorem 4).
+
+    Both parts from :func:`gradient_signal_noise` (``m = mean_i ||g_i||^2`` over ``n`` samples, ``||gbar||^2`` the
+    squared norm of their mean), each clipped at 0. Returns ``inf`` when the noise estimate is 0 and the signal is
+    positive, 0 when both are 0.
+    """
+    return snr_from_signal_noise(*gradient_signal_noise(mean_sample_sq_norm, batch_sq_norm, n))
+
+
+def snr_lr_scale(snr: torch.Tensor | float, n: int) -> torch.Tensor:
+    """Step-size factor of Theorem 4: ``eta_t / eta_max = N SNR_t / (1 + N SNR_t)`` (1 for an infinite SNR)."""
+    snr = torch.as_tensor(snr, dtype=torch.float64)
+    if torch.any(snr < 0) or torch.any(torch.isnan(snr)):
+        raise ValueError(f"snr must be >= 0 and not NaN, got {snr}.")
+    x = n * snr
+    return torch.where(torch.isinf(x), torch.ones_like(x), x / (1 + torch.where(torch.isinf(x), torch.zeros_like(x), x)))
+
+
+def step_scale_from_contributions(
+    sum_sq_contributions: torch.Tensor | float, total_sq_norm: torch.Tensor | float, n: int
+) -> torch.Tensor:
+    """Theorem 4's factor from the step's per-sample contributions ``h_i`` (``G = sum_i h_i``).
+
+    With single-sample estimators ``g_i = n h_i`` and ``gbar = G``, ``snr_lr_scale(gradient_snr(m, ||G||^2, n), n)``
+    simplifies to ``n / (n - 1) * (1 - sum_i ||h_i||^2 / ||G||^2)``, clipped to ``[0, 1]``: 1 when all ``h_i`` point
+    the same way, 0 when they are orthogonal noise. ``G = 0`` gives 0 (no signal).
+    """
+    if n < 2:
+        raise ValueError(f"step_scale_from_contributions needs n >= 2 samples, got n={n}.")
+    s = torch.as_tensor(sum_sq_contributions, dtype=torch.float64)
+    g2 = torch.as_tensor(total_sq_norm, dtype=torch.float64)
+    ratio = s / torch.where(g2 > 0, g2, torch.ones_like(g2))
+    scale = (n / (n - 1) * (1 - ratio)).clamp(0.0, 1.0)
+    return torch.where(g2 > 0, scale, torch.zeros_like(scale))

@@ -1,0 +1,215 @@
+"""Exact per-sequence gradient norms of ``sum_t log pi(o_t | q, o_<t)`` from one forward and one backward.
+
+Hooks record each trainable module's input activation and output gradient; the rules in :mod:`.rules` turn them into
+factored per-sample gradients; :mod:`.factors` takes their inner products from token Grams. The LM head is handled
+here, as TRL's fused head does it: the ``(B, T, V)`` logits are never held, the head's output gradient is computed in
+vocabulary chunks, and a head tied to the input embedding gets the norm of the summed gradient (cross terms included).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .factors import Dense, Factored, Materialized, SoftmaxDelta, VOCAB_CHUNK, Usage, block_inner_products
+from .rules import find_rule
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` module under DDP/Accelerate and PEFT wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "get_base_model"):
+        model = model.module  # DistributedDataParallel
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    return model
+
+
+def _logit_scale(lm: nn.Module) -> float:
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        raise NotImplementedError(
+            f"{type(lm).__name__} uses final_logit_softcapping, which per_sequence_grad_sq_norms does not support; "
+            "use OBLRPOConfig(grad_norm_estimator='length') for this model."
+        )
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if getattr(config, name, None) is not None:
+            return float(getattr(config, name))
+    if getattr(config, "logits_scaling", None) is not None:
+        return 1.0 / float(config.logits_scaling)
+    return 1.0
+
+
+class _Record:
+    __slots__ = ("module", "activation", "output_grad")
+
+    def __init__(self, module: nn.Module, activation: torch.Tensor):
+        self.module, self.activation, self.output_grad = module, activation, None
+
+
+@contextmanager
+def _capture(modules: list[nn.Module]):
+    """Record (activation, output gradient) of every call of ``modules`` during the forward/backward inside."""
+    records: list[_Record] = []
+
+    def forward_hook(module, args, output):
+        if not torch.is_tensor(output) or not output.requires_grad or not args or not torch.is_tensor(args[0]):
+            return
+        record = _Record(module, args[0].detach())
+        records.append(record)
+
+        def grad_hook(grad, record=record):
+            record.output_grad = grad.detach()
+
+        output.register_hook(grad_hook)
+
+    handles = [m.register_forward_hook(forward_hook) for m in modules]
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hooked_modules(backbone: nn.Module, skip: nn.Module | None) -> list[nn.Module]:
+    modules = []
+    for name, module in backbone.named_modules():
+        if module is skip or not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        if find_rule(module) is None:
+            trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            raise NotImplementedError(
+                f"No per-sequence gradient-norm rule for module type {type(module).__name__} ('{name}', trainable "
+                f"parameters {trainable}). Register one with oblr_trl.grad_norms.register_grad_norm_rule, freeze "
+                "those parameters, or use OBLRPOConfig(grad_norm_estimator='length')."
+            )
+        modules.append(module)
+    return modules
+
+
+@torch.no_grad()
+def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, weight, bias, alpha: float):
+    """Log-sum-exp, label log-probs and ``d sum_t log p / d h`` of the head, in vocabulary chunks."""
+    hf = h.float()
+    lse = torch.full(h.shape[:-1], -float("inf"), device=h.device)
+    for start in range(0, weight.shape[0], VOCAB_CHUNK):
+        logits = alpha * (hf @ weight[start : start + VOCAB_CHUNK].float().T)
+        if bias is not None:
+            logits = logits + alpha * bias[start : start + VOCAB_CHUNK].float()
+        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
+    expected_w = torch.zeros_like(hf)
+    for start in range(0, weight.shape[0], VOCAB_CHUNK):
+        w = weight[start : start + VOCAB_CHUNK].float()
+        logits = alpha * (hf @ w.T)
+        if bias is not None:
+            logits = logits + alpha * bias[start : start + VOCAB_CHUNK].float()
+        expected_w += torch.exp(logits - lse[..., None]) @ w
+    grad_h = alpha * mask[..., None] * (weight.float()[labels] - expected_w)
+    return lse, grad_h
+
+
+def per_sequence_grad_inner_products(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    group_size: int = 1,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Inner products ``<u_i, u_j>`` of ``u_i = grad_theta sum_t log pi(o_{i,t} | q, o_{i,<t})`` within groups.
+
+    Rows ``i`` of one group are ``group_size`` consecutive rows of ``input_ids``. Returns a float32 tensor
+    ``(B / group_size, group_size, group_size)``; with ``group_size=1`` its entries are ``||u_i||^2``. See
+    :func:`per_sequence_grad_sq_norms` for the arguments.
+    """
+    batch, length = input_ids.shape
+    completion_length = completion_mask.shape[1]
+    if batch % group_size:
+        raise ValueError(f"group_size={group_size} must divide the batch size {batch}.")
+    if completion_length >= length:
+        raise ValueError("completion_mask must cover fewer positions than input_ids (a prompt token is needed).")
+    lm = unwrap_causal_lm(model)
+    params = [p for p in lm.parameters() if p.requires_grad]
+    out = torch.zeros(batch // group_size, group_size, group_size, device=input_ids.device)
+    if not params or batch == 0:
+        return out
+    head = lm.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
+    backbone = lm.base_model
+    alpha = _logit_scale(lm) / temperature
+
+    with _capture(_hooked_modules(backbone, skip=head)) as records:
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        h = hidden[:, length - completion_length - 1 : length - 1]
+        labels = input_ids[:, length - completion_length :]
+        mask = completion_mask.to(torch.float32)
+        lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head.weight.detach(),
+                                     None if head.bias is None else head.bias.detach(), alpha)
+        if hidden.requires_grad:
+            full_grad = torch.zeros_like(hidden)
+            full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
+            backbone_params = [p for p in backbone.parameters() if p.requires_grad]
+            torch.autograd.grad(hidden, backbone_params, grad_outputs=full_grad, allow_unused=True)
+
+    usages: dict[int, list[Usage]] = defaultdict(list)
+    for record in records:
+        if record.output_grad is None:  # a recomputation under gradient checkpointing, or an unused output
+            continue
+        rule = find_rule(record.module)
+        for name, usage in rule(record.module, record.activation, record.output_grad).items():
+            usages[id(getattr(record.module, name))].append(usage)
+    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
+        delta = SoftmaxDelta(h.detach(), head.weight.detach(), None if head.bias is None else head.bias.detach(),
+                             alpha, lse, labels, mask)
+        if head.weight.requires_grad:
+            usages[id(head.weight)].append(Factored(delta, Dense(h.detach())))
+        if head.bias is not None and head.bias.requires_grad:
+            usages[id(head.bias)].append(Materialized(delta.cols(0, delta.width).sum(1)))
+
+    for param_usages in usages.values():
+        if any(isinstance(u, Materialized) for u in param_usages):
+            param_usages = [
+                u if isinstance(u, Materialized) else Materialized(u.materialize().flatten(1)) for u in param_usages
+            ]
+        blocked = [u.blocked(group_size) for u in param_usages]
+        for a in range(len(blocked)):
+            out += block_inner_products(blocked[a], blocked[a], group_size)
+            for b in range(a + 1, len(blocked)):
+                cross = block_inner_products(blocked[a], blocked[b], group_size)
+                out += cross + cross.transpose(1, 2)
+    return out
+
+
+def per_sequence_grad_sq_norms(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``||grad_theta sum_t log pi_theta(o_t | q, o_<t)||^2`` for each row: the weights ``w_i`` of Theorem 7.
+
+    Exact, over the model's trainable parameters (LoRA adapters only, under PEFT), from the activations and output
+    gradients of one forward and one backward of the batch; no per-sample gradient of a large matrix is materialized
+    and the logits are never held whole. No ``.grad`` is left on any parameter.
+
+    Args:
+        model: a causal LM (``*ForCausalLM``), possibly wrapped by PEFT or DDP.
+        input_ids: ``(B, L)`` prompt + completion token ids; prompts may be left-padded.
+        attention_mask: ``(B, L)``.
+        completion_mask: ``(B, C)``; the completion is the last ``C`` positions of ``input_ids`` (right-padded: the
+            mask is 0 after the end). Only its tokens enter the sum.
+        temperature: the sampling temperature the trainer scores log-probs with (logits are divided by it).
+
+    Returns:
+        float32 tensor ``(B,)``.
+    """
+    products = per_sequence_grad_inner_products(
+        model, input_ids, attention_mask, completion_mask, group_size=1, temperature=temperature
+    )
+    return products.reshape(-1)

@@ -1,0 +1,182 @@
+"""Factored per-sample gradients and their Gram ("ghost norm") algebra.
+
+A layer applied to the tokens of one sequence gives its weight the per-sample gradient ``sum_t L_t (x) R_t``
+(``L_t``: the output-side factor, ``R_t``: the input-side factor of token ``t``). The inner product of two such
+gradients never needs them materialized:
+
+    <sum_t L_t (x) R_t, sum_s L'_s (x) R'_s> = sum_{t,s} <L_t, L'_s> <R_t, R'_s>
+
+i.e. the elementwise product of two token-by-token Gram matrices (Goodfellow 2015; Li et al. 2022, "ghost norm").
+A factor is one of:
+
+* :class:`Dense`: a ``(B, T, n)`` tensor (activations, output gradients);
+* :class:`OneHot`: token ids ``(B, T)`` standing for one-hot rows of width ``n`` (an embedding's input);
+* :class:`SoftmaxDelta`: the LM head's output gradient ``alpha * (onehot(y_t) - softmax(z_t))``, computed on the fly
+  in vocabulary chunks so that the ``(B, T, V)`` logits are never held.
+
+``blocked(k)`` merges ``k`` consecutive rows into one, so the Grams of a block hold the cross terms between the
+block's sequences: that is how inner products ``<u_i, u_j>`` between completions of one group are computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+VOCAB_CHUNK = 8192
+
+
+def _block(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, T, ...) -> (B/k, k*T, ...)."""
+    return x.reshape(x.shape[0] // k, k * x.shape[1], *x.shape[2:])
+
+
+@dataclass
+class Dense:
+    t: torch.Tensor  # (B, T, n)
+
+    @property
+    def width(self) -> int:
+        return self.t.shape[-1]
+
+    def blocked(self, k: int) -> "Dense":
+        return Dense(_block(self.t, k))
+
+    def cols(self, start: int, end: int) -> torch.Tensor:
+        return self.t[..., start:end].float()
+
+    def gather_cols(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T, Tq): column ``idx[b, q]`` of row ``(b, t)``."""
+        b, t, _ = self.t.shape
+        return torch.gather(self.t.float(), 2, idx[:, None, :].expand(b, t, idx.shape[1]))
+
+    def materialize_with(self, right: "Dense") -> torch.Tensor:
+        return torch.einsum("btl,btr->blr", self.t.float(), right.t.float())
+
+
+@dataclass
+class OneHot:
+    idx: torch.Tensor  # (B, T) long
+    n: int
+
+    @property
+    def width(self) -> int:
+        return self.n
+
+    def blocked(self, k: int) -> "OneHot":
+        return OneHot(_block(self.idx, k), self.n)
+
+    def materialize_with(self, right: Dense) -> torch.Tensor:
+        out = right.t.new_zeros(right.t.shape[0], self.n, right.t.shape[-1], dtype=torch.float32)
+        return out.scatter_add_(1, self.idx[..., None].expand(-1, -1, right.t.shape[-1]), right.t.float())
+
+
+@dataclass
+class SoftmaxDelta:
+    """``d log p(y_t) / d z_t`` of the LM head, ``mask_t * alpha * (onehot(y_t) - softmax(alpha * (h_t W^T + b)))``."""
+
+    h: torch.Tensor  # (B, T, d) hidden states entering the head
+    weight: torch.Tensor  # (V, d)
+    bias: torch.Tensor | None  # (V,)
+    alpha: float  # logit scale / temperature
+    lse: torch.Tensor  # (B, T) log-sum-exp of the scaled logits
+    labels: torch.Tensor  # (B, T) long
+    mask: torch.Tensor  # (B, T) float
+
+    @property
+    def width(self) -> int:
+        return self.weight.shape[0]
+
+    def blocked(self, k: int) -> "SoftmaxDelta":
+        return SoftmaxDelta(
+            _block(self.h, k), self.weight, self.bias, self.alpha, _block(self.lse, k), _block(self.labels, k),
+            _block(self.mask, k),
+        )
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.alpha * logits - self.lse[..., None])
+
+    def cols(self, start: int, end: int) -> torch.Tensor:
+        w = self.weight[start:end].float()
+        logits = self.h.float() @ w.T
+        if self.bias is not None:
+            logits = logits + self.bias[start:end].float()
+        delta = -self._probs(logits)
+        in_chunk = (self.labels >= start) & (self.labels < end)
+        delta.scatter_add_(2, (self.labels - start).clamp(0, end - start - 1)[..., None], in_chunk[..., None].float())
+        return delta * (self.alpha * self.mask)[..., None]
+
+    def gather_cols(self, idx: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float()[idx]  # (B, Tq, d)
+        logits = torch.bmm(self.h.float(), w.transpose(1, 2))
+        if self.bias is not None:
+            logits = logits + self.bias.float()[idx][:, None, :]
+        delta = (self.labels[:, :, None] == idx[:, None, :]).float() - self._probs(logits)
+        return delta * (self.alpha * self.mask)[..., None]
+
+
+Factor = Dense | OneHot | SoftmaxDelta
+
+
+def gram(a: Factor, b: Factor) -> torch.Tensor:
+    """Token-by-token Gram ``(B, Ta, Tb)`` of two factors of the same width, in float32."""
+    if a.width != b.width:
+        raise ValueError(f"Factor widths differ: {a.width} vs {b.width}.")
+    if isinstance(a, OneHot) and isinstance(b, OneHot):
+        return (a.idx[:, :, None] == b.idx[:, None, :]).float()
+    if isinstance(b, OneHot):
+        return a.gather_cols(b.idx)
+    if isinstance(a, OneHot):
+        return b.gather_cols(a.idx).transpose(1, 2)
+    if isinstance(a, Dense) and isinstance(b, Dense):
+        return torch.bmm(a.t.float(), b.t.float().transpose(1, 2))
+    out = None
+    for start in range(0, a.width, VOCAB_CHUNK):
+        end = min(start + VOCAB_CHUNK, a.width)
+        part = torch.bmm(a.cols(start, end), b.cols(start, end).transpose(1, 2))
+        out = part if out is None else out + part
+    return out
+
+
+@dataclass
+class Factored:
+    """A per-sample weight gradient ``sum_t left_t (x) right_t`` (``left``: output side, ``right``: input side)."""
+
+    left: Factor
+    right: Factor
+
+    def blocked(self, k: int) -> "Factored":
+        return Factored(self.left.blocked(k), self.right.blocked(k))
+
+    def materialize(self) -> torch.Tensor:
+        if isinstance(self.left, SoftmaxDelta) or not isinstance(self.right, Dense):
+            raise NotImplementedError("Materializing an LM-head or one-hot-input gradient is not supported.")
+        return self.left.materialize_with(self.right)
+
+
+@dataclass
+class Materialized:
+    """A per-sample gradient held explicitly, ``(B, *param.shape)``: for small parameters (norm weights, biases)."""
+
+    g: torch.Tensor
+
+    def blocked(self, k: int) -> "Materialized":
+        return Materialized(self.g.reshape(self.g.shape[0] // k, k, -1))
+
+
+Usage = Factored | Materialized
+
+
+def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
+    """``(B/k, k, k)`` inner products between the per-sample gradients of two usages, within blocks of ``k`` rows.
+
+    ``u`` and ``v`` must already be blocked with :meth:`blocked`.
+    """
+    if isinstance(u, Factored) and isinstance(v, Factored):
+        prod = gram(u.left, v.left) * gram(u.right, v.right)  # (B/k, k*T1, k*T2)
+        nb, kt1, kt2 = prod.shape
+        return prod.reshape(nb, k, kt1 // k, k, kt2 // k).sum(dim=(2, 4))
+    if isinstance(u, Materialized) and isinstance(v, Materialized):
+        return torch.bmm(u.g.float(), v.g.float().transpose(1, 2))
+    raise TypeError("Mixed factored and materialized usages must be materialized first.")

@@ -1,0 +1,100 @@
+"""One per-sample gradient rule per module type (in the manner of Opacus' ``grad_sample/``).
+
+A rule maps ``(module, activation, output_grad)`` of one call of the module, both shaped ``(B, ..., features)``, to
+``{parameter_name: usage}``: each usage is the per-sample gradient of that parameter from this call, either
+:class:`~oblr_trl.grad_norms.factors.Factored` (never materialized; its norms come from token Grams) or
+:class:`~oblr_trl.grad_norms.factors.Materialized` (small parameters). Rules know nothing about hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .factors import Dense, Factored, Materialized, OneHot, Usage
+
+Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, Usage]]
+GRAD_NORM_RULES: dict[type, Rule] = {}
+_NAME_RULES: dict[str, Rule] = {}
+
+
+def register_grad_norm_rule(*module_types: type | str) -> Callable[[Rule], Rule]:
+    """Register a rule for exact module types, or for class names (for model-specific classes such as
+    ``Qwen3RMSNorm`` that share a formula without sharing a base class)."""
+
+    def decorator(rule: Rule) -> Rule:
+        for module_type in module_types:
+            if isinstance(module_type, str):
+                _NAME_RULES[module_type] = rule
+            else:
+                GRAD_NORM_RULES[module_type] = rule
+        return rule
+
+    return decorator
+
+
+def find_rule(module: nn.Module) -> Rule | None:
+    return GRAD_NORM_RULES.get(type(module)) or _NAME_RULES.get(type(module).__name__)
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """(B, ..., n) -> (B, T, n): every position between the batch and the feature axis is a token."""
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+@register_grad_norm_rule(nn.Linear)
+def linear_rule(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
+    """``y = x W^T + b``: per-sample ``dW = sum_t g_t (x) x_t`` (factored), ``db = sum_t g_t``."""
+    g, x = _tokens(output_grad), _tokens(activation)
+    usages: dict[str, Usage] = {}
+    if layer.weight.requires_grad:
+        usages["weight"] = Factored(Dense(g), Dense(x))
+    if layer.bias is not None and layer.bias.requires_grad:
+        usages["bias"] = Materialized(g.float().sum(1))
+    return usages
+
+
+@register_grad_norm_rule(nn.Embedding)
+def embedding_rule(layer: nn.Embedding, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
+    """``y_t = W[x_t]``: per-sample ``dW = sum_t onehot(x_t) (x) g_t``; the ``padding_idx`` row gets no gradient."""
+    if not layer.weight.requires_grad:
+        return {}
+    ids = activation.reshape(activation.shape[0], -1)
+    g = _tokens(output_grad)
+    if layer.padding_idx is not None:
+        g = g * (ids != layer.padding_idx)[..., None].to(g.dtype)
+    return {"weight": Factored(OneHot(ids, layer.num_embeddings), Dense(g))}
+
+
+def _rms_normalized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    eps = getattr(layer, "variance_epsilon", getattr(layer, "eps", None))
+    if eps is None:  # torch.nn.RMSNorm(eps=None) uses the dtype's machine epsilon
+        eps = torch.finfo(x.dtype).eps
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@register_grad_norm_rule("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm", nn.RMSNorm)
+def rms_norm_rule(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
+    """``y = w * x / rms(x)`` (Llama/Qwen form): per-sample ``dw = sum_t g_t * xhat_t`` (materialized, d values)."""
+    if not layer.weight.requires_grad:
+        return {}
+    xhat = _tokens(_rms_normalized(layer, activation))
+    return {"weight": Materialized((_tokens(output_grad).float() * xhat.float()).sum(1))}
+
+
+@register_grad_norm_rule(nn.LayerNorm)
+def layer_norm_rule(layer: nn.LayerNorm, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
+    """``y = w * (x - mean) / std + b``: per-sample ``dw = sum_t g_t * xhat_t``, ``db = sum_t g_t``."""
+    if len(layer.normalized_shape) != 1:
+        raise NotImplementedError("LayerNorm over more than one trailing dimension has no per-sample rule.")
+    g = _tokens(output_grad).float()
+    usages: dict[str, Usage] = {}
+    if layer.weight is not None and layer.weight.requires_grad:
+        xhat = nn.functional.layer_norm(activation.float(), layer.normalized_shape, eps=layer.eps)
+        usages["weight"] = Materialized((g * _tokens(xhat)).sum(1))
+    if layer.bias is not None and layer.bias.requires_grad:
+        usages["bias"] = Materialized(g.sum(1))
+    return usages

@@ -1,0 +1,293 @@
+"""`OBLRPOTrainer`: `trl.GRPOTrainer` with OBLR-PO's advantages and step size, overriding the smallest methods.
+
+* ``_calculate_rewards``: keeps the (all-rank) rewards the parent computes.
+* ``_generate_and_score_completions``: after the parent, computes the baseline weights ``w_i`` (exact per-sequence
+  gradient norms of the local completions, gathered across ranks like the rewards) and replaces ``advantages`` with
+  ``r_i - b_i`` (Theorem 7).
+* ``compute_loss``: records each micro-batch's per-sample contributions ``h_i = c_i A_i u_i`` to the step's gradient.
+* ``_get_grad_norm``: with the step's pre-clip, all-reduced gradient norm, sets ``lr = scheduled lr x N SNR / (1 + N SNR)``
+  (Theorem 4) for this optimizer step; a callback restores the scheduled lr right after the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+from collections import defaultdict
+
+import torch
+from accelerate.utils import gather_object
+from transformers import TrainerCallback
+
+from trl import GRPOTrainer
+
+from .config import OBLRPOConfig
+from .estimators import get_baseline, gradient_signal_noise, snr_from_signal_noise, snr_lr_scale
+from .grad_norms import per_sequence_grad_inner_products
+
+logger = logging.getLogger(__name__)
+
+
+class _RestoreScheduledLR(TrainerCallback):
+    """Puts back the scheduled learning rate right after the optimizer step, so no scheduler compounds the scale."""
+
+    def __init__(self, trainer: "OBLRPOTrainer"):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._restore_scheduled_lr()
+
+
+class OBLRPOTrainer(GRPOTrainer):
+    """GRPOTrainer with OBLR-PO (arXiv 2511.23310): the gradient-weighted baseline and the SNR-governed step size.
+
+    Same constructor as `trl.GRPOTrainer`; `args` must be an [`OBLRPOConfig`] (a `GRPOConfig` is upgraded with the
+    OBLR-PO defaults that do not conflict with it). Logs under `oblr/`: `lr_scale`, `snr`, `num_samples`,
+    `baseline_mean`, `reward_mean`, `weight_spread`, `fallback_samples`, `unscorable`.
+    """
+
+    _tag_names = ["trl", "oblr-po"]
+    _name = "OBLR-PO"
+    _paper = {
+        "title": "OBLR-PO: A Theoretical Framework for Stable Reinforcement Learning",
+        "id": "2511.23310",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @misc{oblrpo2025,
+                title         = {{OBLR-PO: A Theoretical Framework for Stable Reinforcement Learning}},
+                year          = 2025,
+                eprint        = {2511.23310},
+                archivePrefix = {arXiv},
+            }"""),
+    }
+
+    def __init__(self, *args, **kwargs):
+        args_ = kwargs.get("args")
+        if args_ is not None and not isinstance(args_, OBLRPOConfig):
+            raise TypeError(f"OBLRPOTrainer needs args=OBLRPOConfig(...), got {type(args_).__name__}.")
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled:
+            raise NotImplementedError(
+                "OBLRPOTrainer does not support DeepSpeed yet: DeepSpeed steps the optimizer inside the last "
+                "backward, before the SNR step size can be applied. Use DDP or FSDP2 (accelerate launch) instead."
+            )
+        if self.is_fsdp_enabled and self._needs_norms:
+            raise NotImplementedError(
+                "OBLRPOTrainer does not compute exact per-sequence norms under FSDP yet; use DDP, or "
+                "grad_norm_estimator='length' with snr_lr=False."
+            )
+        self._oblr_step_records: list[tuple] = []
+        self._oblr_saved_lrs: list[float] | None = None
+        self._oblr_ema: tuple[float, float] | None = None
+        self._oblr_warned: set[str] = set()
+        self.add_callback(_RestoreScheduledLR(self))
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def _needs_norms(self) -> bool:
+        a = self.args
+        return a.snr_lr or (a.baseline == "gradient_weighted" and a.grad_norm_estimator == "exact")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._oblr_warned:
+            self._oblr_warned.add(key)
+            logger.warning(message)
+
+    def _group_unit(self, local_batch: int) -> int:
+        """Rows per SNR sample: a whole group where every group lies on one rank, else one completion."""
+        if self.args.snr_sample_unit == "group" and local_batch % self.num_generations == 0:
+            return self.num_generations
+        if self.args.snr_sample_unit == "group":
+            self._warn_once(
+                "group_span",
+                f"A group of {self.num_generations} completions spans ranks (local batch {local_batch}); the SNR uses "
+                "each completion as a sample. Make per_device_train_batch_size * steps_per_generation a multiple of "
+                "num_generations for the group estimate.",
+            )
+        return 1
+
+    # ------------------------------------------------------- advantages (Thm 7)
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._oblr_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _local_grad_products(self, output: dict, unit: int) -> torch.Tensor:
+        """Within-unit inner products ``<u_i, u_j>`` of the local completions, ``(n / unit, unit, unit)``."""
+        prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        chunk = max(unit, -(-self.args.per_device_train_batch_size // unit) * unit)
+        parts = []
+        with torch.enable_grad(), self.accelerator.autocast():
+            for start in range(0, input_ids.shape[0], chunk):
+                sl = slice(start, start + chunk)
+                parts.append(
+                    per_sequence_grad_inner_products(
+                        self.model, input_ids[sl], attention_mask[sl], mask[sl], group_size=unit,
+                        temperature=self.temperature,
+                    )
+                )
+        products = torch.cat(parts)
+        if not torch.isfinite(products).all():
+            self._warn_once("nonfinite_norms", "Non-finite per-sequence gradient norms were set to 0.")
+            products = torch.nan_to_num(products, nan=0.0, posinf=0.0, neginf=0.0)
+        return products
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return output
+        args, device = self.args, self.accelerator.device
+        local_n = output["prompt_ids"].shape[0]
+        mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        lengths = mask.sum(-1).float()
+
+        rewards_per_func = self._oblr_rewards_per_func
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        nonfinite = ~torch.isfinite(rewards) & ~unscorable
+        if nonfinite.any():
+            self._warn_once("nonfinite_reward", "Rewards of +-inf were treated as unscorable (NaN): no baseline, advantage 0.")
+        rewards = torch.where(unscorable | nonfinite, torch.full_like(rewards, float("nan")), rewards)
+
+        unit = self._group_unit(local_n)
+        if self._needs_norms:
+            products = self._local_grad_products(output, unit)
+            sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
+            output["oblr_gram"] = products.reshape(local_n, unit)
+        else:
+            sq_norms = torch.zeros(local_n, device=device)
+        if args.grad_norm_estimator == "length":
+            local_w = lengths
+        elif args.loss_type == "grpo":  # the "grpo" loss divides each sequence by its length
+            local_w = sq_norms / lengths.clamp(min=1) ** 2
+        else:
+            local_w = sq_norms
+        weights = self.accelerator.gather(local_w.float())
+
+        if args.scale_rewards != "none":  # plain GRPO (baseline='mean', no leave-one-out): keep the parent's advantages
+            baseline = torch.nanmean(rewards.view(-1, self.num_generations), 1).repeat_interleave(self.num_generations)
+            num_fallback = 0
+            advantages = output["advantages"]
+        else:
+            baseline, num_fallback = get_baseline(args.baseline)(rewards, weights, self.num_generations, args.leave_one_out)
+            all_advantages = torch.nan_to_num(rewards - baseline, nan=0.0)
+            rank = self.accelerator.process_index
+            advantages = all_advantages[rank * local_n : (rank + 1) * local_n]
+            output["advantages"] = advantages
+
+        if num_fallback:
+            self._warn_once(
+                "fallback",
+                "Some groups' baseline weights summed to 0 (zero gradients or all-unscorable rewards); their baseline "
+                "fell back to the plain mean of rewards. Counted in oblr/fallback_samples.",
+            )
+        if unscorable.any():
+            self._warn_once("unscorable", "Completions with no reward (None/NaN) get advantage 0 and enter no baseline.")
+
+        group = torch.arange(local_n, device=device) + self.accelerator.process_index * local_n
+        output["oblr_unit"] = group // unit
+        output["oblr_pos"] = group % unit
+
+        valid = ~torch.isnan(rewards)
+        w_valid = weights[valid]
+        metrics = self._metrics["train"]
+        metrics["oblr/baseline_mean"].append(baseline[valid].mean().item() if valid.any() else 0.0)
+        metrics["oblr/reward_mean"].append(rewards[valid].mean().item() if valid.any() else 0.0)
+        spread = (w_valid.std() / w_valid.mean()).item() if w_valid.numel() > 1 and w_valid.mean() > 0 else 0.0
+        metrics["oblr/weight_spread"].append(spread)
+        metrics["oblr/fallback_samples"].append(float(num_fallback))
+        metrics["oblr/unscorable"].append(float((~valid).sum().item()))
+        return output
+
+    # ------------------------------------------------------ step size (Thm 4)
+    def _loss_coefficients(self, inputs) -> torch.Tensor:
+        """``c_i``: the factor of ``A_i * grad sum_t log pi(o_i)`` in the step's all-reduced gradient (at ratio 1)."""
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        batch = mask.shape[0]
+        accum, world = self.current_gradient_accumulation_steps, self.accelerator.num_processes
+        loss_type = self.loss_type
+        if loss_type == "grpo":
+            c = 1.0 / (mask.sum(-1).clamp(min=1.0) * batch * accum)
+        elif loss_type == "bnpo":
+            c = torch.full((batch,), 1.0 / (mask.sum().clamp(min=1.0).item() * accum), device=mask.device)
+        elif loss_type == "dr_grpo":
+            c = torch.full((batch,), 1.0 / (batch * self.max_completion_length * accum), device=mask.device)
+        else:  # dapo: num_items_in_batch spans the generation batch, rescaled to one accumulation window per rank
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / world * accum / self.args.steps_per_generation
+            c = torch.full((batch,), 1.0, device=mask.device) / normalizer
+        return c / world  # DDP/FSDP average the gradients over ranks
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.model.training and self.args.snr_lr and "oblr_gram" in inputs:
+            a = (self._loss_coefficients(inputs) * inputs["advantages"].reshape(-1)).double()
+            self._oblr_step_records.append(
+                (inputs["oblr_unit"].cpu(), inputs["oblr_pos"].cpu(), a.cpu(), inputs["oblr_gram"].double().cpu())
+            )
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _step_sample_sq_norms(self) -> tuple[float, int]:
+        """``sum_q ||H_q||^2`` over the step's samples (all ranks) and their number ``N``."""
+        records = gather_object([self._oblr_step_records])
+        self._oblr_step_records = []
+        by_unit: dict[int, dict[int, tuple[float, torch.Tensor]]] = defaultdict(dict)
+        for rank_records in records:
+            for units, positions, coeffs, grams in rank_records:
+                for u, p, a, g in zip(units.tolist(), positions.tolist(), coeffs, grams):
+                    by_unit[u][p] = (a, g)
+        total = 0.0
+        for members in by_unit.values():
+            for a_i, gram_row in members.values():  # ||H_q||^2 = sum_ij a_i a_j <u_i, u_j>
+                total += float(a_i * sum(a_j * gram_row[p] for p, (a_j, _) in members.items()))
+        return total, len(by_unit)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self.args.snr_lr and self.model.training:
+            self._apply_snr_step_size(grad_norm)
+        return grad_norm
+
+    def _apply_snr_step_size(self, grad_norm) -> None:
+        args = self.args
+        sum_sq, n = self._step_sample_sq_norms()
+        g2 = float(grad_norm) ** 2 if grad_norm is not None else float("nan")
+        snr = float("nan")
+        if n < 2:
+            scale = 1.0
+            self._warn_once("few_samples", f"An optimizer step saw {n} sample(s); the SNR needs 2: lr left unscaled.")
+        elif not torch.isfinite(torch.tensor(g2)):
+            scale = args.lr_scale_min
+            self._warn_once("nonfinite_grad", "Non-finite gradient norm: lr scaled to lr_scale_min for this step.")
+        else:
+            signal, noise = gradient_signal_noise(n * sum_sq, g2, n)
+            if args.snr_ema > 0 and self._oblr_ema is not None:
+                signal = args.snr_ema * self._oblr_ema[0] + (1 - args.snr_ema) * signal
+                noise = args.snr_ema * self._oblr_ema[1] + (1 - args.snr_ema) * noise
+            self._oblr_ema = (float(signal), float(noise))
+            snr_t = snr_from_signal_noise(torch.as_tensor(signal), torch.as_tensor(noise))
+            snr, scale = float(snr_t), float(snr_lr_scale(snr_t, n))
+            if snr == 0.0:
+                self._warn_once(
+                    "snr_zero",
+                    "SNR estimate is 0 (noise dominates): the step size collapses to lr_scale_min. If this persists, "
+                    "raise the batch (more prompts per step), set lr_scale_min, or smooth with snr_ema.",
+                )
+        scale = max(scale, args.lr_scale_min)
+        self._oblr_saved_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * scale
+        metrics = self._metrics["train"]
+        metrics["oblr/lr_scale"].append(scale)
+        metrics["oblr/snr"].append(snr)
+        metrics["oblr/num_samples"].append(float(n))
+        metrics["oblr/lr"].append(self.optimizer.param_groups[0]["lr"])
+
+    def _restore_scheduled_lr(self) -> None:
+        if self._oblr_saved_lrs is not None:
+            for group, lr in zip(self.optimizer.param_groups, self._oblr_saved_lrs):
+                group["lr"] = lr
+            self._oblr_saved_lrs = None

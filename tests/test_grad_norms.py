@@ -1,0 +1,132 @@
+"""Exact per-sequence gradient norms vs one ``torch.autograd.grad`` per sequence (tests/reference.py)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms
+from oblr_trl.grad_norms import register_grad_norm_rule
+from reference import per_sample_grads, per_sample_sq_norms
+
+VOCAB, PROMPT, COMPLETION = 40, 5, 6
+
+
+def qwen3(tie: bool):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tie, pad_token_id=0)
+    return Qwen3ForCausalLM(cfg)
+
+
+def llama(tie: bool):
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=tie, pad_token_id=0,
+                      attention_bias=True, mlp_bias=True)
+    return LlamaForCausalLM(cfg)
+
+
+def padded_batch(batch=6, seed=0):
+    """Left-padded prompts, right-padded completions, one empty completion."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, PROMPT + COMPLETION), generator=g)
+    attention = torch.ones_like(ids)
+    completion_mask = torch.ones(batch, COMPLETION, dtype=torch.long)
+    ids[0, :2], attention[0, :2] = 0, 0  # left padding
+    ids[1, :1], attention[1, :1] = 0, 0
+    completion_mask[1, 3:] = 0  # right padding
+    ids[1, PROMPT + 3 :], attention[1, PROMPT + 3 :] = 0, 0
+    completion_mask[2] = 0  # empty completion
+    ids[2, PROMPT:], attention[2, PROMPT:] = 0, 0
+    return ids, attention, completion_mask
+
+
+@pytest.mark.parametrize("build", [qwen3, llama], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_norms_match_per_sample_autograd(build, tie):
+    model = build(tie)
+    ids, attention, completion_mask = padded_batch()
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    reference = per_sample_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    assert ours.dtype == torch.float32 and ours.shape == (ids.shape[0],)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-6)
+    assert ours[2] == 0  # the empty completion has no score
+    assert all(p.grad is None for p in model.parameters())  # no .grad left behind
+
+
+def test_tied_embeddings_count_the_summed_gradient():
+    """Tied input/output embeddings: ||g_emb + g_head||^2, which differs from ||g_emb||^2 + ||g_head||^2."""
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch()
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    model.model.embed_tokens.weight.requires_grad_(False)  # tied: freezes the head too
+    without_embedding = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    assert (ours - without_embedding).abs().max() > 1e-3
+    model.model.embed_tokens.weight.requires_grad_(True)
+    torch.testing.assert_close(ours.double(), per_sample_sq_norms(model, ids, attention, completion_mask), rtol=1e-4, atol=1e-6)
+
+
+def test_group_inner_products_match_autograd():
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch()
+    ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=3)
+    grads = per_sample_grads(model, ids, attention, completion_mask)
+    reference = torch.stack([
+        torch.stack([torch.stack([grads[3 * q + i].double() @ grads[3 * q + j].double() for j in range(3)])
+                     for i in range(3)]) for q in range(2)
+    ])
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_only_adapters():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        qwen3(tie=True),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+    )
+    ids, attention, completion_mask = padded_batch()
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    torch.testing.assert_close(ours.double(), per_sample_sq_norms(model, ids, attention, completion_mask), rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_norms():
+    model = qwen3(tie=False)
+    model.train()
+    ids, attention, completion_mask = padded_batch()
+    plain = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.testing.assert_close(per_sequence_grad_sq_norms(model, ids, attention, completion_mask), plain)
+
+
+def test_frozen_model_gives_zero_norms():
+    model = qwen3(tie=True).requires_grad_(False)
+    ids, attention, completion_mask = padded_batch()
+    assert torch.equal(per_sequence_grad_sq_norms(model, ids, attention, completion_mask), torch.zeros(6))
+
+
+def test_module_without_rule_is_named():
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = torch.nn.Parameter(torch.ones(32))
+
+        def forward(self, x):
+            return x * self.gain
+
+    model = qwen3(tie=True)
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), Scale())
+    model.model.layers[0].mlp.act_fn[1].gain = torch.nn.Parameter(torch.ones(48))
+    ids, attention, completion_mask = padded_batch()
+    with pytest.raises(NotImplementedError, match="Scale"):
+        per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+
+    @register_grad_norm_rule(Scale)
+    def scale_rule(layer, activation, output_grad):  # y = x * gain: per-sample d gain = sum_t g_t * x_t
+        from oblr_trl.grad_norms.factors import Materialized
+        g, x = output_grad.reshape(output_grad.shape[0], -1, output_grad.shape[-1]), activation.reshape(activation.shape[0], -1, activation.shape[-1])
+        return {"gain": Materialized((g * x).sum(1))}
+
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), per_sample_sq_norms(model, ids, attention, completion_mask), rtol=1e-4, atol=1e-6)
