@@ -59,19 +59,19 @@ def _grouped_weighted_mean(
     r0 = torch.where(valid, r, torch.zeros_like(r))
     count = valid.to(dtype)
 
-    wr_sum, w_sum = (w * r0).sum(1, keepdim=True), w.sum(1, keepdim=True)
-    r_sum, n_sum = r0.sum(1, keepdim=True), count.sum(1, keepdim=True)
+    # which samples enter whose baseline: everyone's, or (leave-one-out) everyone else's. Summing with this
+    # (G, G) mask, rather than subtracting a sample from its group's total, leaves no rounding residue.
+    enters = torch.ones(group_size, group_size, dtype=dtype, device=r.device)
     if leave_one_out:
-        wr_sum, w_sum = wr_sum - w * r0, w_sum - w
-        r_sum, n_sum = r_sum - r0, n_sum - count
+        enters.fill_diagonal_(0.0)
+    wr_sum, w_sum = (w * r0) @ enters, w @ enters
+    r_sum, n_sum = r0 @ enters, count @ enters
 
-    # Relative threshold: leave-one-out subtraction of a float sum leaves rounding residue, not a true zero.
-    w_scale = w.sum(1, keepdim=True).clamp(min=torch.finfo(dtype).tiny)
-    weighted_ok = w_sum > w_scale * 1e-6
+    weighted_ok = w_sum > 0
     plain_mean = torch.where(n_sum > 0, r_sum / n_sum.clamp(min=1), torch.zeros_like(r_sum))
     weighted = wr_sum / torch.where(weighted_ok, w_sum, torch.ones_like(w_sum))
     baseline = torch.where(weighted_ok, weighted, plain_mean)
-    num_fallback = int((~weighted_ok).expand_as(r).sum())
+    num_fallback = int((~weighted_ok).sum())
     return baseline.reshape(-1).to(rewards.dtype), num_fallback
 
 
