@@ -1,0 +1,29 @@
+# Every target sets up its own environment: a virtualenv with the CPU build of torch installed first (a bare
+# `torch` requirement would pull a multi-GB CUDA build), then this package with its test extras.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/step_cost.py --quick
+
+clean:
+	rm -rf $(VENV) outputs *.egg-info
