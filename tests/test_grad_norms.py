@@ -76,6 +76,7 @@ def test_group_inner_products_match_autograd():
                      for i in range(3)]) for q in range(2)
     ])
     torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+    assert bool(calls) == materialize
 
 
 def test_lora_only_adapters():
@@ -130,3 +131,23 @@ def test_module_without_rule_is_named():
 
     ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
     torch.testing.assert_close(ours.double(), per_sample_sq_norms(model, ids, attention, completion_mask), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("materialize", [True, False], ids=["materialized", "ghost"])
+def test_both_layer_strategies_match_autograd(monkeypatch, materialize):
+    """The per-layer choice between token Grams and materialized per-sample gradients is exact either way."""
+    from oblr_trl.grad_norms import factors
+
+    all_dense = lambda u, v: all(isinstance(f, factors.Dense) for f in (u.left, u.right, v.left, v.right))
+    monkeypatch.setattr(factors, "_materialize_cheaper", lambda u, v, k: materialize and all_dense(u, v))
+    calls = []
+    materialized = factors._materialized_block_products
+    monkeypatch.setattr(factors, "_materialized_block_products", lambda *a: calls.append(1) or materialized(*a))
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch()
+    grads = per_sample_grads(model, ids, attention, completion_mask)
+    ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=2)
+    reference = torch.stack([torch.stack([torch.stack([grads[2 * q + i].double() @ grads[2 * q + j].double()
+                                                       for j in range(2)]) for i in range(2)]) for q in range(3)])
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+    assert bool(calls) == materialize

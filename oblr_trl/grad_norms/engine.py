@@ -43,22 +43,29 @@ def _logit_scale(lm: nn.Module) -> float:
 
 
 class _Record:
-    __slots__ = ("module", "activation", "output_grad")
+    __slots__ = ("module", "activation", "output_grad", "input_has_grad")
 
     def __init__(self, module: nn.Module, activation: torch.Tensor):
-        self.module, self.activation, self.output_grad = module, activation, None
+        self.module, self.activation, self.output_grad, self.input_has_grad = module, activation, None, True
 
 
 @contextmanager
 def _capture(modules: list[nn.Module]):
     """Record (activation, output gradient) of every call of ``modules`` during the forward/backward inside."""
     records: list[_Record] = []
+    # Inputs of hooked modules that carry a gradient: the backward is taken with respect to these, so that it reaches
+    # every hooked output without computing (and discarding) the parameters' gradients.
+    inputs_with_grad: list[torch.Tensor] = []
 
     def forward_hook(module, args, output):
         if not torch.is_tensor(output) or not output.requires_grad or not args or not torch.is_tensor(args[0]):
             return
         record = _Record(module, args[0].detach())
         records.append(record)
+        if args[0].requires_grad:
+            inputs_with_grad.append(args[0])
+        else:
+            record.input_has_grad = False
 
         def grad_hook(grad, record=record):
             record.output_grad = grad.detach()
@@ -67,7 +74,7 @@ def _capture(modules: list[nn.Module]):
 
     handles = [m.register_forward_hook(forward_hook) for m in modules]
     try:
-        yield records
+        yield records, inputs_with_grad
     finally:
         for handle in handles:
             handle.remove()
@@ -142,7 +149,7 @@ def per_sequence_grad_inner_products(
     backbone = lm.base_model
     alpha = _logit_scale(lm) / temperature
 
-    with _capture(_hooked_modules(backbone, skip=head)) as records:
+    with _capture(_hooked_modules(backbone, skip=head)) as (records, inputs_with_grad):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         h = hidden[:, length - completion_length - 1 : length - 1]
         labels = input_ids[:, length - completion_length :]
@@ -152,8 +159,15 @@ def per_sequence_grad_inner_products(
         if hidden.requires_grad:
             full_grad = torch.zeros_like(hidden)
             full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
-            backbone_params = [p for p in backbone.parameters() if p.requires_grad]
-            torch.autograd.grad(hidden, backbone_params, grad_outputs=full_grad, allow_unused=True)
+            # Backward to the hooked modules' inputs (their output gradients are all we need) plus the trainable
+            # parameters of modules whose input carries no gradient (the input embedding).
+            first_layer_params = [
+                p for r in records if not r.input_has_grad for p in r.module.parameters(recurse=False) if p.requires_grad
+            ]
+            targets = inputs_with_grad + first_layer_params
+            if not targets:
+                targets = [p for p in backbone.parameters() if p.requires_grad]
+            torch.autograd.grad(hidden, targets, grad_outputs=full_grad, allow_unused=True)
 
     usages: dict[int, list[Usage]] = defaultdict(list)
     for record in records:

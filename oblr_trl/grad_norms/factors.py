@@ -134,7 +134,9 @@ def gram(a: Factor, b: Factor) -> torch.Tensor:
     out = None
     for start in range(0, a.width, VOCAB_CHUNK):
         end = min(start + VOCAB_CHUNK, a.width)
-        part = torch.bmm(a.cols(start, end), b.cols(start, end).transpose(1, 2))
+        cols_a = a.cols(start, end)
+        cols_b = cols_a if b is a else b.cols(start, end)  # a Gram of a factor with itself: compute the chunk once
+        part = torch.bmm(cols_a, cols_b.transpose(1, 2))
         out = part if out is None else out + part
     return out
 
@@ -168,12 +170,42 @@ class Materialized:
 Usage = Factored | Materialized
 
 
+def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
+    """Whether materializing the per-sample gradients beats the token Grams for this pair (fastDP's choice).
+
+    Gram: ``(kT_u)(kT_v)(n_L + n_R)`` per block; materialized: ``k (T_u + T_v) n_L n_R + k^2 n_L n_R``.
+    """
+    if not all(isinstance(f, Dense) for f in (u.left, u.right, v.left, v.right)):
+        return False
+    t_u, t_v = u.left.t.shape[1], v.left.t.shape[1]  # already blocked: k*T
+    n_l, n_r = u.left.width, u.right.width
+    return (t_u + t_v) * n_l * n_r + k * k * n_l * n_r < t_u * t_v * (n_l + n_r)
+
+
+def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
+    """Per block: materialize the ``k`` per-sample gradients of each usage (one block at a time), then their Gram."""
+    out = []
+    for block in range(u.left.t.shape[0]):
+        def per_sample(f: Factored) -> torch.Tensor:
+            left = f.left.t[block].float().reshape(k, -1, f.left.width)
+            right = f.right.t[block].float().reshape(k, -1, f.right.width)
+            return torch.bmm(left.transpose(1, 2), right).reshape(k, -1)
+
+        grads_u = per_sample(u)
+        grads_v = grads_u if v is u else per_sample(v)
+        out.append(grads_u @ grads_v.T)
+    return torch.stack(out)
+
+
 def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
     """``(B/k, k, k)`` inner products between the per-sample gradients of two usages, within blocks of ``k`` rows.
 
-    ``u`` and ``v`` must already be blocked with :meth:`blocked`.
+    ``u`` and ``v`` must already be blocked with :meth:`blocked`. Each pair takes the cheaper of the ghost-norm Grams
+    and the (block-by-block) materialized per-sample gradients.
     """
     if isinstance(u, Factored) and isinstance(v, Factored):
+        if _materialize_cheaper(u, v, k):
+            return _materialized_block_products(u, v, k)
         prod = gram(u.left, v.left) * gram(u.right, v.right)  # (B/k, k*T1, k*T2)
         nb, kt1, kt2 = prod.shape
         return prod.reshape(nb, k, kt1 // k, k, kt2 // k).sum(dim=(2, 4))
