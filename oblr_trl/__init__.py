@@ -15,12 +15,24 @@ from .estimators import (
     step_scale_from_contributions,
 )
 from .grad_norms import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, register_grad_norm_rule
+from .plotting import plot_training
+from .tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
+from .tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
 from .trainer import OBLRPOTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BASELINES",
+    "build_model",
+    "build_tokenizer",
+    "evaluate_accuracy",
+    "extract_answer",
+    "load_or_build_warm_model",
+    "make_dataset",
+    "make_reward_func",
+    "plot_training",
+    "warmup_sft",
     "OBLRPOConfig",
     "OBLRPOTrainer",
     "gradient_signal_noise",

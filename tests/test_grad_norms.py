@@ -76,7 +76,6 @@ def test_group_inner_products_match_autograd():
                      for i in range(3)]) for q in range(2)
     ])
     torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
-    assert bool(calls) == materialize
 
 
 def test_lora_only_adapters():

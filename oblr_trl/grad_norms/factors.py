@@ -197,6 +197,30 @@ def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tens
     return torch.stack(out)
 
 
+def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
+    """Embedding-type pairs (one-hot left factors): each per-sample gradient lives on the rows of the tokens it saw.
+
+    Per block, the per-sample gradients are scattered into the ``U`` rows of the block's unique token ids, ``(k, U, d)``:
+    ``k T d`` work and memory, always below the ``(kT)^2 d`` of the token Grams.
+    """
+    out = []
+    for block in range(u.left.idx.shape[0]):
+        ids_u, ids_v = u.left.idx[block], v.left.idx[block]
+        rows = torch.unique(torch.cat([ids_u, ids_v]))
+
+        def per_sample(f: Factored, ids: torch.Tensor) -> torch.Tensor:
+            right = f.right.t[block].float()
+            grads = right.new_zeros(k, rows.numel(), right.shape[-1])
+            sample = torch.arange(k, device=ids.device).repeat_interleave(ids.numel() // k)
+            grads.index_put_((sample, torch.searchsorted(rows, ids)), right, accumulate=True)
+            return grads.reshape(k, -1)
+
+        grads_u = per_sample(u, ids_u)
+        grads_v = grads_u if v is u else per_sample(v, ids_v)
+        out.append(grads_u @ grads_v.T)
+    return torch.stack(out)
+
+
 def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
     """``(B/k, k, k)`` inner products between the per-sample gradients of two usages, within blocks of ``k`` rows.
 
@@ -204,6 +228,8 @@ def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
     and the (block-by-block) materialized per-sample gradients.
     """
     if isinstance(u, Factored) and isinstance(v, Factored):
+        if all(isinstance(f.left, OneHot) and isinstance(f.right, Dense) for f in (u, v)):
+            return _sparse_rows_block_products(u, v, k)
         if _materialize_cheaper(u, v, k):
             return _materialized_block_products(u, v, k)
         prod = gram(u.left, v.left) * gram(u.right, v.right)  # (B/k, k*T1, k*T2)

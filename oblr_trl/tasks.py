@@ -1,0 +1,137 @@
+"""reasoning-gym tasks as TRL datasets, reward functions and a held-out accuracy metric.
+
+Every example keeps reasoning-gym's own entry (JSON-serialised in the `entry` column) so that rewards and accuracy
+are scored by the task's own verifier, `dataset.score_answer(answer, entry)`, never by a re-implementation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import reasoning_gym as rg
+import torch
+from datasets import Dataset
+
+# Easy defaults so a tiny CPU model can learn something in minutes: two one-digit terms ("4 - 1 =").
+DEFAULT_TASK_KWARGS: dict[str, dict[str, Any]] = {
+    "chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
+}
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _task_config(task: str, task_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Task defaults from `DEFAULT_TASK_KWARGS`, overridden by explicit kwargs."""
+    return {**DEFAULT_TASK_KWARGS.get(task, {}), **task_kwargs}
+
+
+def make_dataset(task: str = "chain_sum", size: int = 512, seed: int = 0, **task_kwargs) -> Dataset:
+    """A `datasets.Dataset` of `size` reasoning-gym problems.
+
+    Columns: `prompt` (conversational, `[{"role": "user", "content": question}]`, no system prompt), `answer`
+    (the reference string) and `entry` (the reasoning-gym entry as JSON, what the verifier scores against).
+    Extra kwargs configure the task (for chain_sum: min_terms, max_terms, min_digits, max_digits).
+    """
+    source = rg.create_dataset(task, size=size, seed=seed, **_task_config(task, task_kwargs))
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": entry["question"]}],
+            "answer": str(entry["answer"]),
+            "entry": json.dumps(entry, default=str),
+        }
+        for entry in source
+    ]
+    return Dataset.from_list(rows)
+
+
+def extract_answer(completion: str | list[dict[str, str]]) -> str:
+    """The answer in a completion: the text inside `<answer>...</answer>` if present, else the first line.
+
+    Accepts a plain string (standard prompts) or a list of messages (conversational prompts; the last
+    message's content is used).
+    """
+    text = completion[-1]["content"] if isinstance(completion, list) else completion
+    tagged = _ANSWER_TAG.search(text)
+    if tagged:
+        return tagged.group(1).strip()
+    text = text.strip()
+    return text.splitlines()[0].strip() if text else ""
+
+
+def make_reward_func(task: str = "chain_sum", **task_kwargs):
+    """A TRL reward function scoring each completion with the task's reasoning-gym verifier.
+
+    Signature `f(prompts, completions, entry=None, answer=None, **kwargs) -> list[float]`; TRL passes the dataset's
+    columns as keywords. The verifier scores against `entry` (JSON, from `make_dataset`), or, for datasets without
+    one, against a minimal entry built from the `answer` column. The reward is the verifier's score (1.0 for a correct answer for chain_sum); a wrong, empty or
+    unparseable answer scores 0.0 (never None, so every completion contributes to the group baseline).
+    """
+    verifier = rg.create_dataset(task, size=1, seed=0, **_task_config(task, task_kwargs))
+
+    def reward_func(prompts, completions, entry=None, answer=None, **kwargs) -> list[float]:
+        if entry is not None:
+            entries = [json.loads(e) if isinstance(e, str) else e for e in entry]
+        elif answer is not None:
+            entries = [{"question": "", "answer": str(a), "metadata": {}} for a in answer]
+        else:
+            raise ValueError(f"{task} reward needs an `entry` or `answer` column in the dataset.")
+        rewards = []
+        for completion, target in zip(completions, entries, strict=True):
+            predicted = extract_answer(completion)
+            rewards.append(float(verifier.score_answer(predicted, target)) if predicted else 0.0)
+        return rewards
+
+    reward_func.__name__ = f"{task}_accuracy"
+    reward_func.__qualname__ = reward_func.__name__
+    return reward_func
+
+
+@torch.no_grad()
+def evaluate_accuracy(
+    model,
+    tokenizer,
+    dataset: Dataset,
+    max_new_tokens: int = 8,
+    batch_size: int = 64,
+    task: str | None = None,
+) -> float:
+    """Greedy-decoding accuracy on `dataset`, scored by the same extraction and verifier as the reward.
+
+    `task` defaults to the entry's `metadata.source_dataset` (set by reasoning-gym).
+    """
+    if len(dataset) == 0:
+        return 0.0
+    if task is None:
+        task = json.loads(dataset[0]["entry"])["metadata"]["source_dataset"]
+    reward_func = make_reward_func(task)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    scores = []
+    try:
+        for start in range(0, len(dataset), batch_size):
+            batch = dataset[start : start + batch_size]
+            inputs = tokenizer.apply_chat_template(
+                batch["prompt"],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                padding=True,
+                return_tensors="pt",
+            ).to(device)
+            output = model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+            scores += reward_func(prompts=batch["prompt"], completions=texts, entry=batch["entry"])
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+    return sum(scores) / len(scores)

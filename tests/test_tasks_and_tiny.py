@@ -1,0 +1,141 @@
+"""Tests for the embedded tiny model/tokenizer, the reasoning-gym tasks and rewards, and the plots."""
+
+import json
+
+import pytest
+import torch
+
+from oblr_trl.plotting import plot_training
+from oblr_trl.tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
+from oblr_trl.tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine spinning threads slow them 100x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_dataset("chain_sum", size=16, seed=3)
+
+
+def test_tokenizer_round_trips_characters(tokenizer):
+    text = "State the answer: 12 + 7 - 3 = ?\nA: -16, {ok}!"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)  # one token per character
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_special_tokens_and_chat_template(tokenizer):
+    assert tokenizer.pad_token is not None and tokenizer.eos_token is not None
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert tokenizer.padding_side == "left"
+    messages = [{"role": "user", "content": "4 - 1 ="}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == "Q: 4 - 1 =\nA: "
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "3"}], tokenize=False)
+    assert full.startswith(prompt) and f"3{tokenizer.eos_token}" in full
+    # A batch pads on the left, so every prompt ends where generation starts.
+    batch = tokenizer.apply_chat_template(
+        [messages, [{"role": "user", "content": "10 + 10 ="}]],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        padding=True,
+        return_tensors="pt",
+    )
+    assert batch["input_ids"][0, 0].item() == tokenizer.pad_token_id
+    assert batch["attention_mask"][0, 0].item() == 0
+    assert tokenizer.decode(batch["input_ids"][0, -3:]) == "A: "
+
+
+def test_model_is_tied_qwen3_with_tokenizer_vocab(tokenizer):
+    model = build_model(tokenizer, seed=0)
+    assert model.config.model_type == "qwen3"
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.dtype == torch.float32
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        assert getattr(model.config, key) == getattr(tokenizer, key)
+        assert getattr(model.generation_config, key) == getattr(tokenizer, key)
+    logits = model(**tokenizer(["Q: 1 + 1 =\nA: "], return_tensors="pt")).logits
+    assert logits.shape[-1] == len(tokenizer)
+    # Same seed, same weights.
+    again = build_model(tokenizer, seed=0)
+    assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_dataset_is_conversational_with_verifier_entry(dataset):
+    assert {"prompt", "answer", "entry"} <= set(dataset.column_names)
+    prompt = dataset[0]["prompt"]
+    assert isinstance(prompt, list) and prompt[0]["role"] == "user" and len(prompt) == 1
+    entry = json.loads(dataset[0]["entry"])
+    assert entry["question"] == prompt[0]["content"]
+    assert entry["answer"] == dataset[0]["answer"]
+    assert entry["metadata"]["num_terms"] == 2 and entry["metadata"]["num_digits"] == 1  # easy defaults
+    harder = make_dataset("chain_sum", size=4, seed=3, min_terms=3, max_terms=3)
+    assert json.loads(harder[0]["entry"])["metadata"]["num_terms"] == 3
+
+
+def test_reward_scores_with_the_verifier_in_both_completion_formats(dataset):
+    reward = make_reward_func("chain_sum")
+    assert reward.__name__ == "chain_sum_accuracy"
+    answers = dataset["answer"]
+    wrong = [str(int(a) + 1) for a in answers]
+    n = len(dataset)
+    for right_c, wrong_c in [
+        (answers, wrong),  # standard (string) completions
+        ([[{"role": "assistant", "content": a}] for a in answers], [[{"role": "assistant", "content": w}] for w in wrong]),
+    ]:
+        assert reward(dataset["prompt"], right_c, entry=dataset["entry"]) == [1.0] * n
+        assert reward(dataset["prompt"], wrong_c, entry=dataset["entry"]) == [0.0] * n
+    # Unparseable or empty answers score 0.0, never None; the first line is the answer.
+    assert reward(None, ["", "banana", f"{answers[2]}\nmore"], entry=dataset["entry"][:3]) == [0.0, 0.0, 1.0]
+    # Datasets without an `entry` column are scored against `answer`.
+    assert reward(None, answers[:2], answer=answers[:2]) == [1.0, 1.0]
+
+
+def test_extract_answer_prefers_answer_tags():
+    assert extract_answer("I think <answer> 42 </answer> done") == "42"
+    assert extract_answer([{"role": "assistant", "content": "  -7\n\nbecause"}]) == "-7"
+
+
+def test_warmup_lowers_loss_and_accuracy_is_a_fraction(tokenizer, dataset):
+    model = build_model(tokenizer, seed=0)
+    losses = warmup_sft(model, tokenizer, dataset, steps=30, batch_size=16, log_every=0)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+    accuracy = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=4, batch_size=8)
+    assert 0.0 <= accuracy <= 1.0
+
+
+def test_warm_model_is_cached_and_reloaded(tmp_path):
+    model, tokenizer = load_or_build_warm_model("chain_sum", cache_dir=tmp_path, seed=0, steps=2, num_examples=8)
+    cached = list(tmp_path.iterdir())
+    assert len(cached) == 1 and (cached[0] / "config.json").exists()
+    again, tokenizer_again = load_or_build_warm_model("chain_sum", cache_dir=tmp_path, seed=0, steps=2, num_examples=8)
+    assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert tokenizer_again.chat_template == tokenizer.chat_template
+    assert tokenizer_again.padding_side == "left"
+
+
+def test_plot_training_writes_png(tmp_path):
+    history = [
+        {"step": s, "reward": 0.1 * s, "oblr/lr_scale": 0.5, "oblr/snr": 0.2, "oblr/reward_mean": 0.1 * s}
+        for s in range(1, 6)
+    ] + [{"step": 5, "train_runtime": 1.0}]  # final entry without metrics; oblr/baseline_mean never logged
+    paths = plot_training(history, tmp_path / "plots")
+    assert len(paths) == 1 and paths[0].endswith("training_curves.png")
+    with open(paths[0], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
