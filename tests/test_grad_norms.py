@@ -133,20 +133,37 @@ def test_module_without_rule_is_named():
 
 
 @pytest.mark.parametrize("materialize", [True, False], ids=["materialized", "ghost"])
-def test_both_layer_strategies_match_autograd(monkeypatch, materialize):
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_both_layer_strategies_match_autograd(monkeypatch, materialize, tie):
     """The per-layer choice between token Grams and materialized per-sample gradients is exact either way."""
     from oblr_trl.grad_norms import factors
 
     all_dense = lambda u, v: all(isinstance(f, factors.Dense) for f in (u.left, u.right, v.left, v.right))
     monkeypatch.setattr(factors, "_materialize_cheaper", lambda u, v, k: materialize and all_dense(u, v))
+    monkeypatch.setattr(factors, "_head_materialize_cheaper", lambda u, k: materialize)
     calls = []
-    materialized = factors._materialized_block_products
-    monkeypatch.setattr(factors, "_materialized_block_products", lambda *a: calls.append(1) or materialized(*a))
-    model = qwen3(tie=True)
+    for name in ("_materialized_block_products", "_head_materialized_block_products"):
+        monkeypatch.setattr(factors, name, lambda *a, _f=getattr(factors, name), _n=name: calls.append(_n) or _f(*a))
+    model = qwen3(tie=tie)
     ids, attention, completion_mask = padded_batch()
     grads = per_sample_grads(model, ids, attention, completion_mask)
     ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=2)
     reference = torch.stack([torch.stack([torch.stack([grads[2 * q + i].double() @ grads[2 * q + j].double()
                                                        for j in range(2)]) for i in range(2)]) for q in range(3)])
     torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
-    assert bool(calls) == materialize
+    assert set(calls) == ({"_materialized_block_products", "_head_materialized_block_products"} if materialize else set())
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_vocabulary_chunking_is_exact(monkeypatch, tie):
+    """The LM head is processed in vocabulary chunks (log-sum-exp, output gradient, Grams): chunks of 7 of 40."""
+    from oblr_trl.grad_norms import engine, factors
+
+    monkeypatch.setattr(factors, "VOCAB_CHUNK", 7)
+    monkeypatch.setattr(engine, "VOCAB_CHUNK", 7)
+    monkeypatch.setattr(factors, "_head_materialize_cheaper", lambda u, k: False)
+    model = qwen3(tie=tie)
+    ids, attention, completion_mask = padded_batch()
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=1.3)
+    reference = per_sample_sq_norms(model, ids, attention, completion_mask, temperature=1.3)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-6)

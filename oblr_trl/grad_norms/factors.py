@@ -197,28 +197,63 @@ def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tens
     return torch.stack(out)
 
 
-def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
-    """Embedding-type pairs (one-hot left factors): each per-sample gradient lives on the rows of the tokens it saw.
+def _block_slice(f: Factor, b: int) -> Factor:
+    """Block ``b`` of a blocked factor, keeping a batch axis of 1."""
+    if isinstance(f, Dense):
+        return Dense(f.t[b : b + 1])
+    if isinstance(f, OneHot):
+        return OneHot(f.idx[b : b + 1], f.n)
+    return SoftmaxDelta(f.h[b : b + 1], f.weight, f.bias, f.alpha, f.lse[b : b + 1], f.labels[b : b + 1],
+                        f.mask[b : b + 1])
 
-    Per block, the per-sample gradients are scattered into the ``U`` rows of the block's unique token ids, ``(k, U, d)``:
-    ``k T d`` work and memory, always below the ``(kT)^2 d`` of the token Grams.
+
+def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
+    """Pairs with an embedding (one-hot left factor): only the rows of the tokens it saw enter the inner product.
+
+    Per block, both per-sample gradients are formed on the ``U`` unique token ids of the one-hot side(s), ``(k, U, d)``:
+    an embedding's by scattering its output gradients, any other (the tied LM head's) from its left factor's columns
+    at those ids. ``k T U d`` work at most, against the ``(kT)^2 (U + d)`` of the token Grams.
     """
     out = []
-    for block in range(u.left.idx.shape[0]):
-        ids_u, ids_v = u.left.idx[block], v.left.idx[block]
-        rows = torch.unique(torch.cat([ids_u, ids_v]))
+    for block in range(u.right.t.shape[0]):
+        rows = torch.unique(torch.cat([f.left.idx[block] for f in (u, v) if isinstance(f.left, OneHot)]))
 
-        def per_sample(f: Factored, ids: torch.Tensor) -> torch.Tensor:
-            right = f.right.t[block].float()
-            grads = right.new_zeros(k, rows.numel(), right.shape[-1])
-            sample = torch.arange(k, device=ids.device).repeat_interleave(ids.numel() // k)
-            grads.index_put_((sample, torch.searchsorted(rows, ids)), right, accumulate=True)
+        def per_sample(f: Factored) -> torch.Tensor:
+            right = f.right.t[block].float()  # (kT, d)
+            if isinstance(f.left, OneHot):
+                ids = f.left.idx[block]
+                grads = right.new_zeros(k, rows.numel(), right.shape[-1])
+                sample = torch.arange(k, device=ids.device).repeat_interleave(ids.numel() // k)
+                grads.index_put_((sample, torch.searchsorted(rows, ids)), right, accumulate=True)
+            else:
+                left = _block_slice(f.left, block).gather_cols(rows[None])[0]  # (kT, U)
+                grads = torch.bmm(left.reshape(k, -1, rows.numel()).transpose(1, 2), right.reshape(k, -1, right.shape[-1]))
             return grads.reshape(k, -1)
 
-        grads_u = per_sample(u, ids_u)
-        grads_v = grads_u if v is u else per_sample(v, ids_v)
+        grads_u = per_sample(u)
+        grads_v = grads_u if v is u else per_sample(v)
         out.append(grads_u @ grads_v.T)
     return torch.stack(out)
+
+
+def _head_materialize_cheaper(u: Factored, k: int) -> bool:
+    """LM head (softmax-delta left factor) with itself: Grams cost ``(kT)^2 (V + d)``, chunked per-sample gradients
+    ``kT V d + k^2 V d`` per block; the second wins once ``kT`` exceeds about ``d``."""
+    kt, d, vocab = u.right.t.shape[1], u.right.width, u.left.width
+    return kt * vocab * d + k * k * vocab * d < kt * kt * (vocab + d)
+
+
+def _head_materialized_block_products(u: Factored, k: int) -> torch.Tensor:
+    """The head's per-sample gradients ``delta^T h``, one vocabulary chunk at a time (never ``(k, V, d)`` whole)."""
+    nb, kt, d = u.right.t.shape
+    h = u.right.t.float().reshape(nb, k, kt // k, d)
+    chunk = max(1, min(VOCAB_CHUNK, (1 << 25) // max(1, nb * k * d)))  # bound the (nb, k, chunk, d) buffer
+    out = h.new_zeros(nb, k, k)
+    for start in range(0, u.left.width, chunk):
+        delta = u.left.cols(start, min(start + chunk, u.left.width)).reshape(nb, k, kt // k, -1)
+        grads = torch.einsum("nktc,nktd->nkcd", delta, h).reshape(nb, k, -1)
+        out += torch.bmm(grads, grads.transpose(1, 2))
+    return out
 
 
 def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
@@ -228,8 +263,10 @@ def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
     and the (block-by-block) materialized per-sample gradients.
     """
     if isinstance(u, Factored) and isinstance(v, Factored):
-        if all(isinstance(f.left, OneHot) and isinstance(f.right, Dense) for f in (u, v)):
+        if any(isinstance(f.left, OneHot) for f in (u, v)) and all(isinstance(f.right, Dense) for f in (u, v)):
             return _sparse_rows_block_products(u, v, k)
+        if u is v and isinstance(u.left, SoftmaxDelta) and _head_materialize_cheaper(u, k):
+            return _head_materialized_block_products(u, k)
         if _materialize_cheaper(u, v, k):
             return _materialized_block_products(u, v, k)
         prod = gram(u.left, v.left) * gram(u.right, v.right)  # (B/k, k*T1, k*T2)
