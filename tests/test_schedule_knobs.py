@@ -1,0 +1,49 @@
+"""TRL's schedule knobs: gradient accumulation, one generation spanning several optimizer steps, num_iterations > 1."""
+
+import math
+
+import pytest
+import torch
+
+from oblr_trl import OBLRPOConfig
+from test_trainer import Recorder, common_args, logged, train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_each_step_uses_exactly_its_own_samples():
+    """steps_per_generation=2 > gradient_accumulation_steps=1: one generation of 16 is shuffled and split over two
+    optimizer steps; each step's N counts the groups among its own 8 completions, no more."""
+    trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2, steps_per_generation=2)))
+    assert len(trainer.generations) == 1 and len(trainer.micro_batches) == 2
+    for micro_batch, (sum_sq, n) in zip(trainer.micro_batches, trainer.step_terms):
+        assert n == len(set(micro_batch["oblr_unit"].tolist()))
+        assert math.isfinite(sum_sq) and sum_sq >= 0
+    units = [set(mb["oblr_unit"].tolist()) for mb in trainer.micro_batches]
+    assert sum(len(mb["oblr_unit"]) for mb in trainer.micro_batches) == 16  # every completion used once
+    assert all(0.0 <= s <= 1.0 for s in logged(trainer, "oblr/lr_scale"))
+    assert units[0] | units[1] == set(range(4))
+
+
+def test_accumulation_spans_micro_batches():
+    """gradient_accumulation_steps=2: one optimizer step gathers the contributions of both micro-batches."""
+    trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=1, gradient_accumulation_steps=2)))
+    assert len(trainer.micro_batches) == 2 and len(trainer.step_terms) == 1
+    assert trainer.step_terms[0][1] == 4  # 16 completions = 4 groups of 4, all in the one step
+
+
+def test_num_iterations_reuses_samples_with_a_warning():
+    with pytest.warns(UserWarning, match="num_iterations"):
+        config = OBLRPOConfig(**common_args(max_steps=2, num_iterations=2))
+    trainer, probe = train(Recorder, config)
+    assert len(trainer.generations) == 1  # the second step re-uses the first generation (off-policy)
+    assert [n for _, n in trainer.step_terms] == [2, 2]  # 8 completions per step = 2 groups of 4
+    for value in logged(trainer, "oblr/lr_scale"):
+        assert 0.0 <= value <= 1.0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
