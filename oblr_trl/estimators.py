@@ -50,22 +50,29 @@ def _grouped_weighted_mean(
         )
     if group_size < 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"group_size={group_size} must be >= 1 and divide the number of samples ({rewards.numel()}).")
-    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, weights.dtype), torch.float32)
     r = rewards.to(dtype).view(-1, group_size)
     w = weights.to(dtype).view(-1, group_size)
     valid = ~torch.isnan(r)
     # NaN rewards (unscorable completions) and non-finite or negative weights enter no one's baseline.
     w = torch.where(valid & torch.isfinite(w) & (w > 0), w, torch.zeros_like(w))
     r0 = torch.where(valid, r, torch.zeros_like(r))
-    count = valid.to(dtype)
 
-    # which samples enter whose baseline: everyone's, or (leave-one-out) everyone else's. Summing with this
+    # which samples enter whose baseline: everyone's, or (leave-one-out) everyone else's. Summing over this
     # (G, G) mask, rather than subtracting a sample from its group's total, leaves no rounding residue.
-    enters = torch.ones(group_size, group_size, dtype=dtype, device=r.device)
+    enters = torch.ones(group_size, group_size, dtype=torch.bool, device=r.device)
     if leave_one_out:
-        enters.fill_diagonal_(0.0)
-    wr_sum, w_sum = (w * r0) @ enters, w @ enters
-    r_sum, n_sum = r0 @ enters, count @ enters
+        enters.fill_diagonal_(False)
+    # set_w[q, i, j]: the weight of sample j in sample i's baseline, divided by the largest weight of that set. The
+    # baseline is scale-free in the weights, and the normalized weights lie in [0, 1], so w_j * r_j cannot overflow
+    # (w = 1e30, r = 1e10 in float32) nor underflow (w = r = 1e-30) where the weighted mean itself is representable.
+    set_w = torch.where(enters, w.unsqueeze(1), torch.zeros_like(w).unsqueeze(1))
+    set_max = set_w.amax(dim=-1, keepdim=True)
+    set_w = set_w / torch.where(set_max > 0, set_max, torch.ones_like(set_max))
+    wr_sum, w_sum = (set_w * r0.unsqueeze(1)).sum(-1), set_w.sum(-1)
+    members = enters & valid.unsqueeze(1)
+    r_sum = torch.where(members, r0.unsqueeze(1), torch.zeros_like(r0).unsqueeze(1)).sum(-1)
+    n_sum = members.sum(-1).to(dtype)
 
     weighted_ok = w_sum > 0
     plain_mean = torch.where(n_sum > 0, r_sum / n_sum.clamp(min=1), torch.zeros_like(r_sum))

@@ -11,21 +11,27 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import textwrap
 from collections import defaultdict
 
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trl import GRPOTrainer
 
+from .card import append_oblr_section
 from .config import OBLRPOConfig
 from .estimators import get_baseline, gradient_signal_noise, snr_from_signal_noise, snr_lr_scale
 from .grad_norms import per_sequence_grad_inner_products
 
 logger = logging.getLogger(__name__)
+
+OBLR_STATE_NAME = "oblr_state.json"  # OBLR-PO's cross-step state, beside trainer_state.json in each checkpoint
 
 
 class _RestoreScheduledLR(TrainerCallback):
@@ -112,8 +118,9 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_rewards_per_func = rewards_per_func
         return rewards_per_func
 
-    def _local_grad_products(self, output: dict, unit: int) -> torch.Tensor:
-        """Within-unit inner products ``<u_i, u_j>`` of the local completions, ``(n / unit, unit, unit)``."""
+    def _local_grad_products(self, output: dict, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Within-unit inner products ``<u_i, u_j>`` of the local completions, ``(n / unit, unit, unit)``, and the
+        mask ``(n,)`` of completions whose products were not finite (zeroed)."""
         prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
         mask = output["completion_mask"]
         if "tool_mask" in output:
@@ -132,10 +139,18 @@ class OBLRPOTrainer(GRPOTrainer):
                     )
                 )
         products = torch.cat(parts)
-        if not torch.isfinite(products).all():
-            self._warn_once("nonfinite_norms", "Non-finite per-sequence gradient norms were set to 0.")
-            products = torch.nan_to_num(products, nan=0.0, posinf=0.0, neginf=0.0)
-        return products
+        finite = torch.isfinite(products)
+        # (n / unit, unit): a completion whose own norm is not finite (its inner products then are not either)
+        bad = ~torch.isfinite(torch.diagonal(products, dim1=1, dim2=2))
+        if bad.any():
+            self._warn_once(
+                "nonfinite_norms",
+                "Non-finite per-sequence gradient norms: those completions are treated as unscorable (advantage 0, "
+                "no part in any baseline or in the SNR).",
+            )
+        keep = ~bad
+        products = torch.where(finite & keep[..., :, None] & keep[..., None, :], products, torch.zeros_like(products))
+        return products, bad.reshape(-1)
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -152,15 +167,15 @@ class OBLRPOTrainer(GRPOTrainer):
         nonfinite = ~torch.isfinite(rewards) & ~unscorable
         if nonfinite.any():
             self._warn_once("nonfinite_reward", "Rewards of +-inf were treated as unscorable (NaN): no baseline, advantage 0.")
-        rewards = torch.where(unscorable | nonfinite, torch.full_like(rewards, float("nan")), rewards)
-
         unit = self._group_unit(local_n)
         if self._needs_norms:
-            products = self._local_grad_products(output, unit)
+            products, bad_norms = self._local_grad_products(output, unit)
             sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
             output["oblr_gram"] = products.reshape(local_n, unit)
+            unscorable = unscorable | self.accelerator.gather(bad_norms)
         else:
             sq_norms = torch.zeros(local_n, device=device)
+        rewards = torch.where(unscorable | nonfinite, torch.full_like(rewards, float("nan")), rewards)
         if args.grad_norm_estimator == "length":
             local_w = lengths
         elif args.loss_type == "grpo":  # the "grpo" loss divides each sequence by its length
@@ -291,3 +306,46 @@ class OBLRPOTrainer(GRPOTrainer):
             for group, lr in zip(self.optimizer.param_groups, self._oblr_saved_lrs):
                 group["lr"] = lr
             self._oblr_saved_lrs = None
+
+    # ------------------------------------------------------------- model card
+    def create_model_card(self, *args, **kwargs):
+        """TRL's card (tagged `oblr-po`, citing the paper), plus the OBLR-PO section: settings, final metrics, plots.
+
+        TRL calls this from `_save_checkpoint` and `push_to_hub`, so the section survives every rewrite of the card.
+        """
+        super().create_model_card(*args, **kwargs)
+        if self.is_world_process_zero():
+            append_oblr_section(self.args.output_dir, self.args, self.state.log_history)
+
+    # ------------------------------------------------------ checkpoint / resume
+    # The only OBLR-PO state that outlives a step is the SNR smoothing state ``_oblr_ema`` (the last smoothed
+    # (signal, noise)); the step records and saved lrs are emptied within each step, the warnings are per process.
+    # Saved and loaded as TRL does its adaptive-entropy state: after the parent's checkpoint, and with the optimizer.
+    def _oblr_state_dict(self) -> dict:
+        return {"version": 1, "global_step": self.state.global_step, "snr_ema_state": self._oblr_ema}
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            output_dir = os.path.join(self._get_output_dir(trial=trial), checkpoint_folder)
+            with open(os.path.join(output_dir, OBLR_STATE_NAME), "w") as f:
+                json.dump(self._oblr_state_dict(), f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # called on every rank and with every backend when resuming (and only then), with the checkpoint folder
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, OBLR_STATE_NAME)
+        if not os.path.isfile(path):
+            if self.args.snr_lr and self.args.snr_ema > 0:
+                logger.warning(
+                    f"{checkpoint} has no {OBLR_STATE_NAME} (saved by another trainer or an older oblr-trl): the SNR "
+                    "EMA restarts from this step's samples."
+                )
+            return
+        with open(path) as f:
+            state = json.load(f)
+        ema = state.get("snr_ema_state")
+        self._oblr_ema = None if ema is None else (float(ema[0]), float(ema[1]))

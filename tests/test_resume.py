@@ -1,0 +1,112 @@
+"""Checkpoint and resume of OBLR-PO's cross-step state (the SNR EMA), through the real trainer on the tiny model.
+
+Four steps straight and two steps + checkpoint + resume for two more must log the same `oblr/lr_scale` and `oblr/snr`
+and end at the same parameters: `snr_ema=0.5` makes steps 3-4 depend on the state carried over from step 2. The RNG
+(torch, numpy, python) is restored by transformers' own checkpoint, and `steps_per_generation ==
+gradient_accumulation_steps` (the default) makes every step generate anew, so TRL's generation buffer holds nothing
+across the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from datasets import Dataset
+
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+from oblr_trl.tiny import build_model, build_tokenizer
+from oblr_trl.trainer import OBLR_STATE_NAME
+
+TOKENIZER = build_tokenizer()
+DATASET = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 3}"}]} for i in range(64)])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def digit_reward(completions, **kwargs):
+    return [float(c[0]["content"].count("1") + c[0]["content"].count("2")) for c in completions]
+
+
+def make_trainer(output_dir, **overrides):
+    args = dict(output_dir=str(output_dir), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+                max_steps=4, logging_steps=1, report_to="none", use_cpu=True, learning_rate=1e-2, seed=0, data_seed=0,
+                disable_tqdm=True, snr_ema=0.5, save_strategy="steps", save_steps=2, gradient_accumulation_steps=2)
+    args.update(overrides)
+    return OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[digit_reward],
+                         args=OBLRPOConfig(**args), train_dataset=DATASET)
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def last_logged(trainer, key):
+    """One value per step: a resumed run's log_history holds the checkpoint's entries, then its own."""
+    by_step = {h["step"]: h[key] for h in trainer.state.log_history if key in h}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    trainer = make_trainer(tmp_path_factory.mktemp("straight"))
+    trainer.train()
+    return trainer
+
+
+def test_checkpoint_holds_the_ema_state(straight):
+    checkpoint = os.path.join(straight.args.output_dir, "checkpoint-2")
+    with open(os.path.join(checkpoint, OBLR_STATE_NAME)) as f:
+        state = json.load(f)
+    assert state["global_step"] == 2
+    signal, noise = state["snr_ema_state"]
+    assert noise > 0 and signal >= 0  # a real smoothed state, not the first step's placeholder
+    with open(os.path.join(straight.args.output_dir, "checkpoint-4", OBLR_STATE_NAME)) as f:
+        assert tuple(json.load(f)["snr_ema_state"]) == straight._oblr_ema
+
+
+def test_resume_reproduces_the_straight_run(straight, tmp_path):
+    checkpoint = os.path.join(straight.args.output_dir, "checkpoint-2")
+    resumed = make_trainer(tmp_path)
+    seen = []
+    original = resumed._apply_snr_step_size
+
+    def spy(grad_norm):  # the EMA state each resumed step starts from
+        seen.append(resumed._oblr_ema)
+        original(grad_norm)
+
+    resumed._apply_snr_step_size = spy
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert len(seen) == 2 and resumed.state.global_step == 4
+    for key in ("oblr/lr_scale", "oblr/snr", "oblr/reward_mean", "grad_norm"):
+        ours, theirs = last_logged(resumed, key), logged(straight, key)
+        assert len(ours) == len(theirs) == 4, key
+        assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-12), key
+    assert resumed._oblr_ema == pytest.approx(straight._oblr_ema, rel=1e-6)
+    for (name, p), q in zip(resumed.model.named_parameters(), straight.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+    with open(os.path.join(checkpoint, OBLR_STATE_NAME)) as f:
+        assert seen[0] == tuple(json.load(f)["snr_ema_state"])  # restored before the first resumed step
+
+
+def test_resume_from_a_checkpoint_without_oblr_state_warns(straight, tmp_path, caplog):
+    """A checkpoint without oblr_state.json (e.g. written by GRPOTrainer) still resumes; the EMA restarts, warned."""
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(os.path.join(straight.args.output_dir, "checkpoint-2"), checkpoint)
+    os.remove(checkpoint / OBLR_STATE_NAME)
+    resumed = make_trainer(tmp_path / "out", max_steps=3)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert f"no {OBLR_STATE_NAME}" in caplog.text
+    # step 3 then smooths nothing: its scale differs from the straight run's, which smoothed with step 2's state
+    assert last_logged(resumed, "oblr/lr_scale")[2] != pytest.approx(logged(straight, "oblr/lr_scale")[2], rel=1e-6)
