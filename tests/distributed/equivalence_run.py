@@ -9,6 +9,7 @@ pass, the baseline, the SNR step size) runs for real.
 
 import hashlib
 import json
+import os
 import sys
 
 import torch
@@ -83,3 +84,12 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])
+    # Tear down deterministically: an orderly process-group shutdown, then exit without running C++ static
+    # destructors, which intermittently aborted a rank at interpreter exit ("terminate called without an active
+    # exception") after the run itself had finished.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
