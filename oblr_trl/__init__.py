@@ -6,6 +6,7 @@ Swap ``GRPOTrainer``/``GRPOConfig`` for :class:`OBLRPOTrainer`/:class:`OBLRPOCon
 from .config import OBLRPOConfig
 from .estimators import (
     BASELINES,
+    clip_weights,
     gradient_signal_noise,
     gradient_snr,
     gradient_weighted_baseline,
@@ -26,6 +27,7 @@ __all__ = [
     "BASELINES",
     "build_model",
     "build_tokenizer",
+    "clip_weights",
     "evaluate_accuracy",
     "extract_answer",
     "load_or_build_warm_model",

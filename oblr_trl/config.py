@@ -52,6 +52,9 @@ class OBLRPOConfig(GRPOConfig):
         lr_scale_min (`float`, defaults to `0.0`):
             Floor of the step-size factor, a guard against the step collapsing when the SNR is ~0 for many steps. The
             paper has no floor (0.0).
+        weight_clip (`float` or `None`, defaults to `None`):
+            Cap each baseline weight at this multiple of its group's median weight: a guard against the baseline
+            following one or two completions when gradient norms vary wildly. `None` (no cap) is the paper's baseline.
         snr_ema (`float`, defaults to `0.0`):
             Exponential smoothing of the SNR's numerator and denominator across steps (0 = this step's samples only,
             as in the paper). A ratio of noisy estimates is biased; smoothing both parts before dividing reduces that.
@@ -111,6 +114,15 @@ class OBLRPOConfig(GRPOConfig):
         },
     )
 
+    weight_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": "Cap each baseline weight w_i at weight_clip x the median weight of its group (default None: no "
+            "cap, as in the paper). A guard for the 'baseline explosion' failure mode, where wildly varying gradient "
+            "norms make the baseline follow one or two completions; e.g. 10."
+        },
+    )
+
     # Paper defaults that differ from GRPOConfig's.
     scale_rewards: str = field(
         default="none",
@@ -128,6 +140,8 @@ class OBLRPOConfig(GRPOConfig):
         _check_choice("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
         if not 0.0 <= self.lr_scale_min <= 1.0:
             raise ValueError(f"OBLRPOConfig.lr_scale_min={self.lr_scale_min} must lie in [0, 1].")
+        if self.weight_clip is not None and not self.weight_clip >= 1.0:
+            raise ValueError(f"OBLRPOConfig.weight_clip={self.weight_clip} must be None or >= 1.")
         if not 0.0 <= self.snr_ema < 1.0:
             raise ValueError(f"OBLRPOConfig.snr_ema={self.snr_ema} must lie in [0, 1).")
         if self.multi_objective_aggregation != "sum_then_normalize":

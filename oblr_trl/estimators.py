@@ -114,6 +114,30 @@ def mean_baseline(
     return _grouped_weighted_mean(rewards, torch.ones_like(rewards), group_size, leave_one_out)
 
 
+def clip_weights(weights: torch.Tensor, group_size: int, max_ratio: float) -> tuple[torch.Tensor, int]:
+    """Guard against the "baseline explosion" failure signature: cap each ``w_i`` at ``max_ratio`` times the median of
+    the positive finite weights of its group.
+
+    When gradient norms vary wildly, the gradient-weighted baseline follows the one or two completions with the largest
+    norms (its effective sample size collapses). Capping keeps the weighting's direction while bounding any one
+    sample's influence; ``max_ratio = inf`` leaves the weights unchanged. Zero, negative and non-finite weights are
+    returned as they are (the baseline ignores them).
+
+    Returns:
+        ``(clipped_weights, num_clipped)``.
+    """
+    if not max_ratio >= 1.0:
+        raise ValueError(f"max_ratio={max_ratio} must be >= 1.")
+    w = weights.reshape(-1, group_size)
+    usable = torch.isfinite(w) & (w > 0)
+    masked = torch.where(usable, w, torch.full_like(w, float("nan")))
+    median = torch.nanmedian(masked, dim=1, keepdim=True).values  # NaN for a group with no usable weight
+    cap = median * max_ratio
+    over = usable & (w > cap)
+    clipped = torch.where(over, cap.expand_as(w), w)
+    return clipped.reshape(weights.shape), int(over.sum())
+
+
 def gradient_signal_noise(
     mean_sample_sq_norm: torch.Tensor | float, batch_sq_norm: torch.Tensor | float, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

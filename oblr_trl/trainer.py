@@ -26,7 +26,7 @@ from trl import GRPOTrainer
 
 from .card import append_oblr_section
 from .config import OBLRPOConfig
-from .estimators import get_baseline, gradient_signal_noise, snr_from_signal_noise, snr_lr_scale
+from .estimators import clip_weights, get_baseline, gradient_signal_noise, snr_from_signal_noise, snr_lr_scale
 from .grad_norms import per_sequence_grad_inner_products
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class OBLRPOTrainer(GRPOTrainer):
         if self.is_deepspeed_enabled:
             raise NotImplementedError(
                 "OBLRPOTrainer does not support DeepSpeed yet: DeepSpeed steps the optimizer inside the last "
-                "backward, before the SNR step size can be applied. Use DDP or FSDP2 (accelerate launch) instead."
+                "backward, before the SNR step size can be applied. Use DDP (accelerate launch --multi_gpu) instead."
             )
         if self.is_fsdp_enabled and self._needs_norms:
             raise NotImplementedError(
@@ -183,6 +183,10 @@ class OBLRPOTrainer(GRPOTrainer):
         else:
             local_w = sq_norms
         weights = self.accelerator.gather(local_w.float())
+        self._check_weight_spread(weights)
+        num_clipped = 0
+        if args.weight_clip is not None:
+            weights, num_clipped = clip_weights(weights, self.num_generations, args.weight_clip)
 
         if args.scale_rewards != "none":  # plain GRPO (baseline='mean', no leave-one-out): keep the parent's advantages
             baseline = torch.nanmean(rewards.view(-1, self.num_generations), 1).repeat_interleave(self.num_generations)
@@ -216,8 +220,27 @@ class OBLRPOTrainer(GRPOTrainer):
         spread = (w_valid.std() / w_valid.mean()).item() if w_valid.numel() > 1 and w_valid.mean() > 0 else 0.0
         metrics["oblr/weight_spread"].append(spread)
         metrics["oblr/fallback_samples"].append(float(num_fallback))
+        metrics["oblr/clipped_weights"].append(float(num_clipped))
         metrics["oblr/unscorable"].append(float((~valid).sum().item()))
         return output
+
+    WEIGHT_RATIO_WARNING = 100.0
+
+    def _check_weight_spread(self, weights: torch.Tensor) -> None:
+        """Warn (once) when a group's largest weight exceeds 100x its median: the baseline explosion signature."""
+        if self.args.weight_clip is not None or self.args.baseline != "gradient_weighted":
+            return
+        w = weights.reshape(-1, self.num_generations)
+        usable = torch.isfinite(w) & (w > 0)
+        median = torch.nanmedian(torch.where(usable, w, torch.full_like(w, float("nan"))), dim=1).values
+        largest = torch.where(usable, w, torch.zeros_like(w)).amax(dim=1)
+        if bool((largest > self.WEIGHT_RATIO_WARNING * median).any()):
+            self._warn_once(
+                "weight_spread",
+                f"Gradient norms vary by more than {self.WEIGHT_RATIO_WARNING:.0f}x within a group: the "
+                "gradient-weighted baseline follows one or two completions there. Set OBLRPOConfig(weight_clip=10) "
+                "to bound any one completion's weight (see oblr/weight_spread).",
+            )
 
     # ------------------------------------------------------ step size (Thm 4)
     def _loss_coefficients(self, inputs) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from oblr_trl import OBLRPOConfig, OBLRPOTrainer, gradient_weighted_baseline
+from oblr_trl import clip_weights, OBLRPOConfig, OBLRPOTrainer, gradient_weighted_baseline
 from oblr_trl import trainer as trainer_module
 from oblr_trl.tiny import build_model, build_tokenizer
 
@@ -181,6 +181,43 @@ def test_extreme_gradient_norm_spread_through_the_trainer(monkeypatch):
     r, adv = gen["rewards"].view(-1, GROUP), gen["advantages"].view(-1, GROUP)
     torch.testing.assert_close(adv[:, 1:], r[:, 1:] - r[:, :1], rtol=0, atol=1e-5)
     assert_finite_everywhere(skew)
+
+
+def test_weight_clip_guard_detects_and_bounds_a_dominant_completion(monkeypatch, caplog):
+    """The same skew is detected (warned, naming weight_clip); with weight_clip=10 the dominant completion weighs at
+    most 10x its group's median, so the others' baselines no longer collapse onto its reward."""
+    original = trainer_module.per_sequence_grad_inner_products
+
+    def skewed(*args, **kwargs):
+        products = original(*args, **kwargs)
+        s = torch.ones(products.shape[-1], dtype=products.dtype)
+        s[0] = 1e6
+        return products * s[:, None] * s[None, :]
+
+    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", skewed)
+    with caplog.at_level(logging.WARNING):
+        train(max_steps=1)
+    assert "weight_clip" in caplog.text
+    guarded = train(max_steps=1, weight_clip=10.0)
+    gen = guarded.generations[0]
+    assert logged(guarded, "oblr/clipped_weights")[0] == len(gen["rewards"]) // GROUP  # one per group
+    weights = torch.diagonal(gen["oblr_gram"].view(-1, GROUP, GROUP), dim1=1, dim2=2).reshape(-1)
+    clipped, n = clip_weights(weights, GROUP, 10.0)
+    assert n == len(gen["rewards"]) // GROUP
+    expected = gen["rewards"] - gradient_weighted_baseline(gen["rewards"], clipped, GROUP, leave_one_out=True)[0]
+    torch.testing.assert_close(gen["advantages"], torch.nan_to_num(expected, nan=0.0))
+    assert_finite_everywhere(guarded)
+
+
+def test_clip_weights_pure_function():
+    weights = torch.tensor([1e8, 1.0, 2.0, 3.0, 0.0, float("nan"), 4.0, 5.0])
+    clipped, n = clip_weights(weights, 4, 10.0)
+    assert n == 1 and clipped[0] == 20.0  # median of (1e8, 1, 2, 3) is 2 (lower median): cap 20
+    assert clipped[1:4].tolist() == [1.0, 2.0, 3.0]
+    assert clipped[4] == 0 and torch.isnan(clipped[5]) and clipped[6:].tolist() == [4.0, 5.0]  # others untouched
+    assert torch.equal(clip_weights(weights, 4, float("inf"))[0].nan_to_num(-1), weights.nan_to_num(-1))
+    with pytest.raises(ValueError, match="max_ratio"):
+        clip_weights(weights, 4, 0.5)
 
 
 # ------------------------------------------------------------------------------------------- (c) non-finite norms
