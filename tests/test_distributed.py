@@ -39,3 +39,16 @@ def test_two_ddp_processes_match_one(single, tmp_path):
     assert 0 < single["lr_scale"][0] < 1
     # After one Adam step float differences between layouts are amplified (g / (|g| + eps)); still close.
     assert double["lr_scale"][1] == pytest.approx(single["lr_scale"][1], rel=2e-2)
+
+
+def test_a_rank_with_only_degenerate_data(tmp_path):
+    """Rank 1 gets only empty completions with identical rewards: no deadlock in the collective norms pass or the
+    step's gathers, everything finite, and the same answer as one process on the same data."""
+    one, two = run(tmp_path, 1, 16, "degenerate"), run(tmp_path, 2, 8, "degenerate")
+    first_one, first_two = one["records"][0], two["records"][0]
+    assert [r[:2] for r in first_one] == [r[:2] for r in first_two]
+    assert sum(1 for _, completion, _ in first_two if completion == "") == 8
+    assert all(advantage == 0.0 for _, completion, advantage in first_two if completion == "")
+    assert max(abs(a[2] - b[2]) for a, b in zip(first_one, first_two)) < 1e-4
+    assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
+    assert all(0.0 <= s <= 1.0 for s in two["lr_scale"])

@@ -28,6 +28,9 @@ def completion_text(prompt: str, position: int) -> str:
     return "".join(c for c in digest if c.isdigit())[: 1 + position + len(prompt) % 3]
 
 
+DEGENERATE_FROM = None  # with mode "degenerate": completions from this global index on are empty (EOS alone)
+
+
 def deterministic_rollout(prompts, trainer):
     offset = trainer.accelerator.process_index * len(prompts)
     prompt_ids, completion_ids = [], []
@@ -35,6 +38,8 @@ def deterministic_rollout(prompts, trainer):
         text = TOKENIZER.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         prompt_ids.append(TOKENIZER(text, add_special_tokens=False)["input_ids"])
         answer = completion_text(prompt[-1]["content"], (offset + i) % GROUP)
+        if DEGENERATE_FROM is not None and offset + i >= DEGENERATE_FROM:
+            answer = ""  # identical (zero) rewards and empty completions: all of rank 1's data under 2 processes
         completion_ids.append(TOKENIZER(answer, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id])
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": [[0.0] * len(c) for c in completion_ids]}
 
@@ -57,7 +62,10 @@ class Recorder(OBLRPOTrainer):
 
 def main(out_path: str, per_device: int, mode: str = "ddp"):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 7}"}]} for i in range(64)])
+    global DEGENERATE_FROM
     extra = {}
+    if mode == "degenerate":
+        DEGENERATE_FROM = 8  # the global batch is 16: the second half
     if mode == "fsdp":
         extra = dict(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True})
     args = OBLRPOConfig(
