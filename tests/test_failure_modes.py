@@ -161,9 +161,8 @@ def test_dominant_weight_sets_the_baseline_pure_function():
     assert spread > 2.5
 
 
-def test_extreme_gradient_norm_spread_through_the_trainer(monkeypatch):
-    """Completion 0 of every group gets a gradient 1e6x longer (its inner products scaled): the others' baselines
-    become its reward, oblr/weight_spread jumps from ~0.2 to > 1, and everything stays finite."""
+def _skew_norms(monkeypatch):
+    """Completion 0 of every group gets a gradient 1e6x longer: its inner products are scaled accordingly."""
     original = trainer_module.per_sequence_grad_inner_products
 
     def skewed(*args, **kwargs):
@@ -172,8 +171,14 @@ def test_extreme_gradient_norm_spread_through_the_trainer(monkeypatch):
         s[0] = 1e6
         return products * s[:, None] * s[None, :]
 
-    plain = train(max_steps=1)
     monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", skewed)
+
+
+def test_extreme_gradient_norm_spread_through_the_trainer(monkeypatch):
+    """Completion 0 of every group gets a gradient 1e6x longer (its inner products scaled): the others' baselines
+    become its reward, oblr/weight_spread jumps from ~0.2 to > 1, and everything stays finite."""
+    plain = train(max_steps=1)
+    _skew_norms(monkeypatch)
     skew = train(max_steps=1)
     assert max(logged(plain, "oblr/weight_spread")) < 0.6
     assert min(logged(skew, "oblr/weight_spread")) > 1.0
@@ -186,15 +191,7 @@ def test_extreme_gradient_norm_spread_through_the_trainer(monkeypatch):
 def test_weight_clip_guard_detects_and_bounds_a_dominant_completion(monkeypatch, caplog):
     """The same skew is detected (warned, naming weight_clip); with weight_clip=10 the dominant completion weighs at
     most 10x its group's median, so the others' baselines no longer collapse onto its reward."""
-    original = trainer_module.per_sequence_grad_inner_products
-
-    def skewed(*args, **kwargs):
-        products = original(*args, **kwargs)
-        s = torch.ones(products.shape[-1], dtype=products.dtype)
-        s[0] = 1e6
-        return products * s[:, None] * s[None, :]
-
-    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", skewed)
+    _skew_norms(monkeypatch)
     with caplog.at_level(logging.WARNING):
         train(max_steps=1)
     assert "weight_clip" in caplog.text
