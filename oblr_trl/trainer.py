@@ -77,10 +77,10 @@ class OBLRPOTrainer(GRPOTrainer):
                 "OBLRPOTrainer does not support DeepSpeed yet: DeepSpeed steps the optimizer inside the last "
                 "backward, before the SNR step size can be applied. Use DDP (accelerate launch --multi_gpu) instead."
             )
-        if self.is_fsdp_enabled and self._needs_norms:
+        if self.is_fsdp_enabled and self._needs_norms and not getattr(self.accelerator, "is_fsdp2", False):
             raise NotImplementedError(
-                "OBLRPOTrainer does not compute exact per-sequence norms under FSDP yet; use DDP, or "
-                "grad_norm_estimator='length' with snr_lr=False."
+                "OBLRPOTrainer computes exact per-sequence norms under FSDP2 only (fsdp_version: 2 in the accelerate "
+                "config); with FSDP1 use grad_norm_estimator='length' and snr_lr=False."
             )
         self._oblr_step_records: list[tuple] = []
         self._oblr_saved_lrs: list[float] | None = None

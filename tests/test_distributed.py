@@ -52,3 +52,19 @@ def test_a_rank_with_only_degenerate_data(tmp_path):
     assert max(abs(a[2] - b[2]) for a, b in zip(first_one, first_two)) < 1e-4
     assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
     assert all(0.0 <= s <= 1.0 for s in two["lr_scale"])
+
+
+def test_exact_norms_on_an_fsdp2_sharded_model(tmp_path):
+    """The norms pass gathers the root's parameters itself (it bypasses the root's forward hook), runs as a collective
+    on every rank with each rank's own batch, matches per-sample autograd, and leaves the sharded model trainable."""
+    out = tmp_path / "fsdp2.json"
+    script = os.path.join(os.path.dirname(__file__), "distributed", "fsdp2_norms.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == 2 and ranks[0]["reference"] != ranks[1]["reference"]  # different data per rank
+    for result in ranks:
+        assert result["ours"] == pytest.approx(result["reference"], rel=1e-4)
+        assert result["no_grad_left"] and result["step_ok"]

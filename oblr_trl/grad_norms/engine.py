@@ -96,6 +96,32 @@ def _hooked_modules(backbone: nn.Module, skip: nn.Module | None) -> list[nn.Modu
     return modules
 
 
+def _plain(param: torch.Tensor, lm: nn.Module) -> torch.Tensor:
+    """A detached plain tensor of ``param``: gathered if it is a DTensor, copied if FSDP2 frees it on reshard."""
+    value = param.detach()
+    if hasattr(value, "full_tensor"):  # DTensor
+        return value.full_tensor()
+    return value.clone() if hasattr(lm, "reshard") else value
+
+
+@contextmanager
+def _fsdp_root_unsharded(lm: nn.Module):
+    """Under FSDP2 the root's own parameters (embeddings, final norm, LM head) are gathered by the root's forward hook,
+    which this pass bypasses (it calls the backbone and the head directly): gather them here. The layers' own hooks
+    gather theirs. Every rank must run this pass, in the same order: it is a collective."""
+    if not hasattr(lm, "unshard") or not hasattr(lm, "reshard"):  # not an FSDPModule
+        yield
+        return
+    state = lm._get_fsdp_state() if hasattr(lm, "_get_fsdp_state") else None
+    if state is not None and hasattr(state, "_lazy_init"):
+        state._lazy_init()  # as the root's first forward would: the layers below must not become roots themselves
+    lm.unshard()
+    try:
+        yield
+    finally:
+        lm.reshard()
+
+
 @torch.no_grad()
 def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, weight, bias, alpha: float):
     """Log-sum-exp, label log-probs and ``d sum_t log p / d h`` of the head, in vocabulary chunks."""
@@ -149,13 +175,13 @@ def per_sequence_grad_inner_products(
     backbone = lm.base_model
     alpha = _logit_scale(lm) / temperature
 
-    with _capture(_hooked_modules(backbone, skip=head)) as (records, inputs_with_grad):
+    with _fsdp_root_unsharded(lm), _capture(_hooked_modules(backbone, skip=head)) as (records, inputs_with_grad):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         h = hidden[:, length - completion_length - 1 : length - 1]
         labels = input_ids[:, length - completion_length :]
         mask = completion_mask.to(torch.float32)
-        lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head.weight.detach(),
-                                     None if head.bias is None else head.bias.detach(), alpha)
+        head_weight, head_bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
+        lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head_weight, head_bias, alpha)
         if hidden.requires_grad:
             full_grad = torch.zeros_like(hidden)
             full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
@@ -177,8 +203,7 @@ def per_sequence_grad_inner_products(
         for name, usage in rule(record.module, record.activation, record.output_grad).items():
             usages[id(getattr(record.module, name))].append(usage)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        delta = SoftmaxDelta(h.detach(), head.weight.detach(), None if head.bias is None else head.bias.detach(),
-                             alpha, lse, labels, mask)
+        delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask)
         if head.weight.requires_grad:
             usages[id(head.weight)].append(Factored(delta, Dense(h.detach())))
         if head.bias is not None and head.bias.requires_grad:
