@@ -67,16 +67,23 @@ class OBLRPOTrainer(GRPOTrainer):
             }"""),
     }
 
+    _DEEPSPEED_REFUSAL = (
+        "OBLRPOTrainer does not support DeepSpeed: DeepSpeed steps the optimizer inside the last backward, before the "
+        "SNR step size of this step can be applied. Use DDP (accelerate launch --multi_gpu) or FSDP2 instead."
+    )
+
     def __init__(self, *args, **kwargs):
         args_ = kwargs.get("args")
         if args_ is not None and not isinstance(args_, OBLRPOConfig):
             raise TypeError(f"OBLRPOTrainer needs args=OBLRPOConfig(...), got {type(args_).__name__}.")
+        deepspeed_requested = (args_ is not None and args_.deepspeed) or os.environ.get(
+            "ACCELERATE_USE_DEEPSPEED", "false"
+        ).lower() == "true"
+        if deepspeed_requested:  # refuse before any model or optimizer is set up
+            raise NotImplementedError(self._DEEPSPEED_REFUSAL)
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled:
-            raise NotImplementedError(
-                "OBLRPOTrainer does not support DeepSpeed yet: DeepSpeed steps the optimizer inside the last "
-                "backward, before the SNR step size can be applied. Use DDP (accelerate launch --multi_gpu) instead."
-            )
+            raise NotImplementedError(self._DEEPSPEED_REFUSAL)
         if self.is_fsdp_enabled and self._needs_norms and not getattr(self.accelerator, "is_fsdp2", False):
             raise NotImplementedError(
                 "OBLRPOTrainer computes exact per-sequence norms under FSDP2 only (fsdp_version: 2 in the accelerate "

@@ -170,6 +170,14 @@ def test_config_errors_name_the_option():
     assert (config.scale_rewards, config.beta, config.num_iterations, config.leave_one_out) == ("none", 0.0, 1, True)
 
 
+def test_trainer_refuses_deepspeed_with_the_reason(monkeypatch):
+    config = OBLRPOConfig(**common_args())
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` with a DeepSpeed config sets
+    with pytest.raises(NotImplementedError, match="optimizer inside the last backward.*DDP"):
+        OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[length_reward],
+                      args=config, train_dataset=DATASET)
+
+
 def test_trainer_refuses_a_plain_grpo_config():
     with pytest.raises(TypeError, match="OBLRPOConfig"):
         OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[length_reward],
