@@ -160,6 +160,14 @@ class OBLRPOConfig(GRPOConfig):
                 "(importance ratio != 1, clipping); the SNR uses on-policy per-sample norms and is approximate there.",
                 stacklevel=2,
             )
+        if self.steps_per_generation > self.gradient_accumulation_steps:
+            warnings.warn(
+                f"OBLRPOConfig.steps_per_generation={self.steps_per_generation} > gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}: one generation spans several optimizer steps, so later steps "
+                "use completions sampled before the last update (importance ratio != 1); the baseline weights and "
+                "per-sample SNR terms come from generation time and are approximate there.",
+                stacklevel=2,
+            )
         if self.beta != 0.0:
             warnings.warn(
                 f"OBLRPOConfig.beta={self.beta}: the KL term's gradient is not part of the SNR estimate (the paper's "

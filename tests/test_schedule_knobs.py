@@ -20,7 +20,9 @@ def one_thread():
 def test_each_step_uses_exactly_its_own_samples():
     """steps_per_generation=2 > gradient_accumulation_steps=1: one generation of 16 is shuffled and split over two
     optimizer steps; each step's N counts the groups among its own 8 completions, no more."""
-    trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2, steps_per_generation=2)))
+    with pytest.warns(UserWarning, match="steps_per_generation"):
+        config = OBLRPOConfig(**common_args(max_steps=2, steps_per_generation=2))
+    trainer, probe = train(Recorder, config)
     assert len(trainer.generations) == 1 and len(trainer.micro_batches) == 2
     for micro_batch, (sum_sq, n) in zip(trainer.micro_batches, trainer.step_terms):
         assert n == len(set(micro_batch["oblr_unit"].tolist()))
@@ -47,3 +49,19 @@ def test_num_iterations_reuses_samples_with_a_warning():
     for value in logged(trainer, "oblr/lr_scale"):
         assert 0.0 <= value <= 1.0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_peft_lora_trains_with_exact_adapter_norms():
+    """A LoRA model through the trainer: the norms pass covers the adapters only, everything finite, lr scaled."""
+    peft = pytest.importorskip("peft")
+    from oblr_trl.tiny import build_model
+    from test_trainer import TOKENIZER
+
+    model = build_model(TOKENIZER)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2)), model=peft.get_peft_model(model, config))
+    assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    gram = trainer.generations[0]["oblr_gram"]
+    assert torch.isfinite(gram).all() and gram.abs().max() > 0
+    for applied, scale, lr in zip(probe.applied, logged(trainer, "oblr/lr_scale"), logged(trainer, "learning_rate")):
+        assert applied == pytest.approx(lr * scale)
