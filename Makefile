@@ -22,8 +22,11 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
+# Quick modes, about 15 minutes on 2 CPU cores in all; drop --quick for the full runs (see benchmarks/README.md).
 bench: install
 	$(PY) benchmarks/step_cost.py --quick
+	$(PY) benchmarks/grad_variance.py --quick
+	$(PY) benchmarks/compare.py --quick
 
 clean:
 	rm -rf $(VENV) outputs *.egg-info
