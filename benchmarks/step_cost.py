@@ -219,7 +219,7 @@ def flop_estimates(model, batch: int, length: int, completion: int, group: int) 
 def engine_profile(model):
     """Time the parts of the norms pass by wrapping the engine's module-level helpers (this process only)."""
     import oblr_trl.grad_norms.engine as E
-    from oblr_trl.grad_norms.factors import Factored, Materialized, OneHot, SoftmaxDelta
+    from oblr_trl.grad_norms.factors import Materialized, OneHot, SoftmaxDelta
 
     acc = defaultdict(float)
     saved = (E._lm_head_terms, E.block_inner_products, E.find_rule, torch.autograd.grad)

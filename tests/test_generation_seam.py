@@ -2,7 +2,6 @@
 rollout plugs into) and OBLR-PO's overrides must see exactly what it produced, after generation, without touching the
 step counter (which TRL's vLLM weight sync keys on)."""
 
-import torch
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.tiny import build_model
@@ -33,7 +32,6 @@ class Seen(OBLRPOTrainer):
 
 
 def test_overrides_see_the_rollout_and_leave_step_and_sync_alone():
-    torch.set_num_threads(1)
     trainer = Seen(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[length_reward],
                    args=OBLRPOConfig(**common_args(max_steps=2)), train_dataset=DATASET, rollout_func=fixed_rollout)
     trainer.train()

@@ -1,6 +1,5 @@
 """notebooks/oblrpo_walkthrough.ipynb runs end to end without errors, and is stored without outputs."""
 
-import os
 import time
 from pathlib import Path
 

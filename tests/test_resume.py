@@ -26,14 +26,6 @@ TOKENIZER = build_tokenizer()
 DATASET = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 3}"}]} for i in range(64)])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def digit_reward(completions, **kwargs):
     return [float(c[0]["content"].count("1") + c[0]["content"].count("2")) for c in completions]
 

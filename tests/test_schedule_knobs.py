@@ -9,14 +9,6 @@ from oblr_trl import OBLRPOConfig
 from test_trainer import Recorder, common_args, logged, train
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_each_step_uses_exactly_its_own_samples():
     """steps_per_generation=2 > gradient_accumulation_steps=1: one generation of 16 is shuffled and split over two
     optimizer steps; each step's N counts the groups among its own 8 completions, no more."""

@@ -10,15 +10,6 @@ from oblr_trl.tasks import evaluate_accuracy, extract_answer, make_dataset, make
 from oblr_trl.tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine spinning threads slow them 100x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()

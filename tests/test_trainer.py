@@ -119,8 +119,6 @@ def test_step_terms_match_per_sample_autograd():
 def test_advantages_use_the_gradient_weighted_leave_one_out_baseline():
     trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=1)))
     gen = trainer.generations[0]
-    ids = torch.cat([gen["prompt_ids"], gen["completion_ids"]], 1)
-    att = torch.cat([gen["prompt_mask"], gen["completion_mask"]], 1)
     weights = torch.diagonal(gen["oblr_gram"].reshape(-1, 4, 4), dim1=1, dim2=2).reshape(-1)
     rewards = gen["rewards"].sum(1)
     expected = rewards - gradient_weighted_baseline(rewards, weights, 4, leave_one_out=True)[0]
