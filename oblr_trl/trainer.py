@@ -327,7 +327,8 @@ class OBLRPOTrainer(GRPOTrainer):
             group["lr"] = group["lr"] * scale
         metrics = self._metrics["train"]
         metrics["oblr/lr_scale"].append(scale)
-        metrics["oblr/snr"].append(snr)
+        if snr == snr:  # undefined (fewer than 2 samples, non-finite gradient): not logged, warned above
+            metrics["oblr/snr"].append(snr)
         metrics["oblr/num_samples"].append(float(n))
         metrics["oblr/lr"].append(self.optimizer.param_groups[0]["lr"])
 

@@ -239,3 +239,14 @@ def test_empty_completions_and_zero_gradients(caplog):
     assert gen["oblr_gram"].abs().max() == 0
     assert logged(trainer, "oblr/fallback_samples")[0] == len(gen["advantages"])  # every sample
     assert "fell back" in caplog.text
+
+
+def test_a_step_with_one_sample_leaves_the_lr_unscaled(caplog):
+    """One group per step: the SNR is undefined (N < 2). The lr is left as scheduled, warned, and no NaN is logged."""
+    with caplog.at_level(logging.WARNING):
+        trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2, per_device_train_batch_size=4)))
+    assert [n for _, n in trainer.step_terms] == [1, 1]
+    assert logged(trainer, "oblr/lr_scale") == [1.0, 1.0]
+    assert logged(trainer, "oblr/snr") == []
+    assert probe.applied == logged(trainer, "learning_rate")
+    assert "the SNR needs 2" in caplog.text
