@@ -12,6 +12,8 @@ One run, same batch and model for every measurement of a configuration (model si
    see ``--help`` and the output for the method).
 4. ``step_vs_grpo``: a whole RL step (generation, scoring, norms, loss, optimizer): default ``OBLRPOConfig`` +
    ``OBLRPOTrainer`` vs plain ``GRPOConfig`` + ``trl.GRPOTrainer``, same arguments otherwise.
+5. ``update_one_backward_vs_grpo`` and ``step_one_backward_vs_grpo``: the same with ``OBLRPOConfig(one_backward=True)``
+   (norms and update from one forward/backward).
 
 Timings are medians of repeats that interleave the measured functions (so slow drifts of a shared machine hit all of
 them alike), after a warm-up round. Nothing is asserted. The last line printed is a JSON object with the headline
@@ -45,7 +47,11 @@ if str(REPO) not in sys.path:
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from oblr_trl.grad_norms import per_sequence_grad_inner_products, per_sequence_grad_sq_norms  # noqa: E402
+from oblr_trl.grad_norms import (  # noqa: E402
+    per_sequence_grad_inner_products,
+    per_sequence_grad_sq_norms,
+    per_sequence_grads,
+)
 from oblr_trl.tiny import build_model, build_tokenizer  # noqa: E402
 
 GROUP = 8
@@ -163,7 +169,17 @@ def make_fns(model, batch, device, dtype):
         group()
         fwdbwd()
 
-    return dict(fwdbwd=fwdbwd, norms=norms, group=group, loop=loop, update=update, update_group=update_group)
+    scale = torch.linspace(-1.0, 1.0, input_ids.shape[0], device=device)
+
+    def update_one_backward():  # OBLRPOConfig(one_backward=True): one pass, group products, weight grads formed
+        with autocast(device, dtype):
+            grads = per_sequence_grads(model, input_ids, attention_mask, completion_mask)
+        grads.inner_products(GROUP)
+        grads.accumulate_grad(scale)
+        model.zero_grad(set_to_none=True)
+
+    return dict(fwdbwd=fwdbwd, norms=norms, group=group, loop=loop, update=update, update_group=update_group,
+                update_one_backward=update_one_backward)
 
 
 def time_interleaved(fns: dict, names: list[str], repeats: int, device, budget_s: float, log) -> dict:
@@ -440,7 +456,7 @@ def run_trainer(kind: str, size: str, completion: int, steps: int, batch: int, d
             _generate_and_score_completions = timed_method(OBLRPOTrainer, "_generate_and_score_completions",
                                                            "generate+score (incl. norms)")
             _local_grad_products = timed_method(OBLRPOTrainer, "_local_grad_products", "norms pass")
-        args = OBLRPOConfig(**common)
+        args = OBLRPOConfig(**common, one_backward=kind == "oblr_one_backward")
 
     step_times, step_sections = [], []
 
@@ -561,7 +577,7 @@ def main():
         names = ["fwdbwd", "norms", "update", "loop"]
         skipped = []
         if est8["gram_total"] <= max_gram:
-            names += ["group", "update_group"]
+            names += ["group", "update_group", "update_one_backward"]
         else:
             skipped.append(f"group form skipped (est. {est8['gram_total']:.0f} GFLOP of Gram products)")
         times, outputs = time_interleaved(fns, names, repeats, device, budget, log)
@@ -585,6 +601,8 @@ def main():
             group_vs_loop=t["loop"] / t["group"] if "group" in t else float("nan"),
             update_vs_grpo=t["update"] / t["fwdbwd"],
             update_group_vs_grpo=t["update_group"] / t["fwdbwd"] if "update_group" in t else float("nan"),
+            update_one_backward_vs_grpo=(t["update_one_backward"] / t["fwdbwd"] if "update_one_backward" in t
+                                         else float("nan")),
         )
         if mem_mode == "all" or (mem_mode == "largest" and (size, completion) == largest):
             mem = {}
@@ -619,13 +637,17 @@ def main():
         size, completion = spec.split(":")
         completion = int(completion)
         res = {}
-        for kind in ("grpo", "oblr"):
+        for kind in ("grpo", "oblr", "oblr_one_backward"):
             res[kind] = run_trainer(kind, size, completion, step_steps, args.step_batch, device)
         ratio = res["oblr"]["step_s"] / res["grpo"]["step_s"]
-        steps.append(dict(size=size, completion=completion, grpo=res["grpo"], oblr=res["oblr"], step_vs_grpo=ratio))
+        ratio_one = res["oblr_one_backward"]["step_s"] / res["grpo"]["step_s"]
+        steps.append(dict(size=size, completion=completion, grpo=res["grpo"], oblr=res["oblr"],
+                          oblr_one_backward=res["oblr_one_backward"], step_vs_grpo=ratio,
+                          step_one_backward_vs_grpo=ratio_one))
         norms_s = res["oblr"]["sections"].get("norms pass", float("nan"))
         log(f"RL step {size} C={completion}: GRPOTrainer {res['grpo']['step_s']:.2f}s, OBLRPOTrainer "
-            f"{res['oblr']['step_s']:.2f}s (norms pass {norms_s:.2f}s) -> {ratio:.2f}x")
+            f"{res['oblr']['step_s']:.2f}s (norms pass {norms_s:.2f}s) -> {ratio:.2f}x; one_backward "
+            f"{res['oblr_one_backward']['step_s']:.2f}s -> {ratio_one:.2f}x")
 
     head_row = next(r for r in rows if (r["size"], r["completion"]) == largest)
     head_step = steps[-1] if steps else None
@@ -637,6 +659,8 @@ def main():
                              else head_row["ratios"]["update_vs_grpo"], 3),
         peak_mem_vs_grpo=round(head_row["ratios"].get("peak_mem_vs_grpo", float("nan")), 3),
         step_vs_grpo=round(head_step["step_vs_grpo"], 3) if head_step else float("nan"),
+        update_one_backward_vs_grpo=round(head_row["ratios"]["update_one_backward_vs_grpo"], 3),
+        step_one_backward_vs_grpo=round(head_step["step_one_backward_vs_grpo"], 3) if head_step else float("nan"),
     )
     where = dict(
         norms_vs_fwdbwd=f"{largest[0]}, C={largest[1]}, per_sequence_grad_sq_norms",
@@ -644,6 +668,10 @@ def main():
         update_vs_grpo=f"{largest[0]}, C={largest[1]}, group form (group_size={GROUP}, the trainer's default)",
         peak_mem_vs_grpo=f"{largest[0]}, C={largest[1]}, per_sequence_grad_sq_norms",
         step_vs_grpo=(f"{head_step['size']}, C={head_step['completion']}, {step_steps} steps" if head_step else "n/a"),
+        update_one_backward_vs_grpo=f"{largest[0]}, C={largest[1]}, OBLRPOConfig(one_backward=True): one pass, "
+        "group products, weight gradients formed",
+        step_one_backward_vs_grpo=(f"{head_step['size']}, C={head_step['completion']}, {step_steps} steps, "
+                                   "OBLRPOConfig(one_backward=True)" if head_step else "n/a"),
     )
     elapsed = time.perf_counter() - t_start
     machine["loadavg_start"] = [round(x, 2) for x in load_start]
@@ -690,12 +718,13 @@ def render_markdown(res: dict, quick: bool) -> str:
         "Times in seconds. `fwdbwd`: GRPO's loss pass (fused LM head, sum of completion log-probs, backward). "
         "`norms`: `per_sequence_grad_sq_norms`. `group`: `per_sequence_grad_inner_products(group_size=8)` (what "
         "`OBLRPOTrainer` runs by default). `loop`: one forward+backward per sequence. `update`: norms pass + fwdbwd, "
-        "timed together. Peak memory: " + _mem_method(res) + ".",
+        "timed together. `one bwd`: `OBLRPOConfig(one_backward=True)`'s update: one forward/backward to the layers' "
+        "inputs, the group products, then every weight gradient formed from the kept factors. Peak memory: " + _mem_method(res) + ".",
         "",
         "| model | params | vocab | C | fwdbwd | norms | group | loop | norms/fwdbwd | group/fwdbwd | loop/norms "
-        "| loop/group | update/grpo (sq) | update/grpo (group) | peak mem fwdbwd | norms/fwdbwd mem | group/fwdbwd mem "
+        "| loop/group | update/grpo (sq) | update/grpo (group) | update/grpo (one bwd) | peak mem fwdbwd | norms/fwdbwd mem | group/fwdbwd mem "
         "| est. GFLOP fwdbwd / Gram (sq) / Gram (group) | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         t, q, mem = r["times"], r["ratios"], r.get("memory")
@@ -705,7 +734,8 @@ def render_markdown(res: dict, quick: bool) -> str:
             f"{r['completion']} | {t['fwdbwd']:.3f} | {t['norms']:.3f} | {fmt(t.get('group'), '.3f')} | "
             f"{t['loop']:.3f} | **{q['norms_vs_fwdbwd']:.2f}** | {fmt(q['group_vs_fwdbwd'])} | "
             f"**{q['norms_vs_loop']:.2f}** | {fmt(q['group_vs_loop'])} | {q['update_vs_grpo']:.2f} | "
-            f"**{fmt(q['update_group_vs_grpo'])}** | {fmt(base_mb, '.0f')} MB | "
+            f"**{fmt(q['update_group_vs_grpo'])}** | **{fmt(q.get('update_one_backward_vs_grpo'))}** | "
+            f"{fmt(base_mb, '.0f')} MB | "
             f"**{fmt(q.get('peak_mem_vs_grpo'))}** | {fmt(q.get('peak_mem_group_vs_grpo'))} | "
             f"{r['est_gflop_sq']['fwdbwd']:.1f} / {r['est_gflop_sq']['gram_total']:.1f} / "
             f"{r['est_gflop_group']['gram_total']:.1f} | {r['max_rel_err_norms']:.1e} |"
@@ -722,8 +752,8 @@ def render_markdown(res: dict, quick: bool) -> str:
             "wall time of a step (`on_step_begin`..`on_step_end`) after one warm-up step.",
             "",
             "| model | C | steps | GRPO step s | GRPO generate+score s | OBLR-PO step s | OBLR-PO generate+score s | "
-            "of which norms pass s | step_vs_grpo |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "of which norms pass s | step_vs_grpo | OBLR-PO one_backward step s | step_one_backward_vs_grpo |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for s in res["steps"]:
             g, o = s["grpo"], s["oblr"]
@@ -731,7 +761,8 @@ def render_markdown(res: dict, quick: bool) -> str:
                 f"| {s['size']} | {s['completion']} | {o['steps']} | {g['step_s']:.2f} | "
                 f"{g['sections'].get('generate+score (incl. norms)', float('nan')):.2f} | {o['step_s']:.2f} | "
                 f"{o['sections'].get('generate+score (incl. norms)', float('nan')):.2f} | "
-                f"{o['sections'].get('norms pass', float('nan')):.2f} | **{s['step_vs_grpo']:.2f}** |"
+                f"{o['sections'].get('norms pass', float('nan')):.2f} | **{s['step_vs_grpo']:.2f}** | "
+                f"{s['oblr_one_backward']['step_s']:.2f} | **{s['step_one_backward_vs_grpo']:.2f}** |"
             )
     if res["profiles"]:
         out += ["", "## Where the norms pass spends its time", "",

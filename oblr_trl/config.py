@@ -58,6 +58,14 @@ class OBLRPOConfig(GRPOConfig):
         snr_ema (`float`, defaults to `0.0`):
             Exponential smoothing of the SNR's numerator and denominator across steps (0 = this step's samples only,
             as in the paper). A ratio of noisy estimates is biased; smoothing both parts before dividing reduces that.
+        one_backward (`bool`, defaults to `False`):
+            Take the per-sequence norms and the policy update from a single forward and backward: the backward goes
+            to the layers' inputs only, and each weight's gradient is formed from the kept activations and output
+            gradients once the baseline (hence the advantages) is known. Applies where each completion's per-token
+            loss coefficient is constant (on-policy: `num_iterations=1`, `beta=0`, no vLLM importance-sampling
+            correction, no token masks) and one micro-batch holds the whole generation batch
+            (`gradient_accumulation_steps=1`, `steps_per_generation=1`), on one process or DDP (not FSDP). Elsewhere
+            the trainer falls back to the two-pass default and says why, once.
     """
 
     baseline: str = field(
@@ -111,6 +119,14 @@ class OBLRPOConfig(GRPOConfig):
         metadata={
             "help": "EMA factor in [0, 1) smoothing the SNR's numerator and denominator across steps (default 0.0: "
             "this step's samples only, as in the paper)."
+        },
+    )
+    one_backward: bool = field(
+        default=False,
+        metadata={
+            "help": "Get the norms and the update from one forward/backward (default False: a norms pass, then TRL's "
+            "loss pass). Used where valid (on-policy, gradient_accumulation_steps=1, steps_per_generation=1, no "
+            "FSDP); elsewhere the two-pass default is used, with a warning saying why."
         },
     )
 

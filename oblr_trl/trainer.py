@@ -27,7 +27,7 @@ from trl import GRPOTrainer
 from .card import append_oblr_section
 from .config import OBLRPOConfig
 from .estimators import clip_weights, get_baseline, gradient_signal_noise, snr_from_signal_noise, snr_lr_scale
-from .grad_norms import per_sequence_grad_inner_products
+from .grad_norms import per_sequence_grad_inner_products, per_sequence_grads
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,13 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_saved_lrs: list[float] | None = None
         self._oblr_ema: tuple[float, float] | None = None
         self._oblr_warned: set[str] = set()
+        self._one_backward = False
+        if self.args.one_backward and self._needs_norms:
+            blockers = self._one_backward_blockers()
+            if blockers:
+                logger.warning("one_backward=True falls back to two passes (norms pass, then the loss pass): %s.",
+                               "; ".join(blockers))
+            self._one_backward = not blockers
         self.add_callback(_RestoreScheduledLR(self))
 
     # ---------------------------------------------------------------- helpers
@@ -125,15 +132,35 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_rewards_per_func = rewards_per_func
         return rewards_per_func
 
+    @staticmethod
+    def _completion_mask(batch: dict) -> torch.Tensor:
+        mask = batch["completion_mask"]
+        return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+    @staticmethod
+    def _input_ids_and_attention(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        return input_ids, torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+
+    def _finite_products(self, products: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero the inner products of completions whose own norm is not finite; returns them and that mask ``(n,)``."""
+        finite = torch.isfinite(products)
+        bad = ~torch.isfinite(torch.diagonal(products, dim1=1, dim2=2))  # (n / unit, unit)
+        if bad.any():
+            self._warn_once(
+                "nonfinite_norms",
+                "Non-finite per-sequence gradient norms: those completions are treated as unscorable (advantage 0, "
+                "no part in any baseline or in the SNR).",
+            )
+        keep = ~bad
+        products = torch.where(finite & keep[..., :, None] & keep[..., None, :], products, torch.zeros_like(products))
+        return products, bad.reshape(-1)
+
     def _local_grad_products(self, output: dict, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Within-unit inner products ``<u_i, u_j>`` of the local completions, ``(n / unit, unit, unit)``, and the
-        mask ``(n,)`` of completions whose products were not finite (zeroed)."""
-        prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
-        mask = output["completion_mask"]
-        if "tool_mask" in output:
-            mask = mask * output["tool_mask"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        mask ``(n,)`` of completions whose products were not finite (zeroed). The two-pass path's norms pass."""
+        input_ids, attention_mask = self._input_ids_and_attention(output)
+        mask = self._completion_mask(output)
         chunk = max(unit, -(-self.args.per_device_train_batch_size // unit) * unit)
         parts = []
         with torch.enable_grad(), self.accelerator.autocast():
@@ -145,44 +172,52 @@ class OBLRPOTrainer(GRPOTrainer):
                         temperature=self.temperature,
                     )
                 )
-        products = torch.cat(parts)
-        finite = torch.isfinite(products)
-        # (n / unit, unit): a completion whose own norm is not finite (its inner products then are not either)
-        bad = ~torch.isfinite(torch.diagonal(products, dim1=1, dim2=2))
-        if bad.any():
-            self._warn_once(
-                "nonfinite_norms",
-                "Non-finite per-sequence gradient norms: those completions are treated as unscorable (advantage 0, "
-                "no part in any baseline or in the SNR).",
-            )
-        keep = ~bad
-        products = torch.where(finite & keep[..., :, None] & keep[..., None, :], products, torch.zeros_like(products))
-        return products, bad.reshape(-1)
+        return self._finite_products(torch.cat(parts))
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return output
-        args, device = self.args, self.accelerator.device
+        device = self.accelerator.device
         local_n = output["prompt_ids"].shape[0]
-        mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
-        lengths = mask.sum(-1).float()
-
-        rewards_per_func = self._oblr_rewards_per_func
+        rewards_per_func = self._oblr_rewards_per_func  # all ranks
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
         nonfinite = ~torch.isfinite(rewards) & ~unscorable
         if nonfinite.any():
             self._warn_once("nonfinite_reward", "Rewards of +-inf were treated as unscorable (NaN): no baseline, advantage 0.")
+        rewards = torch.where(unscorable | nonfinite, torch.full_like(rewards, float("nan")), rewards)
         unit = self._group_unit(local_n)
+        index = torch.arange(local_n, device=device) + self.accelerator.process_index * local_n
+        output["oblr_unit"] = index // unit
+        output["oblr_pos"] = index % unit
+        if self._one_backward:  # norms, advantages and update all come from the training backward (compute_loss)
+            output["oblr_index"] = index
+            output["oblr_reward"] = rewards[index]
+            return output
+        products = bad = None
         if self._needs_norms:
-            products, bad_norms = self._local_grad_products(output, unit)
-            sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
+            products, bad = self._local_grad_products(output, unit)
             output["oblr_gram"] = products.reshape(local_n, unit)
-            unscorable = unscorable | self.accelerator.gather(bad_norms)
+        output["advantages"] = self._oblr_advantages(
+            self._completion_mask(output), rewards, products, bad, output["advantages"]
+        )
+        return output
+
+    def _oblr_advantages(self, mask, rewards, products, bad, parent_advantages) -> torch.Tensor:
+        """The local completions' advantages ``r_i - b_i`` (Theorem 7), logging the baseline's metrics.
+
+        ``rewards``: all ranks' (NaN = unscorable); ``products``: the local within-unit inner products (or ``None``
+        when no norms are computed) and ``bad`` the local completions whose norms were not finite.
+        """
+        args, device = self.args, self.accelerator.device
+        local_n = mask.shape[0]
+        lengths = mask.sum(-1).float()
+        if products is not None:
+            rewards = torch.where(self.accelerator.gather(bad), torch.full_like(rewards, float("nan")), rewards)
+            sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
         else:
             sq_norms = torch.zeros(local_n, device=device)
-        rewards = torch.where(unscorable | nonfinite, torch.full_like(rewards, float("nan")), rewards)
         if args.grad_norm_estimator == "length":
             local_w = lengths
         elif args.loss_type == "grpo":  # the "grpo" loss divides each sequence by its length
@@ -198,13 +233,12 @@ class OBLRPOTrainer(GRPOTrainer):
         if args.scale_rewards != "none":  # plain GRPO (baseline='mean', no leave-one-out): keep the parent's advantages
             baseline = torch.nanmean(rewards.view(-1, self.num_generations), 1).repeat_interleave(self.num_generations)
             num_fallback = 0
-            advantages = output["advantages"]
+            advantages = parent_advantages
         else:
             baseline, num_fallback = get_baseline(args.baseline)(rewards, weights, self.num_generations, args.leave_one_out)
             all_advantages = torch.nan_to_num(rewards - baseline, nan=0.0)
             rank = self.accelerator.process_index
             advantages = all_advantages[rank * local_n : (rank + 1) * local_n]
-            output["advantages"] = advantages
 
         if num_fallback:
             self._warn_once(
@@ -212,14 +246,9 @@ class OBLRPOTrainer(GRPOTrainer):
                 "Some groups' baseline weights summed to 0 (zero gradients or all-unscorable rewards); their baseline "
                 "fell back to the plain mean of rewards. Counted in oblr/fallback_samples.",
             )
-        if unscorable.any():
-            self._warn_once("unscorable", "Completions with no reward (None/NaN) get advantage 0 and enter no baseline.")
-
-        group = torch.arange(local_n, device=device) + self.accelerator.process_index * local_n
-        output["oblr_unit"] = group // unit
-        output["oblr_pos"] = group % unit
-
         valid = ~torch.isnan(rewards)
+        if not valid.all():
+            self._warn_once("unscorable", "Completions with no reward (None/NaN) get advantage 0 and enter no baseline.")
         w_valid = weights[valid]
         metrics = self._metrics["train"]
         metrics["oblr/baseline_mean"].append(baseline[valid].mean().item() if valid.any() else 0.0)
@@ -229,7 +258,7 @@ class OBLRPOTrainer(GRPOTrainer):
         metrics["oblr/fallback_samples"].append(float(num_fallback))
         metrics["oblr/clipped_weights"].append(float(num_clipped))
         metrics["oblr/unscorable"].append(float((~valid).sum().item()))
-        return output
+        return advantages
 
     WEIGHT_RATIO_WARNING = 100.0
 
@@ -267,13 +296,79 @@ class OBLRPOTrainer(GRPOTrainer):
             c = torch.full((batch,), 1.0, device=mask.device) / normalizer
         return c / world  # DDP/FSDP average the gradients over ranks
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.model.training and self.args.snr_lr and "oblr_gram" in inputs:
+    def _record_step_terms(self, inputs) -> None:
+        """Keep this micro-batch's per-sample coefficients ``a_i = c_i A_i`` and inner products for the step's SNR."""
+        if self.args.snr_lr and "oblr_gram" in inputs:
             a = (self._loss_coefficients(inputs) * inputs["advantages"].reshape(-1)).double()
             self._oblr_step_records.append(
                 (inputs["oblr_unit"].cpu(), inputs["oblr_pos"].cpu(), a.cpu(), inputs["oblr_gram"].double().cpu())
             )
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.model.training and "oblr_index" in inputs:
+            return self._one_backward_loss(inputs)
+        if self.model.training:
+            self._record_step_terms(inputs)
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    # ------------------------------------------------------------ one backward
+    def _one_backward_blockers(self) -> list[str]:
+        """Why ``one_backward`` cannot be used with these settings (empty: it can)."""
+        a, reasons = self.args, []
+        if a.num_iterations != 1:
+            reasons.append(f"num_iterations={a.num_iterations} (importance ratio != 1)")
+        if a.beta != 0.0:
+            reasons.append(f"beta={a.beta} (a KL term in the loss)")
+        if a.gradient_accumulation_steps != 1 or a.steps_per_generation != 1:
+            reasons.append(
+                f"gradient_accumulation_steps={a.gradient_accumulation_steps}, steps_per_generation="
+                f"{a.steps_per_generation} (a group's baseline needs norms from later micro-batches; both must be 1)"
+            )
+        if a.use_vllm and getattr(a, "vllm_importance_sampling_correction", False):
+            reasons.append("vllm_importance_sampling_correction=True (per-token importance weights)")
+        if a.top_entropy_quantile < 1.0 or a.off_policy_mask_threshold is not None:
+            reasons.append("top_entropy_quantile < 1 or off_policy_mask_threshold (token masks)")
+        if a.use_liger_kernel:
+            reasons.append("use_liger_kernel=True (Liger computes the loss)")
+        if self.is_fsdp_enabled:
+            reasons.append("FSDP (sharded parameters)")
+        return reasons
+
+    def _one_backward_loss(self, batch: dict) -> torch.Tensor:
+        """Norms, advantages and the policy update from one forward and one backward (``one_backward=True``).
+
+        The backward reaches every layer's output; the norms give the baseline weights, the baseline the advantages
+        ``A_i``, and each weight's gradient ``-sum_i c_i A_i u_i`` (TRL's loss at importance ratio 1) is then formed
+        from the kept activations and output gradients. Returns the loss value as a leaf: its backward is a no-op.
+        """
+        n = batch["oblr_index"].shape[0]
+        order = torch.argsort(batch["oblr_index"])  # undo TRL's shuffle: a group's rows are consecutive again
+        batch = {k: v[order] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v for k, v in batch.items()}
+        unit = self._group_unit(n)
+        mask = self._completion_mask(batch)
+        input_ids, attention_mask = self._input_ids_and_attention(batch)
+        with self.accelerator.autocast():
+            grads = per_sequence_grads(self.model, input_ids, attention_mask, mask, temperature=self.temperature)
+        products, bad = self._finite_products(grads.inner_products(unit))
+        batch["oblr_gram"] = products.reshape(n, unit)
+        rewards = self.accelerator.gather(batch["oblr_reward"])
+        batch["advantages"] = self._oblr_advantages(mask, rewards, products, bad, batch["advantages"])
+        coefficients = self._loss_coefficients(batch)
+        grads.accumulate_grad(-(coefficients * batch["advantages"]))  # the gradient of TRL's loss at ratio 1
+        if self.accelerator.num_processes > 1:  # what DDP's backward hooks would have done (c_i already has 1/world)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            torch.distributed.all_reduce(flat)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self._record_step_terms(batch)
+        loss = -(coefficients * self.accelerator.num_processes * batch["advantages"] * mask.sum(-1)).sum()
+        return loss.detach().requires_grad_()
 
     def _step_sample_sq_norms(self) -> tuple[float, int]:
         """``sum_q ||H_q||^2`` over the step's samples (all ranks) and their number ``N``."""

@@ -1,4 +1,4 @@
-"""One process with the global batch vs two DDP processes (torchrun, gloo on CPU) with half each."""
+"""One process with the global batch vs two DDP or FSDP2 processes (torchrun, gloo on CPU) with half each."""
 
 import json
 import os
@@ -52,6 +52,80 @@ def test_a_rank_with_only_degenerate_data(tmp_path):
     assert max(abs(a[2] - b[2]) for a, b in zip(first_one, first_two)) < 1e-4
     assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
     assert all(0.0 <= s <= 1.0 for s in two["lr_scale"])
+
+
+def test_one_backward_on_two_ddp_processes_matches_one_process_two_passes(tmp_path):
+    """one_backward under DDP: the weight gradients are formed outside autograd, so DDP's hooks never fire and the
+    trainer all-reduces them itself. Same scale, gradient norm and trained parameters as one process with the default
+    two passes (fp32)."""
+    one, two = run(tmp_path, 1, 16, "fp32"), run(tmp_path, 2, 8, "fp32+one_backward")
+    assert two["one_backward"] and not one["one_backward"] and two["world_size"] == 2
+    assert two["num_samples"] == one["num_samples"] == [4.0, 4.0]
+    assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
+    assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
+    assert 0 < one["lr_scale"][0] < 1
+    for step in range(2):
+        assert_every_rank_applied(two, step, two["lr"][step])
+    assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
+
+
+def assert_ran_fsdp2(result):
+    """Accelerate's own FSDP2 path ran on every rank: the Trainer saw FSDP, the model and the optimizer hold DTensors."""
+    assert result["world_size"] == len(result["fsdp"]) == 2
+    for facts in result["fsdp"]:
+        assert facts["distributed_type"] == "DistributedType.FSDP" and facts["is_fsdp2"]
+        assert facts["trainer_is_fsdp_enabled"] and facts["root_is_fsdp"]
+        assert facts["all_params_dtensor"] and facts["optimizer_params_dtensor"]
+        assert facts["fsdp_modules"] >= 4  # each decoder layer, the embedding / final norm / head unit, the root
+
+
+def assert_every_rank_applied(result, step: int, lr: float):
+    """The learning rate each rank's optimizer step was taken with (all param groups) is the logged, scaled one."""
+    for rank_lrs in result["applied_lrs"]:
+        assert rank_lrs[step] == pytest.approx([lr] * len(rank_lrs[step]), rel=1e-12)
+
+
+def test_two_fsdp2_processes_match_one(tmp_path):
+    """The trainer under Accelerate's real FSDP2 path (fully_shard via fsdp2_prepare_model, DTensor parameters) on 2
+    processes matches 1 process with the global batch. In fp32: FSDP2's bf16 policy casts the parameters themselves,
+    a plain run autocasts them, which differ by ~1e-3 by design."""
+    one, two = run(tmp_path, 1, 16, "fsdp2+fp32"), run(tmp_path, 2, 8, "fsdp2+fp32")
+    assert one["world_size"] == 1 and one["fsdp"][0]["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert_ran_fsdp2(two)
+    first_one, first_two = one["records"][0], two["records"][0]
+    assert [r[:2] for r in first_one] == [r[:2] for r in first_two]
+    assert max(abs(a[2] - b[2]) for a, b in zip(first_one, first_two)) < 1e-4
+    assert one["num_samples"] == two["num_samples"] == [4.0, 4.0]
+    assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
+    assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
+    assert 0 < one["lr_scale"][0] < 1
+    for step in range(2):  # every rank steps with the one scaled lr, the same as the single process's
+        assert_every_rank_applied(two, step, two["lr"][step])
+        assert two["lr"][step] == pytest.approx(one["lr"][step], rel=1e-3)
+    # the sharded step itself matched: step 2 (after one Adam step) still agrees closely
+    assert max(abs(a[2] - b[2]) for a, b in zip(one["records"][1], two["records"][1])) < 1e-4
+    assert two["lr_scale"][1] == pytest.approx(one["lr_scale"][1], rel=1e-3)
+    assert two["grad_norm"][1] == pytest.approx(one["grad_norm"][1], rel=1e-3)
+
+
+def test_an_fsdp2_rank_with_only_degenerate_data(tmp_path):
+    """Under FSDP2, rank 1 gets only empty completions whose rewards are None (NaN, unscorable): the sharded norms pass
+    and the step's gathers still run on both ranks (no deadlock), and the answer is one process's on the same data."""
+    one, two = run(tmp_path, 1, 16, "fsdp2+fp32+degenerate+nan"), run(tmp_path, 2, 8, "fsdp2+fp32+degenerate+nan")
+    assert_ran_fsdp2(two)
+    first_one, first_two = one["records"][0], two["records"][0]
+    assert [r[:2] for r in first_one] == [r[:2] for r in first_two]
+    assert sum(1 for _, completion, _ in first_two if completion == "") == 8
+    assert all(advantage == 0.0 for _, completion, advantage in first_two if completion == "")
+    assert max(abs(a[2] - b[2]) for a, b in zip(first_one, first_two)) < 1e-4
+    assert one["unscorable"] == two["unscorable"] == [8.0, 8.0]
+    assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
+    # One group carries all the signal here: the SNR is ~0 in both layouts and the scale is ~0 (float noise), so it
+    # is compared absolutely.
+    assert two["lr_scale"] == pytest.approx(one["lr_scale"], abs=1e-5)
+    assert all(0.0 <= s <= 1.0 for s in two["lr_scale"])
+    for step in range(2):
+        assert_every_rank_applied(two, step, two["lr"][step])
 
 
 def test_exact_norms_on_an_fsdp2_sharded_model(tmp_path):

@@ -179,3 +179,48 @@ def test_bf16_autocast_norms_are_accurate_to_bf16():
         reference = per_sample_sq_norms(model, ids, attention, completion_mask)
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours.double(), reference, rtol=3e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("build", [qwen3, llama], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_weighted_gradient_from_the_same_backward_matches_autograd(build, tie):
+    """One backward gives both: the norms now, and later sum_i s_i u_i once the per-sequence coefficients are known
+    (OBLRPOConfig(one_backward=True)); the latter must equal autograd's gradient of sum_i s_i log pi(o_i)."""
+    from reference import completion_logprob_sums
+
+    from oblr_trl.grad_norms import per_sequence_grads
+
+    model = build(tie)
+    ids, attention, completion_mask = padded_batch()
+    scale = torch.tensor([0.5, -1.25, 3.0, 0.0, -0.75, 2.0])
+    grads = per_sequence_grads(model, ids, attention, completion_mask, temperature=0.7)
+    torch.testing.assert_close(
+        grads.inner_products(1).reshape(-1).double(),
+        per_sample_sq_norms(model, ids, attention, completion_mask, temperature=0.7), rtol=1e-4, atol=1e-6,
+    )
+    assert all(p.grad is None for p in model.parameters())
+    grads.accumulate_grad(scale)
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    (completion_logprob_sums(model, ids, attention, completion_mask, temperature=0.7) * scale).sum().backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert ours.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(ours[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+    grads.accumulate_grad(scale)  # accumulates like a second backward would
+    for name, p in model.named_parameters():
+        if name in reference:
+            torch.testing.assert_close(p.grad, 2 * reference[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_products_accumulate_in_fp32_under_autocast():
+    """The Grams and weighted sums run with autocast off: called inside a bf16 autocast region they give exactly what
+    they give outside it (inside autocast, the matmuls would otherwise run in bf16: errors of ~1e-3)."""
+    from oblr_trl.grad_norms import per_sequence_grads
+
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grads = per_sequence_grads(model, ids, attention, completion_mask)
+        inside = grads.inner_products(3)
+    torch.testing.assert_close(inside, grads.inner_products(3), rtol=0, atol=0)

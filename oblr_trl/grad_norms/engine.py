@@ -14,7 +14,16 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .factors import Dense, Factored, Materialized, SoftmaxDelta, VOCAB_CHUNK, Usage, block_inner_products
+from .factors import (
+    Dense,
+    Factored,
+    Materialized,
+    SoftmaxDelta,
+    VOCAB_CHUNK,
+    Usage,
+    block_inner_products,
+    weighted_sum,
+)
 from .rules import find_rule
 
 
@@ -143,6 +152,130 @@ def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, we
     return lse, grad_h
 
 
+def _fp32(device: torch.device):
+    """Autocast off: the Grams, the head's softmax terms and the weighted sums are accumulated in float32 even when
+    the forward runs under bf16/fp16 autocast (which would otherwise run these matmuls in half precision)."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+class PerSequenceGradients:
+    """The per-sequence gradients ``u_i`` of one forward/backward, held factored per parameter (never materialized).
+
+    Their inner products give the weights of Theorem 7 and the SNR terms (:meth:`inner_products`); their weighted
+    sum ``sum_i s_i u_i`` is the policy gradient once the advantages are known (:meth:`accumulate_grad`), which is how
+    ``OBLRPOConfig(one_backward=True)`` gets the norms and the update from a single backward.
+    """
+
+    def __init__(self, usages: dict[int, list[Usage]], params: dict[int, nn.Parameter], batch: int, device):
+        self.usages, self.params, self.batch, self.device = usages, params, batch, device
+
+    def inner_products(self, group_size: int = 1) -> torch.Tensor:
+        """``<u_i, u_j>`` within blocks of ``group_size`` consecutive rows: ``(B / group_size, k, k)``, float32."""
+        if self.batch % group_size:
+            raise ValueError(f"group_size={group_size} must divide the batch size {self.batch}.")
+        out = torch.zeros(self.batch // group_size, group_size, group_size, device=self.device)
+        with _fp32(self.device):
+            self._add_inner_products(out, group_size)
+        return out
+
+    def _add_inner_products(self, out: torch.Tensor, group_size: int) -> None:
+        for param_usages in self.usages.values():
+            if any(isinstance(u, Materialized) for u in param_usages):
+                param_usages = [
+                    u if isinstance(u, Materialized) else Materialized(u.materialize().flatten(1)) for u in param_usages
+                ]
+            blocked = [u.blocked(group_size) for u in param_usages]
+            for a in range(len(blocked)):
+                out += block_inner_products(blocked[a], blocked[a], group_size)
+                for b in range(a + 1, len(blocked)):
+                    cross = block_inner_products(blocked[a], blocked[b], group_size)
+                    out += cross + cross.transpose(1, 2)
+
+    @torch.no_grad()
+    def accumulate_grad(self, scale: torch.Tensor) -> None:
+        """Add ``sum_i scale_i u_i`` to each trainable parameter's ``.grad`` (created if absent), as a backward of
+        ``sum_i scale_i sum_t log pi(o_{i,t})`` would. Plain (non-sharded) parameters only."""
+        if scale.shape != (self.batch,):
+            raise ValueError(f"scale must have shape ({self.batch},), got {tuple(scale.shape)}.")
+        for key, param_usages in self.usages.items():
+            param = self.params[key]
+            with _fp32(self.device):
+                grad = sum(weighted_sum(u, scale) for u in param_usages).reshape(param.shape).to(param.dtype)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
+
+
+def per_sequence_grads(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> PerSequenceGradients:
+    """Forward and backward of ``sum_t log pi(o_{i,t})`` for every row, captured as factored per-sequence gradients.
+
+    The backward goes to the hooked modules' inputs only: no parameter's ``.grad`` is touched. See
+    :func:`per_sequence_grad_sq_norms` for the arguments.
+    """
+    batch, length = input_ids.shape
+    completion_length = completion_mask.shape[1]
+    if completion_length >= length:
+        raise ValueError("completion_mask must cover fewer positions than input_ids (a prompt token is needed).")
+    lm = unwrap_causal_lm(model)
+    usages: dict[int, list[Usage]] = defaultdict(list)
+    params: dict[int, nn.Parameter] = {}
+    if batch == 0 or not any(p.requires_grad for p in lm.parameters()):
+        return PerSequenceGradients(usages, params, batch, input_ids.device)
+    head = lm.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
+    backbone = lm.base_model
+    alpha = _logit_scale(lm) / temperature
+
+    with _fsdp_root_unsharded(lm), _capture(_hooked_modules(backbone, skip=head)) as (records, inputs_with_grad):
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        h = hidden[:, length - completion_length - 1 : length - 1]
+        labels = input_ids[:, length - completion_length :]
+        mask = completion_mask.to(torch.float32)
+        head_weight, head_bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
+        with _fp32(input_ids.device):
+            lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head_weight, head_bias, alpha)
+        if hidden.requires_grad:
+            full_grad = torch.zeros_like(hidden)
+            full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
+            # Backward to the hooked modules' inputs (their output gradients are all we need) plus the trainable
+            # parameters of modules whose input carries no gradient (the input embedding).
+            first_layer_params = [
+                p for r in records if not r.input_has_grad for p in r.module.parameters(recurse=False) if p.requires_grad
+            ]
+            targets = inputs_with_grad + first_layer_params
+            if not targets:
+                targets = [p for p in backbone.parameters() if p.requires_grad]
+            torch.autograd.grad(hidden, targets, grad_outputs=full_grad, allow_unused=True)
+
+    for record in records:
+        if record.output_grad is None:  # a recomputation under gradient checkpointing, or an unused output
+            continue
+        rule = find_rule(record.module)
+        for name, usage in rule(record.module, record.activation, record.output_grad).items():
+            param = getattr(record.module, name)
+            usages[id(param)].append(usage)
+            params[id(param)] = param
+    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
+        delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask)
+        if head.weight.requires_grad:
+            usages[id(head.weight)].append(Factored(delta, Dense(h.detach())))
+            params[id(head.weight)] = head.weight
+        if head.bias is not None and head.bias.requires_grad:
+            with _fp32(input_ids.device):
+                usages[id(head.bias)].append(Materialized(delta.cols(0, delta.width).sum(1)))
+            params[id(head.bias)] = head.bias
+    return PerSequenceGradients(usages, params, batch, input_ids.device)
+
+
 def per_sequence_grad_inner_products(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -158,69 +291,10 @@ def per_sequence_grad_inner_products(
     ``(B / group_size, group_size, group_size)``; with ``group_size=1`` its entries are ``||u_i||^2``. See
     :func:`per_sequence_grad_sq_norms` for the arguments.
     """
-    batch, length = input_ids.shape
-    completion_length = completion_mask.shape[1]
-    if batch % group_size:
-        raise ValueError(f"group_size={group_size} must divide the batch size {batch}.")
-    if completion_length >= length:
-        raise ValueError("completion_mask must cover fewer positions than input_ids (a prompt token is needed).")
-    lm = unwrap_causal_lm(model)
-    params = [p for p in lm.parameters() if p.requires_grad]
-    out = torch.zeros(batch // group_size, group_size, group_size, device=input_ids.device)
-    if not params or batch == 0:
-        return out
-    head = lm.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
-    backbone = lm.base_model
-    alpha = _logit_scale(lm) / temperature
-
-    with _fsdp_root_unsharded(lm), _capture(_hooked_modules(backbone, skip=head)) as (records, inputs_with_grad):
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        h = hidden[:, length - completion_length - 1 : length - 1]
-        labels = input_ids[:, length - completion_length :]
-        mask = completion_mask.to(torch.float32)
-        head_weight, head_bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
-        lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head_weight, head_bias, alpha)
-        if hidden.requires_grad:
-            full_grad = torch.zeros_like(hidden)
-            full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
-            # Backward to the hooked modules' inputs (their output gradients are all we need) plus the trainable
-            # parameters of modules whose input carries no gradient (the input embedding).
-            first_layer_params = [
-                p for r in records if not r.input_has_grad for p in r.module.parameters(recurse=False) if p.requires_grad
-            ]
-            targets = inputs_with_grad + first_layer_params
-            if not targets:
-                targets = [p for p in backbone.parameters() if p.requires_grad]
-            torch.autograd.grad(hidden, targets, grad_outputs=full_grad, allow_unused=True)
-
-    usages: dict[int, list[Usage]] = defaultdict(list)
-    for record in records:
-        if record.output_grad is None:  # a recomputation under gradient checkpointing, or an unused output
-            continue
-        rule = find_rule(record.module)
-        for name, usage in rule(record.module, record.activation, record.output_grad).items():
-            usages[id(getattr(record.module, name))].append(usage)
-    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask)
-        if head.weight.requires_grad:
-            usages[id(head.weight)].append(Factored(delta, Dense(h.detach())))
-        if head.bias is not None and head.bias.requires_grad:
-            usages[id(head.bias)].append(Materialized(delta.cols(0, delta.width).sum(1)))
-
-    for param_usages in usages.values():
-        if any(isinstance(u, Materialized) for u in param_usages):
-            param_usages = [
-                u if isinstance(u, Materialized) else Materialized(u.materialize().flatten(1)) for u in param_usages
-            ]
-        blocked = [u.blocked(group_size) for u in param_usages]
-        for a in range(len(blocked)):
-            out += block_inner_products(blocked[a], blocked[a], group_size)
-            for b in range(a + 1, len(blocked)):
-                cross = block_inner_products(blocked[a], blocked[b], group_size)
-                out += cross + cross.transpose(1, 2)
-    return out
+    if input_ids.shape[0] % group_size:
+        raise ValueError(f"group_size={group_size} must divide the batch size {input_ids.shape[0]}.")
+    grads = per_sequence_grads(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+    return grads.inner_products(group_size)
 
 
 def per_sequence_grad_sq_norms(

@@ -170,6 +170,30 @@ class Materialized:
 Usage = Factored | Materialized
 
 
+def weighted_sum(u: Usage, scale: torch.Tensor) -> torch.Tensor:
+    """``sum_i scale_i g_i`` of an (unblocked) usage's per-sample gradients ``g_i``, in float32: the parameter's
+    gradient of ``sum_i scale_i sum_t log pi(o_{i,t})``, formed once the per-sample coefficients are known.
+
+    A factored usage costs what autograd's weight gradient costs (one contraction over the tokens); the LM head is
+    formed one vocabulary chunk at a time. Returns ``(n_L, n_R)`` for :class:`Factored`, ``g.shape[1:]`` otherwise.
+    """
+    if isinstance(u, Materialized):
+        return torch.einsum("b,b...->...", scale.float(), u.g.float())
+    if not isinstance(u.right, Dense):
+        raise NotImplementedError("A factored usage needs a dense right (input-side) factor.")
+    right = u.right.t.float() * scale.float()[:, None, None]  # (B, T, n_R)
+    left = u.left
+    if isinstance(left, Dense):
+        return torch.einsum("btl,btr->lr", left.t.float(), right)
+    if isinstance(left, OneHot):
+        out = right.new_zeros(left.n, right.shape[-1])
+        return out.index_add_(0, left.idx.reshape(-1), right.reshape(-1, right.shape[-1]))
+    return torch.cat(
+        [torch.einsum("btv,btr->vr", left.cols(start, min(start + VOCAB_CHUNK, left.width)), right)
+         for start in range(0, left.width, VOCAB_CHUNK)]
+    )
+
+
 def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
     """Whether materializing the per-sample gradients beats the token Grams for this pair (fastDP's choice).
 

@@ -35,8 +35,17 @@ def register_grad_norm_rule(*module_types: type | str) -> Callable[[Rule], Rule]
     return decorator
 
 
+def _original_class(cls: type) -> type:
+    """The class under FSDP2's wrapper: ``fully_shard`` swaps a module's class for ``FSDP<Cls>(FSDPModule, Cls)``."""
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1]
+    return cls
+
+
 def find_rule(module: nn.Module) -> Rule | None:
-    return GRAD_NORM_RULES.get(type(module)) or _NAME_RULES.get(type(module).__name__)
+    cls = _original_class(type(module))
+    return GRAD_NORM_RULES.get(cls) or _NAME_RULES.get(cls.__name__)
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,16 @@
 """One OBLR-PO run with deterministic completions, for comparing 1 process with N (torchrun) on the same data.
 
-    torchrun --nproc_per_node 2 tests/distributed/equivalence_run.py OUT.json PER_DEVICE_BATCH [ddp|fsdp]
+    torchrun --nproc_per_node 2 tests/distributed/equivalence_run.py OUT.json PER_DEVICE_BATCH [MODE]
+
+MODE is ``ddp`` (default) or ``+``-joined flags, e.g. ``fsdp2+fp32+degenerate+nan``:
+
+* ``degenerate``: the second half of the global batch (all of rank 1's data under 2 processes) gets empty completions
+  with identical (zero) rewards; with ``nan`` as well, their rewards are None (NaN, unscorable) instead.
+* ``fsdp2``: under several processes, Accelerate's FSDP2 path (`fsdp2_prepare_model`, `fully_shard`, DTensor
+  parameters), asked for through the Trainer's own ``fsdp`` arguments; see `enable_accelerate_fsdp_on_cpu`. The
+  1-process reference of the same mode is a plain run.
+* ``fp32``: no bf16 autocast (``bf16=False``). FSDP2's bf16 policy casts the parameters themselves to bf16 while a
+  plain or DDP run autocasts fp32 parameters, a difference of ~1e-3 by design; in fp32 the layouts agree to ~1e-6.
 
 Generation is replaced at TRL's narrowest seam (`rollout_func`) by a pure function of (prompt, position in its group),
 so every process layout sees the same completions; the rest of the step (rewards gathered across ranks, the norms
@@ -13,8 +23,10 @@ import os
 import sys
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, gather_object
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.tiny import build_model, build_tokenizer
@@ -29,6 +41,7 @@ def completion_text(prompt: str, position: int) -> str:
 
 
 DEGENERATE_FROM = None  # with mode "degenerate": completions from this global index on are empty (EOS alone)
+NAN_FOR_EMPTY = False  # with "degenerate+nan": those empty completions get reward None (NaN) instead of 0
 
 
 def deterministic_rollout(prompts, trainer):
@@ -45,7 +58,42 @@ def deterministic_rollout(prompts, trainer):
 
 
 def ones_reward(completions, **kwargs):
-    return [float(c[0]["content"].count("1")) for c in completions]
+    return [None if NAN_FOR_EMPTY and c[0]["content"] == "" else float(c[0]["content"].count("1")) for c in completions]
+
+
+def enable_accelerate_fsdp_on_cpu() -> None:
+    """Test harness only: let Accelerate take its real FSDP path on CPU (gloo) processes.
+
+    Why: Accelerate 1.15 switches to ``DistributedType.FSDP`` only inside the branch of ``AcceleratorState.__init__``
+    (accelerate/state.py, ~line 986-1015) taken for accelerator-backed multi-process types (MULTI_GPU, MULTI_NPU,
+    MULTI_XPU, ...), never for MULTI_CPU: on CPU the FSDP plugin the Trainer passes is dropped and the run silently
+    becomes DDP. This wrapper changes nothing but that gate: when the state came out MULTI_CPU although an FSDP plugin
+    was passed, it makes the same three assignments as that branch, verbatim. Everything after it
+    (`fsdp2_prepare_model`, `fully_shard`, DTensor parameters, the optimizer rebinding, gradient clipping over
+    DTensors, the Trainer's ``is_fsdp_enabled``) is Accelerate's, Transformers' and torch's own code, unchanged.
+    """
+    original = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = self.distributed_type  # as __init__ ends
+
+    AcceleratorState.__init__ = __init__
+
+
+class RecordLR(TrainerCallback):
+    """The learning rate each optimizer step is taken with, on this rank (right before ``optimizer.step()``)."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs.append([group["lr"] for group in optimizer.param_groups])
 
 
 class Recorder(OBLRPOTrainer):
@@ -62,12 +110,21 @@ class Recorder(OBLRPOTrainer):
 
 def main(out_path: str, per_device: int, mode: str = "ddp"):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 7}"}]} for i in range(64)])
-    global DEGENERATE_FROM
-    extra = {}
-    if mode == "degenerate":
+    global DEGENERATE_FROM, NAN_FOR_EMPTY
+    flags = set(mode.split("+"))
+    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward"}, mode
+    extra = {"bf16": False} if "fp32" in flags else {}
+    if "one_backward" in flags:
+        extra["one_backward"] = True
+    if "degenerate" in flags:
         DEGENERATE_FROM = 8  # the global batch is 16: the second half
-    if mode == "fsdp":
-        extra = dict(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True})
+        NAN_FOR_EMPTY = "nan" in flags
+    fsdp2 = "fsdp2" in flags and int(os.environ.get("WORLD_SIZE", "1")) > 1  # the 1-process reference is plain
+    if fsdp2:
+        enable_accelerate_fsdp_on_cpu()
+        # as a user asks for it; Accelerate shards each decoder layer (the model's _no_split_modules), the tied
+        # embedding with the final norm and the LM head as one unit, then the root
+        extra.update(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True})
     args = OBLRPOConfig(
         output_dir="/tmp/oblr-equivalence", per_device_train_batch_size=per_device, num_generations=GROUP,
         max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", use_cpu=True, learning_rate=1e-2,
@@ -76,7 +133,28 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     torch.manual_seed(0)
     trainer = Recorder(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[ones_reward], args=args,
                        train_dataset=dataset, rollout_func=deterministic_rollout)
+    lr_recorder = RecordLR()
+    trainer.add_callback(lr_recorder)
     trainer.train()
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    fsdp_facts = {  # what actually ran, on this rank
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "is_fsdp2": bool(trainer.accelerator.is_fsdp2),
+        "trainer_is_fsdp_enabled": bool(trainer.is_fsdp_enabled),
+        "fsdp_modules": sum(isinstance(m, FSDPModule) for m in trainer.model_wrapped.modules()),
+        "root_is_fsdp": isinstance(trainer.model_wrapped, FSDPModule),
+        "all_params_dtensor": all(isinstance(p, DTensor) for p in trainer.model_wrapped.parameters()),
+        "optimizer_params_dtensor": all(isinstance(p, DTensor) for g in trainer.optimizer.param_groups for p in g["params"]),
+    }
+    lrs_per_rank = gather_object([lr_recorder.lrs])
+    # the trained parameters, summed (gathered first where sharded): the updates of both layouts must agree
+    param_sum = sum(
+        float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().abs().sum())
+        for p in trainer.model_wrapped.parameters()
+    )
+    facts_per_rank = gather_object([fsdp_facts])
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "oblr/lr_scale" in h]
         with open(out_path, "w") as f:
@@ -87,6 +165,12 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
                 "snr": [h["oblr/snr"] for h in logs],
                 "grad_norm": [h["grad_norm"] for h in logs],
                 "num_samples": [h["oblr/num_samples"] for h in logs],
+                "unscorable": [h["oblr/unscorable"] for h in logs],
+                "lr": [h["oblr/lr"] for h in logs],
+                "applied_lrs": lrs_per_rank,  # per rank, per optimizer step, per param group
+                "fsdp": facts_per_rank,
+                "one_backward": bool(trainer._one_backward),
+                "param_abs_sum": param_sum,
             }, f)
 
 

@@ -1,0 +1,88 @@
+"""OBLRPOConfig(one_backward=True): norms and update from one forward/backward give what the two-pass default gives."""
+
+import logging
+
+import pytest
+import torch
+
+from oblr_trl import OBLRPOConfig
+from oblr_trl.tiny import build_model
+from test_trainer import TOKENIZER, Recorder, common_args, logged, train
+
+
+def nan_for_some(completions, **kwargs):
+    """Rewards with spread, and None for every fifth completion (unscorable)."""
+    return [None if i % 5 == 0 else float(c[0]["content"].count("1")) for i, c in enumerate(completions)]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_one_backward_matches_two_passes(loss_type):
+    # fp32 and SGD: parameters then differ as the gradients do (Adam would magnify float noise in near-zero entries)
+    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
+    two, _ = train(Recorder, OBLRPOConfig(**kwargs))
+    one, probe = train(Recorder, OBLRPOConfig(**kwargs, one_backward=True))
+    assert one._one_backward and not two._one_backward
+    assert "oblr_gram" not in one.generations[0]  # no norms pass at generation time
+    for key in ("oblr/lr_scale", "oblr/snr", "oblr/baseline_mean", "grad_norm", "loss", "oblr/weight_spread"):
+        a, b = logged(one, key), logged(two, key)
+        assert len(a) == len(b) == 3, key
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6), key
+    assert any(0 < s < 1 for s in logged(one, "oblr/lr_scale"))
+    # the advantages the update used: the same rows (TRL shuffles the batch; the index undoes it)
+    for mb_one, mb_two in zip(one.micro_batches, two.micro_batches):
+        order = torch.argsort(mb_one["oblr_index"])
+        assert torch.equal(mb_one["completion_ids"][order], torch.cat([mb_two["completion_ids"]])[torch.argsort(
+            mb_two["oblr_unit"] * 10_000 + mb_two["oblr_pos"])])
+    for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_one_backward_with_lora_updates_the_adapters_only():
+    peft = pytest.importorskip("peft")
+    kwargs = common_args(max_steps=2, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
+
+    def lora_model():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                 task_type="CAUSAL_LM")
+        return peft.get_peft_model(build_model(TOKENIZER), config)
+
+    kwargs["lr_scale_min"] = 0.5  # the adapters move even where the SNR is ~0
+    two, _ = train(Recorder, OBLRPOConfig(**kwargs), model=lora_model())
+    one, _ = train(Recorder, OBLRPOConfig(**kwargs, one_backward=True), model=lora_model())
+    assert one._one_backward
+    assert logged(one, "oblr/lr_scale") == pytest.approx(logged(two, "oblr/lr_scale"), rel=1e-4, abs=1e-6)
+    assert logged(one, "grad_norm") == pytest.approx(logged(two, "grad_norm"), rel=1e-4)
+    base = build_model(TOKENIZER)
+    moved = [n for n, p in one.model.named_parameters() if "lora_B" in n and p.abs().max() > 0]
+    assert moved  # lora_B starts at zero: the update reached the adapters
+    for name, p in one.model.get_base_model().named_parameters():
+        if "lora_" not in name:  # the base weights are untouched
+            torch.testing.assert_close(p, base.get_parameter(name.replace(".base_layer", "")), rtol=0, atol=0)
+    for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_one_backward_with_unscorable_completions_stays_finite(caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=2), one_backward=True), reward=nan_for_some)
+    assert trainer._one_backward
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert logged(trainer, "oblr/unscorable")[0] > 0
+    assert "no reward" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
+        (dict(num_iterations=2), "num_iterations=2"),
+        (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+    ],
+)
+def test_one_backward_falls_back_to_two_passes_and_says_why(overrides, reason, caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=1, **overrides), one_backward=True))
+    assert not trainer._one_backward
+    assert "falls back to two passes" in caplog.text and reason in caplog.text
+    assert "oblr_gram" in trainer.generations[0]  # the norms pass ran
+    assert len(logged(trainer, "oblr/lr_scale")) == 1
