@@ -72,6 +72,7 @@ METHODS = {
     "oblr_lr10x": ("oblr", dict(), 10.0, "OBLR-PO, eta_max 10x"),
     "grpo_lr01x": ("grpo", dict(scale_rewards="group"), 0.1, "GRPO, lr 0.1x"),
     "rloo_lr01x": ("oblr", dict(baseline="mean", leave_one_out=True, snr_lr=False), 0.1, "RLOO, lr 0.1x"),
+    "oblr_baseline_lr01x": ("oblr", dict(snr_lr=False), 0.1, "OBLR-PO baseline only, lr 0.1x"),
 }
 QUICK_METHODS = ["grpo", "dr_grpo", "rloo", "opo", "oblr", "oblr_lr10x"]
 EVAL_SEED = 12345
@@ -126,6 +127,7 @@ def single_run(task: str, method: str, seed: int, args) -> dict:
         report_to="none",
         disable_tqdm=True,
         use_cpu=True,
+        bf16=False,  # TRL's default bf16=True would autocast the CPU runs to bf16
         **options,
     )
     if kind == "grpo":

@@ -4,7 +4,7 @@ Reads top to bottom like the algorithm:
   1. build (or load) a model: by default a tiny Qwen3 with a character-level tokenizer, briefly warmed up with SFT so
      it already answers in the right format and gets some answers right;
   2. build the train and held-out problem sets and the verifier reward (reasoning-gym's own `score_answer`);
-  3. measure held-out greedy accuracy;
+  3. measure held-out accuracy (greedy, and sampled at temperature 1);
   4. train with OBLR-PO: for each prompt, sample a group of completions, score them, subtract the optimal baseline,
      scale the step size by the gradient signal-to-noise ratio, update;
   5. measure held-out accuracy again, print a summary, plot the curves, write `summary.json`.
@@ -61,7 +61,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--max_completion_length", type=int, default=8, help="Answers are a few characters.")
     parser.add_argument("--num_train", type=int, default=2000, help="Generated training problems.")
-    parser.add_argument("--num_eval", type=int, default=200, help="Generated held-out problems.")
+    parser.add_argument("--num_eval", type=int, default=1000, help="Generated held-out problems.")
+    parser.add_argument(
+        "--eval_samples", type=int, default=4,
+        help="Completions sampled per held-out problem (temperature 1) for the sampled accuracy.",
+    )
     parser.add_argument(
         "--warmup_steps", type=int, default=200, help="SFT steps of the embedded tiny model (~35%% held-out accuracy)."
     )
@@ -115,9 +119,15 @@ def main(args):
     eval_dataset = make_dataset(args.task, size=args.num_eval, seed=args.eval_seed)
     reward_func = make_reward_func(args.task)
 
-    # 3. Held-out greedy accuracy before RL.
-    accuracy_before = evaluate_accuracy(model, tokenizer, eval_dataset, max_new_tokens=args.max_completion_length)
-    print(f"Held-out accuracy before OBLR-PO: {accuracy_before:.1%}")
+    # 3. Held-out accuracy before RL: greedy, and sampled at the training temperature (the reward RL maximizes).
+    def held_out(m):
+        greedy = evaluate_accuracy(m, tokenizer, eval_dataset, max_new_tokens=args.max_completion_length)
+        sampled = evaluate_accuracy(m, tokenizer, eval_dataset, max_new_tokens=args.max_completion_length,
+                                    temperature=1.0, num_samples=args.eval_samples)
+        return greedy, sampled
+
+    accuracy_before, sampled_before = held_out(model)
+    print(f"Held-out accuracy before OBLR-PO: greedy {accuracy_before:.1%}, sampled {sampled_before:.1%}")
 
     # 4. OBLR-PO: group sampling, verifier rewards, optimal baseline, SNR-scaled step size, update.
     oblr_options = {k: getattr(args, k) for k in ("baseline", "snr_lr", "snr_ema", "lr_scale_min") if getattr(args, k) is not None}
@@ -149,9 +159,7 @@ def main(args):
     trainer.train()
 
     # 5. Held-out accuracy after RL, summary, plots.
-    accuracy_after = evaluate_accuracy(
-        trainer.model, tokenizer, eval_dataset, max_new_tokens=args.max_completion_length
-    )
+    accuracy_after, sampled_after = held_out(trainer.model)
     history = trainer.state.log_history
     rewards = [entry["reward"] for entry in history if "reward" in entry]
     lr_scales = [entry["oblr/lr_scale"] for entry in history if "oblr/lr_scale" in entry]
@@ -161,8 +169,11 @@ def main(args):
         "task": args.task,
         "model": args.model_name_or_path or "embedded tiny Qwen3",
         "steps": trainer.state.global_step,
+        "num_eval": len(eval_dataset),
         "accuracy_before": accuracy_before,
         "accuracy_after": accuracy_after,
+        "sampled_accuracy_before": sampled_before,
+        "sampled_accuracy_after": sampled_after,
         "reward_first_steps": mean(rewards[:window]),
         "reward_last_steps": mean(rewards[-window:]),
         "final_lr_scale": lr_scales[-1] if lr_scales else None,
@@ -170,11 +181,17 @@ def main(args):
         "seconds": round(time.time() - start, 1),
     }
     print()
-    print(f"{'metric':<22}{'value':>22}")
-    print("-" * 44)
-    for name, value in summary.items():
+    title = f"held-out, {len(eval_dataset)} problems"
+    print(f"{title:<34}{'before RL':>11}{'after RL':>11}")
+    print("-" * 56)
+    print(f"{'greedy accuracy':<34}{accuracy_before:>11.1%}{accuracy_after:>11.1%}")
+    print(f"{f'sampled accuracy (T=1, {args.eval_samples} each)':<34}{sampled_before:>11.1%}{sampled_after:>11.1%}")
+    print()
+    for name in ("task", "model", "steps", "reward_first_steps", "reward_last_steps", "final_lr_scale", "mean_snr",
+                 "seconds"):
+        value = summary[name]
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"{name:<22}{shown:>22}")
+        print(f"{name:<34}{shown:>22}")
 
     plots = plot_training(history, args.output_dir)
     os.makedirs(args.output_dir, exist_ok=True)

@@ -96,11 +96,17 @@ def evaluate_accuracy(
     max_new_tokens: int = 8,
     batch_size: int = 64,
     task: str | None = None,
+    temperature: float | None = None,
+    num_samples: int = 1,
 ) -> float:
-    """Greedy-decoding accuracy on `dataset`, scored by the same extraction and verifier as the reward.
+    """Held-out accuracy on `dataset`, scored by the same extraction and verifier as the reward.
 
-    `task` defaults to the entry's `metadata.source_dataset` (set by reasoning-gym).
+    Greedy decoding by default. With `temperature`, the mean score of `num_samples` completions sampled per problem
+    at that temperature (pure sampling, no top-k/top-p): the expected reward the policy itself earns, which is what
+    RL trains. `task` defaults to the entry's `metadata.source_dataset` (set by reasoning-gym).
     """
+    if num_samples < 1 or (temperature is None and num_samples != 1):
+        raise ValueError("num_samples must be >= 1, and 1 for greedy decoding (temperature=None).")
     if len(dataset) == 0:
         return 0.0
     if task is None:
@@ -122,15 +128,20 @@ def evaluate_accuracy(
                 padding=True,
                 return_tensors="pt",
             ).to(device)
+            sampling = dict(do_sample=False) if temperature is None else dict(
+                do_sample=True, temperature=temperature, top_k=0, top_p=1.0, num_return_sequences=num_samples
+            )
             output = model.generate(
                 **inputs,
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
+                **sampling,
             )
             texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-            scores += reward_func(prompts=batch["prompt"], completions=texts, entry=batch["entry"])
+            repeat = [x for x in batch["entry"] for _ in range(num_samples)]
+            prompts = [x for x in batch["prompt"] for _ in range(num_samples)]
+            scores += reward_func(prompts=prompts, completions=texts, entry=repeat)
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)

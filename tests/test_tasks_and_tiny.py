@@ -130,3 +130,20 @@ def test_plot_training_writes_png(tmp_path):
     assert len(paths) == 1 and paths[0].endswith("training_curves.png")
     with open(paths[0], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sampled_accuracy_at_near_zero_temperature_is_the_greedy_accuracy(tokenizer, dataset):
+    """The sampled mode scores each of the num_samples completions against its own problem: at T -> 0 sampling is
+    argmax, so it must reproduce the greedy accuracy exactly (a misaligned problem/completion pairing would not)."""
+    model = build_model(tokenizer, seed=0)
+    warmup_sft(model, tokenizer, dataset, steps=150, batch_size=16, log_every=0)  # memorize the 16 problems, partly
+    greedy = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=4, batch_size=8)
+    assert 0.0 < greedy < 1.0
+    near_greedy = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=4, batch_size=8, temperature=1e-4,
+                                    num_samples=3)
+    assert near_greedy == pytest.approx(greedy)
+    sampled = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=4, batch_size=8, temperature=1.0,
+                                num_samples=4)
+    assert 0.0 <= sampled <= 1.0
+    with pytest.raises(ValueError, match="num_samples"):
+        evaluate_accuracy(model, tokenizer, dataset, num_samples=2)
