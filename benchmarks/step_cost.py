@@ -606,13 +606,15 @@ def main():
         )
         if mem_mode == "all" or (mem_mode == "largest" and (size, completion) == largest):
             mem = {}
-            for mode in ("fwdbwd", "norms") + (("group",) if "group" in t else ()):
+            for mode in ("fwdbwd", "norms") + (("group", "update_one_backward") if "group" in t else ()):
                 mem[mode] = measure_memory(size, completion, args.batch, args.prompt_len, mode, args.threads)
             row["memory"] = mem
             base = mem["fwdbwd"]["peak_bytes"]
             row["ratios"]["peak_mem_vs_grpo"] = mem["norms"]["peak_bytes"] / base
             row["ratios"]["peak_mem_group_vs_grpo"] = (mem["group"]["peak_bytes"] / base) if "group" in mem \
                 else float("nan")
+            row["ratios"]["peak_mem_one_backward_vs_grpo"] = (
+                mem["update_one_backward"]["peak_bytes"] / base if "update_one_backward" in mem else float("nan"))
         r = row["ratios"]
         log(f"{size:6s} C={completion:5d}: fwdbwd {t['fwdbwd']:.3f}s norms {t['norms']:.3f}s "
             f"group {t.get('group', float('nan')):.3f}s loop {t['loop']:.3f}s | norms/fwdbwd "
@@ -660,6 +662,7 @@ def main():
         peak_mem_vs_grpo=round(head_row["ratios"].get("peak_mem_vs_grpo", float("nan")), 3),
         step_vs_grpo=round(head_step["step_vs_grpo"], 3) if head_step else float("nan"),
         update_one_backward_vs_grpo=round(head_row["ratios"]["update_one_backward_vs_grpo"], 3),
+        peak_mem_one_backward_vs_grpo=round(head_row["ratios"].get("peak_mem_one_backward_vs_grpo", float("nan")), 3),
         step_one_backward_vs_grpo=round(head_step["step_one_backward_vs_grpo"], 3) if head_step else float("nan"),
     )
     where = dict(
@@ -670,6 +673,7 @@ def main():
         step_vs_grpo=(f"{head_step['size']}, C={head_step['completion']}, {step_steps} steps" if head_step else "n/a"),
         update_one_backward_vs_grpo=f"{largest[0]}, C={largest[1]}, OBLRPOConfig(one_backward=True): one pass, "
         "group products, weight gradients formed",
+        peak_mem_one_backward_vs_grpo=f"{largest[0]}, C={largest[1]}, the one_backward update",
         step_one_backward_vs_grpo=(f"{head_step['size']}, C={head_step['completion']}, {step_steps} steps, "
                                    "OBLRPOConfig(one_backward=True)" if head_step else "n/a"),
     )
@@ -722,9 +726,9 @@ def render_markdown(res: dict, quick: bool) -> str:
         "inputs, the group products, then every weight gradient formed from the kept factors. Peak memory: " + _mem_method(res) + ".",
         "",
         "| model | params | vocab | C | fwdbwd | norms | group | loop | norms/fwdbwd | group/fwdbwd | loop/norms "
-        "| loop/group | update/grpo (sq) | update/grpo (group) | update/grpo (one bwd) | peak mem fwdbwd | norms/fwdbwd mem | group/fwdbwd mem "
+        "| loop/group | update/grpo (sq) | update/grpo (group) | update/grpo (one bwd) | peak mem fwdbwd | norms/fwdbwd mem | group/fwdbwd mem | one bwd/fwdbwd mem "
         "| est. GFLOP fwdbwd / Gram (sq) / Gram (group) | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         t, q, mem = r["times"], r["ratios"], r.get("memory")
@@ -737,6 +741,7 @@ def render_markdown(res: dict, quick: bool) -> str:
             f"**{fmt(q['update_group_vs_grpo'])}** | **{fmt(q.get('update_one_backward_vs_grpo'))}** | "
             f"{fmt(base_mb, '.0f')} MB | "
             f"**{fmt(q.get('peak_mem_vs_grpo'))}** | {fmt(q.get('peak_mem_group_vs_grpo'))} | "
+            f"{fmt(q.get('peak_mem_one_backward_vs_grpo'))} | "
             f"{r['est_gflop_sq']['fwdbwd']:.1f} / {r['est_gflop_sq']['gram_total']:.1f} / "
             f"{r['est_gflop_group']['gram_total']:.1f} | {r['max_rel_err_norms']:.1e} |"
             + (" " + "; ".join(r["skipped"]) if r["skipped"] else "")
