@@ -371,6 +371,9 @@ def mem_worker(size: str, completion: int, batch: int, prompt: int, mode: str, t
     device, dtype = device_and_dtype()
     tokenizer = build_tokenizer()
     model = make_model(size, tokenizer, device)
+    if mode.endswith("_ckpt"):  # under TRL's default gradient checkpointing (non-reentrant)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mode = mode[: -len("_ckpt")]
     data = make_batch(model.config.vocab_size, batch, prompt, completion, device)
     fns = make_fns(model, data, device, dtype)
     # load kernels/libraries on a short batch first, so one-time initialisation does not count
@@ -615,6 +618,11 @@ def main():
                 else float("nan")
             row["ratios"]["peak_mem_one_backward_vs_grpo"] = (
                 mem["update_one_backward"]["peak_bytes"] / base if "update_one_backward" in mem else float("nan"))
+            if "group" in t:  # both under gradient checkpointing, as the trainer runs them by default
+                for mode in ("fwdbwd_ckpt", "group_ckpt"):
+                    mem[mode] = measure_memory(size, completion, args.batch, args.prompt_len, mode, args.threads)
+                row["ratios"]["peak_mem_ckpt_vs_grpo_ckpt"] = (
+                    mem["group_ckpt"]["peak_bytes"] / mem["fwdbwd_ckpt"]["peak_bytes"])
         r = row["ratios"]
         log(f"{size:6s} C={completion:5d}: fwdbwd {t['fwdbwd']:.3f}s norms {t['norms']:.3f}s "
             f"group {t.get('group', float('nan')):.3f}s loop {t['loop']:.3f}s | norms/fwdbwd "
@@ -663,6 +671,7 @@ def main():
         step_vs_grpo=round(head_step["step_vs_grpo"], 3) if head_step else float("nan"),
         update_one_backward_vs_grpo=round(head_row["ratios"]["update_one_backward_vs_grpo"], 3),
         peak_mem_one_backward_vs_grpo=round(head_row["ratios"].get("peak_mem_one_backward_vs_grpo", float("nan")), 3),
+        peak_mem_ckpt_vs_grpo_ckpt=round(head_row["ratios"].get("peak_mem_ckpt_vs_grpo_ckpt", float("nan")), 3),
         step_one_backward_vs_grpo=round(head_step["step_one_backward_vs_grpo"], 3) if head_step else float("nan"),
     )
     where = dict(
@@ -674,6 +683,8 @@ def main():
         update_one_backward_vs_grpo=f"{largest[0]}, C={largest[1]}, OBLRPOConfig(one_backward=True): one pass, "
         "group products, weight gradients formed",
         peak_mem_one_backward_vs_grpo=f"{largest[0]}, C={largest[1]}, the one_backward update",
+        peak_mem_ckpt_vs_grpo_ckpt=f"{largest[0]}, C={largest[1]}, group form vs fwdbwd, both under gradient "
+        "checkpointing",
         step_one_backward_vs_grpo=(f"{head_step['size']}, C={head_step['completion']}, {step_steps} steps, "
                                    "OBLRPOConfig(one_backward=True)" if head_step else "n/a"),
     )
@@ -726,9 +737,9 @@ def render_markdown(res: dict, quick: bool) -> str:
         "inputs, the group products, then every weight gradient formed from the kept factors. Peak memory: " + _mem_method(res) + ".",
         "",
         "| model | params | vocab | C | fwdbwd | norms | group | loop | norms/fwdbwd | group/fwdbwd | loop/norms "
-        "| loop/group | update/grpo (sq) | update/grpo (group) | update/grpo (one bwd) | peak mem fwdbwd | norms/fwdbwd mem | group/fwdbwd mem | one bwd/fwdbwd mem "
+        "| loop/group | update/grpo (sq) | update/grpo (group) | update/grpo (one bwd) | peak mem fwdbwd | norms/fwdbwd mem | group/fwdbwd mem | one bwd/fwdbwd mem | group/fwdbwd mem, both ckpt "
         "| est. GFLOP fwdbwd / Gram (sq) / Gram (group) | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         t, q, mem = r["times"], r["ratios"], r.get("memory")
@@ -741,7 +752,7 @@ def render_markdown(res: dict, quick: bool) -> str:
             f"**{fmt(q['update_group_vs_grpo'])}** | **{fmt(q.get('update_one_backward_vs_grpo'))}** | "
             f"{fmt(base_mb, '.0f')} MB | "
             f"**{fmt(q.get('peak_mem_vs_grpo'))}** | {fmt(q.get('peak_mem_group_vs_grpo'))} | "
-            f"{fmt(q.get('peak_mem_one_backward_vs_grpo'))} | "
+            f"{fmt(q.get('peak_mem_one_backward_vs_grpo'))} | {fmt(q.get('peak_mem_ckpt_vs_grpo_ckpt'))} | "
             f"{r['est_gflop_sq']['fwdbwd']:.1f} / {r['est_gflop_sq']['gram_total']:.1f} / "
             f"{r['est_gflop_group']['gram_total']:.1f} | {r['max_rel_err_norms']:.1e} |"
             + (" " + "; ".join(r["skipped"]) if r["skipped"] else "")

@@ -330,9 +330,38 @@ class OBLRPOTrainer(GRPOTrainer):
             reasons.append("top_entropy_quantile < 1 or off_policy_mask_threshold (token masks)")
         if a.use_liger_kernel:
             reasons.append("use_liger_kernel=True (Liger computes the loss)")
+        if a.fp16:
+            reasons.append("fp16=True (the loss scaler would unscale gradients it never scaled; use bf16)")
         if self.is_fsdp_enabled:
             reasons.append("FSDP (sharded parameters)")
         return reasons
+
+    ALL_REDUCE_BUCKET = 1 << 25  # elements per all-reduce (DDP's default bucket is 25 MiB)
+
+    def _all_reduce_grads(self) -> None:
+        """Sum the trainable parameters' ``.grad`` over ranks, in buckets, in the same order on every rank."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # e.g. a rank whose batch never reached a parameter: it still takes part
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+
+        def flush():
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            torch.distributed.all_reduce(flat)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            bucket.clear()
+
+        for p in params:
+            if bucket and (sum(q.numel() for q in bucket) + p.numel() > self.ALL_REDUCE_BUCKET
+                           or p.grad.dtype != bucket[0].grad.dtype):
+                flush()
+            bucket.append(p)
+        if bucket:
+            flush()
 
     def _one_backward_loss(self, batch: dict) -> torch.Tensor:
         """Norms, advantages and the policy update from one forward and one backward (``one_backward=True``).
@@ -356,16 +385,7 @@ class OBLRPOTrainer(GRPOTrainer):
         coefficients = self._loss_coefficients(batch)
         grads.accumulate_grad(-(coefficients * batch["advantages"]))  # the gradient of TRL's loss at ratio 1
         if self.accelerator.num_processes > 1:  # what DDP's backward hooks would have done (c_i already has 1/world)
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            torch.distributed.all_reduce(flat)
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            self._all_reduce_grads()
         self._record_step_terms(batch)
         loss = -(coefficients * self.accelerator.num_processes * batch["advantages"] * mask.sum(-1)).sum()
         return loss.detach().requires_grad_()

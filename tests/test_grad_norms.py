@@ -92,12 +92,28 @@ def test_lora_only_adapters():
 
 
 def test_gradient_checkpointing_gives_the_same_norms():
+    """Inside checkpointed layers the inputs come from the backward's recomputation (none kept from the forward)."""
+    from oblr_trl.grad_norms import per_sequence_grads
+
     model = qwen3(tie=False)
     model.train()
     ids, attention, completion_mask = padded_batch()
     plain = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    kept = per_sequence_grads(model, ids, attention, completion_mask)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.testing.assert_close(per_sequence_grad_sq_norms(model, ids, attention, completion_mask), plain)
+    # the kept factors (one_backward's path) pair each recomputed input with its output gradient too
+    ckpt = per_sequence_grads(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ckpt.inner_products(2), kept.inner_products(2), rtol=1e-5, atol=1e-4)
+
+
+def test_reentrant_checkpointing_is_refused_with_the_option_to_set():
+    model = qwen3(tie=False)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ids, attention, completion_mask = padded_batch()
+    with pytest.raises(RuntimeError, match="use_reentrant': False"):
+        per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
 
 
 def test_frozen_model_gives_zero_norms():
@@ -224,3 +240,61 @@ def test_products_accumulate_in_fp32_under_autocast():
         grads = per_sequence_grads(model, ids, attention, completion_mask)
         inside = grads.inner_products(3)
     torch.testing.assert_close(inside, grads.inner_products(3), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_streamed_products_equal_the_kept_ones_and_free_the_layers(checkpointing):
+    """per_sequence_grad_inner_products consumes each single-use layer's factors as its output gradient arrives
+    (stream_group_size): same products as keeping every factor to the end, and only the tied embedding is kept."""
+    from oblr_trl.grad_norms import per_sequence_grads
+
+    model = qwen3(tie=True)
+    model.train()
+    if checkpointing:  # recomputations in the backward must not count as second calls
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, attention, completion_mask = padded_batch()
+    kept = per_sequence_grads(model, ids, attention, completion_mask)
+    streamed = per_sequence_grads(model, ids, attention, completion_mask, stream_group_size=3)
+    torch.testing.assert_close(streamed.inner_products(3), kept.inner_products(3), rtol=1e-5, atol=1e-4)
+    assert streamed.streamed.abs().max() > 0
+    assert list(streamed.params.values()) == [model.model.embed_tokens.weight]  # tied to the head: kept
+    with pytest.raises(ValueError, match="streamed"):
+        streamed.inner_products(2)
+
+
+def test_a_module_called_twice_is_not_streamed():
+    """A layer applied twice in one forward has two usages whose cross term needs both: kept to the end, exact."""
+    model = qwen3(tie=False)
+    mlp = model.model.layers[1].mlp
+    forward = mlp.forward
+    mlp.forward = lambda x: forward(x) + forward(0.5 * x)  # the same weights twice
+    ids, attention, completion_mask = padded_batch()
+    ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=2)
+    grads = per_sample_grads(model, ids, attention, completion_mask)
+    reference = torch.stack([
+        torch.stack([torch.stack([grads[2 * q + i].double() @ grads[2 * q + j].double() for j in range(2)])
+                     for i in range(2)]) for q in range(3)
+    ])
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_checkpointed_layers_keep_no_input_from_the_forward():
+    """The memory property behind the recomputation pairing: after the forward, no module inside a checkpointed layer
+    holds its input (checkpointing keeps only the layers' inputs); the embedding and final norm outside them do."""
+    from oblr_trl.grad_norms.engine import _capture, _checkpointed_layers, _hooked_modules
+
+    model = qwen3(tie=False)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, attention, _ = padded_batch()
+    backbone = model.model
+    layers = _checkpointed_layers(backbone)
+    assert len(layers) == 2
+    inside = {m for layer in layers for m in layer.modules()}
+    with _capture(_hooked_modules(backbone, skip=model.lm_head), None, layers) as (records, targets):
+        backbone(input_ids=ids, attention_mask=attention, use_cache=False)
+        held = [r for r in records if r.activation is not None]
+        assert {r.module for r in held} == {backbone.embed_tokens, backbone.norm}  # outside the layers
+        # per layer: q, k, v, o, gate, up, down, q_norm, k_norm and two layer norms, each waiting for its recomputation
+        assert len([r for r in records if r.module in inside]) == 2 * 11
+        assert len(targets) == 3  # the final norm's input and the checkpointed layers' inputs

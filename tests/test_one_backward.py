@@ -86,3 +86,26 @@ def test_one_backward_falls_back_to_two_passes_and_says_why(overrides, reason, c
     assert "falls back to two passes" in caplog.text and reason in caplog.text
     assert "oblr_gram" in trainer.generations[0]  # the norms pass ran
     assert len(logged(trainer, "oblr/lr_scale")) == 1
+
+
+def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
+    """fp16 (loss scaling), FSDP, vLLM importance weights and Liger cannot be set up on this CPU; their reasons are
+    checked on the settings alone."""
+    from types import SimpleNamespace
+
+    from oblr_trl import OBLRPOTrainer
+
+    base = dict(num_iterations=1, beta=0.0, gradient_accumulation_steps=1, steps_per_generation=1, use_vllm=False,
+                vllm_importance_sampling_correction=True, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+                use_liger_kernel=False, fp16=False)
+
+    def blockers(fsdp=False, **overrides):
+        fake = SimpleNamespace(args=SimpleNamespace(**{**base, **overrides}), is_fsdp_enabled=fsdp)
+        return OBLRPOTrainer._one_backward_blockers(fake)
+
+    assert blockers() == []
+    assert "fp16" in blockers(fp16=True)[0]
+    assert "FSDP" in blockers(fsdp=True)[0]
+    assert "vllm_importance_sampling_correction" in blockers(use_vllm=True)[0]
+    assert blockers(use_vllm=True, vllm_importance_sampling_correction=False) == []
+    assert "Liger" in blockers(use_liger_kernel=True)[0]

@@ -8,7 +8,7 @@ vocabulary chunks, and a head tied to the input embedding gets the norm of the s
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 
 import torch
@@ -58,35 +58,108 @@ class _Record:
         self.module, self.activation, self.output_grad, self.input_has_grad = module, activation, None, True
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (where checkpointed layers recompute their forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _checkpointed_layers(backbone: nn.Module) -> list[nn.Module]:
+    """Layers that transformers will run under (non-reentrant) gradient checkpointing in this forward."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - older transformers
+        return []
+    return [
+        m for m in backbone.modules()
+        if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and m.training
+    ]
+
+
 @contextmanager
-def _capture(modules: list[nn.Module]):
-    """Record (activation, output gradient) of every call of ``modules`` during the forward/backward inside."""
+def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[nn.Module] = ()):
+    """Record (activation, output gradient) of every call of ``modules`` during the forward/backward inside.
+
+    ``on_grad(record, calls)``, if given, runs as soon as a record has both halves (``calls``: how many times each
+    module ran in the forward, recomputations not counted); it may consume the record.
+
+    Inside a checkpointed layer a module's input is not kept from the forward: the backward recomputes the layer, and
+    the input is taken from that recomputation, just before (or just after) the module's output gradient arrives. So
+    the pass keeps what checkpointing keeps, plus one layer's factors at a time when ``on_grad`` consumes them.
+    """
     records: list[_Record] = []
-    # Inputs of hooked modules that carry a gradient: the backward is taken with respect to these, so that it reaches
-    # every hooked output without computing (and discarding) the parameters' gradients.
+    calls: dict[nn.Module, int] = defaultdict(int)
+    in_checkpointed = {m for layer in checkpointed_layers for m in layer.modules()}
+    waiting: dict[nn.Module, deque] = defaultdict(deque)  # forward records awaiting their recomputed input
+    recomputed_once: set[nn.Module] = set()  # modules whose inputs come from the recomputation
+    # Tensors the backward is taken with respect to, so that it reaches every hooked output without computing (and
+    # discarding) the parameters' gradients: inputs of hooked modules outside checkpointed layers, and the inputs of
+    # the checkpointed layers (which checkpointing keeps anyway).
     inputs_with_grad: list[torch.Tensor] = []
 
-    def forward_hook(module, args, output):
-        if not torch.is_tensor(output) or not output.requires_grad or not args or not torch.is_tensor(args[0]):
+    def ready(record: _Record) -> None:
+        if on_grad is not None:
+            on_grad(record, calls)
+
+    def layer_pre_hook(layer, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not _in_backward() and torch.is_tensor(hidden) and hidden.requires_grad:
+            inputs_with_grad.append(hidden)
+
+    def recompute_pre_hook(module, args):
+        # A checkpointed layer's recomputation: the input, now. A pre-hook, because the recomputation stops early
+        # (torch's checkpoint early stop) right after the last saved tensor it needs, possibly inside this module.
+        if not (_in_backward() and waiting[module]) or not args or not torch.is_tensor(args[0]):
             return
-        record = _Record(module, args[0].detach())
+        if calls[module] != 1:
+            raise NotImplementedError(
+                f"{type(module).__name__} runs {calls[module]} times in one forward inside a checkpointed layer; "
+                "per-sequence norms cannot pair its recomputed inputs. Disable gradient checkpointing."
+            )
+        record = waiting[module].popleft()
+        record.activation = args[0].detach()
+        if record.output_grad is not None:
+            ready(record)
+
+    def forward_hook(module, args, output):
+        if not args or not torch.is_tensor(args[0]) or not torch.is_tensor(output) or not output.requires_grad:
+            return
+        if _in_backward() and module in in_checkpointed and module in recomputed_once:
+            return  # its recomputation: paired by the pre-hook
+        deferred = module in in_checkpointed and not _in_backward()
+        record = _Record(module, None if deferred else args[0].detach())
         records.append(record)
-        if args[0].requires_grad:
-            inputs_with_grad.append(args[0])
-        else:
+        if not _in_backward():
+            calls[module] += 1
+        if deferred:
+            waiting[module].append(record)
+            recomputed_once.add(module)
+        if not args[0].requires_grad:
             record.input_has_grad = False
+        elif not deferred:
+            inputs_with_grad.append(args[0])
 
         def grad_hook(grad, record=record):
             record.output_grad = grad.detach()
+            if record.activation is not None:
+                ready(record)
 
         output.register_hook(grad_hook)
 
     handles = [m.register_forward_hook(forward_hook) for m in modules]
+    handles += [m.register_forward_pre_hook(recompute_pre_hook) for m in modules if m in in_checkpointed]
+    handles += [m.register_forward_pre_hook(layer_pre_hook, with_kwargs=True) for m in checkpointed_layers]
     try:
         yield records, inputs_with_grad
     finally:
         for handle in handles:
             handle.remove()
+    pending = {id(r) for queue in waiting.values() for r in queue}
+    unpaired = [r for r in records if r.output_grad is not None and id(r) in pending]
+    if unpaired:
+        raise RuntimeError(
+            f"{len(unpaired)} output gradient(s) of checkpointed modules never met their recomputed inputs "
+            f"(first: {type(unpaired[0].module).__name__}); the per-sequence norms would be incomplete."
+        )
 
 
 def _hooked_modules(backbone: nn.Module, skip: nn.Module | None) -> list[nn.Module]:
@@ -166,14 +239,21 @@ class PerSequenceGradients:
     ``OBLRPOConfig(one_backward=True)`` gets the norms and the update from a single backward.
     """
 
-    def __init__(self, usages: dict[int, list[Usage]], params: dict[int, nn.Parameter], batch: int, device):
+    def __init__(self, usages: dict[int, list[Usage]], params: dict[int, nn.Parameter], batch: int, device,
+                 streamed: torch.Tensor | None = None):
         self.usages, self.params, self.batch, self.device = usages, params, batch, device
+        # inner products already summed during the backward (layers whose factors were consumed as they arrived)
+        self.streamed = streamed
 
     def inner_products(self, group_size: int = 1) -> torch.Tensor:
         """``<u_i, u_j>`` within blocks of ``group_size`` consecutive rows: ``(B / group_size, k, k)``, float32."""
         if self.batch % group_size:
             raise ValueError(f"group_size={group_size} must divide the batch size {self.batch}.")
+        if self.streamed is not None and self.streamed.shape[1] != group_size:
+            raise ValueError(f"These gradients were streamed for group_size={self.streamed.shape[1]}.")
         out = torch.zeros(self.batch // group_size, group_size, group_size, device=self.device)
+        if self.streamed is not None:
+            out += self.streamed
         with _fp32(self.device):
             self._add_inner_products(out, group_size)
         return out
@@ -197,6 +277,8 @@ class PerSequenceGradients:
         ``sum_i scale_i sum_t log pi(o_{i,t})`` would. Plain (non-sharded) parameters only."""
         if scale.shape != (self.batch,):
             raise ValueError(f"scale must have shape ({self.batch},), got {tuple(scale.shape)}.")
+        if self.streamed is not None:
+            raise ValueError("Streamed gradients kept no factors to form a weighted sum from (stream_group_size).")
         for key, param_usages in self.usages.items():
             param = self.params[key]
             with _fp32(self.device):
@@ -214,11 +296,15 @@ def per_sequence_grads(
     completion_mask: torch.Tensor,
     *,
     temperature: float = 1.0,
+    stream_group_size: int | None = None,
 ) -> PerSequenceGradients:
     """Forward and backward of ``sum_t log pi(o_{i,t})`` for every row, captured as factored per-sequence gradients.
 
-    The backward goes to the hooked modules' inputs only: no parameter's ``.grad`` is touched. See
-    :func:`per_sequence_grad_sq_norms` for the arguments.
+    The backward goes to the hooked modules' inputs only: no parameter's ``.grad`` is touched. With
+    ``stream_group_size=k``, each layer whose parameters have one usage (called once, not tied) adds its within-block
+    inner products as its output gradient arrives and drops its factors, so the pass holds no more than autograd does
+    (only :meth:`PerSequenceGradients.inner_products` with that ``k`` can be taken then). See
+    :func:`per_sequence_grad_sq_norms` for the other arguments.
     """
     batch, length = input_ids.shape
     completion_length = completion_mask.shape[1]
@@ -234,8 +320,34 @@ def per_sequence_grads(
         raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
     backbone = lm.base_model
     alpha = _logit_scale(lm) / temperature
+    hooked = _hooked_modules(backbone, skip=head)
+    checkpointed = _checkpointed_layers(backbone)
+    streamed, on_grad = None, None
+    if stream_group_size is not None and hasattr(lm, "unshard"):
+        # Under FSDP2 the products summed inside the backward's hooks disagreed with the kept factors' (measured on
+        # 2 CPU processes, tests/test_distributed.py); the cause is not understood yet, so FSDP2 keeps every factor.
+        stream_group_size = None
+    if stream_group_size is not None:
+        if batch % stream_group_size:
+            raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
+        streamed = torch.zeros(batch // stream_group_size, stream_group_size, stream_group_size, device=input_ids.device)
+        owners: dict[int, int] = defaultdict(int)  # how many hooked modules (and the head) hold each parameter
+        for module in hooked + [head]:
+            for p in module.parameters(recurse=False):
+                owners[id(p)] += 1
 
-    with _fsdp_root_unsharded(lm), _capture(_hooked_modules(backbone, skip=head)) as (records, inputs_with_grad):
+        def on_grad(record: _Record, calls: dict) -> None:
+            module = record.module
+            if calls[module] != 1 or any(owners[id(p)] > 1 for p in module.parameters(recurse=False)):
+                return  # several usages of one parameter: their cross terms need them all, at the end
+            k = stream_group_size
+            with _fp32(input_ids.device):
+                for usage in find_rule(module)(module, record.activation, record.output_grad).values():
+                    blocked = usage.blocked(k)
+                    streamed.add_(block_inner_products(blocked, blocked, k))
+            record.activation, record.output_grad = None, None  # consumed
+
+    with _fsdp_root_unsharded(lm), _capture(hooked, on_grad, checkpointed) as (records, inputs_with_grad):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         h = hidden[:, length - completion_length - 1 : length - 1]
         labels = input_ids[:, length - completion_length :]
@@ -254,10 +366,18 @@ def per_sequence_grads(
             targets = inputs_with_grad + first_layer_params
             if not targets:
                 targets = [p for p in backbone.parameters() if p.requires_grad]
-            torch.autograd.grad(hidden, targets, grad_outputs=full_grad, allow_unused=True)
+            try:
+                torch.autograd.grad(hidden, targets, grad_outputs=full_grad, allow_unused=True)
+            except RuntimeError as error:
+                if "use_reentrant=True" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "Per-sequence gradient norms need non-reentrant gradient checkpointing: set "
+                    "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default)."
+                ) from error
 
     for record in records:
-        if record.output_grad is None:  # a recomputation under gradient checkpointing, or an unused output
+        if record.output_grad is None:  # streamed, a recomputation under gradient checkpointing, or an unused output
             continue
         rule = find_rule(record.module)
         for name, usage in rule(record.module, record.activation, record.output_grad).items():
@@ -273,7 +393,7 @@ def per_sequence_grads(
             with _fp32(input_ids.device):
                 usages[id(head.bias)].append(Materialized(delta.cols(0, delta.width).sum(1)))
             params[id(head.bias)] = head.bias
-    return PerSequenceGradients(usages, params, batch, input_ids.device)
+    return PerSequenceGradients(usages, params, batch, input_ids.device, streamed)
 
 
 def per_sequence_grad_inner_products(
@@ -293,7 +413,9 @@ def per_sequence_grad_inner_products(
     """
     if input_ids.shape[0] % group_size:
         raise ValueError(f"group_size={group_size} must divide the batch size {input_ids.shape[0]}.")
-    grads = per_sequence_grads(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+    grads = per_sequence_grads(
+        model, input_ids, attention_mask, completion_mask, temperature=temperature, stream_group_size=group_size
+    )
     return grads.inner_products(group_size)
 
 

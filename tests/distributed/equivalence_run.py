@@ -133,6 +133,8 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     torch.manual_seed(0)
     trainer = Recorder(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[ones_reward], args=args,
                        train_dataset=dataset, rollout_func=deterministic_rollout)
+    if "one_backward" in flags:
+        trainer.ALL_REDUCE_BUCKET = 4096  # many small all-reduce buckets, as a large model would have
     lr_recorder = RecordLR()
     trainer.add_callback(lr_recorder)
     trainer.train()
