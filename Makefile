@@ -27,6 +27,7 @@ bench: install
 	$(PY) benchmarks/step_cost.py --quick
 	$(PY) benchmarks/grad_variance.py --quick
 	$(PY) benchmarks/compare.py --quick
+	$(PY) benchmarks/update_readme.py
 
 clean:
 	rm -rf $(VENV) outputs *.egg-info
