@@ -1,6 +1,7 @@
-"""Copy the generated result tables into benchmarks/README.md, so that no figure there is typed by hand.
+"""Copy the generated result tables into the READMEs, so that no table there is typed by hand.
 
-Each block between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in the README is replaced by
+Each block between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in benchmarks/README.md and the
+project's README.md is replaced by
 ``results/NAME.md`` (its title line dropped, headings pushed down two levels). Run it after a benchmark:
 
     python benchmarks/update_readme.py
@@ -8,16 +9,17 @@ Each block between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-README = HERE / "README.md"
+READMES = [HERE / "README.md", HERE.parent / "README.md"]
 BLOCK = re.compile(r"(<!-- results:(?P<name>[\w.-]+):begin -->\n)(?P<body>.*?)(<!-- results:(?P=name):end -->)", re.S)
 
 
-def render(name: str) -> str:
+def render(name: str, readme_dir: Path) -> str:
     path = HERE / "results" / f"{name}.md"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: run the benchmark that writes it first.")
@@ -26,18 +28,25 @@ def render(name: str) -> str:
         lines = lines[1:]
     lines = ["###" + line if line.startswith("#") else line for line in lines]
     text = "\n".join(lines).strip()
-    return f"_Generated from `results/{name}.md` by `python benchmarks/update_readme.py`._\n\n{text}\n"
+    source = os.path.relpath(HERE / "results" / f"{name}.md", readme_dir)
+    return f"_Generated from `{source}` by `python benchmarks/update_readme.py`._\n\n{text}\n"
 
 
 def main() -> int:
-    readme = README.read_text()
-    names = [m.group("name") for m in BLOCK.finditer(readme)]
-    if not names:
-        print(f"No result blocks in {README}.", file=sys.stderr)
+    updated_any = False
+    for readme_path in READMES:
+        if not readme_path.exists():
+            continue
+        readme = readme_path.read_text()
+        names = [m.group("name") for m in BLOCK.finditer(readme)]
+        if not names:
+            continue
+        readme_path.write_text(BLOCK.sub(lambda m: m.group(1) + render(m.group("name"), readme_path.parent) + m.group(4), readme))
+        print(f"Updated {', '.join(names)} in {readme_path}.")
+        updated_any = True
+    if not updated_any:
+        print("No result blocks found.", file=sys.stderr)
         return 1
-    updated = BLOCK.sub(lambda m: m.group(1) + render(m.group("name")) + m.group(4), readme)
-    README.write_text(updated)
-    print(f"Updated {', '.join(names)} in {README}.")
     return 0
 
 

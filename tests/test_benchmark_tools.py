@@ -14,7 +14,7 @@ def load(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(SPEC)
     SPEC.loader.exec_module(module)
     monkeypatch.setattr(module, "HERE", tmp_path)
-    monkeypatch.setattr(module, "README", tmp_path / "README.md")
+    monkeypatch.setattr(module, "READMES", [tmp_path / "README.md"])
     (tmp_path / "results").mkdir()
     return module
 
