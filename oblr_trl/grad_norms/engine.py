@@ -323,22 +323,21 @@ def per_sequence_grads(
     hooked = _hooked_modules(backbone, skip=head)
     checkpointed = _checkpointed_layers(backbone)
     streamed, on_grad = None, None
-    if stream_group_size is not None and hasattr(lm, "unshard"):
-        # Under FSDP2 the products summed inside the backward's hooks disagreed with the kept factors' (measured on
-        # 2 CPU processes, tests/test_distributed.py); the cause is not understood yet, so FSDP2 keeps every factor.
-        stream_group_size = None
     if stream_group_size is not None:
         if batch % stream_group_size:
             raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
         streamed = torch.zeros(batch // stream_group_size, stream_group_size, stream_group_size, device=input_ids.device)
-        owners: dict[int, int] = defaultdict(int)  # how many hooked modules (and the head) hold each parameter
+        # Modules sharing a parameter (a tied embedding and head): found now, by the parameters' identity, and kept
+        # as modules, because FSDP2 swaps the parameter objects when it unshards them inside the pass.
+        owners: dict[int, list[nn.Module]] = defaultdict(list)
         for module in hooked + [head]:
             for p in module.parameters(recurse=False):
-                owners[id(p)] += 1
+                owners[id(p)].append(module)
+        sharing = {m for modules in owners.values() if len(modules) > 1 for m in modules}
 
         def on_grad(record: _Record, calls: dict) -> None:
             module = record.module
-            if calls[module] != 1 or any(owners[id(p)] > 1 for p in module.parameters(recurse=False)):
+            if calls[module] != 1 or module in sharing:
                 return  # several usages of one parameter: their cross terms need them all, at the end
             k = stream_group_size
             with _fp32(input_ids.device):
