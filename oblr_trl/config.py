@@ -65,7 +65,9 @@ class OBLRPOConfig(GRPOConfig):
             loss coefficient is constant (on-policy: `num_iterations=1`, `beta=0`, no vLLM importance-sampling
             correction, no token masks) and one micro-batch holds the whole generation batch
             (`gradient_accumulation_steps=1`, `steps_per_generation=1`), on one process or DDP (not FSDP). Elsewhere
-            the trainer falls back to the two-pass default and says why, once.
+            the trainer falls back to the two-pass default and says why, once. Memory: every layer's input and
+            output gradient are kept until the update is formed, as a backward without gradient checkpointing keeps
+            them, so this trades checkpointing's savings for one pass less.
     """
 
     baseline: str = field(
