@@ -783,7 +783,9 @@ def render_markdown(res: dict, quick: bool) -> str:
     if res["profiles"]:
         out += ["", "## Where the norms pass spends its time", "",
                 "One call each, the engine's helpers wrapped with timers (this process only). `plain backbone`: "
-                "the same backbone forward / backward without capture hooks, for the hooks' overhead.", ""]
+                "the same backbone forward / backward without capture hooks, for the hooks' overhead. The norms are "
+                "streamed: single-use layers' rules and Grams run inside the backward's gradient hooks, so they are "
+                "counted in the backward's row and in their own rows; `other` (the remainder) is then negative.", ""]
         for key, prof in res["profiles"].items():
             pb, la = prof["plain_backbone"], prof["linear_alternatives"]
             out += [f"### {key.replace(':', ', C=')}", "",
