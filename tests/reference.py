@@ -27,3 +27,9 @@ def per_sample_grads(model, input_ids, attention_mask, completion_mask, temperat
 
 def per_sample_sq_norms(*args, **kwargs):
     return torch.stack([g.double().pow(2).sum() for g in per_sample_grads(*args, **kwargs)])
+
+
+def within_group_products(grads, group_size):
+    """``(B / k, k, k)`` inner products ``<g_i, g_j>`` of per-sample gradients within consecutive groups of ``k``."""
+    blocks = torch.stack([g.double() for g in grads]).reshape(len(grads) // group_size, group_size, -1)
+    return blocks @ blocks.transpose(1, 2)

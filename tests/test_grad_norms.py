@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms
 from oblr_trl.grad_norms import register_grad_norm_rule
-from reference import per_sample_grads, per_sample_sq_norms
+from reference import per_sample_grads, per_sample_sq_norms, within_group_products
 
 VOCAB, PROMPT, COMPLETION = 40, 5, 6
 
@@ -71,11 +71,7 @@ def test_group_inner_products_match_autograd():
     ids, attention, completion_mask = padded_batch()
     ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=3)
     grads = per_sample_grads(model, ids, attention, completion_mask)
-    reference = torch.stack([
-        torch.stack([torch.stack([grads[3 * q + i].double() @ grads[3 * q + j].double() for j in range(3)])
-                     for i in range(3)]) for q in range(2)
-    ])
-    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.double(), within_group_products(grads, 3), rtol=1e-4, atol=1e-5)
 
 
 def test_lora_only_adapters():
@@ -271,11 +267,7 @@ def test_a_module_called_twice_is_not_streamed():
     ids, attention, completion_mask = padded_batch()
     ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=2)
     grads = per_sample_grads(model, ids, attention, completion_mask)
-    reference = torch.stack([
-        torch.stack([torch.stack([grads[2 * q + i].double() @ grads[2 * q + j].double() for j in range(2)])
-                     for i in range(2)]) for q in range(3)
-    ])
-    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.double(), within_group_products(grads, 2), rtol=1e-4, atol=1e-5)
 
 
 def test_checkpointed_layers_keep_no_input_from_the_forward():
