@@ -26,7 +26,7 @@ def render(name: str, readme_dir: Path) -> str:
     lines = path.read_text().splitlines()
     if lines and lines[0].startswith("# "):
         lines = lines[1:]
-    lines = ["###" + line if line.startswith("#") else line for line in lines]
+    lines = ["##" + line if line.startswith("#") else line for line in lines]
     text = "\n".join(lines).strip()
     source = os.path.relpath(HERE / "results" / f"{name}.md", readme_dir)
     return f"_Generated from `{source}` by `python benchmarks/update_readme.py`._\n\n{text}\n"

@@ -344,24 +344,19 @@ class OBLRPOTrainer(GRPOTrainer):
         for p in params:
             if p.grad is None:  # e.g. a rank whose batch never reached a parameter: it still takes part
                 p.grad = torch.zeros_like(p)
-        bucket: list[torch.Tensor] = []
-
-        def flush():
+        buckets: list[list[torch.Tensor]] = []
+        size = 0
+        for p in params:  # consecutive parameters of one gradient dtype, up to ALL_REDUCE_BUCKET elements each
+            if not buckets or size + p.numel() > self.ALL_REDUCE_BUCKET or p.grad.dtype != buckets[-1][0].grad.dtype:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += p.numel()
+        for bucket in buckets:
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
             torch.distributed.all_reduce(flat)
-            offset = 0
-            for p in bucket:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-            bucket.clear()
-
-        for p in params:
-            if bucket and (sum(q.numel() for q in bucket) + p.numel() > self.ALL_REDUCE_BUCKET
-                           or p.grad.dtype != bucket[0].grad.dtype):
-                flush()
-            bucket.append(p)
-        if bucket:
-            flush()
+            for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.grad.copy_(part.view_as(p))
 
     def _one_backward_loss(self, batch: dict) -> torch.Tensor:
         """Norms, advantages and the policy update from one forward and one backward (``one_backward=True``).

@@ -27,7 +27,7 @@ def test_blocks_are_replaced_by_the_generated_tables(tmp_path, monkeypatch):
     )
     assert module.main() == 0
     text = (tmp_path / "README.md").read_text()
-    assert "stale" not in text and "| 1 | 2 |" in text and "##### Section" in text and "# Title" not in text
+    assert "stale" not in text and "| 1 | 2 |" in text and "#### Section" in text and "# Title" not in text
     assert text.startswith("intro\n") and text.endswith("<!-- results:demo:end -->\noutro\n")
     assert module.main() == 0 and (tmp_path / "README.md").read_text() == text  # idempotent
 

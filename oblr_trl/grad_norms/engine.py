@@ -90,7 +90,6 @@ def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[n
     calls: dict[nn.Module, int] = defaultdict(int)
     in_checkpointed = {m for layer in checkpointed_layers for m in layer.modules()}
     waiting: dict[nn.Module, deque] = defaultdict(deque)  # forward records awaiting their recomputed input
-    recomputed_once: set[nn.Module] = set()  # modules whose inputs come from the recomputation
     # Tensors the backward is taken with respect to, so that it reaches every hooked output without computing (and
     # discarding) the parameters' gradients: inputs of hooked modules outside checkpointed layers, and the inputs of
     # the checkpointed layers (which checkpointing keeps anyway).
@@ -123,8 +122,8 @@ def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[n
     def forward_hook(module, args, output):
         if not args or not torch.is_tensor(args[0]) or not torch.is_tensor(output) or not output.requires_grad:
             return
-        if _in_backward() and module in in_checkpointed and module in recomputed_once:
-            return  # its recomputation: paired by the pre-hook
+        if _in_backward() and module in in_checkpointed and calls[module]:
+            return  # the recomputation of a module that ran in the forward: paired by the pre-hook
         deferred = module in in_checkpointed and not _in_backward()
         record = _Record(module, None if deferred else args[0].detach())
         records.append(record)
@@ -132,7 +131,6 @@ def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[n
             calls[module] += 1
         if deferred:
             waiting[module].append(record)
-            recomputed_once.add(module)
         if not args[0].requires_grad:
             record.input_has_grad = False
         elif not deferred:
@@ -153,8 +151,7 @@ def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[n
     finally:
         for handle in handles:
             handle.remove()
-    pending = {id(r) for queue in waiting.values() for r in queue}
-    unpaired = [r for r in records if r.output_grad is not None and id(r) in pending]
+    unpaired = [r for queue in waiting.values() for r in queue if r.output_grad is not None]
     if unpaired:
         raise RuntimeError(
             f"{len(unpaired)} output gradient(s) of checkpointed modules never met their recomputed inputs "
