@@ -171,11 +171,11 @@ def make_fns(model, batch, device, dtype):
 
     scale = torch.linspace(-1.0, 1.0, input_ids.shape[0], device=device)
 
-    def update_one_backward():  # OBLRPOConfig(one_backward=True): one pass, group products, weight grads formed
-        with autocast(device, dtype):
-            grads = per_sequence_grads(model, input_ids, attention_mask, completion_mask)
-        grads.inner_products(GROUP)
-        grads.accumulate_grad(scale)
+    def update_one_backward():  # OBLRPOConfig(one_backward=True), as the trainer runs it
+        with autocast(device, dtype):  # one pass; layers narrower than their sequences keep per-sample gradients
+            grads = per_sequence_grads(model, input_ids, attention_mask, completion_mask, materialize=True)
+        grads.inner_products(1)  # the baseline's weights
+        grads.accumulate_grad(scale, group_size=GROUP)  # weight gradients, and each group's ||H_q||^2 for the SNR
         model.zero_grad(set_to_none=True)
 
     return dict(fwdbwd=fwdbwd, norms=norms, group=group, loop=loop, update=update, update_group=update_group,
@@ -681,7 +681,7 @@ def main():
         peak_mem_vs_grpo=f"{largest[0]}, C={largest[1]}, per_sequence_grad_sq_norms",
         step_vs_grpo=(f"{head_step['size']}, C={head_step['completion']}, {step_steps} steps" if head_step else "n/a"),
         update_one_backward_vs_grpo=f"{largest[0]}, C={largest[1]}, OBLRPOConfig(one_backward=True): one pass, "
-        "group products, weight gradients formed",
+        "norms, weight gradients and group norms formed",
         peak_mem_one_backward_vs_grpo=f"{largest[0]}, C={largest[1]}, the one_backward update",
         peak_mem_ckpt_vs_grpo_ckpt=f"{largest[0]}, C={largest[1]}, group form vs fwdbwd, both under gradient "
         "checkpointing",
@@ -734,7 +734,8 @@ def render_markdown(res: dict, quick: bool) -> str:
         "`norms`: `per_sequence_grad_sq_norms`. `group`: `per_sequence_grad_inner_products(group_size=8)` (what "
         "`OBLRPOTrainer` runs by default). `loop`: one forward+backward per sequence. `update`: norms pass + fwdbwd, "
         "timed together. `one bwd`: `OBLRPOConfig(one_backward=True)`'s update: one forward/backward to the layers' "
-        "inputs, the group products, then every weight gradient formed from the kept factors. Peak memory: " + _mem_method(res) + ".",
+        "inputs (layers narrower than their sequences form and keep per-sample gradients as theirs arrive), the norms, "
+        "then every weight gradient formed from what was kept, with each group's gradient norm. Peak memory: " + _mem_method(res) + ".",
         "",
         "| model | params | vocab | C | fwdbwd | norms | group | loop | norms/fwdbwd | group/fwdbwd | loop/norms "
         "| loop/group | update/grpo (sq) | update/grpo (group) | update/grpo (one bwd) | peak mem fwdbwd | norms/fwdbwd mem | group/fwdbwd mem | one bwd/fwdbwd mem | group/fwdbwd mem, both ckpt "

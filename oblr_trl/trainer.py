@@ -372,17 +372,21 @@ class OBLRPOTrainer(GRPOTrainer):
         mask = self._completion_mask(batch)
         input_ids, attention_mask = self._input_ids_and_attention(batch)
         with self.accelerator.autocast():
-            grads = per_sequence_grads(self.model, input_ids, attention_mask, mask, temperature=self.temperature)
-        products, bad = self._finite_products(grads.inner_products(unit))
-        batch["oblr_gram"] = products.reshape(n, unit)
+            grads = per_sequence_grads(
+                self.model, input_ids, attention_mask, mask, temperature=self.temperature, materialize=True
+            )
+        products, bad = self._finite_products(grads.inner_products(1))  # the weights need ||u_i||^2 only
         rewards = self.accelerator.gather(batch["oblr_reward"])
         batch["advantages"] = self._oblr_advantages(mask, rewards, products, bad, batch["advantages"])
         coefficients = self._loss_coefficients(batch)
-        grads.accumulate_grad(-(coefficients * batch["advantages"]))  # the gradient of TRL's loss at ratio 1
+        a = coefficients * batch["advantages"]
+        # the gradient of TRL's loss at ratio 1, and each unit's ||H_q||^2 = ||sum_{i in q} a_i u_i||^2 with it
+        unit_sq = grads.accumulate_grad(-a, group_size=unit if self.args.snr_lr else None)
+        if unit_sq is not None:
+            self._oblr_step_records.append((batch["oblr_unit"][::unit].cpu(), unit_sq.double().cpu()))
         if self.accelerator.num_processes > 1:  # what DDP's backward hooks would have done (c_i already has 1/world)
             self._all_reduce_grads()
-        self._record_step_terms(batch)
-        loss = -(coefficients * self.accelerator.num_processes * batch["advantages"] * mask.sum(-1)).sum()
+        loss = -(a * self.accelerator.num_processes * mask.sum(-1)).sum()
         return loss.detach().requires_grad_()
 
     def _step_sample_sq_norms(self) -> tuple[float, int]:
@@ -390,15 +394,19 @@ class OBLRPOTrainer(GRPOTrainer):
         records = gather_object([self._oblr_step_records])
         self._oblr_step_records = []
         by_unit: dict[int, dict[int, tuple[float, torch.Tensor]]] = defaultdict(dict)
+        formed: dict[int, float] = {}  # one_backward: ||H_q||^2 of whole units, formed with the update
         for rank_records in records:
-            for units, positions, coeffs, grams in rank_records:
-                for u, p, a, g in zip(units.tolist(), positions.tolist(), coeffs, grams):
-                    by_unit[u][p] = (a, g)
-        total = 0.0
+            for record in rank_records:
+                if len(record) == 2:
+                    formed.update(zip(record[0].tolist(), record[1].tolist()))
+                    continue
+                for u, p, a, g in zip(*record):
+                    by_unit[int(u)][int(p)] = (a, g)
+        total = sum(formed.values())
         for members in by_unit.values():
             for a_i, gram_row in members.values():  # ||H_q||^2 = sum_ij a_i a_j <u_i, u_j>
                 total += float(a_i * sum(a_j * gram_row[p] for p, (a_j, _) in members.items()))
-        return total, len(by_unit)
+        return total, len(by_unit) + len(formed)
 
     def _get_grad_norm(self, model, grad_norm=None):
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)

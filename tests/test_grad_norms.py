@@ -26,12 +26,12 @@ def llama(tie: bool):
     return LlamaForCausalLM(cfg)
 
 
-def padded_batch(batch=6, seed=0):
+def padded_batch(batch=6, seed=0, completion=COMPLETION):
     """Left-padded prompts, right-padded completions, one empty completion."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (batch, PROMPT + COMPLETION), generator=g)
+    ids = torch.randint(1, VOCAB, (batch, PROMPT + completion), generator=g)
     attention = torch.ones_like(ids)
-    completion_mask = torch.ones(batch, COMPLETION, dtype=torch.long)
+    completion_mask = torch.ones(batch, completion, dtype=torch.long)
     ids[0, :2], attention[0, :2] = 0, 0  # left padding
     ids[1, :1], attention[1, :1] = 0, 0
     completion_mask[1, 3:] = 0  # right padding
@@ -223,6 +223,39 @@ def test_weighted_gradient_from_the_same_backward_matches_autograd(build, tie):
     for name, p in model.named_parameters():
         if name in reference:
             torch.testing.assert_close(p.grad, 2 * reference[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("materialize", [False, True], ids=["factored", "materialized"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_group_gradients_and_materialized_layers_match_autograd(tie, materialize, monkeypatch):
+    """accumulate_grad(scale, group_size=k) also returns each block's ||sum_{i in q} s_i u_i||^2 (the SNR's group
+    samples). With materialize=True (one_backward) the layers whose per-sample gradients are no larger than their
+    factors keep them materialized. Norms, weighted gradient and group norms equal per-sample autograd's, also when a
+    parameter's rows are formed in many slices."""
+    from reference import completion_logprob_sums
+
+    from oblr_trl.grad_norms import PerSequenceGradients, per_sequence_grads
+    from oblr_trl.grad_norms.factors import Materialized
+
+    model = llama(tie)  # with attention and MLP biases
+    ids, attention, completion_mask = padded_batch(completion=24)  # 29 tokens: longer than the layers are wide
+    scale = torch.tensor([0.5, -1.25, 3.0, 0.0, -0.75, 2.0])
+    grads = per_sequence_grads(model, ids, attention, completion_mask, temperature=0.7, materialize=materialize)
+    held = [u for usages in grads.usages.values() for u in usages if isinstance(u, Materialized) and u.g.dim() == 3]
+    assert len(held) == (14 if materialize else 0)  # q, k, v, o, gate, up, down of both layers
+    per_sample = torch.stack(per_sample_grads(model, ids, attention, completion_mask, temperature=0.7)).double()
+    torch.testing.assert_close(
+        grads.inner_products(1).reshape(-1).double(), per_sample.pow(2).sum(1), rtol=1e-4, atol=1e-6
+    )
+    monkeypatch.setattr(PerSequenceGradients, "ROW_BUDGET", 64)  # several row slices for every parameter
+    group_sq = grads.accumulate_grad(scale, group_size=3)
+    groups = (per_sample * scale.double()[:, None]).reshape(2, 3, -1).sum(1)
+    torch.testing.assert_close(group_sq.double(), groups.pow(2).sum(1), rtol=1e-4, atol=1e-6)
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    (completion_logprob_sums(model, ids, attention, completion_mask, temperature=0.7) * scale).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_products_accumulate_in_fp32_under_autocast():

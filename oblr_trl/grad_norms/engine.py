@@ -22,7 +22,8 @@ from .factors import (
     VOCAB_CHUNK,
     Usage,
     block_inner_products,
-    weighted_sum,
+    block_weighted_rows,
+    materializing_saves_memory,
 )
 from .rules import find_rule
 
@@ -229,7 +230,8 @@ def _fp32(device: torch.device):
 
 
 class PerSequenceGradients:
-    """The per-sequence gradients ``u_i`` of one forward/backward, held factored per parameter (never materialized).
+    """The per-sequence gradients ``u_i`` of one forward/backward, held per parameter: factored, or materialized
+    where that takes no more memory (``materialize=True``; never for a large matrix over short sequences).
 
     Their inner products give the weights of Theorem 7 and the SNR terms (:meth:`inner_products`); their weighted
     sum ``sum_i s_i u_i`` is the policy gradient once the advantages are known (:meth:`accumulate_grad`), which is how
@@ -268,22 +270,49 @@ class PerSequenceGradients:
                     cross = block_inner_products(blocked[a], blocked[b], group_size)
                     out += cross + cross.transpose(1, 2)
 
+    ROW_BUDGET = 1 << 24  # float32 elements of one (blocks, rows, columns) buffer of accumulate_grad
+
     @torch.no_grad()
-    def accumulate_grad(self, scale: torch.Tensor) -> None:
+    def accumulate_grad(self, scale: torch.Tensor, group_size: int | None = None) -> torch.Tensor | None:
         """Add ``sum_i scale_i u_i`` to each trainable parameter's ``.grad`` (created if absent), as a backward of
-        ``sum_i scale_i sum_t log pi(o_{i,t})`` would. Plain (non-sharded) parameters only."""
+        ``sum_i scale_i sum_t log pi(o_{i,t})`` would. Plain (non-sharded) parameters only.
+
+        With ``group_size=k``, also returns ``||sum_{i in q} scale_i u_i||^2`` for each block ``q`` of ``k``
+        consecutive rows, ``(B / k,)`` float32: a group's gradient ``H_q``, whose squared norm is one sample of the
+        SNR's noise estimate. It comes nearly free: each block's part of a weight gradient is formed anyway (a
+        parameter's rows are formed in slices of at most ``ROW_BUDGET`` elements over all blocks).
+        """
         if scale.shape != (self.batch,):
             raise ValueError(f"scale must have shape ({self.batch},), got {tuple(scale.shape)}.")
         if self.streamed is not None:
             raise ValueError("Streamed gradients kept no factors to form a weighted sum from (stream_group_size).")
+        k = self.batch if group_size is None else group_size
+        if self.batch % k:
+            raise ValueError(f"group_size={k} must divide the batch size {self.batch}.")
+        nb = self.batch // k
+        sq = torch.zeros(nb, device=self.device)
         for key, param_usages in self.usages.items():
             param = self.params[key]
+            rows = param.shape[0] if param.dim() else 1
+            cols = param.numel() // max(rows, 1)
+            step = max(1, min(rows, self.ROW_BUDGET // max(1, nb * cols)))
+            for u in param_usages:  # the LM head's (B, T, rows) softmax slice is a buffer too
+                if isinstance(u, Factored) and isinstance(u.left, SoftmaxDelta):
+                    step = min(step, VOCAB_CHUNK, max(1, self.ROW_BUDGET // (self.batch * u.right.t.shape[1])))
+            grad = torch.zeros(rows, cols, device=self.device)
             with _fp32(self.device):
-                grad = sum(weighted_sum(u, scale) for u in param_usages).reshape(param.shape).to(param.dtype)
+                for start in range(0, rows, step):
+                    end = min(start + step, rows)
+                    part = sum(block_weighted_rows(u, scale, k, start, end) for u in param_usages)
+                    if group_size is not None:
+                        sq += part.pow(2).sum(dim=(1, 2))
+                    grad[start:end] = part.sum(0)
+            grad = grad.reshape(param.shape).to(param.dtype)
             if param.grad is None:
                 param.grad = grad
             else:
                 param.grad += grad
+        return sq if group_size is not None else None
 
 
 def per_sequence_grads(
@@ -294,14 +323,21 @@ def per_sequence_grads(
     *,
     temperature: float = 1.0,
     stream_group_size: int | None = None,
+    materialize: bool = False,
 ) -> PerSequenceGradients:
     """Forward and backward of ``sum_t log pi(o_{i,t})`` for every row, captured as factored per-sequence gradients.
 
     The backward goes to the hooked modules' inputs only: no parameter's ``.grad`` is touched. With
     ``stream_group_size=k``, each layer whose parameters have one usage (called once, not tied) adds its within-block
     inner products as its output gradient arrives and drops its factors, so the pass holds no more than autograd does
-    (only :meth:`PerSequenceGradients.inner_products` with that ``k`` can be taken then). See
-    :func:`per_sequence_grad_sq_norms` for the other arguments.
+    (only :meth:`PerSequenceGradients.inner_products` with that ``k`` can be taken then).
+
+    With ``materialize=True`` (what ``OBLRPOConfig(one_backward=True)`` uses), each layer whose per-sample gradients
+    take no more memory than its factors (:func:`~.factors.materializing_saves_memory`: long sequences through narrow
+    layers) forms them as its output gradient arrives, one contraction over the tokens (the cost of its weight
+    gradient), and keeps them instead of the factors. Its inner products and its weighted sum are then nearly free,
+    where the factors would cost a token Gram or a materialization now and a contraction again for the update.
+    See :func:`per_sequence_grad_sq_norms` for the other arguments.
     """
     batch, length = input_ids.shape
     completion_length = completion_mask.shape[1]
@@ -319,7 +355,7 @@ def per_sequence_grads(
     alpha = _logit_scale(lm) / temperature
     hooked = _hooked_modules(backbone, skip=head)
     checkpointed = _checkpointed_layers(backbone)
-    streamed, on_grad = None, None
+    streamed, sharing = None, set()
     if stream_group_size is not None:
         if batch % stream_group_size:
             raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
@@ -332,18 +368,32 @@ def per_sequence_grads(
                 owners[id(p)].append(module)
         sharing = {m for modules in owners.values() if len(modules) > 1 for m in modules}
 
-        def on_grad(record: _Record, calls: dict) -> None:
-            module = record.module
-            if calls[module] != 1 or module in sharing:
-                return  # several usages of one parameter: their cross terms need them all, at the end
+    def keep(record: _Record, materialize_now: bool) -> None:
+        """The record's per-sample gradients, by parameter: factored, or materialized where that saves memory."""
+        for name, usage in find_rule(record.module)(record.module, record.activation, record.output_grad).items():
+            if materialize_now and materializing_saves_memory(usage):
+                with _fp32(input_ids.device):
+                    usage = Materialized(usage.materialize())
+            param = getattr(record.module, name)
+            usages[id(param)].append(usage)
+            params[id(param)] = param
+
+    def on_grad(record: _Record, calls: dict) -> None:
+        module = record.module
+        if streamed is not None and calls[module] == 1 and module not in sharing:
             k = stream_group_size
             with _fp32(input_ids.device):
                 for usage in find_rule(module)(module, record.activation, record.output_grad).values():
                     blocked = usage.blocked(k)
                     streamed.add_(block_inner_products(blocked, blocked, k))
-            record.activation, record.output_grad = None, None  # consumed
+        elif materialize:
+            keep(record, materialize_now=True)
+        else:
+            return  # several usages of one parameter: their cross terms need them all, at the end
+        record.activation, record.output_grad = None, None  # consumed
 
-    with _fsdp_root_unsharded(lm), _capture(hooked, on_grad, checkpointed) as (records, inputs_with_grad):
+    on_grad_hook = on_grad if streamed is not None or materialize else None
+    with _fsdp_root_unsharded(lm), _capture(hooked, on_grad_hook, checkpointed) as (records, inputs_with_grad):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         h = hidden[:, length - completion_length - 1 : length - 1]
         labels = input_ids[:, length - completion_length :]
@@ -375,11 +425,7 @@ def per_sequence_grads(
     for record in records:
         if record.output_grad is None:  # streamed, a recomputation under gradient checkpointing, or an unused output
             continue
-        rule = find_rule(record.module)
-        for name, usage in rule(record.module, record.activation, record.output_grad).items():
-            param = getattr(record.module, name)
-            usages[id(param)].append(usage)
-            params[id(param)] = param
+        keep(record, materialize_now=False)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
         delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask)
         if head.weight.requires_grad:

@@ -170,28 +170,43 @@ class Materialized:
 Usage = Factored | Materialized
 
 
-def weighted_sum(u: Usage, scale: torch.Tensor) -> torch.Tensor:
-    """``sum_i scale_i g_i`` of an (unblocked) usage's per-sample gradients ``g_i``, in float32: the parameter's
-    gradient of ``sum_i scale_i sum_t log pi(o_{i,t})``, formed once the per-sample coefficients are known.
+def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: int) -> torch.Tensor:
+    """``sum_{i in block} scale_i g_i[start:end]`` for each block of ``k`` consecutive rows of an (unblocked) usage,
+    ``(B/k, end - start, n)`` in float32: rows ``start:end`` of the gradient of ``sum_i scale_i sum_t log pi(o_i)``
+    that each block (a group of completions) contributes, formed once the per-sample coefficients are known.
 
-    A factored usage costs what autograd's weight gradient costs (one contraction over the tokens); the LM head is
-    formed one vocabulary chunk at a time. Returns ``(n_L, n_R)`` for :class:`Factored`, ``g.shape[1:]`` otherwise.
+    ``n`` is the parameter's size over its first axis. A factored usage costs what autograd's weight gradient costs
+    (one contraction over the tokens, batched by block); the LM head's rows come from their vocabulary slice only.
     """
+    batch = scale.shape[0]
+    nb = batch // k
     if isinstance(u, Materialized):
-        return torch.einsum("b,b...->...", scale.float(), u.g.float())
+        g = u.g.float().reshape(batch, u.g[0].shape[0] if u.g.dim() > 1 else 1, -1)[:, start:end]
+        return (g * scale.float()[:, None, None]).reshape(nb, k, end - start, -1).sum(1)
     if not isinstance(u.right, Dense):
         raise NotImplementedError("A factored usage needs a dense right (input-side) factor.")
-    right = u.right.t.float() * scale.float()[:, None, None]  # (B, T, n_R)
+    right = _block(u.right.t.float() * scale.float()[:, None, None], k)  # (nb, kT, n_R)
     left = u.left
-    if isinstance(left, Dense):
-        return torch.einsum("btl,btr->lr", left.t.float(), right)
     if isinstance(left, OneHot):
-        out = right.new_zeros(left.n, right.shape[-1])
-        return out.index_add_(0, left.idx.reshape(-1), right.reshape(-1, right.shape[-1]))
-    return torch.cat(
-        [torch.einsum("btv,btr->vr", left.cols(start, min(start + VOCAB_CHUNK, left.width)), right)
-         for start in range(0, left.width, VOCAB_CHUNK)]
-    )
+        ids = _block(left.idx, k)  # (nb, kT)
+        inside = (ids >= start) & (ids < end)
+        rows = (torch.arange(nb, device=ids.device)[:, None] * (end - start) + ids - start)[inside]
+        out = right.new_zeros(nb * (end - start), right.shape[-1])
+        return out.index_add_(0, rows, right[inside]).reshape(nb, end - start, -1)
+    cols = left.t[..., start:end].float() if isinstance(left, Dense) else left.cols(start, end)
+    return torch.bmm(_block(cols, k).transpose(1, 2), right)
+
+
+def materializing_saves_memory(u: Usage) -> bool:
+    """Whether a usage's per-sample gradients, ``(B, n_L, n_R)`` in float32, take no more memory than the factors
+    they are formed from, ``(B, T, n_L + n_R)``: then holding them costs nothing extra, and forming them costs one
+    contraction (what the layer's weight gradient costs), after which every inner product and weighted sum is cheap.
+    """
+    if not (isinstance(u, Factored) and isinstance(u.left, Dense) and isinstance(u.right, Dense)):
+        return False
+    left, right = u.left.t, u.right.t
+    factor_bytes = left.shape[1] * (left.shape[-1] * left.element_size() + right.shape[-1] * right.element_size())
+    return left.shape[-1] * right.shape[-1] * 4 <= factor_bytes
 
 
 def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
