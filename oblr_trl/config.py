@@ -60,14 +60,18 @@ class OBLRPOConfig(GRPOConfig):
             as in the paper). A ratio of noisy estimates is biased; smoothing both parts before dividing reduces that.
         one_backward (`bool`, defaults to `False`):
             Take the per-sequence norms and the policy update from a single forward and backward: the backward goes
-            to the layers' inputs only, and each weight's gradient is formed from the kept activations and output
-            gradients once the baseline (hence the advantages) is known. Applies where each completion's per-token
-            loss coefficient is constant (on-policy: `num_iterations=1`, `beta=0`, no vLLM importance-sampling
-            correction, no token masks) and one micro-batch holds the whole generation batch
-            (`gradient_accumulation_steps=1`, `steps_per_generation=1`), on one process or DDP (not FSDP). Elsewhere
-            the trainer falls back to the two-pass default and says why, once. Memory: every layer's input and
-            output gradient are kept until the update is formed, as a backward without gradient checkpointing keeps
-            them, so this trades checkpointing's savings for one pass less.
+            to the layers' inputs only, and each weight's gradient is formed from what it kept once the baseline
+            (hence the advantages) is known: per-sample gradients of the layers narrower than their sequences
+            (formed as the backward reaches them), the input activations and output gradients of the others. Each
+            group's gradient norm (the SNR's sample) is formed with the update. Applies where each completion's
+            per-token loss coefficient is constant (on-policy: `num_iterations=1`, `beta=0`, no vLLM importance-
+            sampling correction, no token masks), on one process or DDP (not FSDP). With gradient accumulation,
+            `steps_per_generation` must divide `gradient_accumulation_steps`, and, where a generation spans several
+            micro-batches, `per_device_train_batch_size` must be a multiple of `num_generations`: the micro-batches
+            are then re-split so each holds whole groups. Elsewhere the trainer falls back to the two-pass default
+            and says why, once. Memory: what is kept for each layer is no larger than its input and output gradient,
+            held until the update is formed, as a backward without gradient checkpointing holds them, so this trades
+            checkpointing's savings for one pass less.
     """
 
     baseline: str = field(
@@ -127,8 +131,8 @@ class OBLRPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "Get the norms and the update from one forward/backward (default False: a norms pass, then TRL's "
-            "loss pass). Used where valid (on-policy, gradient_accumulation_steps=1, steps_per_generation=1, no "
-            "FSDP); elsewhere the two-pass default is used, with a warning saying why."
+            "loss pass). Used where valid (on-policy, micro-batches of whole groups, no FSDP); elsewhere the two-pass "
+            "default is used, with a warning saying why."
         },
     )
 

@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trl import GRPOTrainer
+from trl.trainer.utils import split_tensor_dict
 
 from .card import append_oblr_section
 from .config import OBLRPOConfig
@@ -90,6 +91,7 @@ class OBLRPOTrainer(GRPOTrainer):
                 "config); with FSDP1 use grad_norm_estimator='length' and snr_lr=False."
             )
         self._oblr_step_records: list[tuple] = []
+        self._oblr_rows_generated = 0  # completions generated for training so far, all ranks
         self._oblr_saved_lrs: list[float] | None = None
         self._oblr_ema: tuple[float, float] | None = None
         self._oblr_warned: set[str] = set()
@@ -189,7 +191,10 @@ class OBLRPOTrainer(GRPOTrainer):
         rewards = torch.where(unscorable | nonfinite, torch.full_like(rewards, float("nan")), rewards)
         unit = self._group_unit(local_n)
         index = torch.arange(local_n, device=device) + self.accelerator.process_index * local_n
-        output["oblr_unit"] = index // unit
+        # SNR sample ids, unique over training: an optimizer step may span several generation batches
+        first_row = self._oblr_rows_generated
+        self._oblr_rows_generated += rewards.shape[0]
+        output["oblr_unit"] = (first_row + index) // unit
         output["oblr_pos"] = index % unit
         if self._one_backward:  # norms, advantages and update all come from the training backward (compute_loss)
             output["oblr_index"] = index
@@ -319,10 +324,16 @@ class OBLRPOTrainer(GRPOTrainer):
             reasons.append(f"num_iterations={a.num_iterations} (importance ratio != 1)")
         if a.beta != 0.0:
             reasons.append(f"beta={a.beta} (a KL term in the loss)")
-        if a.gradient_accumulation_steps != 1 or a.steps_per_generation != 1:
+        if a.gradient_accumulation_steps % a.steps_per_generation:
             reasons.append(
-                f"gradient_accumulation_steps={a.gradient_accumulation_steps}, steps_per_generation="
-                f"{a.steps_per_generation} (a group's baseline needs norms from later micro-batches; both must be 1)"
+                f"steps_per_generation={a.steps_per_generation} does not divide gradient_accumulation_steps="
+                f"{a.gradient_accumulation_steps} (a generation's later micro-batches would be off-policy)"
+            )
+        elif a.steps_per_generation > 1 and a.per_device_train_batch_size % a.num_generations:
+            reasons.append(
+                f"per_device_train_batch_size={a.per_device_train_batch_size} is not a multiple of num_generations="
+                f"{a.num_generations} with steps_per_generation={a.steps_per_generation} (each micro-batch must hold "
+                "whole groups: a group's baseline needs all its norms)"
             )
         if a.use_vllm and getattr(a, "vllm_importance_sampling_correction", False):
             reasons.append("vllm_importance_sampling_correction=True (per-token importance weights)")
@@ -358,6 +369,42 @@ class OBLRPOTrainer(GRPOTrainer):
             for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
                 p.grad.copy_(part.view_as(p))
 
+    def _prepare_inputs(self, generation_batch):
+        fresh = self.model.training and (
+            self._buffered_inputs is None or self._step % (self.args.steps_per_generation * self.num_iterations) == 0
+        )
+        inputs = super()._prepare_inputs(generation_batch)
+        if fresh and self._one_backward and self.args.steps_per_generation > 1:
+            self._buffered_inputs = self._whole_group_micro_batches(self._buffered_inputs)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
+
+    def _whole_group_micro_batches(self, micro_batches: list[dict]) -> list[dict]:
+        """TRL's (shuffled) micro-batches of one generation batch, re-split so that each holds whole groups:
+        ``one_backward`` forms a group's baseline from its norms within one micro-batch."""
+        merged = {}
+        for key, first in micro_batches[0].items():
+            parts = [mb[key] for mb in micro_batches]
+            if isinstance(first, list):
+                merged[key] = [x for part in parts for x in part]
+            elif torch.is_tensor(first) and first.dim() > 0:
+                merged[key] = torch.cat(parts)
+            else:  # None, or a scalar every micro-batch shares (num_items_in_batch)
+                merged[key] = first
+        # Groups in the order of their first row in TRL's shuffle (as random, and no random numbers drawn), each
+        # group's rows in index order.
+        index = merged["oblr_index"] - merged["oblr_index"].min()
+        n, group = index.shape[0], index // self.num_generations
+        positions = torch.arange(n, device=index.device)
+        first = torch.full((n // self.num_generations,), n, device=index.device).scatter_reduce_(0, group, positions, "amin")
+        rows = torch.argsort(first[group] * n + index)
+        merged = {
+            k: v[rows] if torch.is_tensor(v) and v.dim() > 0 else [v[i] for i in rows.tolist()] if isinstance(v, list)
+            else v
+            for k, v in merged.items()
+        }
+        return split_tensor_dict(merged, len(micro_batches))
+
     def _one_backward_loss(self, batch: dict) -> torch.Tensor:
         """Norms, advantages and the policy update from one forward and one backward (``one_backward=True``).
 
@@ -384,8 +431,8 @@ class OBLRPOTrainer(GRPOTrainer):
         unit_sq = grads.accumulate_grad(-a, group_size=unit if self.args.snr_lr else None)
         if unit_sq is not None:
             self._oblr_step_records.append((batch["oblr_unit"][::unit].cpu(), unit_sq.double().cpu()))
-        if self.accelerator.num_processes > 1:  # what DDP's backward hooks would have done (c_i already has 1/world)
-            self._all_reduce_grads()
+        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+            self._all_reduce_grads()  # what DDP's backward hooks would have done (c_i already has 1/world)
         loss = -(a * self.accelerator.num_processes * mask.sum(-1)).sum()
         return loss.detach().requires_grad_()
 

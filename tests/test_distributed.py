@@ -69,6 +69,19 @@ def test_one_backward_on_two_ddp_processes_matches_one_process_two_passes(tmp_pa
     assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
 
 
+def test_one_backward_with_accumulation_on_two_ddp_processes_matches_one_process(tmp_path):
+    """one_backward with gradient accumulation under DDP: each rank forms its micro-batches' gradients, which are
+    all-reduced once, at the step's last micro-batch. 2 processes x 4 rows x 2 micro-batches = 1 process x 16."""
+    one, two = run(tmp_path, 1, 16, "fp32"), run(tmp_path, 2, 4, "fp32+one_backward+ga2")
+    assert two["one_backward"] and two["world_size"] == 2
+    assert two["num_samples"] == one["num_samples"] == [4.0, 4.0]
+    assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
+    assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
+    for step in range(2):
+        assert_every_rank_applied(two, step, two["lr"][step])
+    assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
+
+
 def assert_ran_fsdp2(result):
     """Accelerate's own FSDP2 path ran on every rank: the Trainer saw FSDP, the model and the optimizer hold DTensors."""
     assert result["world_size"] == len(result["fsdp"]) == 2

@@ -37,6 +37,25 @@ def test_one_backward_matches_two_passes(loss_type):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("accumulation", [dict(gradient_accumulation_steps=2),
+                                          dict(gradient_accumulation_steps=2, steps_per_generation=1)],
+                         ids=["one-generation-per-step", "one-generation-per-micro-batch"])
+def test_one_backward_with_gradient_accumulation_matches_two_passes(accumulation):
+    """With gradient accumulation each micro-batch holds whole groups (re-split from TRL's shuffle), the gradient
+    accumulates over the micro-batches, and the step equals the two-pass default's."""
+    kwargs = common_args(max_steps=2, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0, **accumulation)
+    two, _ = train(Recorder, OBLRPOConfig(**kwargs))
+    one, _ = train(Recorder, OBLRPOConfig(**kwargs, one_backward=True))
+    assert one._one_backward and len(one.micro_batches) == 4
+    for mb in one.micro_batches:  # whole groups of 4 in every micro-batch of 8
+        assert torch.bincount(mb["oblr_unit"]).tolist().count(4) == 2
+    assert logged(one, "oblr/num_samples") == logged(two, "oblr/num_samples") == [4.0, 4.0]
+    for key in ("oblr/lr_scale", "oblr/snr", "grad_norm", "loss"):
+        assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key
+    for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_one_backward_with_lora_updates_the_adapters_only():
     peft = pytest.importorskip("peft")
     kwargs = common_args(max_steps=2, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
@@ -74,7 +93,9 @@ def test_one_backward_with_unscorable_completions_stays_finite(caplog):
 @pytest.mark.parametrize(
     "overrides, reason",
     [
-        (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
+        (dict(gradient_accumulation_steps=2, per_device_train_batch_size=6, num_generations=4, generation_batch_size=12),
+         "per_device_train_batch_size=6 is not a multiple of num_generations=4"),
+        (dict(steps_per_generation=2), "steps_per_generation=2 does not divide gradient_accumulation_steps=1"),
         (dict(num_iterations=2), "num_iterations=2"),
         (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
     ],
@@ -96,6 +117,7 @@ def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
     from oblr_trl import OBLRPOTrainer
 
     base = dict(num_iterations=1, beta=0.0, gradient_accumulation_steps=1, steps_per_generation=1, use_vllm=False,
+                per_device_train_batch_size=8, num_generations=4,
                 vllm_importance_sampling_correction=True, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
                 use_liger_kernel=False, fp16=False)
 

@@ -112,8 +112,10 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 7}"}]} for i in range(64)])
     global DEGENERATE_FROM, NAN_FOR_EMPTY
     flags = set(mode.split("+"))
-    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward"}, mode
+    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2"}, mode
     extra = {"bf16": False} if "fp32" in flags else {}
+    if "ga2" in flags:  # two micro-batches per optimizer step, one generation batch for both
+        extra["gradient_accumulation_steps"] = 2
     if "one_backward" in flags:
         extra["one_backward"] = True
     if "degenerate" in flags:
