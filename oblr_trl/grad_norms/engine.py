@@ -305,7 +305,7 @@ class PerSequenceGradients:
                     end = min(start + step, rows)
                     part = sum(block_weighted_rows(u, scale, k, start, end) for u in param_usages)
                     if group_size is not None:
-                        sq += part.pow(2).sum(dim=(1, 2))
+                        sq += torch.einsum("nrc,nrc->n", part, part)
                     grad[start:end] = part.sum(0)
             grad = grad.reshape(param.shape).to(param.dtype)
             if param.grad is None:

@@ -180,9 +180,10 @@ def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: 
     """
     batch = scale.shape[0]
     nb = batch // k
-    if isinstance(u, Materialized):
+    if isinstance(u, Materialized):  # (nb, 1, k) x (nb, k, rows * cols): a batched matmul, no scaled copy
         g = u.g.float().reshape(batch, u.g[0].shape[0] if u.g.dim() > 1 else 1, -1)[:, start:end]
-        return (g * scale.float()[:, None, None]).reshape(nb, k, end - start, -1).sum(1)
+        out = torch.bmm(scale.float().reshape(nb, 1, k), g.reshape(nb, k, -1))
+        return out.reshape(nb, end - start, -1)
     if not isinstance(u.right, Dense):
         raise NotImplementedError("A factored usage needs a dense right (input-side) factor.")
     right = _block(u.right.t.float() * scale.float()[:, None, None], k)  # (nb, kT, n_R)
