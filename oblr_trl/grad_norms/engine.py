@@ -278,9 +278,10 @@ class PerSequenceGradients:
         ``sum_i scale_i sum_t log pi(o_{i,t})`` would. Plain (non-sharded) parameters only.
 
         With ``group_size=k``, also returns ``||sum_{i in q} scale_i u_i||^2`` for each block ``q`` of ``k``
-        consecutive rows, ``(B / k,)`` float32: a group's gradient ``H_q``, whose squared norm is one sample of the
-        SNR's noise estimate. It comes nearly free: each block's part of a weight gradient is formed anyway (a
-        parameter's rows are formed in slices of at most ``ROW_BUDGET`` elements over all blocks).
+        consecutive rows, ``(B / k,)``: a group's gradient ``H_q``, whose squared norm is one sample of the SNR's noise
+        estimate. It comes nearly free: each block's part of a weight gradient is formed anyway (a parameter's rows
+        are formed in slices of at most ``ROW_BUDGET`` elements over all blocks). Summed in float64 (float32 on MPS,
+        which has no float64): the SNR subtracts the sum of these from a close number.
         """
         if scale.shape != (self.batch,):
             raise ValueError(f"scale must have shape ({self.batch},), got {tuple(scale.shape)}.")
@@ -290,7 +291,8 @@ class PerSequenceGradients:
         if self.batch % k:
             raise ValueError(f"group_size={k} must divide the batch size {self.batch}.")
         nb = self.batch // k
-        sq = torch.zeros(nb, device=self.device)
+        sq_dtype = torch.float32 if torch.device(self.device).type == "mps" else torch.float64
+        sq = torch.zeros(nb, device=self.device, dtype=sq_dtype)
         for key, param_usages in self.usages.items():
             param = self.params[key]
             rows = param.shape[0] if param.dim() else 1
@@ -305,7 +307,7 @@ class PerSequenceGradients:
                     end = min(start + step, rows)
                     part = sum(block_weighted_rows(u, scale, k, start, end) for u in param_usages)
                     if group_size is not None:
-                        sq += torch.einsum("nrc,nrc->n", part, part)
+                        sq += part.pow(2).sum(dim=(1, 2), dtype=sq_dtype)
                     grad[start:end] = part.sum(0)
             grad = grad.reshape(param.shape).to(param.dtype)
             if param.grad is None:
