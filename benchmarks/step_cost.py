@@ -609,7 +609,7 @@ def main():
         )
         if mem_mode == "all" or (mem_mode == "largest" and (size, completion) == largest):
             mem = {}
-            for mode in ("fwdbwd", "norms") + (("group", "update_one_backward") if "group" in t else ()):
+            for mode in ("fwdbwd", "norms", "update_one_backward") + (("group",) if "group" in t else ()):
                 mem[mode] = measure_memory(size, completion, args.batch, args.prompt_len, mode, args.threads)
             row["memory"] = mem
             base = mem["fwdbwd"]["peak_bytes"]
@@ -618,11 +618,14 @@ def main():
                 else float("nan")
             row["ratios"]["peak_mem_one_backward_vs_grpo"] = (
                 mem["update_one_backward"]["peak_bytes"] / base if "update_one_backward" in mem else float("nan"))
-            if "group" in t:  # both under gradient checkpointing, as the trainer runs them by default
-                for mode in ("fwdbwd_ckpt", "group_ckpt"):
-                    mem[mode] = measure_memory(size, completion, args.batch, args.prompt_len, mode, args.threads)
-                row["ratios"]["peak_mem_ckpt_vs_grpo_ckpt"] = (
-                    mem["group_ckpt"]["peak_bytes"] / mem["fwdbwd_ckpt"]["peak_bytes"])
+            # under gradient checkpointing, as the trainer runs by default (TRL's gradient_checkpointing=True)
+            for mode in ("fwdbwd_ckpt", "update_one_backward_ckpt") + (("group_ckpt",) if "group" in t else ()):
+                mem[mode] = measure_memory(size, completion, args.batch, args.prompt_len, mode, args.threads)
+            base_ckpt = mem["fwdbwd_ckpt"]["peak_bytes"]
+            row["ratios"]["peak_mem_ckpt_vs_grpo_ckpt"] = (
+                mem["group_ckpt"]["peak_bytes"] / base_ckpt if "group_ckpt" in mem else float("nan"))
+            row["ratios"]["peak_mem_one_backward_ckpt_vs_grpo_ckpt"] = (
+                mem["update_one_backward_ckpt"]["peak_bytes"] / base_ckpt)
         r = row["ratios"]
         log(f"{size:6s} C={completion:5d}: fwdbwd {t['fwdbwd']:.3f}s norms {t['norms']:.3f}s "
             f"group {t.get('group', float('nan')):.3f}s loop {t['loop']:.3f}s | norms/fwdbwd "
@@ -672,6 +675,8 @@ def main():
         update_one_backward_vs_grpo=round(head_row["ratios"]["update_one_backward_vs_grpo"], 3),
         peak_mem_one_backward_vs_grpo=round(head_row["ratios"].get("peak_mem_one_backward_vs_grpo", float("nan")), 3),
         peak_mem_ckpt_vs_grpo_ckpt=round(head_row["ratios"].get("peak_mem_ckpt_vs_grpo_ckpt", float("nan")), 3),
+        peak_mem_one_backward_ckpt_vs_grpo_ckpt=round(
+            head_row["ratios"].get("peak_mem_one_backward_ckpt_vs_grpo_ckpt", float("nan")), 3),
         step_one_backward_vs_grpo=round(head_step["step_one_backward_vs_grpo"], 3) if head_step else float("nan"),
     )
     where = dict(
@@ -685,6 +690,8 @@ def main():
         peak_mem_one_backward_vs_grpo=f"{largest[0]}, C={largest[1]}, the one_backward update",
         peak_mem_ckpt_vs_grpo_ckpt=f"{largest[0]}, C={largest[1]}, group form vs fwdbwd, both under gradient "
         "checkpointing",
+        peak_mem_one_backward_ckpt_vs_grpo_ckpt=f"{largest[0]}, C={largest[1]}, the one_backward update vs fwdbwd, "
+        "both under gradient checkpointing (TRL's default)",
         step_one_backward_vs_grpo=(f"{head_step['size']}, C={head_step['completion']}, {step_steps} steps, "
                                    "OBLRPOConfig(one_backward=True)" if head_step else "n/a"),
     )
@@ -738,9 +745,9 @@ def render_markdown(res: dict, quick: bool) -> str:
         "then every weight gradient formed from what was kept, with each group's gradient norm. Peak memory: " + _mem_method(res) + ".",
         "",
         "| model | params | vocab | C | fwdbwd | norms | group | loop | norms/fwdbwd | group/fwdbwd | loop/norms "
-        "| loop/group | update/grpo (sq) | update/grpo (group) | update/grpo (one bwd) | peak mem fwdbwd | norms/fwdbwd mem | group/fwdbwd mem | one bwd/fwdbwd mem | group/fwdbwd mem, both ckpt "
+        "| loop/group | update/grpo (sq) | update/grpo (group) | update/grpo (one bwd) | peak mem fwdbwd | norms/fwdbwd mem | group/fwdbwd mem | one bwd/fwdbwd mem | group/fwdbwd mem, both ckpt | one bwd/fwdbwd mem, both ckpt "
         "| est. GFLOP fwdbwd / Gram (sq) / Gram (group) | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         t, q, mem = r["times"], r["ratios"], r.get("memory")
@@ -754,6 +761,7 @@ def render_markdown(res: dict, quick: bool) -> str:
             f"{fmt(base_mb, '.0f')} MB | "
             f"**{fmt(q.get('peak_mem_vs_grpo'))}** | {fmt(q.get('peak_mem_group_vs_grpo'))} | "
             f"{fmt(q.get('peak_mem_one_backward_vs_grpo'))} | {fmt(q.get('peak_mem_ckpt_vs_grpo_ckpt'))} | "
+            f"{fmt(q.get('peak_mem_one_backward_ckpt_vs_grpo_ckpt'))} | "
             f"{r['est_gflop_sq']['fwdbwd']:.1f} / {r['est_gflop_sq']['gram_total']:.1f} / "
             f"{r['est_gflop_group']['gram_total']:.1f} | {r['max_rel_err_norms']:.1e} |"
             + (" " + "; ".join(r["skipped"]) if r["skipped"] else "")
