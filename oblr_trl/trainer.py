@@ -395,14 +395,14 @@ class OBLRPOTrainer(GRPOTrainer):
         # group's rows in index order.
         index = merged["oblr_index"] - merged["oblr_index"].min()
         n, group = index.shape[0], index // self.num_generations
-        positions = torch.arange(n, device=index.device)
-        first = torch.full((n // self.num_generations,), n, device=index.device).scatter_reduce_(0, group, positions, "amin")
+        first = torch.full((n // self.num_generations,), n, device=index.device)
+        first.scatter_reduce_(0, group, torch.arange(n, device=index.device), "amin")
         rows = torch.argsort(first[group] * n + index)
-        merged = {
-            k: v[rows] if torch.is_tensor(v) and v.dim() > 0 else [v[i] for i in rows.tolist()] if isinstance(v, list)
-            else v
-            for k, v in merged.items()
-        }
+        for key, value in merged.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                merged[key] = value[rows]
+            elif isinstance(value, list):
+                merged[key] = [value[i] for i in rows.tolist()]
         return split_tensor_dict(merged, len(micro_batches))
 
     def _one_backward_loss(self, batch: dict) -> torch.Tensor:
@@ -410,7 +410,9 @@ class OBLRPOTrainer(GRPOTrainer):
 
         The backward reaches every layer's output; the norms give the baseline weights, the baseline the advantages
         ``A_i``, and each weight's gradient ``-sum_i c_i A_i u_i`` (TRL's loss at importance ratio 1) is then formed
-        from the kept activations and output gradients. Returns the loss value as a leaf: its backward is a no-op.
+        from what the pass kept (per-sample gradients, or activations and output gradients), with each SNR unit's
+        ``||H_q||^2``. Under DDP the gradients are all-reduced at the step's last micro-batch. Returns the loss value
+        as a leaf: its backward is a no-op.
         """
         n = batch["oblr_index"].shape[0]
         order = torch.argsort(batch["oblr_index"])  # undo TRL's shuffle: a group's rows are consecutive again
