@@ -24,6 +24,7 @@ from .factors import (
     block_inner_products,
     block_weighted_rows,
     materializing_saves_memory,
+    per_sample_dtype,
 )
 from .rules import find_rule
 
@@ -337,8 +338,9 @@ def per_sequence_grads(
     With ``materialize=True`` (what ``OBLRPOConfig(one_backward=True)`` uses), each layer whose per-sample gradients
     take no more memory than its factors (:func:`~.factors.materializing_saves_memory`: long sequences through narrow
     layers) forms them as its output gradient arrives, one contraction over the tokens (the cost of its weight
-    gradient), and keeps them instead of the factors. Its inner products and its weighted sum are then nearly free,
-    where the factors would cost a token Gram or a materialization now and a contraction again for the update.
+    gradient), and keeps them instead of the factors (in bf16 under bf16 autocast, as autograd's own weight gradients
+    are there; sums over them in fp32). Its inner products and its weighted sum are then nearly free, where the
+    factors would cost a token Gram or a materialization now and a contraction again for the update.
     See :func:`per_sequence_grad_sq_norms` for the other arguments.
     """
     batch, length = input_ids.shape
@@ -375,7 +377,7 @@ def per_sequence_grads(
         for name, usage in find_rule(record.module)(record.module, record.activation, record.output_grad).items():
             if materialize_now and materializing_saves_memory(usage):
                 with _fp32(input_ids.device):
-                    usage = Materialized(usage.materialize())
+                    usage = Materialized(usage.materialize().to(per_sample_dtype(usage)))
             param = getattr(record.module, name)
             usages[id(param)].append(usage)
             params[id(param)] = param

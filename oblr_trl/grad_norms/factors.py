@@ -198,16 +198,25 @@ def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: 
     return torch.bmm(_block(cols, k).transpose(1, 2), right)
 
 
+def per_sample_dtype(u: Factored) -> torch.dtype:
+    """The dtype a factored usage's per-sample gradients are held in: bfloat16 where a factor is bfloat16 (under bf16
+    autocast, where autograd's own weight gradient is a bf16 matmul output too), float32 otherwise. They are formed,
+    and every sum over them taken, in float32."""
+    return torch.bfloat16 if torch.bfloat16 in (u.left.t.dtype, u.right.t.dtype) else torch.float32
+
+
 def materializing_saves_memory(u: Usage) -> bool:
-    """Whether a usage's per-sample gradients, ``(B, n_L, n_R)`` in float32, take no more memory than the factors
-    they are formed from, ``(B, T, n_L + n_R)``: then holding them costs nothing extra, and forming them costs one
-    contraction (what the layer's weight gradient costs), after which every inner product and weighted sum is cheap.
+    """Whether a usage's per-sample gradients, ``(B, n_L, n_R)`` in :func:`per_sample_dtype`, take no more memory
+    than the factors they are formed from, ``(B, T, n_L + n_R)``: then holding them costs nothing extra, and forming
+    them costs one contraction (what the layer's weight gradient costs), after which every inner product and weighted
+    sum is cheap.
     """
     if not (isinstance(u, Factored) and isinstance(u.left, Dense) and isinstance(u.right, Dense)):
         return False
     left, right = u.left.t, u.right.t
     factor_bytes = left.shape[1] * (left.shape[-1] * left.element_size() + right.shape[-1] * right.element_size())
-    return left.shape[-1] * right.shape[-1] * 4 <= factor_bytes
+    held_bytes = left.shape[-1] * right.shape[-1] * torch.empty((), dtype=per_sample_dtype(u)).element_size()
+    return held_bytes <= factor_bytes
 
 
 def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
