@@ -65,7 +65,7 @@ class OBLRPOConfig(GRPOConfig):
             (formed as the backward reaches them), the input activations and output gradients of the others. Each
             group's gradient norm (the SNR's sample) is formed with the update. Applies where each completion's
             per-token loss coefficient is constant (on-policy: `num_iterations=1`, `beta=0`, no vLLM importance-
-            sampling correction, no token masks), on one process or DDP (not FSDP). With gradient accumulation,
+            sampling correction, no token masks), on one process, DDP or FSDP2 (not FSDP1). With gradient accumulation,
             `steps_per_generation` must divide `gradient_accumulation_steps`, and, where a generation spans several
             micro-batches, `per_device_train_batch_size` must be a multiple of `num_generations`: the micro-batches
             are then re-split so each holds whole groups. Elsewhere the trainer falls back to the two-pass default
@@ -131,7 +131,7 @@ class OBLRPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "Get the norms and the update from one forward/backward (default False: a norms pass, then TRL's "
-            "loss pass). Used where valid (on-policy, micro-batches of whole groups, no FSDP); elsewhere the two-pass "
+            "loss pass). Used where valid (on-policy, micro-batches of whole groups, not FSDP1); elsewhere the two-pass "
             "default is used, with a warning saying why."
         },
     )

@@ -343,8 +343,8 @@ class OBLRPOTrainer(GRPOTrainer):
             reasons.append("use_liger_kernel=True (Liger computes the loss)")
         if a.fp16:
             reasons.append("fp16=True (the loss scaler would unscale gradients it never scaled; use bf16)")
-        if self.is_fsdp_enabled:
-            reasons.append("FSDP (sharded parameters)")
+        if self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False):
+            reasons.append("FSDP1 (use FSDP2: fsdp_version 2)")
         return reasons
 
     ALL_REDUCE_BUCKET = 1 << 25  # elements per all-reduce (DDP's default bucket is 25 MiB)
@@ -411,7 +411,8 @@ class OBLRPOTrainer(GRPOTrainer):
         The backward reaches every layer's output; the norms give the baseline weights, the baseline the advantages
         ``A_i``, and each weight's gradient ``-sum_i c_i A_i u_i`` (TRL's loss at importance ratio 1) is then formed
         from what the pass kept (per-sample gradients, or activations and output gradients), with each SNR unit's
-        ``||H_q||^2``. Under DDP the gradients are all-reduced at the step's last micro-batch. Returns the loss value
+        ``||H_q||^2``. Under DDP the gradients are all-reduced at the step's last micro-batch; under FSDP2 each
+        gradient is reduce-scattered into its shards as it is formed. Returns the loss value
         as a leaf: its backward is a no-op.
         """
         n = batch["oblr_index"].shape[0]
@@ -433,7 +434,7 @@ class OBLRPOTrainer(GRPOTrainer):
         unit_sq = grads.accumulate_grad(-a, group_size=unit if self.args.snr_lr else None)
         if unit_sq is not None:
             self._oblr_step_records.append((batch["oblr_unit"][::unit].cpu(), unit_sq.double().cpu()))
-        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
             self._all_reduce_grads()  # what DDP's backward hooks would have done (c_i already has 1/world)
         loss = -(a * self.accelerator.num_processes * mask.sum(-1)).sum()
         return loss.detach().requires_grad_()

@@ -121,6 +121,32 @@ def test_two_fsdp2_processes_match_one(tmp_path):
     assert two["grad_norm"][1] == pytest.approx(one["grad_norm"][1], rel=1e-3)
 
 
+def test_one_backward_under_fsdp2_matches_one_process(tmp_path):
+    """one_backward under FSDP2: each weight gradient is formed from the rank's samples and reduce-scattered into the
+    parameter's DTensor shards. 2 FSDP2 processes x 8 = 1 process x 16 with the two-pass default."""
+    one, two = run(tmp_path, 1, 16, "fp32"), run(tmp_path, 2, 8, "fsdp2+fp32+one_backward")
+    assert_ran_fsdp2(two)
+    assert two["one_backward"] and not one["one_backward"]
+    assert two["num_samples"] == one["num_samples"] == [4.0, 4.0]
+    assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
+    assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
+    assert 0 < one["lr_scale"][0] < 1
+    for step in range(2):
+        assert_every_rank_applied(two, step, two["lr"][step])
+    assert two["grad_norm"][1] == pytest.approx(one["grad_norm"][1], rel=1e-3)
+    assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
+    # with gradient accumulation: each micro-batch's gradients reduce-scattered and added to the shards
+    accumulated = run(tmp_path, 2, 4, "fsdp2+fp32+one_backward+ga2")
+    assert accumulated["one_backward"] and accumulated["num_samples"] == [4.0, 4.0]
+    assert accumulated["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
+    assert accumulated["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
+    # a rank with only empty, unscorable completions still takes part in every reduce-scatter: no deadlock
+    one, two = run(tmp_path, 1, 16, "fp32+degenerate+nan"), run(tmp_path, 2, 8, "fsdp2+fp32+degenerate+nan+one_backward")
+    assert two["one_backward"] and two["unscorable"] == one["unscorable"] == [8.0, 8.0]
+    assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
+    assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
+
+
 def test_an_fsdp2_rank_with_only_degenerate_data(tmp_path):
     """Under FSDP2, rank 1 gets only empty completions whose rewards are None (NaN, unscorable): the sharded norms pass
     and the step's gathers still run on both ranks (no deadlock), and the answer is one process's on the same data."""

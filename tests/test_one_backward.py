@@ -121,13 +121,15 @@ def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
                 vllm_importance_sampling_correction=True, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
                 use_liger_kernel=False, fp16=False)
 
-    def blockers(fsdp=False, **overrides):
-        fake = SimpleNamespace(args=SimpleNamespace(**{**base, **overrides}), is_fsdp_enabled=fsdp)
+    def blockers(fsdp=False, fsdp2=False, **overrides):
+        fake = SimpleNamespace(args=SimpleNamespace(**{**base, **overrides}), is_fsdp_enabled=fsdp,
+                               accelerator=SimpleNamespace(is_fsdp2=fsdp2))
         return OBLRPOTrainer._one_backward_blockers(fake)
 
     assert blockers() == []
     assert "fp16" in blockers(fp16=True)[0]
-    assert "FSDP" in blockers(fsdp=True)[0]
+    assert "FSDP1" in blockers(fsdp=True)[0]
+    assert blockers(fsdp=True, fsdp2=True) == []
     assert "vllm_importance_sampling_correction" in blockers(use_vllm=True)[0]
     assert blockers(use_vllm=True, vllm_importance_sampling_correction=False) == []
     assert "Liger" in blockers(use_liger_kernel=True)[0]

@@ -8,7 +8,7 @@ vocabulary chunks, and a head tied to the input embedding gets the norm of the s
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from contextlib import contextmanager
 
 import torch
@@ -27,6 +27,9 @@ from .factors import (
     per_sample_dtype,
 )
 from .rules import find_rule
+
+
+Slot = tuple[nn.Module, str]  # a parameter, as (owning module, attribute name)
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -224,6 +227,14 @@ def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, we
     return lse, grad_h
 
 
+def _reduce_scatter_like(grad: torch.Tensor, param) -> torch.Tensor:
+    """A full-size gradient from this rank's samples -> the sum over ranks, sharded like the DTensor ``param``."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(grad, param.device_mesh, [Partial()] * param.device_mesh.ndim, run_check=False)
+    return partial.redistribute(param.device_mesh, param.placements)
+
+
 def _fp32(device: torch.device):
     """Autocast off: the Grams, the head's softmax terms and the weighted sums are accumulated in float32 even when
     the forward runs under bf16/fp16 autocast (which would otherwise run these matmuls in half precision)."""
@@ -239,11 +250,17 @@ class PerSequenceGradients:
     ``OBLRPOConfig(one_backward=True)`` gets the norms and the update from a single backward.
     """
 
-    def __init__(self, usages: dict[int, list[Usage]], params: dict[int, nn.Parameter], batch: int, device,
-                 streamed: torch.Tensor | None = None):
-        self.usages, self.params, self.batch, self.device = usages, params, batch, device
+    def __init__(self, usages: dict[Slot, list[Usage]], batch: int, device, streamed: torch.Tensor | None = None,
+                 slots: list[Slot] = ()):
+        self.usages, self.batch, self.device = usages, batch, device
         # inner products already summed during the backward (layers whose factors were consumed as they arrived)
         self.streamed = streamed
+        self.slots = list(slots) or list(usages)  # every trainable parameter, in module order
+
+    @property
+    def params(self) -> dict[Slot, nn.Parameter]:
+        """The parameters with per-sample gradients, as registered now (FSDP2 swaps the objects as it (un)shards)."""
+        return {slot: getattr(*slot) for slot in self.usages}
 
     def inner_products(self, group_size: int = 1) -> torch.Tensor:
         """``<u_i, u_j>`` within blocks of ``group_size`` consecutive rows: ``(B / group_size, k, k)``, float32."""
@@ -276,7 +293,8 @@ class PerSequenceGradients:
     @torch.no_grad()
     def accumulate_grad(self, scale: torch.Tensor, group_size: int | None = None) -> torch.Tensor | None:
         """Add ``sum_i scale_i u_i`` to each trainable parameter's ``.grad`` (created if absent), as a backward of
-        ``sum_i scale_i sum_t log pi(o_{i,t})`` would. Plain (non-sharded) parameters only.
+        ``sum_i scale_i sum_t log pi(o_{i,t})`` would. An FSDP2-sharded parameter gets its shard of the gradient
+        summed over ranks (a reduce-scatter, as FSDP2's own backward does; every rank must call this).
 
         With ``group_size=k``, also returns ``||sum_{i in q} scale_i u_i||^2`` for each block ``q`` of ``k``
         consecutive rows, ``(B / k,)``: a group's gradient ``H_q``, whose squared norm is one sample of the SNR's noise
@@ -294,8 +312,11 @@ class PerSequenceGradients:
         nb = self.batch // k
         sq_dtype = torch.float32 if torch.device(self.device).type == "mps" else torch.float64
         sq = torch.zeros(nb, device=self.device, dtype=sq_dtype)
-        for key, param_usages in self.usages.items():
-            param = self.params[key]
+        for slot in self.slots:
+            param, param_usages = getattr(*slot), self.usages.get(slot, [])
+            sharded = hasattr(param, "device_mesh")  # an FSDP2 DTensor: every rank reduces every parameter, in order
+            if not param_usages and not sharded:
+                continue
             rows = param.shape[0] if param.dim() else 1
             cols = param.numel() // max(rows, 1)
             step = max(1, min(rows, self.ROW_BUDGET // max(1, nb * cols)))
@@ -306,11 +327,15 @@ class PerSequenceGradients:
             with _fp32(self.device):
                 for start in range(0, rows, step):
                     end = min(start + step, rows)
+                    if not param_usages:
+                        continue
                     part = sum(block_weighted_rows(u, scale, k, start, end) for u in param_usages)
                     if group_size is not None:
                         sq += part.pow(2).sum(dim=(1, 2), dtype=sq_dtype)
                     grad[start:end] = part.sum(0)
             grad = grad.reshape(param.shape).to(param.dtype)
+            if sharded:  # this rank's full gradient: summed over ranks and sharded as the parameter is
+                grad = _reduce_scatter_like(grad, param)
             if param.grad is None:
                 param.grad = grad
             else:
@@ -348,10 +373,9 @@ def per_sequence_grads(
     if completion_length >= length:
         raise ValueError("completion_mask must cover fewer positions than input_ids (a prompt token is needed).")
     lm = unwrap_causal_lm(model)
-    usages: dict[int, list[Usage]] = defaultdict(list)
-    params: dict[int, nn.Parameter] = {}
+    usages: dict[Slot, list[Usage]] = defaultdict(list)
     if batch == 0 or not any(p.requires_grad for p in lm.parameters()):
-        return PerSequenceGradients(usages, params, batch, input_ids.device)
+        return PerSequenceGradients(usages, batch, input_ids.device)
     head = lm.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
@@ -359,18 +383,22 @@ def per_sequence_grads(
     alpha = _logit_scale(lm) / temperature
     hooked = _hooked_modules(backbone, skip=head)
     checkpointed = _checkpointed_layers(backbone)
-    streamed, sharing = None, set()
+    # Each trainable parameter's slot, (module, name) of its first owner: found now, by the parameters' identity, and
+    # kept as modules, because FSDP2 swaps the parameter objects when it unshards them inside the pass. A tied
+    # embedding and head share one slot.
+    slot_of: dict[Slot, Slot] = {}
+    first_owner: dict[int, Slot] = {}
+    for module in hooked + [head]:
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad:
+                slot_of[(module, name)] = first_owner.setdefault(id(p), (module, name))
+    owners = Counter(slot_of.values())
+    sharing = {module for (module, _), slot in slot_of.items() if owners[slot] > 1}
+    streamed = None
     if stream_group_size is not None:
         if batch % stream_group_size:
             raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
         streamed = torch.zeros(batch // stream_group_size, stream_group_size, stream_group_size, device=input_ids.device)
-        # Modules sharing a parameter (a tied embedding and head): found now, by the parameters' identity, and kept
-        # as modules, because FSDP2 swaps the parameter objects when it unshards them inside the pass.
-        owners: dict[int, list[nn.Module]] = defaultdict(list)
-        for module in hooked + [head]:
-            for p in module.parameters(recurse=False):
-                owners[id(p)].append(module)
-        sharing = {m for modules in owners.values() if len(modules) > 1 for m in modules}
 
     def keep(record: _Record, materialize_now: bool) -> None:
         """The record's per-sample gradients, by parameter: factored, or materialized where that saves memory."""
@@ -378,9 +406,7 @@ def per_sequence_grads(
             if materialize_now and materializing_saves_memory(usage):
                 with _fp32(input_ids.device):
                     usage = Materialized(usage.materialize().to(per_sample_dtype(usage)))
-            param = getattr(record.module, name)
-            usages[id(param)].append(usage)
-            params[id(param)] = param
+            usages[slot_of[(record.module, name)]].append(usage)
 
     def on_grad(record: _Record, calls: dict) -> None:
         module = record.module
@@ -433,13 +459,11 @@ def per_sequence_grads(
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
         delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask)
         if head.weight.requires_grad:
-            usages[id(head.weight)].append(Factored(delta, Dense(h.detach())))
-            params[id(head.weight)] = head.weight
+            usages[slot_of[(head, "weight")]].append(Factored(delta, Dense(h.detach())))
         if head.bias is not None and head.bias.requires_grad:
             with _fp32(input_ids.device):
-                usages[id(head.bias)].append(Materialized(delta.cols(0, delta.width).sum(1)))
-            params[id(head.bias)] = head.bias
-    return PerSequenceGradients(usages, params, batch, input_ids.device, streamed)
+                usages[slot_of[(head, "bias")]].append(Materialized(delta.cols(0, delta.width).sum(1)))
+    return PerSequenceGradients(usages, batch, input_ids.device, streamed, slots=list(owners))
 
 
 def per_sequence_grad_inner_products(
