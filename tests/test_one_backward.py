@@ -110,7 +110,7 @@ def test_one_backward_falls_back_to_two_passes_and_says_why(overrides, reason, c
 
 
 def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
-    """fp16 (loss scaling), FSDP, vLLM importance weights and Liger cannot be set up on this CPU; their reasons are
+    """fp16 (loss scaling), FSDP1, vLLM importance weights and Liger cannot be set up on this CPU; their reasons are
     checked on the settings alone."""
     from types import SimpleNamespace
 
