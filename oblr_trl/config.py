@@ -131,8 +131,8 @@ class OBLRPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "Get the norms and the update from one forward/backward (default False: a norms pass, then TRL's "
-            "loss pass). Used where valid (on-policy, micro-batches of whole groups, not FSDP1); elsewhere the two-pass "
-            "default is used, with a warning saying why."
+            "loss pass). Used where valid (on-policy, micro-batches of whole groups, not FSDP1); elsewhere the "
+            "two-pass default is used, with a warning saying why."
         },
     )
 

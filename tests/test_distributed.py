@@ -59,24 +59,23 @@ def test_one_backward_on_two_ddp_processes_matches_one_process_two_passes(tmp_pa
     trainer all-reduces them itself. Same scale, gradient norm and trained parameters as one process with the default
     two passes (fp32)."""
     one, two = run(tmp_path, 1, 16, "fp32"), run(tmp_path, 2, 8, "fp32+one_backward")
-    assert two["one_backward"] and not one["one_backward"] and two["world_size"] == 2
-    assert two["num_samples"] == one["num_samples"] == [4.0, 4.0]
-    assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
-    assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
-    assert 0 < one["lr_scale"][0] < 1
-    for step in range(2):
-        assert_every_rank_applied(two, step, two["lr"][step])
-    assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
+    assert_one_backward_matches_one_process(one, two)
 
 
 def test_one_backward_with_accumulation_on_two_ddp_processes_matches_one_process(tmp_path):
     """one_backward with gradient accumulation under DDP: each rank forms its micro-batches' gradients, which are
     all-reduced once, at the step's last micro-batch. 2 processes x 4 rows x 2 micro-batches = 1 process x 16."""
     one, two = run(tmp_path, 1, 16, "fp32"), run(tmp_path, 2, 4, "fp32+one_backward+ga2")
-    assert two["one_backward"] and two["world_size"] == 2
+    assert_one_backward_matches_one_process(one, two)
+
+
+def assert_one_backward_matches_one_process(one, two):
+    """``two`` (2 processes, one_backward) took the same first step as ``one`` (1 process, two passes)."""
+    assert two["one_backward"] and not one["one_backward"] and two["world_size"] == 2
     assert two["num_samples"] == one["num_samples"] == [4.0, 4.0]
     assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
     assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
+    assert 0 < one["lr_scale"][0] < 1
     for step in range(2):
         assert_every_rank_applied(two, step, two["lr"][step])
     assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
@@ -126,20 +125,10 @@ def test_one_backward_under_fsdp2_matches_one_process(tmp_path):
     parameter's DTensor shards. 2 FSDP2 processes x 8 = 1 process x 16 with the two-pass default."""
     one, two = run(tmp_path, 1, 16, "fp32"), run(tmp_path, 2, 8, "fsdp2+fp32+one_backward")
     assert_ran_fsdp2(two)
-    assert two["one_backward"] and not one["one_backward"]
-    assert two["num_samples"] == one["num_samples"] == [4.0, 4.0]
-    assert two["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
-    assert two["lr_scale"][0] == pytest.approx(one["lr_scale"][0], rel=1e-4)
-    assert 0 < one["lr_scale"][0] < 1
-    for step in range(2):
-        assert_every_rank_applied(two, step, two["lr"][step])
+    assert_one_backward_matches_one_process(one, two)
     assert two["grad_norm"][1] == pytest.approx(one["grad_norm"][1], rel=1e-3)
-    assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
     # with gradient accumulation: each micro-batch's gradients reduce-scattered and added to the shards
-    accumulated = run(tmp_path, 2, 4, "fsdp2+fp32+one_backward+ga2")
-    assert accumulated["one_backward"] and accumulated["num_samples"] == [4.0, 4.0]
-    assert accumulated["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
-    assert accumulated["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
+    assert_one_backward_matches_one_process(one, run(tmp_path, 2, 4, "fsdp2+fp32+one_backward+ga2"))
     # a rank with only empty, unscorable completions still takes part in every reduce-scatter: no deadlock
     one, two = run(tmp_path, 1, 16, "fp32+degenerate+nan"), run(tmp_path, 2, 8, "fsdp2+fp32+degenerate+nan+one_backward")
     assert two["one_backward"] and two["unscorable"] == one["unscorable"] == [8.0, 8.0]
