@@ -370,10 +370,9 @@ class OBLRPOTrainer(GRPOTrainer):
                 p.grad.copy_(part.view_as(p))
 
     def _prepare_inputs(self, generation_batch):
-        fresh = self.model.training and (
-            self._buffered_inputs is None or self._step % (self.args.steps_per_generation * self.num_iterations) == 0
-        )
+        buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
+        fresh = self._buffered_inputs is not buffered  # TRL generated and split a new generation batch
         if fresh and self._one_backward and self.args.steps_per_generation > 1:
             self._buffered_inputs = self._whole_group_micro_batches(self._buffered_inputs)
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]

@@ -181,7 +181,7 @@ def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: 
     batch = scale.shape[0]
     nb = batch // k
     if isinstance(u, Materialized):  # (nb, 1, k) x (nb, k, rows * cols): a batched matmul, no scaled copy
-        g = u.g.float().reshape(batch, u.g[0].shape[0] if u.g.dim() > 1 else 1, -1)[:, start:end]
+        g = u.g.reshape(batch, u.g[0].shape[0] if u.g.dim() > 1 else 1, -1)[:, start:end].float()  # this slice only
         out = torch.bmm(scale.float().reshape(nb, 1, k), g.reshape(nb, k, -1))
         return out.reshape(nb, end - start, -1)
     if not isinstance(u.right, Dense):
@@ -215,7 +215,7 @@ def materializing_saves_memory(u: Usage) -> bool:
         return False
     left, right = u.left.t, u.right.t
     factor_bytes = left.shape[1] * (left.shape[-1] * left.element_size() + right.shape[-1] * right.element_size())
-    held_bytes = left.shape[-1] * right.shape[-1] * torch.empty((), dtype=per_sample_dtype(u)).element_size()
+    held_bytes = left.shape[-1] * right.shape[-1] * per_sample_dtype(u).itemsize
     return held_bytes <= factor_bytes
 
 
