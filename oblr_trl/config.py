@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .estimators import BASELINES
+from .estimators import BASELINES, GRAD_NORM_ESTIMATORS
+from .loss_terms import LOSS_TYPES
 
-SUPPORTED_LOSS_TYPES = ("dapo", "dr_grpo", "bnpo", "grpo")
-GRAD_NORM_ESTIMATORS = ("exact", "length")
+SUPPORTED_LOSS_TYPES = LOSS_TYPES  # every TRL 1.16 loss type
 SNR_SAMPLE_UNITS = ("group", "completion")
 
 
@@ -202,3 +203,31 @@ class OBLRPOConfig(GRPOConfig):
                 "weights and the SNR use every completion token.",
                 stacklevel=2,
             )
+        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
+            warnings.warn(
+                "OBLRPOConfig: an entropy bonus (entropy_coef / use_adaptive_entropy) adds a term to the gradient that "
+                "the SNR estimate does not include (the paper's theory has none); the step size is approximate.",
+                stacklevel=2,
+            )
+
+
+def upgrade_config(args: GRPOConfig) -> OBLRPOConfig:
+    """An ``OBLRPOConfig`` with every option of a ``GRPOConfig`` (what a drop-in ``OBLRPOTrainer`` is handed).
+
+    OBLR-PO's options take their defaults. One GRPO option conflicts with the theory and is replaced, with a warning:
+    ``scale_rewards`` (GRPO's default ``"group"``) becomes ``"none"`` (dividing by the group's reward std biases the
+    gradient). ``multi_objective_aggregation="normalize_then_sum"`` is refused (the baseline does not cover it).
+    """
+    if isinstance(args, OBLRPOConfig):
+        return args
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
+    values["generation_batch_size"] = None  # derived again from steps_per_generation (both set is an error)
+    if values.get("scale_rewards") not in ("none", False):
+        warnings.warn(
+            f"OBLRPOTrainer got a GRPOConfig with scale_rewards={values['scale_rewards']!r}: OBLR-PO uses unscaled "
+            "advantages (std scaling biases the gradient), so scale_rewards='none'. For plain GRPO as an ablation pass "
+            "OBLRPOConfig(baseline='mean', leave_one_out=False, snr_lr=False, scale_rewards='group').",
+            stacklevel=3,
+        )
+        values["scale_rewards"] = "none"
+    return OBLRPOConfig(**values)

@@ -9,25 +9,34 @@ Each formula of the paper lives here, once:
   (McCandlish et al. 2018, App. A).
 * :func:`snr_lr_scale`: the step-size factor of Theorem 4, ``N*SNR / (1 + N*SNR)``.
 * :func:`step_scale_from_contributions`: the same factor written directly in the per-sample contributions ``h_i``
-  whose sum is the step's gradient (``../shared/paper/estimators.md``).
+  whose sum is the step's gradient.
+* :func:`baseline_weights`: ``w_i`` from per-sequence squared norms (or a proxy), as each score enters the loss.
+* :func:`unit_sq_norms`: each SNR sample's ``||H_q||^2 = ||sum_{i in q} a_i u_i||^2`` from within-sample Gram rows.
+* :func:`snr_step`: one optimizer step's SNR and step-size factor, with the optional smoothing across steps, and a
+  defined result for every degenerate input (fewer than 2 samples, a non-finite gradient, a zero SNR).
 
 Baselines are registered by name (as verl's ``core_algos`` does) so that ``OBLRPOConfig.baseline`` selects one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .loss_terms import sequence_shape
 
 BaselineFn = Callable[..., tuple[torch.Tensor, int]]
 BASELINES: dict[str, BaselineFn] = {}
 
 
 def register_baseline(name: str) -> Callable[[BaselineFn], BaselineFn]:
-    """Register a baseline estimator under ``name`` (selected by ``OBLRPOConfig.baseline``)."""
+    """Register a baseline estimator under ``name`` (selected by ``OBLRPOConfig.baseline``); a taken name raises."""
 
     def decorator(fn: BaselineFn) -> BaselineFn:
+        if name in BASELINES:
+            raise ValueError(f"A baseline named {name!r} is already registered ({BASELINES[name].__qualname__}).")
         BASELINES[name] = fn
         return fn
 
@@ -200,3 +209,147 @@ def step_scale_from_contributions(
     ratio = s / torch.where(g2 > 0, g2, torch.ones_like(g2))
     scale = (n / (n - 1) * (1 - ratio)).clamp(0.0, 1.0)
     return torch.where(g2 > 0, scale, torch.zeros_like(scale))
+
+
+# ------------------------------------------------------------------------------------------ baseline weights
+GRAD_NORM_ESTIMATORS = ("exact", "length")
+
+
+def baseline_weights(
+    estimator: str, loss_type: str, lengths: torch.Tensor, sq_norms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The baseline weights ``w_i`` of Theorem 7 for one batch of completions.
+
+    ``"exact"``: the squared norm of each completion's score as it enters ``loss_type``'s gradient,
+    ``shape_i^2 ||u_i||^2`` (``shape_i = 1/|o_i|`` for the losses that average each sequence, see
+    :mod:`oblr_trl.loss_terms`), from the per-sequence ``sq_norms = ||grad sum_t log pi(o_i,t)||^2``.
+    ``"length"``: verl OPO's proxy ``w_i = |o_i|`` (no norms needed).
+    """
+    if estimator == "length":
+        return lengths.float()
+    if estimator != "exact":
+        raise ValueError(f"grad_norm_estimator={estimator!r}; allowed values: {list(GRAD_NORM_ESTIMATORS)}.")
+    if sq_norms is None:
+        raise ValueError("grad_norm_estimator='exact' needs the per-sequence squared norms.")
+    return sq_norms.float() * sequence_shape(loss_type, lengths).to(sq_norms.device) ** 2
+
+
+def max_weight_ratio(weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per group, the largest positive finite weight over the median of those weights (NaN for a group without any):
+    large values mean the gradient-weighted baseline follows one or two completions ("baseline explosion")."""
+    w = weights.reshape(-1, group_size)
+    usable = torch.isfinite(w) & (w > 0)
+    median = torch.nanmedian(torch.where(usable, w, torch.full_like(w, float("nan"))), dim=1).values
+    largest = torch.where(usable, w, torch.zeros_like(w)).amax(dim=1)
+    return largest / median
+
+
+def weight_spread(weights: torch.Tensor) -> float:
+    """Coefficient of variation of the weights (0 for fewer than 2 weights or a zero mean)."""
+    if weights.numel() < 2 or not weights.mean() > 0:
+        return 0.0
+    return float(weights.std() / weights.mean())
+
+
+# --------------------------------------------------------------------------------- the step's SNR samples
+def unit_sq_norms(
+    units: torch.Tensor, positions: torch.Tensor, coefficients: torch.Tensor, gram_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``||H_q||^2 = sum_{i,j in q} a_i a_j <u_i, u_j>`` for each SNR sample (unit) ``q`` present.
+
+    Args:
+        units: ``(n,)`` each row's unit id; positions: ``(n,)`` its position in the unit (``0 .. k-1``).
+        coefficients: ``(n,)`` ``a_i = c_i A_i``; gram_rows: ``(n, k)`` ``<u_i, u_j>`` for the ``k`` members ``j``
+            of ``i``'s unit, by position. Members absent from ``units`` (not in this step) contribute nothing.
+
+    Returns:
+        ``(unit_ids, sq_norms)``: the distinct units, ascending, and their ``||H_q||^2`` (float64).
+    """
+    unit_ids, slot = torch.unique(units, return_inverse=True)
+    k = gram_rows.shape[1]
+    a = torch.zeros(unit_ids.numel(), k, dtype=torch.float64)
+    gram = torch.zeros(unit_ids.numel(), k, k, dtype=torch.float64)
+    a[slot, positions] = coefficients.double().cpu()
+    gram[slot, positions] = gram_rows.double().cpu()
+    return unit_ids, torch.einsum("qi,qij,qj->q", a, gram, a)
+
+
+# ------------------------------------------------------------------------------------------ the step size
+@dataclass(frozen=True)
+class SNRStep:
+    """One optimizer step's step-size decision: ``scale`` multiplies the scheduled lr.
+
+    ``snr`` is NaN where it is undefined (``status`` says why); ``state`` is the smoothed ``(signal, noise)`` to carry
+    to the next step (``None`` until a step defines it). ``status``: ``"ok"``, ``"zero_snr"`` (noise dominates: scale 0
+    before the floor), ``"few_samples"`` (fewer than 2 samples: lr left unscaled), ``"nonfinite_grad"`` (scale floored).
+    """
+
+    scale: float
+    snr: float
+    n: int
+    state: tuple[float, float] | None
+    status: str
+
+
+def snr_step(
+    sum_sq: float, grad_sq_norm: float, n: int, *, ema: float = 0.0,
+    state: tuple[float, float] | None = None, lr_scale_min: float = 0.0,
+) -> SNRStep:
+    """Theorem 4's step-size factor for one optimizer step, ``max(N SNR / (1 + N SNR), lr_scale_min)``.
+
+    Args:
+        sum_sq: ``sum_q ||H_q||^2`` over the step's ``n`` samples (the gradient is ``G = sum_q H_q``).
+        grad_sq_norm: ``||G||^2`` (the step's pre-clip gradient, all ranks).
+        ema: smoothing of the signal and noise estimates across steps (0: this step only, the paper's).
+        state: the previous step's smoothed ``(signal, noise)``.
+    """
+    if n < 2:
+        return SNRStep(1.0, float("nan"), n, state, "few_samples")
+    if not torch.isfinite(torch.as_tensor(grad_sq_norm)):
+        return SNRStep(lr_scale_min, float("nan"), n, state, "nonfinite_grad")
+    # single-sample estimates g_q = n H_q: mean ||g_q||^2 = n sum_q ||H_q||^2, and their mean is G
+    signal, noise = (float(x) for x in gradient_signal_noise(n * sum_sq, grad_sq_norm, n))
+    if ema > 0 and state is not None:
+        signal = ema * state[0] + (1 - ema) * signal
+        noise = ema * state[1] + (1 - ema) * noise
+    snr = snr_from_signal_noise(torch.tensor(signal), torch.tensor(noise))
+    scale = float(snr_lr_scale(snr, n))
+    return SNRStep(max(scale, lr_scale_min), float(snr), n, (signal, noise), "zero_snr" if float(snr) == 0 else "ok")
+
+
+# ------------------------------------------------------------------------------------------ rewards and metrics
+def aggregate_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each completion's reward as TRL's ``sum_then_normalize`` forms it (the weighted sum of the reward functions,
+    NaN where every function returned None), with ``+-inf`` also made NaN (unscorable: no baseline, advantage 0).
+
+    Returns ``(rewards, num_infinite)``.
+    """
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    infinite = ~torch.isfinite(rewards) & ~unscorable
+    return torch.where(unscorable | infinite, torch.full_like(rewards, float("nan")), rewards), int(infinite.sum())
+
+
+def mask_nonfinite_products(products: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Within-unit inner products ``(units, k, k)`` with every product of a completion whose own squared norm is not
+    finite set to 0 (as are non-finite products); returns them and that completion mask, flat ``(units * k,)``."""
+    bad = ~torch.isfinite(torch.diagonal(products, dim1=1, dim2=2))
+    keep = ~bad
+    ok = torch.isfinite(products) & keep[..., :, None] & keep[..., None, :]
+    return torch.where(ok, products, torch.zeros_like(products)), bad.reshape(-1)
+
+
+def baseline_metrics(
+    rewards: torch.Tensor, baseline: torch.Tensor, weights: torch.Tensor, num_fallback: int, num_clipped: int
+) -> dict[str, float]:
+    """The baseline's metrics for one generation batch (unscorable rewards, NaN, excluded; 0 where nothing is left)."""
+    valid = ~torch.isnan(rewards)
+    any_valid = bool(valid.any())
+    return {
+        "baseline_mean": baseline[valid].mean().item() if any_valid else 0.0,
+        "reward_mean": rewards[valid].mean().item() if any_valid else 0.0,
+        "weight_spread": weight_spread(weights[valid]),
+        "fallback_samples": float(num_fallback),
+        "clipped_weights": float(num_clipped),
+        "unscorable": float((~valid).sum().item()),
+    }

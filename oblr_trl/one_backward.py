@@ -1,0 +1,103 @@
+"""The machinery of ``one_backward``: norms, advantages and the policy update from one forward and one backward.
+
+No trainer state: the trainer calls these with what it holds.
+
+* :func:`blockers`: why a configuration cannot use it (then the two-pass path runs, and says why).
+* :func:`whole_group_micro_batches`: TRL's shuffled micro-batches re-split so each holds whole groups.
+* :func:`all_reduce_grads`: what DDP's backward hooks would have done, once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl.trainer.utils import split_tensor_dict
+
+ALL_REDUCE_BUCKET = 1 << 25  # elements per all-reduce (DDP's default bucket is 25 MiB)
+
+
+def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False) -> list[str]:
+    """Why ``one_backward`` cannot be used with ``args`` (an ``OBLRPOConfig``); empty: it can.
+
+    ``one_backward`` forms the gradient of the policy term at ratio 1 only, so anything else TRL's loss would add
+    (a KL term, an entropy bonus, an MoE router's auxiliary loss, token masks, importance weights) blocks it.
+    """
+    a, reasons = args, []
+    if a.num_iterations != 1:
+        reasons.append(f"num_iterations={a.num_iterations} (importance ratio != 1)")
+    if a.beta != 0.0:
+        reasons.append(f"beta={a.beta} (a KL term in the loss)")
+    if a.gradient_accumulation_steps % a.steps_per_generation:
+        reasons.append(
+            f"steps_per_generation={a.steps_per_generation} does not divide gradient_accumulation_steps="
+            f"{a.gradient_accumulation_steps} (a generation's later micro-batches would be off-policy)"
+        )
+    elif a.steps_per_generation > 1 and a.per_device_train_batch_size % a.num_generations:
+        reasons.append(
+            f"per_device_train_batch_size={a.per_device_train_batch_size} is not a multiple of num_generations="
+            f"{a.num_generations} with steps_per_generation={a.steps_per_generation} (each micro-batch must hold "
+            "whole groups: a group's baseline needs all its norms)"
+        )
+    if a.use_vllm and getattr(a, "vllm_importance_sampling_correction", False):
+        reasons.append("vllm_importance_sampling_correction=True (per-token importance weights)")
+    if a.top_entropy_quantile < 1.0 or a.off_policy_mask_threshold is not None:
+        reasons.append("top_entropy_quantile < 1 or off_policy_mask_threshold (token masks)")
+    if a.use_liger_kernel:
+        reasons.append("use_liger_kernel=True (Liger computes the loss)")
+    if a.fp16:
+        reasons.append("fp16=True (the loss scaler would unscale gradients it never scaled; use bf16)")
+    if a.entropy_coef != 0.0 or a.use_adaptive_entropy:
+        reasons.append("an entropy bonus (entropy_coef / use_adaptive_entropy: a term outside the policy gradient)")
+    if aux_loss:
+        reasons.append("the model's router auxiliary loss (router_aux_loss_coef != 0)")
+    if fsdp1:
+        reasons.append("FSDP1 (use FSDP2: fsdp_version 2)")
+    return reasons
+
+
+def whole_group_micro_batches(micro_batches: list[dict], group_size: int) -> list[dict]:
+    """TRL's (shuffled) micro-batches of one generation batch, re-split so that each holds whole groups.
+
+    Groups go in the order of their first row in TRL's shuffle (as random, and no random numbers drawn), each group's
+    rows in row order. Rows are identified by ``oblr_row`` (consecutive within a group).
+    """
+    merged = {}
+    for key, first in micro_batches[0].items():
+        parts = [mb[key] for mb in micro_batches]
+        if isinstance(first, list):
+            merged[key] = [x for part in parts for x in part]
+        elif torch.is_tensor(first) and first.dim() > 0:
+            merged[key] = torch.cat(parts)
+        else:  # None, or a scalar every micro-batch shares (num_items_in_batch)
+            merged[key] = first
+    index = merged["oblr_row"] - merged["oblr_row"].min()
+    n, group = index.shape[0], index // group_size
+    first = torch.full((n // group_size,), n, device=index.device)
+    first.scatter_reduce_(0, group, torch.arange(n, device=index.device), "amin")
+    rows = torch.argsort(first[group] * n + index)
+    for key, value in merged.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            merged[key] = value[rows]
+        elif isinstance(value, list):
+            merged[key] = [value[i] for i in rows.tolist()]
+    return split_tensor_dict(merged, len(micro_batches))
+
+
+def all_reduce_grads(parameters, bucket_elements: int = ALL_REDUCE_BUCKET) -> None:
+    """Sum the trainable parameters' ``.grad`` over ranks, in buckets, in the same order on every rank."""
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # e.g. a rank whose batch never reached a parameter: it still takes part
+            p.grad = torch.zeros_like(p)
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:  # consecutive parameters of one gradient dtype, up to bucket_elements each
+        if not buckets or size + p.numel() > bucket_elements or p.grad.dtype != buckets[-1][0].grad.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel()
+    for bucket in buckets:
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        torch.distributed.all_reduce(flat)
+        for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
+            p.grad.copy_(part.view_as(p))

@@ -1,0 +1,109 @@
+"""Shared test fixtures: the tiny setup every trainer test runs on, and probes that read public results only.
+
+Test modules import from here (tests/ is on sys.path, see conftest.py), never from each other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from oblr_trl.tiny import build_model, build_tokenizer
+
+TOKENIZER = build_tokenizer()
+GROUP = 4
+DATASET = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 3}"}]} for i in range(64)])
+
+
+def length_reward(completions, **kwargs):
+    """A reward with spread inside groups and a direction shared by all prompts: the count of '1' and '2'."""
+    return [float(c[0]["content"].count("1") + c[0]["content"].count("2")) for c in completions]
+
+
+def common_args(**overrides) -> dict:
+    args = dict(output_dir="/tmp/oblr-test", per_device_train_batch_size=8, num_generations=GROUP,
+                max_completion_length=6, max_steps=2, logging_steps=1, report_to="none", use_cpu=True,
+                learning_rate=1e-2, save_strategy="no", seed=0, data_seed=0, disable_tqdm=True)
+    args.update(overrides)
+    return args
+
+
+class Recorder:
+    """Mixin for any GRPOTrainer subclass: keeps each generation batch's output (with the rewards TRL computed) and
+    each micro-batch the loss saw. Uses only the trainer's public data flow."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.generations, self.micro_batches = [], []
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards = rewards.clone()
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self.generations.append({k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()})
+        self.generations[-1]["rewards"] = self._last_rewards
+        return out
+
+    def compute_loss(self, model, inputs, *a, **k):
+        self.micro_batches.append({k2: v.clone() if torch.is_tensor(v) else v for k2, v in inputs.items()})
+        return super().compute_loss(model, inputs, *a, **k)
+
+
+class LRProbe(TrainerCallback):
+    """Reads the optimizer's lr right before each step and the scheduler's lr after it."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.applied, self.after = [], []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.applied.append(self.trainer.optimizer.param_groups[0]["lr"])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.after.append((self.trainer.optimizer.param_groups[0]["lr"], self.trainer.lr_scheduler.get_last_lr()[0]))
+
+
+def recording(cls):
+    """``cls`` with the :class:`Recorder` mixin (cached, so one class per trainer type)."""
+    if cls not in _RECORDING:
+        _RECORDING[cls] = type(f"Recording{cls.__name__}", (Recorder, cls), {})
+    return _RECORDING[cls]
+
+
+_RECORDING: dict = {}
+
+
+def train(cls, args, reward=length_reward, model=None, dataset=DATASET, **kwargs):
+    """Build ``recording(cls)`` on the tiny model and train it; returns the trainer and its :class:`LRProbe`."""
+    trainer = recording(cls)(model=model or build_model(TOKENIZER), processing_class=TOKENIZER,
+                             reward_funcs=kwargs.pop("reward_funcs", [reward]), args=args, train_dataset=dataset,
+                             **kwargs)
+    probe = LRProbe(trainer)
+    trainer.add_callback(probe)
+    trainer.train()
+    return trainer, probe
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def assert_finite_everywhere(trainer, inf_snr_ok=False):
+    for gen in trainer.generations:
+        assert torch.isfinite(gen["advantages"]).all()
+        if "oblr_gram" in gen:
+            assert torch.isfinite(gen["oblr_gram"]).all()
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    for h in trainer.state.log_history:
+        for k, v in h.items():
+            if k == "oblr/snr" and inf_snr_ok:  # a noise estimate <= 0 is an infinite SNR (scale 1), never NaN
+                assert v >= 0, (k, v)
+            elif k.startswith("oblr/") or k in ("loss", "grad_norm"):
+                assert math.isfinite(v), (k, v)
+    assert all(0.0 <= s <= 1.0 for s in logged(trainer, "oblr/lr_scale"))
