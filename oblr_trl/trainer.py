@@ -171,6 +171,11 @@ class OBLRPOTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------- helpers
     @property
+    def uses_one_backward(self) -> bool:
+        """Whether norms and update come from one forward/backward (``one_backward=True`` and valid here)."""
+        return self._one_backward
+
+    @property
     def _needs_norms(self) -> bool:
         a = self.args
         return a.snr_lr or (a.baseline == "gradient_weighted" and a.grad_norm_estimator == "exact")
@@ -218,18 +223,26 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         return self._oblr_rewards_per_func
 
-    def _norms_pass(self, batch: dict, unit: int) -> torch.Tensor:
-        """The two-pass path's within-unit inner products ``<u_i, u_j>``, ``(n / unit, unit, unit)``."""
+    def _finite(self, products: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Products of completions with a non-finite norm zeroed (warned); returns them and those completions."""
+        products, bad = mask_nonfinite_products(products)
+        if bad.any():
+            self._warn_once("nonfinite_norms")
+        return products, bad
+
+    def _norms_pass(self, batch: dict, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two-pass path's within-unit inner products ``<u_i, u_j>``, ``(n / unit, unit, unit)`` (non-finite
+        ones zeroed), and the mask of completions whose norm was not finite."""
         input_ids, attention_mask, mask = self._sequence_inputs(batch)
         chunk = max(unit, -(-self.args.per_device_train_batch_size // unit) * unit)
         with torch.enable_grad(), self.accelerator.autocast():
-            return torch.cat([
+            return self._finite(torch.cat([
                 per_sequence_grad_inner_products(
                     self.model, input_ids[s : s + chunk], attention_mask[s : s + chunk], mask[s : s + chunk],
                     group_size=unit, temperature=self.temperature,
                 )
                 for s in range(0, input_ids.shape[0], chunk)
-            ])
+            ]))
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -247,26 +260,27 @@ class OBLRPOTrainer(GRPOTrainer):
         if self._one_backward:  # norms, advantages and update all come from the training backward (compute_loss)
             output["oblr_reward"] = rewards[rank_slice]
             return output
-        products = None
+        products = bad = None
         if self._needs_norms:
             unit = self._unit(local_n)
-            products = self._norms_pass(output, unit)
+            products, bad = self._norms_pass(output, unit)
             output["oblr_gram"] = products.reshape(local_n, unit)  # products with the unit's members, by position
-        output["advantages"] = self._advantages(output, rewards, products)
+        output["advantages"] = self._advantages(output, rewards, products, bad)
         return output
 
-    def _advantages(self, batch: dict, rewards: torch.Tensor, products: torch.Tensor | None) -> torch.Tensor:
-        """The local completions' ``r_i - b_i`` (Theorem 7) from all ranks' ``rewards`` (NaN: unscorable) and the
-        local within-unit inner ``products`` (``None`` without norms); logs the baseline's metrics."""
+    def _advantages(self, batch: dict, rewards: torch.Tensor, products: torch.Tensor | None,
+                    bad: torch.Tensor | None) -> torch.Tensor:
+        """The local completions' ``r_i - b_i`` (Theorem 7) from all ranks' ``rewards`` (NaN: unscorable), the local
+        within-unit inner ``products`` (``None`` without norms) and ``bad``, the local completions whose norm was not
+        finite (unscorable too); logs the baseline's metrics."""
         args, gather = self.args, self.accelerator.gather
         mask = self._sequence_inputs(batch)[2]
         sq_norms = None
         if products is not None:
-            products, bad = mask_nonfinite_products(products)
-            if bad.any():
-                self._warn_once("nonfinite_norms")
             rewards = torch.where(gather(bad), torch.full_like(rewards, float("nan")), rewards)
             sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
+        if sq_norms is None and args.grad_norm_estimator == "exact":  # no norms needed (mean baseline, no SNR)
+            sq_norms = torch.zeros(mask.shape[0], device=mask.device)
         weights = gather(baseline_weights(args.grad_norm_estimator, self.loss_type, mask.sum(-1), sq_norms))
         if args.weight_clip is None and args.baseline == "gradient_weighted":
             if bool((max_weight_ratio(weights, self.num_generations) > WEIGHT_RATIO_WARNING).any()):
@@ -330,8 +344,8 @@ class OBLRPOTrainer(GRPOTrainer):
             grads = per_sequence_grads(
                 self.model, input_ids, attention_mask, mask, temperature=self.temperature, materialize=True
             )
-        products = grads.inner_products(1)  # the weights need ||u_i||^2 only
-        batch["advantages"] = self._advantages(batch, self.accelerator.gather(batch["oblr_reward"]), products)
+        products, bad = self._finite(grads.inner_products(1))  # the weights need ||u_i||^2 only
+        batch["advantages"] = self._advantages(batch, self.accelerator.gather(batch["oblr_reward"]), products, bad)
         a = self._loss_coefficients(batch) * batch["advantages"]
         # the gradient of TRL's loss at ratio 1, and each unit's ||H_q||^2 = ||sum_{i in q} a_i u_i||^2 with it
         unit_sq = grads.accumulate_grad(-a, group_size=unit if self.args.snr_lr else None)

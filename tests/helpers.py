@@ -71,6 +71,8 @@ class LRProbe(TrainerCallback):
 
 def recording(cls):
     """``cls`` with the :class:`Recorder` mixin (cached, so one class per trainer type)."""
+    if issubclass(cls, Recorder):
+        return cls
     if cls not in _RECORDING:
         _RECORDING[cls] = type(f"Recording{cls.__name__}", (Recorder, cls), {})
     return _RECORDING[cls]

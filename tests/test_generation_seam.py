@@ -5,7 +5,7 @@ step counter (which TRL's vLLM weight sync keys on)."""
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.tiny import build_model
-from test_trainer import DATASET, TOKENIZER, common_args, length_reward
+from helpers import DATASET, TOKENIZER, common_args, length_reward
 
 PRODUCED = []
 

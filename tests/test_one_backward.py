@@ -7,7 +7,8 @@ import torch
 
 from oblr_trl import OBLRPOConfig
 from oblr_trl.tiny import build_model
-from test_trainer import TOKENIZER, Recorder, common_args, logged, train
+from helpers import TOKENIZER, common_args, logged, train
+from oblr_trl import OBLRPOTrainer
 
 
 def nan_for_some(completions, **kwargs):
@@ -19,9 +20,9 @@ def nan_for_some(completions, **kwargs):
 def test_one_backward_matches_two_passes(loss_type):
     # fp32 and SGD: parameters then differ as the gradients do (Adam would magnify float noise in near-zero entries)
     kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
-    two, _ = train(Recorder, OBLRPOConfig(**kwargs))
-    one, probe = train(Recorder, OBLRPOConfig(**kwargs, one_backward=True))
-    assert one._one_backward and not two._one_backward
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
+    one, probe = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
+    assert one.uses_one_backward and not two.uses_one_backward
     assert "oblr_gram" not in one.generations[0]  # no norms pass at generation time
     for key in ("oblr/lr_scale", "oblr/snr", "oblr/baseline_mean", "grad_norm", "loss", "oblr/weight_spread"):
         a, b = logged(one, key), logged(two, key)
@@ -30,9 +31,8 @@ def test_one_backward_matches_two_passes(loss_type):
     assert any(0 < s < 1 for s in logged(one, "oblr/lr_scale"))
     # the advantages the update used: the same rows (TRL shuffles the batch; the index undoes it)
     for mb_one, mb_two in zip(one.micro_batches, two.micro_batches):
-        order = torch.argsort(mb_one["oblr_index"])
-        assert torch.equal(mb_one["completion_ids"][order], torch.cat([mb_two["completion_ids"]])[torch.argsort(
-            mb_two["oblr_unit"] * 10_000 + mb_two["oblr_pos"])])
+        assert torch.equal(mb_one["completion_ids"][torch.argsort(mb_one["oblr_row"])],
+                           mb_two["completion_ids"][torch.argsort(mb_two["oblr_row"])])
     for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -44,11 +44,11 @@ def test_one_backward_with_gradient_accumulation_matches_two_passes(accumulation
     """With gradient accumulation each micro-batch holds whole groups (re-split from TRL's shuffle), the gradient
     accumulates over the micro-batches, and the step equals the two-pass default's."""
     kwargs = common_args(max_steps=2, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0, **accumulation)
-    two, _ = train(Recorder, OBLRPOConfig(**kwargs))
-    one, _ = train(Recorder, OBLRPOConfig(**kwargs, one_backward=True))
-    assert one._one_backward and len(one.micro_batches) == 4
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
+    one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
+    assert one.uses_one_backward and len(one.micro_batches) == 4
     for mb in one.micro_batches:  # whole groups of 4 in every micro-batch of 8
-        assert torch.bincount(mb["oblr_unit"]).tolist().count(4) == 2
+        assert torch.bincount(mb["oblr_row"] // 4).tolist().count(4) == 2
     assert logged(one, "oblr/num_samples") == logged(two, "oblr/num_samples") == [4.0, 4.0]
     for key in ("oblr/lr_scale", "oblr/snr", "grad_norm", "loss"):
         assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key
@@ -66,9 +66,9 @@ def test_one_backward_with_lora_updates_the_adapters_only():
         return peft.get_peft_model(build_model(TOKENIZER), config)
 
     kwargs["lr_scale_min"] = 0.5  # the adapters move even where the SNR is ~0
-    two, _ = train(Recorder, OBLRPOConfig(**kwargs), model=lora_model())
-    one, _ = train(Recorder, OBLRPOConfig(**kwargs, one_backward=True), model=lora_model())
-    assert one._one_backward
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs), model=lora_model())
+    one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True), model=lora_model())
+    assert one.uses_one_backward
     assert logged(one, "oblr/lr_scale") == pytest.approx(logged(two, "oblr/lr_scale"), rel=1e-4, abs=1e-6)
     assert logged(one, "grad_norm") == pytest.approx(logged(two, "grad_norm"), rel=1e-4)
     base = build_model(TOKENIZER)
@@ -83,8 +83,8 @@ def test_one_backward_with_lora_updates_the_adapters_only():
 
 def test_one_backward_with_unscorable_completions_stays_finite(caplog):
     with caplog.at_level(logging.WARNING):
-        trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=2), one_backward=True), reward=nan_for_some)
-    assert trainer._one_backward
+        trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=2), one_backward=True), reward=nan_for_some)
+    assert trainer.uses_one_backward
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert logged(trainer, "oblr/unscorable")[0] > 0
     assert "no reward" in caplog.text
@@ -102,34 +102,34 @@ def test_one_backward_with_unscorable_completions_stays_finite(caplog):
 )
 def test_one_backward_falls_back_to_two_passes_and_says_why(overrides, reason, caplog):
     with caplog.at_level(logging.WARNING):
-        trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=1, **overrides), one_backward=True))
-    assert not trainer._one_backward
+        trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, **overrides), one_backward=True))
+    assert not trainer.uses_one_backward
     assert "falls back to two passes" in caplog.text and reason in caplog.text
     assert "oblr_gram" in trainer.generations[0]  # the norms pass ran
     assert len(logged(trainer, "oblr/lr_scale")) == 1
 
 
 def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
-    """fp16 (loss scaling), FSDP1, vLLM importance weights and Liger cannot be set up on this CPU; their reasons are
-    checked on the settings alone."""
+    """fp16 (loss scaling), FSDP1, vLLM importance weights, Liger, an entropy bonus and a router auxiliary loss: the
+    pure blockers function on the settings alone (the first four cannot be set up on this CPU)."""
     from types import SimpleNamespace
 
-    from oblr_trl import OBLRPOTrainer
+    from oblr_trl.one_backward import blockers as one_backward_blockers
 
     base = dict(num_iterations=1, beta=0.0, gradient_accumulation_steps=1, steps_per_generation=1, use_vllm=False,
                 per_device_train_batch_size=8, num_generations=4,
                 vllm_importance_sampling_correction=True, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-                use_liger_kernel=False, fp16=False)
+                use_liger_kernel=False, fp16=False, entropy_coef=0.0, use_adaptive_entropy=False)
 
-    def blockers(fsdp=False, fsdp2=False, **overrides):
-        fake = SimpleNamespace(args=SimpleNamespace(**{**base, **overrides}), is_fsdp_enabled=fsdp,
-                               accelerator=SimpleNamespace(is_fsdp2=fsdp2))
-        return OBLRPOTrainer._one_backward_blockers(fake)
+    def blockers(fsdp1=False, aux_loss=False, **overrides):
+        return one_backward_blockers(SimpleNamespace(**{**base, **overrides}), fsdp1=fsdp1, aux_loss=aux_loss)
 
     assert blockers() == []
     assert "fp16" in blockers(fp16=True)[0]
-    assert "FSDP1" in blockers(fsdp=True)[0]
-    assert blockers(fsdp=True, fsdp2=True) == []
+    assert "FSDP1" in blockers(fsdp1=True)[0]
     assert "vllm_importance_sampling_correction" in blockers(use_vllm=True)[0]
     assert blockers(use_vllm=True, vllm_importance_sampling_correction=False) == []
     assert "Liger" in blockers(use_liger_kernel=True)[0]
+    assert "entropy bonus" in blockers(entropy_coef=0.01)[0]
+    assert "entropy bonus" in blockers(use_adaptive_entropy=True)[0]
+    assert "auxiliary loss" in blockers(aux_loss=True)[0]

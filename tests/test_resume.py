@@ -64,7 +64,7 @@ def test_checkpoint_holds_the_ema_state(straight):
     signal, noise = state["snr_ema_state"]
     assert noise > 0 and signal >= 0  # a real smoothed state, not the first step's placeholder
     with open(os.path.join(straight.args.output_dir, "checkpoint-4", OBLR_STATE_NAME)) as f:
-        assert tuple(json.load(f)["snr_ema_state"]) == straight._oblr_ema
+        assert tuple(json.load(f)["snr_ema_state"]) == straight._oblr_snr_state
 
 
 def test_resume_reproduces_the_straight_run(straight, tmp_path):
@@ -74,7 +74,7 @@ def test_resume_reproduces_the_straight_run(straight, tmp_path):
     original = resumed._apply_snr_step_size
 
     def spy(grad_norm):  # the EMA state each resumed step starts from
-        seen.append(resumed._oblr_ema)
+        seen.append(resumed._oblr_snr_state)
         original(grad_norm)
 
     resumed._apply_snr_step_size = spy
@@ -84,7 +84,7 @@ def test_resume_reproduces_the_straight_run(straight, tmp_path):
         ours, theirs = last_logged(resumed, key), logged(straight, key)
         assert len(ours) == len(theirs) == 4, key
         assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-12), key
-    assert resumed._oblr_ema == pytest.approx(straight._oblr_ema, rel=1e-6)
+    assert resumed._oblr_snr_state == pytest.approx(straight._oblr_snr_state, rel=1e-6)
     for (name, p), q in zip(resumed.model.named_parameters(), straight.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
     with open(os.path.join(checkpoint, OBLR_STATE_NAME)) as f:

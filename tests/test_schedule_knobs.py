@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from oblr_trl import OBLRPOConfig
-from test_trainer import Recorder, common_args, logged, train
+from helpers import TOKENIZER, common_args, logged, train
+from oblr_trl import OBLRPOTrainer
 
 
 def test_each_step_uses_exactly_its_own_samples():
@@ -14,30 +15,28 @@ def test_each_step_uses_exactly_its_own_samples():
     optimizer steps; each step's N counts the groups among its own 8 completions, no more."""
     with pytest.warns(UserWarning, match="steps_per_generation"):
         config = OBLRPOConfig(**common_args(max_steps=2, steps_per_generation=2))
-    trainer, probe = train(Recorder, config)
+    trainer, probe = train(OBLRPOTrainer, config)
     assert len(trainer.generations) == 1 and len(trainer.micro_batches) == 2
-    for micro_batch, (sum_sq, n) in zip(trainer.micro_batches, trainer.step_terms):
-        assert n == len(set(micro_batch["oblr_unit"].tolist()))
-        assert math.isfinite(sum_sq) and sum_sq >= 0
-    units = [set(mb["oblr_unit"].tolist()) for mb in trainer.micro_batches]
-    assert sum(len(mb["oblr_unit"]) for mb in trainer.micro_batches) == 16  # every completion used once
+    units = [set((mb["oblr_row"] // 4).tolist()) for mb in trainer.micro_batches]
+    assert logged(trainer, "oblr/num_samples") == [float(len(u)) for u in units]
+    assert sum(len(mb["oblr_row"]) for mb in trainer.micro_batches) == 16  # every completion used once
     assert all(0.0 <= s <= 1.0 for s in logged(trainer, "oblr/lr_scale"))
     assert units[0] | units[1] == set(range(4))
 
 
 def test_accumulation_spans_micro_batches():
     """gradient_accumulation_steps=2: one optimizer step gathers the contributions of both micro-batches."""
-    trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=1, gradient_accumulation_steps=2)))
-    assert len(trainer.micro_batches) == 2 and len(trainer.step_terms) == 1
-    assert trainer.step_terms[0][1] == 4  # 16 completions = 4 groups of 4, all in the one step
+    trainer, probe = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, gradient_accumulation_steps=2)))
+    assert len(trainer.micro_batches) == 2
+    assert logged(trainer, "oblr/num_samples") == [4.0]  # 16 completions = 4 groups of 4, all in the one step
 
 
 def test_num_iterations_reuses_samples_with_a_warning():
     with pytest.warns(UserWarning, match="num_iterations"):
         config = OBLRPOConfig(**common_args(max_steps=2, num_iterations=2))
-    trainer, probe = train(Recorder, config)
+    trainer, probe = train(OBLRPOTrainer, config)
     assert len(trainer.generations) == 1  # the second step re-uses the first generation (off-policy)
-    assert [n for _, n in trainer.step_terms] == [2, 2]  # 8 completions per step = 2 groups of 4
+    assert logged(trainer, "oblr/num_samples") == [2.0, 2.0]  # 8 completions per step = 2 groups of 4
     for value in logged(trainer, "oblr/lr_scale"):
         assert 0.0 <= value <= 1.0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
@@ -47,11 +46,10 @@ def test_peft_lora_trains_with_exact_adapter_norms():
     """A LoRA model through the trainer: the norms pass covers the adapters only, everything finite, lr scaled."""
     peft = pytest.importorskip("peft")
     from oblr_trl.tiny import build_model
-    from test_trainer import TOKENIZER
 
     model = build_model(TOKENIZER)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2)), model=peft.get_peft_model(model, config))
+    trainer, probe = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=2)), model=peft.get_peft_model(model, config))
     assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
     gram = trainer.generations[0]["oblr_gram"]
     assert torch.isfinite(gram).all() and gram.abs().max() > 0

@@ -6,79 +6,15 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset
-from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from oblr_trl import OBLRPOConfig, OBLRPOTrainer, gradient_weighted_baseline
-from oblr_trl.tiny import build_model, build_tokenizer
+from helpers import DATASET, TOKENIZER, assert_finite_everywhere, common_args, length_reward, logged, train
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer, gradient_weighted_baseline, step_scale_from_contributions
+from oblr_trl.loss_terms import loss_coefficients
+from oblr_trl.tiny import build_model
 from reference import per_sample_grads
 
-TOKENIZER = build_tokenizer()
-DATASET = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 3}"}]} for i in range(64)])
-
-
-def length_reward(completions, **kwargs):
-    """A reward with spread inside groups and a direction shared by all prompts: the number of '1' characters."""
-    return [float(c[0]["content"].count("1") + c[0]["content"].count("2")) for c in completions]
-
-
-def common_args(**overrides):
-    args = dict(output_dir="/tmp/oblr-test", per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
-                max_steps=2, logging_steps=1, report_to="none", use_cpu=True, learning_rate=1e-2, save_strategy="no",
-                seed=0, data_seed=0, disable_tqdm=True)
-    args.update(overrides)
-    return args
-
-
-class Recorder(OBLRPOTrainer):
-    """Keeps every generation batch's output and every micro-batch the loss saw."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.generations, self.micro_batches, self.step_terms = [], [], []
-
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        self.generations.append({k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()})
-        self.generations[-1]["rewards"] = self._oblr_rewards_per_func.clone()
-        return out
-
-    def compute_loss(self, model, inputs, *a, **k):
-        self.micro_batches.append({k2: v.clone() if torch.is_tensor(v) else v for k2, v in inputs.items()})
-        return super().compute_loss(model, inputs, *a, **k)
-
-    def _step_sample_sq_norms(self):
-        result = super()._step_sample_sq_norms()
-        self.step_terms.append(result)
-        return result
-
-
-class LRProbe(TrainerCallback):
-    """Reads the optimizer's lr right before each step and the scheduler's lr after it."""
-
-    def __init__(self):
-        self.applied, self.after = [], []
-
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.applied.append(self.trainer.optimizer.param_groups[0]["lr"])
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.after.append((self.trainer.optimizer.param_groups[0]["lr"], self.trainer.lr_scheduler.get_last_lr()[0]))
-
-
-def train(cls, args, reward=length_reward, model=None):
-    trainer = cls(model=model or build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[reward], args=args,
-                  train_dataset=DATASET)
-    probe = LRProbe()
-    probe.trainer = trainer
-    trainer.add_callback(probe)
-    trainer.train()
-    return trainer, probe
-
-
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
+Recorder = OBLRPOTrainer  # helpers.train records every trainer it builds
 
 
 def test_lr_is_scheduled_lr_times_logged_scale():
@@ -105,15 +41,19 @@ def test_step_terms_match_per_sample_autograd():
         ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
         att = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
         grads = per_sample_grads(reference_model, ids, att, mb["completion_mask"], temperature=args.temperature)
-        coeffs = trainer._loss_coefficients(mb) * mb["advantages"]
-        for g, a, unit in zip(grads, coeffs, mb["oblr_unit"].tolist()):
+        coeffs = loss_coefficients(
+            args.loss_type, mb["completion_mask"], accumulation_steps=2, num_processes=1, steps_per_generation=2,
+            max_completion_length=args.max_completion_length, num_items_in_batch=mb["num_items_in_batch"],
+        ) * mb["advantages"]
+        for g, a, unit in zip(grads, coeffs, (mb["oblr_row"] // 4).tolist()):
             h = a.double() * g.double()
             total = h if total is None else total + h
             groups[unit] = h if unit not in groups else groups[unit] + h
-    sum_sq, n = trainer.step_terms[0]
-    assert n == len(groups) == 4  # 16 completions in the step, groups of 4
-    assert sum_sq == pytest.approx(sum(float(h @ h) for h in groups.values()), rel=1e-3)
+    assert logged(trainer, "oblr/num_samples") == [len(groups)] == [4]  # 16 completions in the step, groups of 4
     assert logged(trainer, "grad_norm")[0] == pytest.approx(float(total.norm()), rel=1e-3)
+    expected = step_scale_from_contributions(sum(float(h @ h) for h in groups.values()), float(total @ total), 4)
+    assert logged(trainer, "oblr/lr_scale")[0] == pytest.approx(float(expected), rel=1e-3, abs=1e-6)
+    assert 0 < float(expected) < 1
 
 
 def test_advantages_use_the_gradient_weighted_leave_one_out_baseline():
@@ -131,17 +71,9 @@ def test_mean_baseline_without_snr_reproduces_grpo(scale_rewards):
     kwargs = common_args(max_steps=2, scale_rewards=scale_rewards)
     oblr, oblr_probe = train(Recorder, OBLRPOConfig(**kwargs, baseline="mean", leave_one_out=False, snr_lr=False))
 
-    class GRPORecorder(GRPOTrainer):
-        generations = []
-
-        def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
-            self.generations.append(out["advantages"].clone())
-            return out
-
-    grpo, grpo_probe = train(GRPORecorder, GRPOConfig(**kwargs))
+    grpo, grpo_probe = train(GRPOTrainer, GRPOConfig(**kwargs))
     for ours, theirs in zip(oblr.generations, grpo.generations):
-        torch.testing.assert_close(ours["advantages"], theirs, rtol=0, atol=0)
+        torch.testing.assert_close(ours["advantages"], theirs["advantages"], rtol=0, atol=0)
     assert oblr_probe.applied == grpo_probe.applied
     for (name, p), q in zip(oblr.model.named_parameters(), grpo.model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
@@ -153,7 +85,7 @@ def test_config_errors_name_the_option():
     with pytest.raises(ValueError, match="grad_norm_estimator"):
         OBLRPOConfig(**common_args(), grad_norm_estimator="approx")
     with pytest.raises(ValueError, match="loss_type"):
-        OBLRPOConfig(**common_args(), loss_type="cispo")
+        OBLRPOConfig(**common_args(), loss_type="ppo")
     with pytest.raises(ValueError, match="scale_rewards"):
         OBLRPOConfig(**common_args(), scale_rewards="group")
     with pytest.raises(ValueError, match="multi_objective_aggregation"):
@@ -176,24 +108,7 @@ def test_trainer_refuses_deepspeed_with_the_reason(monkeypatch):
                       args=config, train_dataset=DATASET)
 
 
-def test_trainer_refuses_a_plain_grpo_config():
-    with pytest.raises(TypeError, match="OBLRPOConfig"):
-        OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[length_reward],
-                      args=GRPOConfig(**common_args()), train_dataset=DATASET)
-
-
 # ------------------------------------------------------------------------------------------ degenerate data
-def _finite_everywhere(trainer):
-    for gen in trainer.generations:
-        assert torch.isfinite(gen["advantages"]).all()
-        assert torch.isfinite(gen["oblr_gram"]).all()
-    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    for h in trainer.state.log_history:
-        for k, v in h.items():
-            if k.startswith("oblr/"):
-                assert math.isfinite(v), (k, v)
-
-
 def test_none_and_nan_rewards(caplog):
     calls = {"n": 0}
 
@@ -206,7 +121,7 @@ def test_none_and_nan_rewards(caplog):
 
     with caplog.at_level(logging.WARNING):
         trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=2)), reward=flaky_reward)
-    _finite_everywhere(trainer)
+    assert_finite_everywhere(trainer)
     gen = trainer.generations[0]
     assert gen["advantages"][[0, 1, 5]].abs().sum() == 0  # unscorable: advantage 0
     assert logged(trainer, "oblr/unscorable")[0] == 3
@@ -216,7 +131,7 @@ def test_none_and_nan_rewards(caplog):
 def test_identical_rewards_give_zero_advantages_and_zero_step(caplog):
     with caplog.at_level(logging.WARNING):
         trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2)), reward=lambda completions, **k: [1.0] * len(completions))
-    _finite_everywhere(trainer)
+    assert_finite_everywhere(trainer)
     assert all(g["advantages"].abs().max() == 0 for g in trainer.generations)
     assert logged(trainer, "oblr/lr_scale") == [0.0, 0.0]  # no signal: G = 0
     assert "SNR estimate is 0" in caplog.text
@@ -232,7 +147,7 @@ def test_empty_completions_and_zero_gradients(caplog):
     model.lm_head.bias = eos_bias  # the head now always says eos; its gradient is 0 at p(eos) = 1
     with caplog.at_level(logging.WARNING):
         trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=1)), model=model)
-    _finite_everywhere(trainer)
+    assert_finite_everywhere(trainer)
     gen = trainer.generations[0]
     assert (gen["completion_mask"].sum(1) == 1).all()  # an empty completion: eos alone
     assert (gen["completion_ids"][:, 0] == TOKENIZER.eos_token_id).all()
@@ -245,7 +160,7 @@ def test_a_step_with_one_sample_leaves_the_lr_unscaled(caplog):
     """One group per step: the SNR is undefined (N < 2). The lr is left as scheduled, warned, and no NaN is logged."""
     with caplog.at_level(logging.WARNING):
         trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2, per_device_train_batch_size=4)))
-    assert [n for _, n in trainer.step_terms] == [1, 1]
+    assert logged(trainer, "oblr/num_samples") == [1.0, 1.0]
     assert logged(trainer, "oblr/lr_scale") == [1.0, 1.0]
     assert logged(trainer, "oblr/snr") == []
     assert probe.applied == logged(trainer, "learning_rate")

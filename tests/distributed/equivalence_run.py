@@ -173,7 +173,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
                 "lr": [h["oblr/lr"] for h in logs],
                 "applied_lrs": lrs_per_rank,  # per rank, per optimizer step, per param group
                 "fsdp": facts_per_rank,
-                "one_backward": bool(trainer._one_backward),
+                "one_backward": bool(trainer.uses_one_backward),
                 "param_abs_sum": param_sum,
             }, f)
 
