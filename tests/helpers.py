@@ -81,14 +81,15 @@ def recording(cls):
 _RECORDING: dict = {}
 
 
-def train(cls, args, reward=length_reward, model=None, dataset=DATASET, **kwargs):
-    """Build ``recording(cls)`` on the tiny model and train it; returns the trainer and its :class:`LRProbe`."""
+def train(cls, args, reward=length_reward, model=None, dataset=DATASET, resume_from_checkpoint=None, **kwargs):
+    """Build ``recording(cls)`` on the tiny model (``kwargs`` go to the constructor) and train it; returns the trainer
+    and its :class:`LRProbe`."""
     trainer = recording(cls)(model=model or build_model(TOKENIZER), processing_class=TOKENIZER,
                              reward_funcs=kwargs.pop("reward_funcs", [reward]), args=args, train_dataset=dataset,
                              **kwargs)
     probe = LRProbe(trainer)
     trainer.add_callback(probe)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer, probe
 
 
