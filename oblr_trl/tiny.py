@@ -68,6 +68,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=UNK_TOKEN,
         padding_side="left",  # decoder-only generation pads on the left
         model_max_length=512,
+        model_input_names=["input_ids", "attention_mask"],  # no token_type_ids (transformers 4.x generate refuses them)
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

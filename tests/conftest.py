@@ -16,3 +16,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Each test's trainers start from a fresh Accelerate state. transformers 4.x's TrainingArguments export their
+    mixed precision as ACCELERATE_MIXED_PRECISION and never take it back, so one test's bf16 autocast (the CPU
+    default) would carry into the next test's bf16=False trainers."""
+    saved = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    if saved is None:
+        os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+    else:
+        os.environ["ACCELERATE_MIXED_PRECISION"] = saved
