@@ -31,7 +31,7 @@ test-floors:
 	$(FLOORS_VENV)/bin/python -m pip install -q -r .ci/floors.txt pytest hypothesis
 	$(FLOORS_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(FLOORS_VENV)/bin/python -m pip check
-	$(FLOORS_VENV)/bin/python -m pytest -q tests/test_loss_terms.py tests/test_trainer.py tests/test_drop_in.py tests/test_one_backward.py
+	$(FLOORS_VENV)/bin/python -m pytest -q tests/test_loss_terms.py tests/test_trainer.py tests/integration/test_drop_in.py tests/test_one_backward.py
 
 # Quick modes, about 15 minutes on 2 CPU cores in all; drop --quick for the full runs (see benchmarks/README.md).
 bench: install

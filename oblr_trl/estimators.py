@@ -312,7 +312,7 @@ def snr_step(
     if ema > 0 and state is not None:
         signal = ema * state[0] + (1 - ema) * signal
         noise = ema * state[1] + (1 - ema) * noise
-    snr = snr_from_signal_noise(torch.tensor(signal), torch.tensor(noise))
+    snr = snr_from_signal_noise(torch.tensor(signal, dtype=torch.float64), torch.tensor(noise, dtype=torch.float64))
     scale = float(snr_lr_scale(snr, n))
     return SNRStep(max(scale, lr_scale_min), float(snr), n, (signal, noise), "zero_snr" if float(snr) == 0 else "ok")
 

@@ -19,20 +19,14 @@ import statistics
 
 import pytest
 import torch
-from datasets import Dataset
-from transformers import TrainerCallback
 
-from oblr_trl import clip_weights, OBLRPOConfig, OBLRPOTrainer, gradient_weighted_baseline
+from helpers import DATASET, GROUP, TOKENIZER, assert_finite_everywhere, common_args, length_reward, logged
+from helpers import train as train_trainer
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer, clip_weights, gradient_weighted_baseline
 from oblr_trl import trainer as trainer_module
-from oblr_trl.tiny import build_model, build_tokenizer
+from oblr_trl.tiny import build_model
 
-TOKENIZER = build_tokenizer()
-DATASET = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 3}"}]} for i in range(64)])
-GROUP = 4
-
-
-def digit_reward(completions, **kwargs):
-    return [float(c[0]["content"].count("1") + c[0]["content"].count("2")) for c in completions]
+digit_reward = length_reward  # the count of '1' and '2' digits
 
 
 def coin_reward(seed=0, plus=None):
@@ -46,56 +40,16 @@ def coin_reward(seed=0, plus=None):
     return coin
 
 
-class Recorder(OBLRPOTrainer):
-    """Keeps every generation batch's output (with its rewards) and the lr the optimizer applies at each step."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.generations, self.applied_lrs = [], []
-        recorder = self
-
-        class Probe(TrainerCallback):
-            def on_pre_optimizer_step(self, args, state, control, **kwargs):
-                recorder.applied_lrs.append(recorder.optimizer.param_groups[0]["lr"])
-
-        self.add_callback(Probe())
-
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        self.generations.append({k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()})
-        self.generations[-1]["rewards"] = self._oblr_rewards_per_func.sum(1).clone()
-        return out
-
-
 def train(reward=digit_reward, model=None, **overrides):
-    args = dict(output_dir="/tmp/oblr-failure-modes", per_device_train_batch_size=8, num_generations=GROUP,
-                max_completion_length=6, max_steps=2, gradient_accumulation_steps=2, logging_steps=1,
-                report_to="none", use_cpu=True, learning_rate=1e-2, save_strategy="no", seed=0, data_seed=0,
-                disable_tqdm=True)
-    args.update(overrides)
-    trainer = Recorder(model=model or build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[reward],
-                       args=OBLRPOConfig(**args), train_dataset=DATASET)
-    trainer.train()
-    return trainer
-
-
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
-
-
-def assert_finite_everywhere(trainer, inf_snr_ok=False):
+    """OBLR-PO on the tiny setup with 2 micro-batches per step; the trainer records generations (with summed rewards)
+    and the applied lrs (``trainer.applied_lrs``)."""
+    args = OBLRPOConfig(**common_args(output_dir="/tmp/oblr-failure-modes", gradient_accumulation_steps=2,
+                                      **overrides))
+    trainer, probe = train_trainer(OBLRPOTrainer, args, reward=reward, model=model)
+    trainer.applied_lrs = probe.applied
     for gen in trainer.generations:
-        assert torch.isfinite(gen["advantages"]).all()
-        if "oblr_gram" in gen:
-            assert torch.isfinite(gen["oblr_gram"]).all()
-    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    for h in trainer.state.log_history:
-        for k, v in h.items():
-            if k == "oblr/snr" and inf_snr_ok:  # a noise estimate <= 0 is an infinite SNR (scale 1), never NaN
-                assert v >= 0, (k, v)
-            elif k.startswith("oblr/") or k in ("loss", "grad_norm"):
-                assert math.isfinite(v), (k, v)
-    assert all(0.0 <= s <= 1.0 for s in logged(trainer, "oblr/lr_scale"))
+        gen["rewards"] = gen["rewards"].sum(1)
+    return trainer
 
 
 # ------------------------------------------------------------------------------------------ (a) SNR ~ 0: collapse

@@ -1,0 +1,54 @@
+"""`OBLRPOConfig`: validation at construction (naming the option and the allowed values) and `upgrade_config`."""
+
+import dataclasses
+
+import pytest
+from trl import GRPOConfig
+
+from helpers import common_args
+from oblr_trl import OBLRPOConfig
+from oblr_trl.config import upgrade_config
+from oblr_trl.loss_terms import LOSS_TYPES
+
+
+def test_config_errors_name_the_option():
+    with pytest.raises(ValueError, match="baseline.*allowed values"):
+        OBLRPOConfig(**common_args(), baseline="median")
+    with pytest.raises(ValueError, match="grad_norm_estimator"):
+        OBLRPOConfig(**common_args(), grad_norm_estimator="approx")
+    with pytest.raises(ValueError, match="loss_type"):
+        OBLRPOConfig(**common_args(), loss_type="ppo")
+    with pytest.raises(ValueError, match="scale_rewards"):
+        OBLRPOConfig(**common_args(), scale_rewards="group")
+    with pytest.raises(ValueError, match="multi_objective_aggregation"):
+        OBLRPOConfig(**common_args(), multi_objective_aggregation="normalize_then_sum")
+    with pytest.raises(ValueError, match="lr_scale_min"):
+        OBLRPOConfig(**common_args(), lr_scale_min=1.5)
+    with pytest.raises(ValueError, match="snr_sample_unit"):
+        OBLRPOConfig(**common_args(), snr_sample_unit="token")
+    with pytest.warns(UserWarning, match="num_iterations"):
+        OBLRPOConfig(**common_args(), num_iterations=2)
+    config = OBLRPOConfig(**common_args())
+    assert (config.scale_rewards, config.beta, config.num_iterations, config.leave_one_out) == ("none", 0.0, 1, True)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_trl_loss_type_is_accepted(loss_type):
+    assert OBLRPOConfig(**common_args(loss_type=loss_type)).loss_type == loss_type
+
+
+def test_entropy_bonus_warns_that_the_snr_is_approximate():
+    with pytest.warns(UserWarning, match="entropy bonus"):
+        OBLRPOConfig(**common_args(entropy_coef=0.01))
+
+
+def test_upgrade_keeps_every_grpo_option():
+    grpo = GRPOConfig(**common_args(learning_rate=3e-3, num_generations=8, per_device_train_batch_size=16,
+                                    scale_rewards="none", steps_per_generation=2, temperature=0.7))
+    oblr = upgrade_config(grpo)
+    for f in dataclasses.fields(GRPOConfig):
+        if f.init:
+            assert getattr(oblr, f.name) == getattr(grpo, f.name), f.name
+    assert upgrade_config(oblr) is oblr
+    with pytest.warns(UserWarning, match="scale_rewards='none'"):
+        assert upgrade_config(GRPOConfig(**common_args())).scale_rewards == "none"
