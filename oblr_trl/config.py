@@ -59,20 +59,22 @@ class OBLRPOConfig(GRPOConfig):
         snr_ema (`float`, defaults to `0.0`):
             Exponential smoothing of the SNR's numerator and denominator across steps (0 = this step's samples only,
             as in the paper). A ratio of noisy estimates is biased; smoothing both parts before dividing reduces that.
-        one_backward (`bool`, defaults to `False`):
-            Take the per-sequence norms and the policy update from a single forward and backward: the backward goes
-            to the layers' inputs only, and each weight's gradient is formed from what it kept once the baseline
-            (hence the advantages) is known: per-sample gradients of the layers narrower than their sequences
-            (formed as the backward reaches them), the input activations and output gradients of the others. Each
-            group's gradient norm (the SNR's sample) is formed with the update. Applies where each completion's
-            per-token loss coefficient is constant (on-policy: `num_iterations=1`, `beta=0`, no vLLM importance-
-            sampling correction, no token masks), on one process, DDP or FSDP2 (not FSDP1). With gradient accumulation,
-            `steps_per_generation` must divide `gradient_accumulation_steps`, and, where a generation spans several
-            micro-batches, `per_device_train_batch_size` must be a multiple of `num_generations`: the micro-batches
-            are then re-split so each holds whole groups. Elsewhere the trainer falls back to the two-pass default
-            and says why, once. Memory: what is kept for each layer is no larger than its input and output gradient,
-            held until the update is formed, as a backward without gradient checkpointing holds them, so this trades
-            checkpointing's savings for one pass less.
+        one_backward (`bool` or `None`, defaults to `None`):
+            Take the per-sequence norms and the policy update from a single forward and backward instead of a norms
+            pass and then TRL's loss pass (same result, tested; about one pass less). `None` (default): automatic,
+            used wherever it is valid and its memory fits (see below), the two-pass path elsewhere, the choice logged
+            once with its reason; `True`: used wherever valid (a warning says why where it is not); `False`: never.
+            Valid where each completion's per-token loss coefficient is constant (on-policy: `num_iterations=1`,
+            `beta=0`, no vLLM importance-sampling correction, no token masks, no entropy bonus or router auxiliary
+            loss), on one process, DDP or FSDP2 (not FSDP1); with gradient accumulation `steps_per_generation` must
+            divide `gradient_accumulation_steps`, and where a generation spans several micro-batches
+            `per_device_train_batch_size` must be a multiple of `num_generations` (micro-batches are then re-split
+            into whole groups). Memory: it keeps each layer's input and output gradient (or, where smaller, its
+            per-sample gradients) until the update is formed, as a backward without gradient checkpointing does. So
+            with `gradient_checkpointing=False` the automatic choice always takes it; with checkpointing on (TRL's
+            default) it takes it when that estimate, made at the first generation from the batch's real shape, is at
+            most a quarter of the free device memory (CPU: available RAM), giving up checkpointing's savings for a
+            pass less; otherwise the two-pass path keeps them.
     """
 
     baseline: str = field(
@@ -128,12 +130,13 @@ class OBLRPOConfig(GRPOConfig):
             "this step's samples only, as in the paper)."
         },
     )
-    one_backward: bool = field(
-        default=False,
+    one_backward: bool | None = field(
+        default=None,
         metadata={
-            "help": "Get the norms and the update from one forward/backward (default False: a norms pass, then TRL's "
-            "loss pass). Used where valid (on-policy, micro-batches of whole groups, not FSDP1); elsewhere the "
-            "two-pass default is used, with a warning saying why."
+            "help": "Norms and update from one forward/backward instead of a norms pass then TRL's loss pass (same "
+            "result, one pass less). Default None: automatic, wherever valid and its memory fits (always without "
+            "gradient checkpointing; with it, when its kept activations fit in a quarter of the free memory); "
+            "True: wherever valid; False: never. The choice is logged once with its reason."
         },
     )
 

@@ -5,6 +5,7 @@ No trainer state: the trainer calls these with what it holds.
 * :func:`blockers`: why a configuration cannot use it (then the two-pass path runs, and says why).
 * :func:`whole_group_micro_batches`: TRL's shuffled micro-batches re-split so each holds whole groups.
 * :func:`all_reduce_grads`: what DDP's backward hooks would have done, once per optimizer step.
+* :func:`kept_bytes` / :func:`free_memory_bytes`: the memory it keeps, estimated before it runs, against what is free.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from trl.trainer.utils import split_tensor_dict
 
 ALL_REDUCE_BUCKET = 1 << 25  # elements per all-reduce (DDP's default bucket is 25 MiB)
+MEMORY_FRACTION = 0.25  # the automatic choice takes one_backward when it keeps at most this share of free memory
 
 
 def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False) -> list[str]:
@@ -101,3 +103,31 @@ def all_reduce_grads(parameters, bucket_elements: int = ALL_REDUCE_BUCKET) -> No
         torch.distributed.all_reduce(flat)
         for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
             p.grad.copy_(part.view_as(p))
+
+
+def kept_bytes(model: torch.nn.Module, rows: int, tokens: int, itemsize: int) -> int:
+    """What ``one_backward`` keeps until the update: per layer with trainable weights, the smaller of its input and
+    output gradient (``rows * tokens * (n_in + n_out)``) and its per-sample gradients (``rows * n_in * n_out``).
+
+    An upper bound for the layers' kept factors; embeddings keep their token ids only and count 0. ``itemsize``: the
+    activations' bytes per element (2 under bf16 autocast, 4 in fp32).
+    """
+    total = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or not weight.requires_grad or weight.dim() != 2:
+            continue
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        n_out, n_in = weight.shape  # nn.Linear's layout (GPT-2's Conv1D is the transpose: the same sum)
+        total += rows * min(tokens * (n_in + n_out), n_in * n_out)
+    return total * itemsize
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory where the activations live: the accelerator's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available

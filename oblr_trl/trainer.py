@@ -160,20 +160,43 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_snr_state: tuple[float, float] | None = None
         self._oblr_warned: set[str] = set()
         self._oblr_precision_checked_lr = float("inf")
-        self._one_backward = False
-        if self.args.one_backward and self._needs_norms:
+        # one_backward: True / False once decided; None until the first generation decides it by memory (auto)
+        self._one_backward: bool | None = False
+        if self.args.one_backward is not False and self._needs_norms:
             reasons = one_backward.blockers(self.args, fsdp1=fsdp1, aux_loss=self.aux_loss_enabled)
-            if reasons:
+            if reasons and self.args.one_backward:
                 logger.warning("one_backward=True falls back to two passes (norms pass, then the loss pass): %s.",
                                "; ".join(reasons))
-            self._one_backward = not reasons
+            elif reasons:
+                logger.info("OBLR-PO takes the two-pass path (norms pass, then the loss pass): %s.", "; ".join(reasons))
+            elif self.args.one_backward or not self.args.gradient_checkpointing:
+                self._one_backward = True
+                logger.info("OBLR-PO takes norms and update from one forward/backward (one_backward).")
+            else:
+                self._one_backward = None
         self.add_callback(_RestoreScheduledLR(self))
 
     # ---------------------------------------------------------------- helpers
     @property
     def uses_one_backward(self) -> bool:
-        """Whether norms and update come from one forward/backward (``one_backward=True`` and valid here)."""
-        return self._one_backward
+        """Whether norms and update come from one forward/backward (see ``OBLRPOConfig.one_backward``)."""
+        return bool(self._one_backward)
+
+    def _decide_one_backward(self, batch: dict) -> None:
+        """The automatic choice under gradient checkpointing: ``one_backward`` if what it keeps for this batch's
+        shape fits in a quarter of the free memory on every rank, else the two-pass path (logged once)."""
+        rows, tokens = batch["prompt_ids"].shape[0], batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+        rows = min(rows, self.args.per_device_train_batch_size)
+        itemsize = 2 if (self.args.bf16 or self.args.fp16) else 4
+        need = one_backward.kept_bytes(self.model, rows, tokens, itemsize)
+        free = one_backward.free_memory_bytes(self.accelerator.device)
+        fits = torch.tensor([float(need <= one_backward.MEMORY_FRACTION * free)], device=self.accelerator.device)
+        self._one_backward = bool(self.accelerator.gather(fits).min() > 0)  # every rank takes the same path
+        logger.info(
+            f"OBLR-PO (one_backward=None, gradient checkpointing on): one_backward keeps ~{need / 2**30:.2f} GiB per "
+            f"micro-batch of {rows} x {tokens} tokens against {free / 2**30:.1f} GiB free: "
+            + ("one forward/backward." if self._one_backward else "two passes, keeping checkpointing's savings.")
+        )
 
     @property
     def _needs_norms(self) -> bool:
@@ -257,6 +280,8 @@ class OBLRPOTrainer(GRPOTrainer):
         output["oblr_row"] = self._oblr_rows_generated + torch.arange(rank_slice.start, rank_slice.stop,
                                                                       device=rewards.device)
         self._oblr_rows_generated += rewards.shape[0]
+        if self._one_backward is None:
+            self._decide_one_backward(output)
         if self._one_backward:  # norms, advantages and update all come from the training backward (compute_loss)
             output["oblr_reward"] = rewards[rank_slice]
             return output

@@ -20,7 +20,7 @@ def nan_for_some(completions, **kwargs):
 def test_one_backward_matches_two_passes(loss_type):
     # fp32 and SGD: parameters then differ as the gradients do (Adam would magnify float noise in near-zero entries)
     kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
-    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     one, probe = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
     assert one.uses_one_backward and not two.uses_one_backward
     assert "oblr_gram" not in one.generations[0]  # no norms pass at generation time
@@ -44,7 +44,7 @@ def test_one_backward_with_gradient_accumulation_matches_two_passes(accumulation
     """With gradient accumulation each micro-batch holds whole groups (re-split from TRL's shuffle), the gradient
     accumulates over the micro-batches, and the step equals the two-pass default's."""
     kwargs = common_args(max_steps=2, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0, **accumulation)
-    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
     assert one.uses_one_backward and len(one.micro_batches) == 4
     for mb in one.micro_batches:  # whole groups of 4 in every micro-batch of 8
@@ -133,3 +133,47 @@ def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
     assert "entropy bonus" in blockers(entropy_coef=0.01)[0]
     assert "entropy bonus" in blockers(use_adaptive_entropy=True)[0]
     assert "auxiliary loss" in blockers(aux_loss=True)[0]
+
+
+# ------------------------------------------------------------------------------------- the automatic choice
+def test_the_default_takes_one_backward_without_checkpointing(caplog):
+    with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
+        trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, gradient_checkpointing=False)))
+    assert trainer.args.one_backward is None and trainer.uses_one_backward
+    assert "one forward/backward" in caplog.text
+
+
+@pytest.mark.parametrize("free, expected", [(2**40, True), (1024, False)])
+def test_the_default_under_checkpointing_chooses_by_memory(free, expected, monkeypatch, caplog):
+    import oblr_trl.one_backward as ob
+
+    monkeypatch.setattr(ob, "free_memory_bytes", lambda device: free)
+    with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
+        trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=2)))
+    assert trainer.args.gradient_checkpointing  # TRL's default
+    assert trainer.uses_one_backward is expected
+    assert ("oblr_gram" in trainer.generations[0]) is not expected  # the norms pass ran only on the two-pass path
+    assert ("one forward/backward." if expected else "keeping checkpointing's savings") in caplog.text
+    assert len(logged(trainer, "oblr/lr_scale")) == 2
+
+
+def test_kept_bytes_counts_each_trainable_layer_once():
+    from oblr_trl.one_backward import kept_bytes
+
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 32), torch.nn.Linear(32, 8, bias=False),
+                                torch.nn.Linear(8, 8))
+    model[3].weight.requires_grad_(False)
+    rows, tokens = 3, 5
+    # Linear(8, 32): min(5 * 40, 8 * 32) = 200; Linear(32, 8): min(200, 256) = 200; embedding and frozen: 0
+    assert kept_bytes(model, rows, tokens, itemsize=4) == 3 * (200 + 200) * 4
+    # long sequences: per-sample gradients are smaller than the activations
+    assert kept_bytes(model, rows, 1000, itemsize=2) == 3 * (256 + 256) * 2
+
+
+def test_one_backward_option_parses_as_a_three_way_flag():
+    from trl import TrlParser
+
+    parser = TrlParser((OBLRPOConfig,))
+    for argv, expected in [([], None), (["--one_backward", "false"], False), (["--one_backward", "true"], True)]:
+        (config,) = parser.parse_args_and_config(["--output_dir", "/tmp/x", "--use_cpu", "true", *argv])
+        assert config.one_backward is expected, argv

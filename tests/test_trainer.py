@@ -31,7 +31,7 @@ def test_lr_is_scheduled_lr_times_logged_scale():
 
 def test_step_terms_match_per_sample_autograd():
     """sum_q ||H_q||^2 and ||G||^2 of one step, recomputed from per-sample autograd gradients u_i."""
-    args = OBLRPOConfig(**common_args(max_steps=1, gradient_accumulation_steps=2, max_grad_norm=1e9))
+    args = OBLRPOConfig(**common_args(max_steps=1, gradient_accumulation_steps=2, max_grad_norm=1e9), one_backward=False)
     model = build_model(TOKENIZER)
     reference_model = copy.deepcopy(model)  # the parameters the step's gradient was taken at
     trainer, _ = train(Recorder, args, model=model)
@@ -57,7 +57,7 @@ def test_step_terms_match_per_sample_autograd():
 
 
 def test_advantages_use_the_gradient_weighted_leave_one_out_baseline():
-    trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=1)))
+    trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=1), one_backward=False))
     gen = trainer.generations[0]
     weights = torch.diagonal(gen["oblr_gram"].reshape(-1, 4, 4), dim1=1, dim2=2).reshape(-1)
     rewards = gen["rewards"].sum(1)
@@ -125,7 +125,7 @@ def test_empty_completions_and_zero_gradients(caplog):
     eos_bias.data[TOKENIZER.eos_token_id] = 1e4
     model.lm_head.bias = eos_bias  # the head now always says eos; its gradient is 0 at p(eos) = 1
     with caplog.at_level(logging.WARNING):
-        trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=1)), model=model)
+        trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=1), one_backward=False), model=model)
     assert_finite_everywhere(trainer)
     gen = trainer.generations[0]
     assert (gen["completion_mask"].sum(1) == 1).all()  # an empty completion: eos alone

@@ -96,7 +96,7 @@ def test_every_loss_type_trains_like_grpo(loss_type):
 def test_new_loss_types_with_one_backward_match_two_passes(loss_type):
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
     kwargs = common_args(loss_type=loss_type, max_grad_norm=1e9, optim="sgd", learning_rate=1.0, bf16=False, **extra)
-    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
     assert one.uses_one_backward
     for key in ("oblr/lr_scale", "grad_norm"):
