@@ -212,3 +212,28 @@ def test_the_precision_advice_works(caplog):
     assert "rounds away" not in caplog.text
     moved = sum(int((p.detach() != b).sum()) for p, b in zip(trainer.model.parameters(), before))
     assert moved > 0.5 * sum(b.numel() for b in before)
+
+
+def test_the_unsized_step_advice_works():
+    """The refusal's advice, snr_lr=False: the same loop trains at the scheduled lr."""
+    class Skips(OBLRPOTrainer):
+        def _apply_snr_step_size(self, grad_sq_norm):
+            raise AssertionError("not called with snr_lr=False")
+
+    trainer, probe = train(Skips, OBLRPOConfig(**common_args(snr_lr=False)))
+    assert probe.applied == logged(trainer, "learning_rate")
+
+
+def test_the_fsdp1_advice_needs_no_norms(monkeypatch):
+    """FSDP1 is refused with exact norms; its advice (grad_norm_estimator='length', snr_lr=False) computes none, so
+    nothing FSDP1 cannot shard is ever asked for (checked here by making every norms entry point fail)."""
+    import oblr_trl.trainer as trainer_module
+
+    def no_norms(*args, **kwargs):
+        raise AssertionError("a norms pass ran")
+
+    monkeypatch.setattr(trainer_module, "per_sequence_grads", no_norms)
+    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", no_norms)
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(grad_norm_estimator="length", snr_lr=False)))
+    assert_trained(trainer, 2)
+    assert logged(trainer, "oblr/weight_spread")  # the length-weighted baseline ran
