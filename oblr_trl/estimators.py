@@ -353,3 +353,41 @@ def baseline_metrics(
         "clipped_weights": float(num_clipped),
         "unscorable": float((~valid).sum().item()),
     }
+
+
+# ------------------------------------------------------------------------- logit proxy of the weights (issue 18)
+def token_log_sum_sq_probs(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+    """``log sum_v pi_v^2`` per position, ``pi = softmax(logits / temperature)``, over the last axis, computed in chunks
+    of ``chunk_size`` rows in float32 (what TRL 1.16's fused LM head returns as ``log_sum_sq_probs`` when added with
+    ``outputs=(..., "log_sum_sq_probs")``; use that where the logits are not materialized)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for s in range(0, flat.shape[0], chunk_size):
+        z = flat[s : s + chunk_size].float() / temperature
+        out[s : s + chunk_size] = torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)
+    return out.reshape(logits.shape[:-1])
+
+
+def logit_proxy_weights(token_logps: torch.Tensor, log_sum_sq_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's optimal-token-baseline proxy of ``||grad log pi(o_i|q)||^2`` from one forward, no backward:
+    ``W_i = sum_t (1 - 2 pi_t + sum_v pi_v^2)`` over the completion tokens (``mask``), ``pi_t`` the sampled token's
+    probability.
+
+    Each term is exactly ``||d log pi_t / d z_t||^2 = ||e_t - pi||^2``, the squared gradient of the token's log-prob
+    in the position's logits ``z_t``; the sum over tokens treats the positions' parameter gradients as orthogonal and
+    every logit direction as equally amplified by the network (the proxy's two approximations). Pass it to
+    :func:`baseline_weights` as the per-sequence ``sq_norms``, like the exact norms.
+
+    Args:
+        token_logps: ``(B, T)`` log-probabilities of the sampled tokens (at the sampling temperature).
+        log_sum_sq_probs: ``(B, T)`` ``log sum_v pi_v^2`` at the same positions (TRL's fused head or
+            :func:`token_log_sum_sq_probs`).
+        mask: ``(B, T)`` 1 on the completion tokens that enter the loss.
+
+    Returns:
+        ``(B,)`` float32 weights, each in ``[0, 2 |o_i|]``; masked positions (and their non-finite values) add 0.
+    """
+    p = token_logps.float().exp()
+    term = (1 - 2 * p + log_sum_sq_probs.float().exp()).clamp(min=0.0)
+    keep = mask.bool() & torch.isfinite(term)
+    return torch.where(keep, term, torch.zeros_like(term)).sum(-1)
