@@ -13,6 +13,11 @@ more samples than one step, and divide only then:
 * ``"ema"``: exponential moving averages of both, zero-initialised and bias-corrected as Adam does
   (``m_t / (1 - beta^t)``), so the first step uses its own estimate and no step is biased toward 0 by the
   initialisation. Effective window ``(1 + beta) / (1 - beta)`` steps (19 at ``beta = 0.9``).
+* ``"ema_soft"``: ``"ema"``, with the signal's clipping at 0 replaced by its expected positive part
+  ``E[max(S, 0)]`` for ``S ~ Normal(s_hat, se^2)``, ``se`` the standard error of the averaged signal (from an EMA of
+  its square): the estimate of ``max(signal, 0)`` that minimises the squared error under a flat prior. Equal to
+  ``"ema"`` where the signal is clearly positive (``s_hat >> se``); where the averaged signal is indistinguishable
+  from 0 it keeps a small step (``~0.4 se``) instead of none. Biased up by at most ``0.4 se`` in the signal.
 * ``"window"``: the plain mean over the last ``window`` steps (a pooled estimate from ``window * N`` samples).
 * ``"per_step"``: the paper's, this step only.
 
@@ -30,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-SNR_ESTIMATORS = ("ema", "window", "per_step")
+SNR_ESTIMATORS = ("ema", "ema_soft", "window", "per_step")
 
 
 @dataclass(frozen=True)
@@ -44,14 +49,16 @@ class SNRState:
     steps: int = 0
     signal: float = 0.0
     noise: float = 0.0
+    signal_sq: float = 0.0
     recent: tuple[tuple[float, float], ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps, "signal": self.signal, "noise": self.noise, "recent": [list(x) for x in self.recent]}
+        return {"steps": self.steps, "signal": self.signal, "noise": self.noise, "signal_sq": self.signal_sq,
+                "recent": [list(x) for x in self.recent]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SNRState":
-        return cls(int(d["steps"]), float(d["signal"]), float(d["noise"]),
+        return cls(int(d["steps"]), float(d["signal"]), float(d["noise"]), float(d.get("signal_sq", 0.0)),
                    tuple((float(s), float(n)) for s, n in d.get("recent", ())))
 
 
@@ -107,8 +114,27 @@ def _ema(signal: float, noise: float, state: SNRState, *, beta: float, **_) -> t
     t = state.steps + 1
     s = beta * state.signal + (1 - beta) * signal
     v = beta * state.noise + (1 - beta) * noise
+    s2 = beta * state.signal_sq + (1 - beta) * signal**2
     correction = 1 - beta**t  # Adam's: the zero initialisation's weight beta^t removed
-    return s / correction, v / correction, replace(state, steps=t, signal=s, noise=v)
+    return s / correction, v / correction, replace(state, steps=t, signal=s, noise=v, signal_sq=s2)
+
+
+def expected_positive_part(mean: float, se: float) -> float:
+    """``E[max(S, 0)]`` for ``S ~ Normal(mean, se^2)``: ``mean Phi(mean/se) + se phi(mean/se)`` (``max(mean, 0)`` at
+    ``se = 0``)."""
+    if not se > 0:
+        return max(mean, 0.0)
+    z = mean / se
+    return mean * 0.5 * math.erfc(-z / math.sqrt(2)) + se * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+
+def _ema_soft(signal: float, noise: float, state: SNRState, *, beta: float, **_) -> tuple[float, float, SNRState]:
+    s_hat, v_hat, state = _ema(signal, noise, state, beta=beta)
+    t, correction = state.steps, 1 - beta**state.steps
+    spread = max(state.signal_sq / correction - s_hat**2, 0.0)  # the EMA-weighted variance of the step estimates
+    # variance of a bias-corrected EMA of t i.i.d. values: spread (1 - beta)(1 - beta^2t) / ((1 + beta)(1 - beta^t)^2)
+    se = math.sqrt(spread * (1 - beta) * (1 - beta ** (2 * t)) / ((1 + beta) * correction**2))
+    return expected_positive_part(s_hat, se), v_hat, state
 
 
 def _window(signal: float, noise: float, state: SNRState, *, window: int, **_) -> tuple[float, float, SNRState]:
@@ -117,15 +143,15 @@ def _window(signal: float, noise: float, state: SNRState, *, window: int, **_) -
             replace(state, steps=state.steps + 1, recent=recent))
 
 
-_ESTIMATORS = {"per_step": _per_step, "ema": _ema, "window": _window}
+_ESTIMATORS = {"per_step": _per_step, "ema": _ema, "ema_soft": _ema_soft, "window": _window}
 
 
 def check_estimator(estimator: str, beta: float = 0.9, window: int = 10) -> None:
     """Raise a ``ValueError`` naming the option for an unknown estimator or an out-of-range parameter."""
     if estimator not in _ESTIMATORS:
         raise ValueError(f"snr_estimator={estimator!r} is not allowed; allowed values: {list(SNR_ESTIMATORS)}.")
-    if estimator == "ema" and not 0.0 <= beta < 1.0:
-        raise ValueError(f"snr_ema={beta} must lie in [0, 1) for snr_estimator='ema'.")
+    if estimator.startswith("ema") and not 0.0 <= beta < 1.0:
+        raise ValueError(f"snr_ema={beta} must lie in [0, 1) for snr_estimator={estimator!r}.")
     if estimator == "window" and not (isinstance(window, int) and window >= 1):
         raise ValueError(f"snr_window={window} must be an integer >= 1 for snr_estimator='window'.")
 

@@ -16,9 +16,15 @@ import pytest
 
 from oblr_trl import OBLRPOConfig
 from oblr_trl.estimators import step_scale_from_contributions
-from oblr_trl.step_size import SNRState, scale_from_signal_noise, snr_step_size, step_signal_noise
+from oblr_trl.step_size import (
+    SNRState,
+    expected_positive_part,
+    scale_from_signal_noise,
+    snr_step_size,
+    step_signal_noise,
+)
 
-KW = {"per_step": {}, "ema": {"beta": 0.9}, "window": {"window": 10}}
+KW = {"per_step": {}, "ema": {"beta": 0.9}, "ema_soft": {"beta": 0.9}, "window": {"window": 10}}
 
 
 def stream(n: int, snr: float, d: int, steps: int, seed: int = 0):
@@ -78,9 +84,29 @@ def test_pooled_estimators_stop_skipping_steps_at_the_demos_operating_point():
         assert pooled.std() < 0.6 * per_step.std()
 
 
+def test_soft_ema_never_skips_and_stays_close():
+    """``"ema_soft"`` at the same operating point: no step at scale 0, bias within 10%; with no signal at all (SNR 0)
+    it keeps a small step, less than half what the paper's clipped per-step estimate averages there."""
+    n, d = 8, 10
+    soft = scales("ema_soft", n, 0.02, d, 20000)
+    assert (soft == 0).mean() == 0.0
+    assert soft.mean() == pytest.approx(true_scale(n, 0.02), rel=0.1)
+    assert soft.std() < 0.6 * scales("per_step", n, 0.02, d, 20000).std()
+    no_signal, paper = scales("ema_soft", n, 0.0, d, 20000), scales("per_step", n, 0.0, d, 20000)
+    assert (no_signal == 0).mean() == 0.0 and no_signal.mean() < paper.mean() / 2
+
+
+def test_expected_positive_part_against_monte_carlo():
+    rng = np.random.default_rng(3)
+    for mean, se in ((0.0, 1.0), (1.5, 0.5), (-2.0, 1.0), (0.3, 2.0)):
+        draws = rng.normal(mean, se, 400000)
+        assert expected_positive_part(mean, se) == pytest.approx(np.maximum(draws, 0).mean(), rel=0.01, abs=1e-3)
+    assert expected_positive_part(-1.0, 0.0) == 0.0 and expected_positive_part(2.0, 0.0) == 2.0
+
+
 def test_pooled_estimators_with_a_high_dimensional_gradient_almost_never_skip():
     n, snr, d = 8, 0.02, 100
-    for estimator in ("ema", "window"):
+    for estimator in ("ema", "ema_soft", "window"):
         s = scales(estimator, n, snr, d, 5000)
         assert (s == 0).mean() < 0.01
         assert s.mean() == pytest.approx(true_scale(n, snr), rel=0.05)
@@ -91,9 +117,10 @@ def test_two_samples_per_step_are_defined_and_less_biased_when_pooled():
     degree of freedom), the pooled ones far less than the paper's."""
     n, snr, d = 2, 0.02, 10
     truth = true_scale(n, snr)
-    bias = {e: scales(e, n, snr, d, 20000).mean() - truth for e in ("per_step", "ema", "window")}
+    bias = {e: scales(e, n, snr, d, 20000).mean() - truth for e in KW}
     assert bias["per_step"] > 0.1
-    assert 0 <= bias["ema"] < bias["per_step"] / 2 and 0 <= bias["window"] < bias["per_step"] / 2
+    for pooled in ("ema", "ema_soft", "window"):
+        assert 0 <= bias[pooled] < bias["per_step"] / 2, bias
 
 
 def test_a_strong_signal_gives_a_factor_near_one():
@@ -110,6 +137,10 @@ def test_ema_is_bias_corrected_from_the_first_step():
         ema, state = snr_step_size("ema", 3.0, 10.0, 8, state, beta=0.9)
         per_step, _ = snr_step_size("per_step", 3.0, 10.0, 8)
         assert ema.scale == pytest.approx(per_step.scale, rel=1e-12) and ema.scale > 0
+    soft = None  # constant inputs have no spread: the soft EMA is the EMA
+    for _ in range(5):
+        decision, soft = snr_step_size("ema_soft", 3.0, 10.0, 8, soft, beta=0.9)
+        assert decision.scale == pytest.approx(per_step.scale, rel=1e-9)
 
 
 def test_window_pools_exactly_the_last_steps():
@@ -143,10 +174,10 @@ def test_the_state_survives_json():
     state = None
     for sum_sq, g2 in stream(8, 0.05, 10, 12):
         _, state = snr_step_size("window", sum_sq, g2, 8, state, window=5)
-        _, state = snr_step_size("ema", sum_sq, g2, 8, state, beta=0.9)
+        _, state = snr_step_size("ema_soft", sum_sq, g2, 8, state, beta=0.9)
     again = SNRState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert again == state
-    for estimator in ("ema", "window"):
+    for estimator in ("ema", "ema_soft", "window"):
         a, _ = snr_step_size(estimator, 3.0, 10.0, 8, state, **KW[estimator])
         b, _ = snr_step_size(estimator, 3.0, 10.0, 8, again, **KW[estimator])
         assert a == b
