@@ -102,6 +102,8 @@ def main():
     ]
     for name, _ in variants:
         rs = [r for r in rows if r["variant"] == name]
+        if not rs:
+            continue
         col = lambda k, f=100: mean_sd([f * r[k] for r in rs])  # noqa: E731
         lines.append(
             f"| {name} | {len(rs)} | {col('skipped')} | {statistics.mean(r['mean_scale'] for r in rs):.3f} | "
