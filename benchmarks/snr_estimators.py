@@ -58,9 +58,9 @@ def run(name: str, extra: list[str], seed: int, run_dir: Path, only_existing: bo
     return row
 
 
-def mean_sd(values: list[float]) -> str:
+def mean_sd(values: list[float], digits: int = 1) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.mean(values):.1f} ± {sd:.1f}"
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
 def main():
@@ -104,13 +104,14 @@ def main():
         rs = [r for r in rows if r["variant"] == name]
         if not rs:
             continue
-        col = lambda k, f=100: mean_sd([f * r[k] for r in rs])  # noqa: E731
+        col = lambda k, f=100, digits=1: mean_sd([f * r[k] for r in rs], digits)  # noqa: E731
         lines.append(
             f"| {name} | {len(rs)} | {col('skipped')} | {statistics.mean(r['mean_scale'] for r in rs):.3f} | "
             f"{statistics.mean(r['mean_lr'] for r in rs):.3g} | {col('greedy_before')} | {col('greedy_after')} | "
-            f"{col('sampled_before')} | {col('sampled_after')} | {col('reward_last', 1)} |"
+            f"{col('sampled_before')} | {col('sampled_after')} | {col('reward_last', 1, 3)} |"
         )
-    lines += ["", "Per run:", "", "| estimator | seed | scale 0 % | mean scale | greedy after % | sampled after % | s |",
+    lines += ["", "Per run:", "",
+              "| estimator | seed | scale 0 % | mean scale | greedy after % | sampled after % | s |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['seed']} | {100 * r['skipped']:.1f} | {r['mean_scale']:.3f} | "

@@ -53,7 +53,8 @@ def parse_args(argv=None):
     parser.add_argument("--baseline", default=None, help="OBLRPOConfig.baseline: gradient_weighted (default) or mean.")
     parser.add_argument("--snr_lr", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="OBLRPOConfig.snr_lr: true (default) or false.")
-    parser.add_argument("--snr_estimator", default=None, help="OBLRPOConfig.snr_estimator: ema (default), window or per_step.")
+    parser.add_argument("--snr_estimator", default=None,
+                        help="OBLRPOConfig.snr_estimator: ema_soft (default), ema, window or per_step.")
     parser.add_argument("--snr_ema", type=float, default=None, help="OBLRPOConfig.snr_ema (default: the config's).")
     parser.add_argument("--snr_window", type=int, default=None, help="OBLRPOConfig.snr_window (default: the config's).")
     parser.add_argument("--lr_scale_min", type=float, default=None, help="OBLRPOConfig.lr_scale_min (default: the config's).")
@@ -193,8 +194,8 @@ def main(args):
     print(f"{'greedy accuracy':<34}{accuracy_before:>11.1%}{accuracy_after:>11.1%}")
     print(f"{f'sampled accuracy (T=1, {args.eval_samples} each)':<34}{sampled_before:>11.1%}{sampled_after:>11.1%}")
     print()
-    for name in ("task", "model", "steps", "reward_first_steps", "reward_last_steps", "final_lr_scale", "skipped_fraction",
-                 "mean_lr_scale", "mean_applied_lr", "mean_snr",
+    for name in ("task", "model", "steps", "reward_first_steps", "reward_last_steps", "final_lr_scale",
+                 "skipped_fraction", "mean_lr_scale", "mean_applied_lr", "mean_snr",
                  "seconds"):
         value = summary[name]
         shown = f"{value:.3g}" if isinstance(value, float) and abs(value) < 1e-2 else (

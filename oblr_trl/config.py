@@ -57,7 +57,7 @@ class OBLRPOConfig(GRPOConfig):
         weight_clip (`float` or `None`, defaults to `None`):
             Cap each baseline weight at this multiple of its group's median weight: a guard against the baseline
             following one or two completions when gradient norms vary wildly. `None` (no cap) is the paper's baseline.
-        snr_estimator (`str`, defaults to `"ema"`):
+        snr_estimator (`str`, defaults to `"ema_soft"`):
             How the SNR of each step is estimated (see `oblr_trl.step_size`). `"ema"`: bias-corrected exponential
             moving averages of the signal and of the noise estimates, divided only then (McCandlish et al.);
             `"ema_soft"`: the same, with the averaged signal's clipping at 0 replaced by its expected positive part
@@ -66,8 +66,8 @@ class OBLRPOConfig(GRPOConfig):
             the paper, whose signal estimate is below 0 (scale 0: the step is skipped) on about half the steps when
             a step has few prompts.
         snr_ema (`float`, defaults to `0.9`):
-            Smoothing factor of `snr_estimator="ema"` and `"ema_soft"` (an effective window of `(1 + snr_ema) / (1 - snr_ema)` steps);
-            ignored by the other estimators.
+            Smoothing factor of `snr_estimator="ema"` and `"ema_soft"` (an effective window of
+            `(1 + snr_ema) / (1 - snr_ema)` steps); ignored by the other estimators.
         snr_window (`int`, defaults to `10`):
             Steps pooled by `snr_estimator="window"`; ignored by the other estimators.
         one_backward (`bool`, defaults to `False`):
@@ -134,11 +134,11 @@ class OBLRPOConfig(GRPOConfig):
     )
     # ---- issue 18: the SNR estimator (oblr_trl/step_size.py) ----
     snr_estimator: str = field(
-        default="ema",
+        default="ema_soft",
         metadata={
-            "help": "SNR estimate behind the step size: 'ema' (default; bias-corrected moving averages of the signal "
-            "and noise estimates, divided only then), 'ema_soft' (the same, with the signal's clipping at 0 replaced by "
-            "its expected positive part: no skipped steps), 'window' (their mean over the last snr_window steps) or "
+            "help": "SNR estimate behind the step size: 'ema' (bias-corrected moving averages of the signal and noise "
+            "estimates, divided only then), 'ema_soft' (default; the same, with the signal's clipping at 0 replaced "
+            "by its expected positive part: no skipped steps), 'window' (their mean over the last snr_window steps) or "
             "'per_step' (the paper's: this step only; with few prompts per step it skips about half the steps).",
             "choices": list(SNR_ESTIMATORS),
         },
@@ -146,8 +146,8 @@ class OBLRPOConfig(GRPOConfig):
     snr_ema: float = field(
         default=0.9,
         metadata={
-            "help": "Smoothing factor in [0, 1) of snr_estimator='ema'/'ema_soft' (default 0.9: an effective window of 19 "
-            "steps). Ignored by the other estimators."
+            "help": "Smoothing factor in [0, 1) of snr_estimator='ema'/'ema_soft' (default 0.9: an effective window "
+            "of 19 steps). Ignored by the other estimators."
         },
     )
     snr_window: int = field(
