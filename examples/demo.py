@@ -53,7 +53,10 @@ def parse_args(argv=None):
     parser.add_argument("--baseline", default=None, help="OBLRPOConfig.baseline: gradient_weighted (default) or mean.")
     parser.add_argument("--snr_lr", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="OBLRPOConfig.snr_lr: true (default) or false.")
+    parser.add_argument("--snr_estimator", default=None,
+                        help="OBLRPOConfig.snr_estimator: ema_soft (default), ema, window or per_step.")
     parser.add_argument("--snr_ema", type=float, default=None, help="OBLRPOConfig.snr_ema (default: the config's).")
+    parser.add_argument("--snr_window", type=int, default=None, help="OBLRPOConfig.snr_window (default: the config's).")
     parser.add_argument("--lr_scale_min", type=float, default=None, help="OBLRPOConfig.lr_scale_min (default: the config's).")
     parser.add_argument(
         "--eval_seed", type=int, default=12345,
@@ -130,7 +133,8 @@ def main(args):
     print(f"Held-out accuracy before OBLR-PO: greedy {accuracy_before:.1%}, sampled {sampled_before:.1%}")
 
     # 4. OBLR-PO: group sampling, verifier rewards, optimal baseline, SNR-scaled step size, update.
-    oblr_options = {k: getattr(args, k) for k in ("baseline", "snr_lr", "snr_ema", "lr_scale_min") if getattr(args, k) is not None}
+    oblr_names = ("baseline", "snr_lr", "snr_estimator", "snr_ema", "snr_window", "lr_scale_min")
+    oblr_options = {k: getattr(args, k) for k in oblr_names if getattr(args, k) is not None}
     config = OBLRPOConfig(
         **oblr_options,
         output_dir=args.output_dir,
@@ -177,6 +181,9 @@ def main(args):
         "reward_first_steps": mean(rewards[:window]),
         "reward_last_steps": mean(rewards[-window:]),
         "final_lr_scale": lr_scales[-1] if lr_scales else None,
+        "skipped_fraction": mean([s == 0.0 for s in lr_scales]) if lr_scales else None,
+        "mean_lr_scale": mean(lr_scales) if lr_scales else None,
+        "mean_applied_lr": mean([e["oblr/lr"] for e in history if "oblr/lr" in e]) if lr_scales else None,
         "mean_snr": mean(snrs) if snrs else None,
         "seconds": round(time.time() - start, 1),
     }
@@ -187,10 +194,12 @@ def main(args):
     print(f"{'greedy accuracy':<34}{accuracy_before:>11.1%}{accuracy_after:>11.1%}")
     print(f"{f'sampled accuracy (T=1, {args.eval_samples} each)':<34}{sampled_before:>11.1%}{sampled_after:>11.1%}")
     print()
-    for name in ("task", "model", "steps", "reward_first_steps", "reward_last_steps", "final_lr_scale", "mean_snr",
+    for name in ("task", "model", "steps", "reward_first_steps", "reward_last_steps", "final_lr_scale",
+                 "skipped_fraction", "mean_lr_scale", "mean_applied_lr", "mean_snr",
                  "seconds"):
         value = summary[name]
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        shown = f"{value:.3g}" if isinstance(value, float) and abs(value) < 1e-2 else (
+            f"{value:.3f}" if isinstance(value, float) else str(value))
         print(f"{name:<34}{shown:>22}")
 
     plots = plot_training(history, args.output_dir)

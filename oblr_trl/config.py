@@ -10,6 +10,7 @@ from trl import GRPOConfig
 
 from .estimators import BASELINES, GRAD_NORM_ESTIMATORS
 from .loss_terms import LOSS_TYPES
+from .step_size import SNR_ESTIMATORS, check_estimator
 
 SUPPORTED_LOSS_TYPES = LOSS_TYPES  # every TRL 1.16 loss type
 SNR_SAMPLE_UNITS = ("group", "completion")
@@ -56,9 +57,19 @@ class OBLRPOConfig(GRPOConfig):
         weight_clip (`float` or `None`, defaults to `None`):
             Cap each baseline weight at this multiple of its group's median weight: a guard against the baseline
             following one or two completions when gradient norms vary wildly. `None` (no cap) is the paper's baseline.
-        snr_ema (`float`, defaults to `0.0`):
-            Exponential smoothing of the SNR's numerator and denominator across steps (0 = this step's samples only,
-            as in the paper). A ratio of noisy estimates is biased; smoothing both parts before dividing reduces that.
+        snr_estimator (`str`, defaults to `"ema_soft"`):
+            How the SNR of each step is estimated (see `oblr_trl.step_size`). `"ema"`: bias-corrected exponential
+            moving averages of the signal and of the noise estimates, divided only then (McCandlish et al.);
+            `"ema_soft"`: the same, with the averaged signal's clipping at 0 replaced by its expected positive part
+            given its standard error (a small step instead of none where the signal is indistinguishable from 0);
+            `"window"`: their mean over the last `snr_window` steps; `"per_step"`: this step's samples only, as in
+            the paper, whose signal estimate is below 0 (scale 0: the step is skipped) on about half the steps when
+            a step has few prompts.
+        snr_ema (`float`, defaults to `0.9`):
+            Smoothing factor of `snr_estimator="ema"` and `"ema_soft"` (an effective window of
+            `(1 + snr_ema) / (1 - snr_ema)` steps); ignored by the other estimators.
+        snr_window (`int`, defaults to `10`):
+            Steps pooled by `snr_estimator="window"`; ignored by the other estimators.
         one_backward (`bool` or `None`, defaults to `None`):
             Take the per-sequence norms and the policy update from a single forward and backward instead of a norms
             pass and then TRL's loss pass (same result, tested; about one pass less). `None` (default): automatic,
@@ -123,12 +134,26 @@ class OBLRPOConfig(GRPOConfig):
             "learning when the SNR is ~0 for long stretches (the 'step collapse' failure mode)."
         },
     )
-    snr_ema: float = field(
-        default=0.0,
+    snr_estimator: str = field(
+        default="ema_soft",
         metadata={
-            "help": "EMA factor in [0, 1) smoothing the SNR's numerator and denominator across steps (default 0.0: "
-            "this step's samples only, as in the paper)."
+            "help": "SNR estimate behind the step size: 'ema' (bias-corrected moving averages of the signal and noise "
+            "estimates, divided only then), 'ema_soft' (default; the same, with the signal's clipping at 0 replaced "
+            "by its expected positive part: no skipped steps), 'window' (their mean over the last snr_window steps) or "
+            "'per_step' (the paper's: this step only; with few prompts per step it skips about half the steps).",
+            "choices": list(SNR_ESTIMATORS),
         },
+    )
+    snr_ema: float = field(
+        default=0.9,
+        metadata={
+            "help": "Smoothing factor in [0, 1) of snr_estimator='ema'/'ema_soft' (default 0.9: an effective window "
+            "of 19 steps). Ignored by the other estimators."
+        },
+    )
+    snr_window: int = field(
+        default=10,
+        metadata={"help": "Steps pooled by snr_estimator='window' (default 10). Ignored by the other estimators."},
     )
     one_backward: bool | None = field(
         default=None,
@@ -170,6 +195,10 @@ class OBLRPOConfig(GRPOConfig):
             raise ValueError(f"OBLRPOConfig.weight_clip={self.weight_clip} must be None or >= 1.")
         if not 0.0 <= self.snr_ema < 1.0:
             raise ValueError(f"OBLRPOConfig.snr_ema={self.snr_ema} must lie in [0, 1).")
+        try:
+            check_estimator(self.snr_estimator, self.snr_ema, self.snr_window)
+        except ValueError as e:
+            raise ValueError(f"OBLRPOConfig.{e}") from None
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "OBLRPOConfig.multi_objective_aggregation must be 'sum_then_normalize': 'normalize_then_sum' "

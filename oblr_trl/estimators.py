@@ -12,15 +12,13 @@ Each formula of the paper lives here, once:
   whose sum is the step's gradient.
 * :func:`baseline_weights`: ``w_i`` from per-sequence squared norms (or a proxy), as each score enters the loss.
 * :func:`unit_sq_norms`: each SNR sample's ``||H_q||^2 = ||sum_{i in q} a_i u_i||^2`` from within-sample Gram rows.
-* :func:`snr_step`: one optimizer step's SNR and step-size factor, with the optional smoothing across steps, and a
-  defined result for every degenerate input (fewer than 2 samples, a non-finite gradient, a zero SNR).
+* the step-size decision across steps (the SNR estimator and its state) is :mod:`oblr_trl.step_size`.
 
 Baselines are registered by name (as verl's ``core_algos`` does) so that ``OBLRPOConfig.baseline`` selects one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -274,49 +272,6 @@ def unit_sq_norms(
     return unit_ids, torch.einsum("qi,qij,qj->q", a, gram, a)
 
 
-# ------------------------------------------------------------------------------------------ the step size
-@dataclass(frozen=True)
-class SNRStep:
-    """One optimizer step's step-size decision: ``scale`` multiplies the scheduled lr.
-
-    ``snr`` is NaN where it is undefined (``status`` says why); ``state`` is the smoothed ``(signal, noise)`` to carry
-    to the next step (``None`` until a step defines it). ``status``: ``"ok"``, ``"zero_snr"`` (noise dominates: scale 0
-    before the floor), ``"few_samples"`` (fewer than 2 samples: lr left unscaled), ``"nonfinite_grad"`` (scale floored).
-    """
-
-    scale: float
-    snr: float
-    n: int
-    state: tuple[float, float] | None
-    status: str
-
-
-def snr_step(
-    sum_sq: float, grad_sq_norm: float, n: int, *, ema: float = 0.0,
-    state: tuple[float, float] | None = None, lr_scale_min: float = 0.0,
-) -> SNRStep:
-    """Theorem 4's step-size factor for one optimizer step, ``max(N SNR / (1 + N SNR), lr_scale_min)``.
-
-    Args:
-        sum_sq: ``sum_q ||H_q||^2`` over the step's ``n`` samples (the gradient is ``G = sum_q H_q``).
-        grad_sq_norm: ``||G||^2`` (the step's pre-clip gradient, all ranks).
-        ema: smoothing of the signal and noise estimates across steps (0: this step only, the paper's).
-        state: the previous step's smoothed ``(signal, noise)``.
-    """
-    if n < 2:
-        return SNRStep(1.0, float("nan"), n, state, "few_samples")
-    if not torch.isfinite(torch.as_tensor(grad_sq_norm)):
-        return SNRStep(lr_scale_min, float("nan"), n, state, "nonfinite_grad")
-    # single-sample estimates g_q = n H_q: mean ||g_q||^2 = n sum_q ||H_q||^2, and their mean is G
-    signal, noise = (float(x) for x in gradient_signal_noise(n * sum_sq, grad_sq_norm, n))
-    if ema > 0 and state is not None:
-        signal = ema * state[0] + (1 - ema) * signal
-        noise = ema * state[1] + (1 - ema) * noise
-    snr = snr_from_signal_noise(torch.tensor(signal, dtype=torch.float64), torch.tensor(noise, dtype=torch.float64))
-    scale = float(snr_lr_scale(snr, n))
-    return SNRStep(max(scale, lr_scale_min), float(snr), n, (signal, noise), "zero_snr" if float(snr) == 0 else "ok")
-
-
 # ------------------------------------------------------------------------------------------ rewards and metrics
 def aggregate_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Each completion's reward as TRL's ``sum_then_normalize`` forms it (the weighted sum of the reward functions,
@@ -353,3 +308,41 @@ def baseline_metrics(
         "clipped_weights": float(num_clipped),
         "unscorable": float((~valid).sum().item()),
     }
+
+
+# ------------------------------------------------------------------------- logit proxy of the weights
+def token_log_sum_sq_probs(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+    """``log sum_v pi_v^2`` per position, ``pi = softmax(logits / temperature)``, over the last axis, computed in chunks
+    of ``chunk_size`` rows in float32 (what TRL 1.16's fused LM head returns as ``log_sum_sq_probs`` when added with
+    ``outputs=(..., "log_sum_sq_probs")``; use that where the logits are not materialized)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for s in range(0, flat.shape[0], chunk_size):
+        z = flat[s : s + chunk_size].float() / temperature
+        out[s : s + chunk_size] = torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)
+    return out.reshape(logits.shape[:-1])
+
+
+def logit_proxy_weights(token_logps: torch.Tensor, log_sum_sq_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's optimal-token-baseline proxy of ``||grad log pi(o_i|q)||^2`` from one forward, no backward:
+    ``W_i = sum_t (1 - 2 pi_t + sum_v pi_v^2)`` over the completion tokens (``mask``), ``pi_t`` the sampled token's
+    probability.
+
+    Each term is exactly ``||d log pi_t / d z_t||^2 = ||e_t - pi||^2``, the squared gradient of the token's log-prob
+    in the position's logits ``z_t``; the sum over tokens treats the positions' parameter gradients as orthogonal and
+    every logit direction as equally amplified by the network (the proxy's two approximations). Pass it to
+    :func:`baseline_weights` as the per-sequence ``sq_norms``, like the exact norms.
+
+    Args:
+        token_logps: ``(B, T)`` log-probabilities of the sampled tokens (at the sampling temperature).
+        log_sum_sq_probs: ``(B, T)`` ``log sum_v pi_v^2`` at the same positions (TRL's fused head or
+            :func:`token_log_sum_sq_probs`).
+        mask: ``(B, T)`` 1 on the completion tokens that enter the loss.
+
+    Returns:
+        ``(B,)`` float32 weights, each in ``[0, 2 |o_i|]``; masked positions (and their non-finite values) add 0.
+    """
+    p = token_logps.float().exp()
+    term = (1 - 2 * p + log_sum_sq_probs.float().exp()).clamp(min=0.0)
+    keep = mask.bool() & torch.isfinite(term)
+    return torch.where(keep, term, torch.zeros_like(term)).sum(-1)

@@ -43,12 +43,12 @@ from .estimators import (
     get_baseline,
     mask_nonfinite_products,
     max_weight_ratio,
-    snr_step,
     unit_sq_norms,
 )
 from .grad_norms import per_sequence_grad_inner_products, per_sequence_grads
 from .loss_terms import loss_coefficients
 from .precision import frozen_fraction
+from .step_size import SNRState, snr_step_size
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ WARNINGS = {
     "few_samples": "An optimizer step saw {n} sample(s); the SNR needs 2: lr left unscaled.",
     "nonfinite_grad": "Non-finite gradient norm: lr scaled to lr_scale_min for this step.",
     "zero_snr": "SNR estimate is 0 (noise dominates): the step size collapses to lr_scale_min. If this persists, raise "
-    "the batch (more prompts per step), set lr_scale_min, or smooth with snr_ema.",
+    "the batch (more prompts per step), set lr_scale_min, or pool steps with snr_estimator='ema' or 'window'.",
 }
 
 
@@ -157,7 +157,9 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_samples = StepSamples()
         self._oblr_rows_generated = 0  # completions generated for training so far, all ranks: the next row id
         self._oblr_saved_lrs: list[float] | None = None
-        self._oblr_snr_state: tuple[float, float] | None = None
+        # the SNR estimator's state and the running step-size statistics (both checkpointed)
+        self._oblr_snr_state = SNRState()
+        self._oblr_lr_stats = {"steps": 0, "skipped": 0, "lr_sum": 0.0, "scale_sum": 0.0}
         self._oblr_warned: set[str] = set()
         self._oblr_precision_checked_lr = float("inf")
         # one_backward: True / False once decided; None until the first generation decides it by memory (auto)
@@ -403,16 +405,26 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _apply_snr_step_size(self, grad_sq_norm: float) -> None:
         sum_sq, n = self._oblr_samples.reduce_all_ranks()
-        step = snr_step(sum_sq, grad_sq_norm, n, ema=self.args.snr_ema, state=self._oblr_snr_state,
-                        lr_scale_min=self.args.lr_scale_min)
+        # the SNR estimator (oblr_trl/step_size.py) and running statistics of the applied lr
+        a = self.args
+        step, self._oblr_snr_state = snr_step_size(
+            a.snr_estimator, sum_sq, grad_sq_norm, n, self._oblr_snr_state, beta=a.snr_ema, window=a.snr_window,
+            lr_scale_min=a.lr_scale_min,
+        )
         if step.status != "ok":
             self._warn_once(step.status, n=n)
-        self._oblr_snr_state = step.state
         self._oblr_saved_lrs = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["lr"] = group["lr"] * step.scale
         applied = self.optimizer.param_groups[0]["lr"]
-        self._log({"lr_scale": step.scale, "num_samples": float(n), "lr": applied})
+        stats = self._oblr_lr_stats
+        stats["steps"] += 1
+        stats["skipped"] += int(step.scale == 0.0)
+        stats["lr_sum"] += applied
+        stats["scale_sum"] += step.scale
+        self._log({"lr_scale": step.scale, "num_samples": float(n), "lr": applied,
+                   "lr_mean": stats["lr_sum"] / stats["steps"], "lr_scale_mean": stats["scale_sum"] / stats["steps"],
+                   "skipped_fraction": stats["skipped"] / stats["steps"]})
         if step.snr == step.snr:  # undefined (fewer than 2 samples, non-finite gradient): not logged, warned
             self._log({"snr": step.snr})
         self._check_precision(applied)
@@ -470,9 +482,9 @@ class OBLRPOTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            with open(os.path.join(folder, OBLR_STATE_NAME), "w") as f:
-                json.dump({"version": 1, "global_step": self.state.global_step,
-                           "snr_ema_state": self._oblr_snr_state}, f)
+            with open(os.path.join(folder, OBLR_STATE_NAME), "w") as f:  # the SNR estimator's state, lr statistics
+                json.dump({"version": 2, "global_step": self.state.global_step,
+                           "snr_state": self._oblr_snr_state.to_dict(), "lr_stats": self._oblr_lr_stats}, f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # called on every rank and with every backend when resuming (and only then), with the checkpoint folder
@@ -481,12 +493,16 @@ class OBLRPOTrainer(GRPOTrainer):
             return
         path = os.path.join(checkpoint, OBLR_STATE_NAME)
         if not os.path.isfile(path):
-            if self.args.snr_lr and self.args.snr_ema > 0:
+            if self.args.snr_lr and self.args.snr_estimator != "per_step":
                 logger.warning(
                     f"{checkpoint} has no {OBLR_STATE_NAME} (saved by another trainer or an older oblr-trl): the SNR "
                     "EMA restarts from this step's samples."
                 )
             return
         with open(path) as f:
-            state = json.load(f).get("snr_ema_state")
-        self._oblr_snr_state = None if state is None else (float(state[0]), float(state[1]))
+            saved = json.load(f)
+        if "snr_state" in saved:
+            self._oblr_snr_state = SNRState.from_dict(saved["snr_state"])
+            self._oblr_lr_stats = {**self._oblr_lr_stats, **saved.get("lr_stats", {})}
+        else:
+            logger.warning(f"{path} predates the SNR estimator's state (an older oblr-trl): the estimate restarts.")

@@ -14,12 +14,9 @@ from oblr_trl.estimators import (
     aggregate_rewards,
     baseline_metrics,
     baseline_weights,
-    gradient_snr,
     mask_nonfinite_products,
     max_weight_ratio,
     register_baseline,
-    snr_lr_scale,
-    snr_step,
     unit_sq_norms,
 )
 
@@ -59,37 +56,6 @@ def test_unit_sq_norms_against_summed_vectors():
     for q, value in zip(ids.tolist(), sq.tolist()):
         h = sum(a[i] * u[(units[i], positions[i])] for i in range(n) if units[i] == q)
         assert value == pytest.approx(float(h @ h), rel=1e-12)
-
-
-@pytest.mark.parametrize("n", [2, 3, 8])
-def test_snr_step_is_theorem_4_on_the_single_sample_estimates(n):
-    torch.manual_seed(n)
-    h = torch.randn(n, 6, dtype=torch.float64) + 0.7  # per-sample contributions, G = sum_q h_q
-    G = h.sum(0)
-    step = snr_step(float((h * h).sum()), float(G @ G), n)
-    g = n * h  # single-sample estimates, whose mean is G
-    snr = gradient_snr(float((g * g).sum(1).mean()), float(G @ G), n)
-    assert step.status in ("ok", "zero_snr") and step.n == n
-    assert step.snr == pytest.approx(float(snr), rel=1e-9)
-    assert step.scale == pytest.approx(float(snr_lr_scale(snr, n)), rel=1e-9)
-
-
-def test_snr_step_degenerate_inputs_have_defined_results():
-    few = snr_step(1.0, 1.0, 1)
-    assert (few.scale, few.status, math.isnan(few.snr)) == (1.0, "few_samples", True)
-    bad = snr_step(1.0, float("inf"), 4, lr_scale_min=0.1)
-    assert (bad.scale, bad.status) == (0.1, "nonfinite_grad")
-    zero = snr_step(4.0, 0.0, 4, lr_scale_min=0.05)  # G = 0: no signal
-    assert (zero.scale, zero.status, zero.snr) == (0.05, "zero_snr", 0.0)
-
-
-def test_snr_step_ema_smooths_signal_and_noise_separately():
-    first = snr_step(2.0, 1.0, 4)
-    second = snr_step(1.0, 3.0, 4, ema=0.5, state=first.state)
-    fresh = snr_step(1.0, 3.0, 4)
-    expected = tuple(0.5 * a + 0.5 * b for a, b in zip(first.state, fresh.state))
-    assert second.state == pytest.approx(expected)
-    assert second.snr == pytest.approx(max(expected[0], 0) / expected[1])
 
 
 def test_aggregate_rewards_weights_and_marks_unscorable():

@@ -1,7 +1,7 @@
 """The failure signatures of OBLR-PO, each reproduced on the tiny model through the real trainer, and its guard at work.
 
 (a) SNR ~ 0 for many steps (a pure-noise reward): the step collapses (scale 0, warned); `lr_scale_min` floors it;
-    `snr_ema` smooths it.
+    `snr_estimator="ema"` smooths it (the paper's `"per_step"` estimate is the one that collapses).
 (b) wildly unequal gradient norms: the weighted baseline follows the dominant completion (it cannot leave the range of
     the rewards it averages); `oblr/weight_spread` shows it.
 (c) non-finite per-sequence norms or gradient norm: set to 0 / lr scale floored, warned; everything stays finite.
@@ -56,7 +56,7 @@ def train(reward=digit_reward, model=None, **overrides):
 # ------------------------------------------------------------------------------------------ (a) SNR ~ 0: collapse
 def test_pure_noise_reward_collapses_the_step_and_warns(caplog):
     with caplog.at_level(logging.WARNING):
-        trainer = train(coin_reward(), max_steps=12)
+        trainer = train(coin_reward(), max_steps=12, snr_estimator="per_step")  # the paper's estimate
     scales = logged(trainer, "oblr/lr_scale")
     assert len(scales) == 12
     assert sum(s == 0.0 for s in scales) >= 4, scales  # collapsed on a third of the steps at least
@@ -66,7 +66,7 @@ def test_pure_noise_reward_collapses_the_step_and_warns(caplog):
 
 
 def test_lr_scale_min_floors_the_applied_step():
-    trainer = train(coin_reward(), max_steps=12, lr_scale_min=0.1)
+    trainer = train(coin_reward(), max_steps=12, lr_scale_min=0.1, snr_estimator="per_step")
     scales, scheduled = logged(trainer, "oblr/lr_scale"), logged(trainer, "learning_rate")
     assert min(scales) == 0.1  # the floor was needed (the same data collapses to 0 without it) and held
     for applied, scale, lr in zip(trainer.applied_lrs, scales, scheduled, strict=True):
@@ -74,12 +74,22 @@ def test_lr_scale_min_floors_the_applied_step():
         assert applied >= 0.1 * lr * (1 - 1e-12)
 
 
+def test_running_step_size_statistics_are_logged():
+    """oblr/skipped_fraction and oblr/lr_mean: the running fraction of steps at scale 0 and mean applied lr."""
+    trainer = train(coin_reward(), max_steps=6, snr_estimator="per_step")
+    scales, lrs = logged(trainer, "oblr/lr_scale"), logged(trainer, "oblr/lr")
+    assert any(s == 0.0 for s in scales) and any(s > 0 for s in scales)  # both kinds of step occur
+    assert logged(trainer, "oblr/skipped_fraction")[-1] == pytest.approx(statistics.mean(s == 0.0 for s in scales))
+    assert logged(trainer, "oblr/lr_mean")[-1] == pytest.approx(statistics.mean(lrs), rel=1e-9)
+    assert logged(trainer, "oblr/lr_scale_mean")[-1] == pytest.approx(statistics.mean(scales), rel=1e-9)
+
+
 def test_snr_ema_smooths_the_scale_on_the_same_data():
     """learning_rate=0 keeps the model fixed, so both runs see the same generations and rewards (checked) and differ
     only in the smoothing. The reward is a weak signal plus a coin, so the raw scale moves between 0 and ~0.15."""
     reward = lambda seed: coin_reward(seed, plus=lambda cs: [2 * r for r in digit_reward(cs)])  # noqa: E731
-    raw = train(reward(0), max_steps=16, learning_rate=0.0)
-    smooth = train(reward(0), max_steps=16, learning_rate=0.0, snr_ema=0.5)
+    raw = train(reward(0), max_steps=16, learning_rate=0.0, snr_estimator="per_step")
+    smooth = train(reward(0), max_steps=16, learning_rate=0.0, snr_estimator="ema", snr_ema=0.5)
     for a, b in zip(raw.generations, smooth.generations, strict=True):
         assert torch.equal(a["rewards"], b["rewards"]) and torch.equal(a["completion_ids"], b["completion_ids"])
 

@@ -52,7 +52,7 @@ def test_checkpoint_holds_the_ema_state(straight):
     with open(os.path.join(checkpoint, OBLR_STATE_NAME)) as f:
         state = json.load(f)
     assert state["global_step"] == 2
-    signal, noise = state["snr_ema_state"]
+    signal, noise = state["snr_state"]["signal"], state["snr_state"]["noise"]
     assert noise > 0 and signal >= 0  # a real smoothed state, not the first step's placeholder
 
 
@@ -70,7 +70,8 @@ def test_resume_reproduces_the_straight_run(straight, tmp_path):
     states = []
     for run in (resumed, straight):  # the EMA state both runs end with, as their last checkpoints hold it
         with open(os.path.join(run.args.output_dir, "checkpoint-4", OBLR_STATE_NAME)) as f:
-            states.append(json.load(f)["snr_ema_state"])
+            saved = json.load(f)
+            states.append([saved["snr_state"]["signal"], saved["snr_state"]["noise"], *saved["lr_stats"].values()])
     assert states[0] == pytest.approx(states[1], rel=1e-6)
 
 

@@ -1,0 +1,186 @@
+"""The SNR step size (Theorem 4) with a choice of SNR estimator, as pure functions over a small state.
+
+The paper sizes step ``t`` by ``N SNR_t / (1 + N SNR_t)`` with ``SNR_t`` estimated from step ``t``'s own ``N``
+samples (``"per_step"``). Its signal estimate ``||grad J||^2 ~ (N ||gbar||^2 - m) / (N - 1)`` is unbiased but, at
+the small ``N`` of a step (8 prompts on the demo), its noise is larger than its mean when the SNR is low: it falls
+below 0 on about half the steps, the SNR is clipped to 0, and those steps do not move at all (136 of 300 on the
+demo, the "learning-rate collapse" the paper warns about). The ratio ``N SNR / (1 + N SNR)`` of two noisy
+estimates is also biased.
+
+The remedy (McCandlish et al. 2018, App. A) is to average the signal and the noise estimates *separately* over
+more samples than one step, and divide only then:
+
+* ``"ema"``: exponential moving averages of both, zero-initialised and bias-corrected as Adam does
+  (``m_t / (1 - beta^t)``), so the first step uses its own estimate and no step is biased toward 0 by the
+  initialisation. Effective window ``(1 + beta) / (1 - beta)`` steps (19 at ``beta = 0.9``).
+* ``"ema_soft"``: ``"ema"``, with the signal's clipping at 0 replaced by its expected positive part
+  ``E[max(S, 0)]`` for ``S ~ Normal(s_hat, se^2)``, ``se`` the standard error of the averaged signal (from an EMA of
+  its square): the estimate of ``max(signal, 0)`` that minimises the squared error under a flat prior. Equal to
+  ``"ema"`` where the signal is clearly positive (``s_hat >> se``); where the averaged signal is indistinguishable
+  from 0 it keeps a small step (``~0.4 se``) instead of none. Biased up by at most ``0.4 se`` in the signal.
+* ``"window"``: the plain mean over the last ``window`` steps (a pooled estimate from ``window * N`` samples).
+* ``"per_step"``: the paper's, this step only.
+
+Every estimator returns the same :class:`SNRDecision`; the state (:class:`SNRState`) is plain floats, carried from
+step to step by the trainer and saved with each checkpoint (``to_dict`` / ``from_dict``).
+
+The per-step estimates are in the units of the single-sample estimator ``g_q = N H_q`` (``||grad J||^2`` and
+``tr Sigma_g``). Under TRL's losses (a mean over the batch) ``H_q`` scales as ``1/N``, so these are the same
+quantities at every ``N`` and may be averaged across steps of different size; the factor then uses this step's
+``N``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+SNR_ESTIMATORS = ("ema", "ema_soft", "window", "per_step")
+
+
+@dataclass(frozen=True)
+class SNRState:
+    """What an SNR estimator carries across optimizer steps (all plain floats: JSON-serialisable).
+
+    ``steps``: steps that updated the state; ``signal`` / ``noise``: the zero-initialised EMAs (``"ema"``);
+    ``recent``: the last steps' ``(signal, noise)`` estimates, newest last (``"window"``).
+    """
+
+    steps: int = 0
+    signal: float = 0.0
+    noise: float = 0.0
+    signal_sq: float = 0.0
+    recent: tuple[tuple[float, float], ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "signal": self.signal, "noise": self.noise, "signal_sq": self.signal_sq,
+                "recent": [list(x) for x in self.recent]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SNRState":
+        return cls(int(d["steps"]), float(d["signal"]), float(d["noise"]), float(d.get("signal_sq", 0.0)),
+                   tuple((float(s), float(n)) for s, n in d.get("recent", ())))
+
+
+@dataclass(frozen=True)
+class SNRDecision:
+    """One optimizer step's step-size decision: ``scale`` multiplies the scheduled lr.
+
+    ``signal`` / ``noise``: the estimates of ``||grad J||^2`` and ``tr Sigma`` the scale was formed from (after
+    averaging, before clipping at 0; NaN when undefined), ``step_signal`` / ``step_noise`` this step's own.
+    ``snr`` is NaN where undefined. ``status``: ``"ok"``, ``"zero_snr"`` (the averaged signal is <= 0: scale 0 before
+    the floor), ``"few_samples"`` (fewer than 2 samples: lr left unscaled, state unchanged), ``"nonfinite_grad"``
+    (scale floored, state unchanged).
+    """
+
+    scale: float
+    snr: float
+    n: int
+    signal: float
+    noise: float
+    step_signal: float
+    step_noise: float
+    status: str
+
+
+def step_signal_noise(sum_sq: float, grad_sq_norm: float, n: int) -> tuple[float, float]:
+    """Unbiased estimates of ``||grad J||^2`` and ``tr Sigma`` from one step (McCandlish et al. 2018, App. A).
+
+    ``sum_sq = sum_q ||H_q||^2`` over the step's ``n >= 2`` samples, ``grad_sq_norm = ||G||^2``, ``G = sum_q H_q``.
+    With ``g_q = n H_q`` (mean ``G``, ``mean_q ||g_q||^2 = n sum_sq``): signal ``n (||G||^2 - sum_sq) / (n - 1)``,
+    noise ``n (n sum_sq - ||G||^2) / (n - 1)``. Not clipped: the signal is negative on steps where noise dominates.
+    """
+    if n < 2:
+        raise ValueError(f"step_signal_noise needs n >= 2 samples, got n={n}.")
+    return n * (grad_sq_norm - sum_sq) / (n - 1), n * (n * sum_sq - grad_sq_norm) / (n - 1)
+
+
+def scale_from_signal_noise(signal: float, noise: float, n: int) -> tuple[float, float]:
+    """``(N SNR / (1 + N SNR), SNR)`` with ``SNR = max(signal, 0) / max(noise, 0)``; written as
+    ``N s / (N s + v)`` so it is 1 when only the noise is 0 and 0 (with SNR 0) when the signal is <= 0."""
+    s, v = max(signal, 0.0), max(noise, 0.0)
+    if s == 0.0:
+        return 0.0, 0.0
+    snr = s / v if v > 0 else math.inf
+    return n * s / (n * s + v), snr
+
+
+# ---------------------------------------------------------------------------------------------- estimators
+def _per_step(signal: float, noise: float, state: SNRState, **_) -> tuple[float, float, SNRState]:
+    return signal, noise, replace(state, steps=state.steps + 1)
+
+
+def _ema(signal: float, noise: float, state: SNRState, *, beta: float, **_) -> tuple[float, float, SNRState]:
+    t = state.steps + 1
+    s = beta * state.signal + (1 - beta) * signal
+    v = beta * state.noise + (1 - beta) * noise
+    s2 = beta * state.signal_sq + (1 - beta) * signal**2
+    correction = 1 - beta**t  # Adam's: the zero initialisation's weight beta^t removed
+    return s / correction, v / correction, replace(state, steps=t, signal=s, noise=v, signal_sq=s2)
+
+
+def expected_positive_part(mean: float, se: float) -> float:
+    """``E[max(S, 0)]`` for ``S ~ Normal(mean, se^2)``: ``mean Phi(mean/se) + se phi(mean/se)`` (``max(mean, 0)`` at
+    ``se = 0``)."""
+    if not se > 0:
+        return max(mean, 0.0)
+    z = mean / se
+    return mean * 0.5 * math.erfc(-z / math.sqrt(2)) + se * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+
+def _ema_soft(signal: float, noise: float, state: SNRState, *, beta: float, **_) -> tuple[float, float, SNRState]:
+    s_hat, v_hat, state = _ema(signal, noise, state, beta=beta)
+    t, correction = state.steps, 1 - beta**state.steps
+    spread = max(state.signal_sq / correction - s_hat**2, 0.0)  # the EMA-weighted variance of the step estimates
+    # variance of a bias-corrected EMA of t i.i.d. values: spread (1 - beta)(1 - beta^2t) / ((1 + beta)(1 - beta^t)^2)
+    se = math.sqrt(spread * (1 - beta) * (1 - beta ** (2 * t)) / ((1 + beta) * correction**2))
+    return expected_positive_part(s_hat, se), v_hat, state
+
+
+def _window(signal: float, noise: float, state: SNRState, *, window: int, **_) -> tuple[float, float, SNRState]:
+    recent = (state.recent + ((signal, noise),))[-window:]
+    return (sum(x[0] for x in recent) / len(recent), sum(x[1] for x in recent) / len(recent),
+            replace(state, steps=state.steps + 1, recent=recent))
+
+
+_ESTIMATORS = {"per_step": _per_step, "ema": _ema, "ema_soft": _ema_soft, "window": _window}
+
+
+def check_estimator(estimator: str, beta: float = 0.9, window: int = 10) -> None:
+    """Raise a ``ValueError`` naming the option for an unknown estimator or an out-of-range parameter."""
+    if estimator not in _ESTIMATORS:
+        raise ValueError(f"snr_estimator={estimator!r} is not allowed; allowed values: {list(SNR_ESTIMATORS)}.")
+    if estimator.startswith("ema") and not 0.0 <= beta < 1.0:
+        raise ValueError(f"snr_ema={beta} must lie in [0, 1) for snr_estimator={estimator!r}.")
+    if estimator == "window" and not (isinstance(window, int) and window >= 1):
+        raise ValueError(f"snr_window={window} must be an integer >= 1 for snr_estimator='window'.")
+
+
+def snr_step_size(
+    estimator: str, sum_sq: float, grad_sq_norm: float, n: int, state: SNRState | None = None, *,
+    beta: float = 0.9, window: int = 10, lr_scale_min: float = 0.0,
+) -> tuple[SNRDecision, SNRState]:
+    """Theorem 4's step-size factor for one optimizer step, ``max(N SNR / (1 + N SNR), lr_scale_min)``, with
+    ``SNR`` from ``estimator`` (``"per_step"``, ``"ema"`` with factor ``beta``, ``"window"`` of ``window`` steps).
+
+    Args:
+        sum_sq: ``sum_q ||H_q||^2`` over the step's ``n`` samples; grad_sq_norm: ``||G||^2``, ``G = sum_q H_q`` (the
+            step's pre-clip gradient, all ranks).
+        state: the previous step's :class:`SNRState` (``None``: the first step).
+
+    Returns:
+        ``(decision, new_state)``. Degenerate steps (``n < 2``; a non-finite ``||G||^2`` or ``sum_sq``) leave the
+        state unchanged, so one bad step does not poison the average.
+    """
+    check_estimator(estimator, beta, window)
+    state = state if state is not None else SNRState()
+    nan = math.nan
+    if n < 2:
+        return SNRDecision(1.0, nan, n, nan, nan, nan, nan, "few_samples"), state
+    if not (math.isfinite(grad_sq_norm) and math.isfinite(sum_sq)):
+        return SNRDecision(lr_scale_min, nan, n, nan, nan, nan, nan, "nonfinite_grad"), state
+    step_s, step_v = step_signal_noise(float(sum_sq), float(grad_sq_norm), n)
+    signal, noise, state = _ESTIMATORS[estimator](step_s, step_v, state, beta=beta, window=window)
+    scale, snr = scale_from_signal_noise(signal, noise, n)
+    status = "zero_snr" if scale == 0.0 else "ok"
+    return SNRDecision(max(scale, lr_scale_min), snr, n, signal, noise, step_s, step_v, status), state

@@ -1,0 +1,193 @@
+"""The SNR estimators of `oblr_trl.step_size` against Monte Carlo on synthetic gradients with a known SNR.
+
+A step's samples are ``H_q = mu + eps_q`` (``q = 1..N``, ``eps ~ N(0, I_d)``), so the single-sample estimator
+``g_q = N H_q`` has ``SNR = ||mu||^2 / d`` and Theorem 4's true factor is ``N SNR / (1 + N SNR)``. Each test feeds an
+estimator a long stationary stream of ``(sum_q ||H_q||^2, ||sum_q H_q||^2)`` and measures the bias, the spread and
+the fraction of steps at scale 0 of its factor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from oblr_trl import OBLRPOConfig
+from oblr_trl.estimators import step_scale_from_contributions
+from oblr_trl.step_size import (
+    SNRState,
+    expected_positive_part,
+    scale_from_signal_noise,
+    snr_step_size,
+    step_signal_noise,
+)
+
+KW = {"per_step": {}, "ema": {"beta": 0.9}, "ema_soft": {"beta": 0.9}, "window": {"window": 10}}
+
+
+def stream(n: int, snr: float, d: int, steps: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    mu = np.zeros(d)
+    mu[0] = math.sqrt(snr * d)
+    for _ in range(steps):
+        h = mu + rng.standard_normal((n, d))
+        yield float((h**2).sum()), float((h.sum(0) ** 2).sum())
+
+
+def scales(estimator: str, n: int, snr: float, d: int, steps: int, burn_in: int = 40, seed: int = 0) -> np.ndarray:
+    state, out = None, []
+    for t, (sum_sq, g2) in enumerate(stream(n, snr, d, steps, seed)):
+        decision, state = snr_step_size(estimator, sum_sq, g2, n, state, **KW[estimator])
+        assert math.isfinite(decision.scale) and 0.0 <= decision.scale <= 1.0
+        if t >= burn_in:
+            out.append(decision.scale)
+    return np.array(out)
+
+
+def true_scale(n: int, snr: float) -> float:
+    return n * snr / (1 + n * snr)
+
+
+def test_per_step_is_the_papers_formula():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        n = int(rng.integers(2, 20))
+        h = rng.standard_normal((n, 5)) + rng.standard_normal(5) * rng.uniform(0, 2)
+        sum_sq, g2 = float((h**2).sum()), float((h.sum(0) ** 2).sum())
+        decision, _ = snr_step_size("per_step", sum_sq, g2, n)
+        assert decision.scale == pytest.approx(float(step_scale_from_contributions(sum_sq, g2, n)), abs=1e-12)
+
+
+def test_step_signal_and_noise_are_unbiased():
+    n, snr, d = 8, 0.05, 10
+    est = np.array([step_signal_noise(s, g, n) for s, g in stream(n, snr, d, 40000)])
+    # g_q = n H_q: ||grad J||^2 = n^2 ||mu||^2 = n^2 snr d, tr Sigma_g = n^2 d
+    assert est[:, 0].mean() == pytest.approx(n**2 * snr * d, rel=0.05)
+    assert est[:, 1].mean() == pytest.approx(n**2 * d, rel=0.02)
+    assert (est[:, 0] < 0).mean() > 0.25  # the per-step signal is below 0 on many steps: what clipping turns into 0
+
+
+def test_pooled_estimators_stop_skipping_steps_at_the_demos_operating_point():
+    """N = 8 prompts, SNR 0.02 (the demo's logged mean SNR; true factor 0.138), a low-rank gradient (d = 10): the
+    paper's per-step factor is 0 on ~40% of steps and biased up; the pooled estimators are nearly unbiased, with a
+    fraction of the zeros and a smaller spread."""
+    n, snr, d, steps = 8, 0.02, 10, 20000
+    truth = true_scale(n, snr)
+    per_step, ema, window = (scales(e, n, snr, d, steps) for e in ("per_step", "ema", "window"))
+    assert (per_step == 0).mean() > 0.35
+    assert per_step.mean() > 1.2 * truth  # clipping a ratio of noisy estimates biases it up
+    for pooled, zero_at_most in ((ema, 0.12), (window, 0.2)):
+        assert pooled.mean() == pytest.approx(truth, rel=0.08)
+        assert (pooled == 0).mean() < zero_at_most
+        assert pooled.std() < 0.6 * per_step.std()
+
+
+def test_soft_ema_never_skips_and_stays_close():
+    """``"ema_soft"`` at the same operating point: no step at scale 0, bias within 10%; with no signal at all (SNR 0)
+    it keeps a small step, less than half what the paper's clipped per-step estimate averages there."""
+    n, d = 8, 10
+    soft = scales("ema_soft", n, 0.02, d, 20000)
+    assert (soft == 0).mean() == 0.0
+    assert soft.mean() == pytest.approx(true_scale(n, 0.02), rel=0.1)
+    assert soft.std() < 0.6 * scales("per_step", n, 0.02, d, 20000).std()
+    no_signal, paper = scales("ema_soft", n, 0.0, d, 20000), scales("per_step", n, 0.0, d, 20000)
+    assert (no_signal == 0).mean() == 0.0 and no_signal.mean() < paper.mean() / 2
+
+
+def test_expected_positive_part_against_monte_carlo():
+    rng = np.random.default_rng(3)
+    for mean, se in ((0.0, 1.0), (1.5, 0.5), (-2.0, 1.0), (0.3, 2.0)):
+        draws = rng.normal(mean, se, 400000)
+        assert expected_positive_part(mean, se) == pytest.approx(np.maximum(draws, 0).mean(), rel=0.01, abs=1e-3)
+    assert expected_positive_part(-1.0, 0.0) == 0.0 and expected_positive_part(2.0, 0.0) == 2.0
+
+
+def test_pooled_estimators_with_a_high_dimensional_gradient_almost_never_skip():
+    n, snr, d = 8, 0.02, 100
+    for estimator in ("ema", "ema_soft", "window"):
+        s = scales(estimator, n, snr, d, 5000)
+        assert (s == 0).mean() < 0.01
+        assert s.mean() == pytest.approx(true_scale(n, snr), rel=0.05)
+
+
+def test_two_samples_per_step_are_defined_and_less_biased_when_pooled():
+    """N = 2 is the smallest N with an estimate; every estimator is biased up there (a ratio of estimates from one
+    degree of freedom), the pooled ones far less than the paper's."""
+    n, snr, d = 2, 0.02, 10
+    truth = true_scale(n, snr)
+    bias = {e: scales(e, n, snr, d, 20000).mean() - truth for e in KW}
+    assert bias["per_step"] > 0.1
+    for pooled in ("ema", "ema_soft", "window"):
+        assert 0 <= bias[pooled] < bias["per_step"] / 2, bias
+
+
+def test_a_strong_signal_gives_a_factor_near_one():
+    n, snr, d = 8, 5.0, 10
+    for estimator in KW:
+        assert scales(estimator, n, snr, d, 300).mean() == pytest.approx(true_scale(n, snr), abs=0.02)
+
+
+def test_ema_is_bias_corrected_from_the_first_step():
+    """Constant inputs: the bias-corrected EMA equals the per-step estimate at every step (an uncorrected,
+    zero-initialised EMA would start at 0.1x it and skip the first steps)."""
+    state = None
+    for _ in range(5):
+        ema, state = snr_step_size("ema", 3.0, 10.0, 8, state, beta=0.9)
+        per_step, _ = snr_step_size("per_step", 3.0, 10.0, 8)
+        assert ema.scale == pytest.approx(per_step.scale, rel=1e-12) and ema.scale > 0
+    soft = None  # constant inputs have no spread: the soft EMA is the EMA
+    for _ in range(5):
+        decision, soft = snr_step_size("ema_soft", 3.0, 10.0, 8, soft, beta=0.9)
+        assert decision.scale == pytest.approx(per_step.scale, rel=1e-9)
+
+
+def test_window_pools_exactly_the_last_steps():
+    inputs = [(3.0, 10.0), (5.0, 4.0), (2.0, 9.0), (4.0, 30.0)]
+    state = None
+    for sum_sq, g2 in inputs:
+        decision, state = snr_step_size("window", sum_sq, g2, 8, state, window=2)
+    (s1, v1), (s2, v2) = (step_signal_noise(s, g, 8) for s, g in inputs[-2:])
+    assert decision.signal == pytest.approx((s1 + s2) / 2) and decision.noise == pytest.approx((v1 + v2) / 2)
+    assert decision.scale == pytest.approx(scale_from_signal_noise((s1 + s2) / 2, (v1 + v2) / 2, 8)[0])
+
+
+@pytest.mark.parametrize("estimator", list(KW))
+def test_degenerate_input_gives_defined_factors_and_leaves_the_state(estimator):
+    kw = KW[estimator]
+    _, state = snr_step_size(estimator, 3.0, 10.0, 8, None, **kw)
+    zero, after_zero = snr_step_size(estimator, 0.0, 0.0, 8, SNRState(), **kw)  # zero gradients: no signal
+    assert (zero.scale, zero.snr, zero.status) == (0.0, 0.0, "zero_snr") and after_zero.steps == 1
+    for bad in (math.inf, math.nan):
+        for args in ((3.0, bad), (bad, 10.0)):
+            d, same = snr_step_size(estimator, *args, 8, state, lr_scale_min=0.05, **kw)
+            assert (d.scale, d.status, same) == (0.05, "nonfinite_grad", state) and math.isnan(d.snr)
+    for n in (0, 1):
+        d, same = snr_step_size(estimator, 3.0, 10.0, n, state, **kw)
+        assert (d.scale, d.status, same) == (1.0, "few_samples", state)
+    noiseless, _ = snr_step_size(estimator, 1.0, 8.0**2, 8, None, **kw)  # 8 identical samples: noise estimate 0
+    assert (noiseless.scale, noiseless.snr) == (1.0, math.inf)
+
+
+def test_the_state_survives_json():
+    state = None
+    for sum_sq, g2 in stream(8, 0.05, 10, 12):
+        _, state = snr_step_size("window", sum_sq, g2, 8, state, window=5)
+        _, state = snr_step_size("ema_soft", sum_sq, g2, 8, state, beta=0.9)
+    again = SNRState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert again == state
+    for estimator in ("ema", "ema_soft", "window"):
+        a, _ = snr_step_size(estimator, 3.0, 10.0, 8, state, **KW[estimator])
+        b, _ = snr_step_size(estimator, 3.0, 10.0, 8, again, **KW[estimator])
+        assert a == b
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"snr_estimator": "median"}, r"OBLRPOConfig\.snr_estimator='median'.*allowed values"),
+    ({"snr_estimator": "window", "snr_window": 0}, r"OBLRPOConfig\.snr_window=0"),
+    ({"snr_ema": 1.0}, r"OBLRPOConfig\.snr_ema=1\.0"),
+])
+def test_bad_estimator_options_fail_at_construction(options, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        OBLRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **options)
