@@ -13,7 +13,7 @@ import yaml
 from trl import ModelConfig, TrlParser
 
 from oblr_trl import OBLRPOConfig
-from oblr_trl.card import SECTION_END, SECTION_START, append_oblr_section, oblr_card_section
+from oblr_trl.card import SECTION_END, SECTION_START
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -156,34 +156,3 @@ def test_evaluate_scores_the_saved_checkpoint(trained_dir, tmp_path):
     assert row and 0.0 <= float(row.group(1)) <= 100.0
     assert "| gsm8k | skipped:" in text  # offline: reported, not failed
     assert "skipped" in stdout
-
-
-# ------------------------------------------------------------------ the card on its own
-HISTORY = [
-    {"step": 1, "reward": 0.25, "oblr/lr_scale": 0.5, "oblr/snr": 0.125, "oblr/num_samples": 8.0},
-    {"step": 2, "reward": 0.75, "oblr/lr_scale": 0.8, "oblr/snr": float("nan"), "oblr/num_samples": 8.0},
-    {"step": 2, "train_runtime": 1.0},
-]
-
-
-def test_card_section_lists_every_oblr_option_and_final_metrics():
-    config = OBLRPOConfig(output_dir="/tmp/unused", lr_scale_min=0.05, report_to="none", use_cpu=True)
-    section = oblr_card_section(config, HISTORY, ["/somewhere/training_curves.png"])
-    for name in ("baseline", "leave_one_out", "grad_norm_estimator", "snr_lr", "snr_sample_unit", "lr_scale_min",
-                 "snr_ema", "scale_rewards", "beta", "num_iterations"):
-        assert f"| `{name}` |" in section, name
-    assert "| `lr_scale_min` | 0.05 |" in section
-    assert "| reward (`reward`) | 0.75 | 0.5 | 2 |" in section
-    assert "(`oblr/snr`) | nan | 0.125 | 2 |" in section  # last value as logged; the mean skips non-finite ones
-    assert "![training_curves.png](training_curves.png)" in section  # relative to the card
-
-
-def test_append_replaces_the_section_instead_of_stacking(tmp_path):
-    config = OBLRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    (tmp_path / "README.md").write_text("---\ntags: [oblr-po]\n---\n\n# TRL's card\n")
-    append_oblr_section(tmp_path, config, HISTORY)
-    path = append_oblr_section(tmp_path, config, HISTORY[:1])
-    card = Path(path).read_text()
-    assert card.startswith("---\ntags: [oblr-po]") and "# TRL's card" in card
-    assert card.count(SECTION_START) == 1 and "| 0.25 | 0.25 | 1 |" in card
-    assert (tmp_path / "training_curves.png").exists()
