@@ -68,3 +68,5 @@ def test_evaluate_scores_the_saved_checkpoint(trained_dir, tmp_path):
     assert row and 0.0 <= float(row.group(1)) <= 100.0
     assert "| gsm8k | skipped:" in text  # offline: reported, not failed
     assert "skipped" in stdout
+    card = (out / "README.md").read_text()  # the results join the model card (eval_results.json in the folder)
+    assert "### Held-out results" in card and f"| reasoning-gym chain_sum (seed 1) | {row.group(1)}% | 32 |" in card
