@@ -142,7 +142,7 @@ def step_size_summary(log_history: list[dict], config) -> list[str]:
     zero = sum(v == 0 for v in scales)
     lines = [
         f"- mean lr scale over the run: {_fmt(sum(scales) / len(scales))} ({len(scales)} steps)",
-        f"- steps at lr scale 0 (no update: the SNR estimate was 0): {zero} of {len(scales)} "
+        f"- steps at lr scale 0 (no update: no signal, or an SNR estimate of 0): {zero} of {len(scales)} "
         f"({zero / len(scales):.0%})",
     ]
     applied = [v for v in metric_values(log_history, "oblr/lr") if math.isfinite(v)]

@@ -23,7 +23,8 @@ from oblr_trl.trl_logs import ALL_NONE_MESSAGE, NOTE, install_all_none_reward_fi
 
 HISTORY = [
     {"step": 1, "reward": 0.25, "oblr/lr_scale": 0.5, "oblr/lr": 5e-4, "oblr/snr": 0.125, "oblr/num_samples": 8.0},
-    {"step": 2, "reward": 0.75, "oblr/lr_scale": 0.0, "oblr/lr": 0.0, "oblr/snr": float("nan"), "oblr/num_samples": 8.0},
+    {"step": 2, "reward": 0.75, "oblr/lr_scale": 0.0, "oblr/lr": 0.0, "oblr/snr": float("nan"),
+     "oblr/num_samples": 8.0},
     {"step": 2, "train_runtime": 1.0},
 ]
 
@@ -45,7 +46,7 @@ def test_section_lists_every_oblr_option(tmp_path):
 def test_section_shows_the_step_size_over_the_run_not_the_last_step(tmp_path):
     section = oblr_card_section(config(tmp_path), HISTORY)
     assert "mean lr scale over the run: 0.25 (2 steps)" in section
-    assert "steps at lr scale 0 (no update: the SNR estimate was 0): 1 of 2 (50%)" in section
+    assert "steps at lr scale 0 (no update: no signal, or an SNR estimate of 0): 1 of 2 (50%)" in section
     assert "mean applied lr: 0.00025 (`learning_rate`, the maximum: 0.001)" in section
     # mean over the run, first and last steps (non-finite values skipped), count
     assert "| reward (`reward`) | 0.5 | 0.5 | 0.5 | 2 |" in section
@@ -102,7 +103,8 @@ def test_demo_summary_is_shown_as_before_and_after(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     card = Path(append_oblr_section(tmp_path, config(tmp_path), HISTORY)).read_text()
     assert "1000 held-out chain_sum problems" in card
-    assert "| greedy accuracy | 34.2% | 44.5% |" in card and "| sampled accuracy (temperature 1) | 19.4% | 26.6% |" in card
+    assert "| greedy accuracy | 34.2% | 44.5% |" in card
+    assert "| sampled accuracy (temperature 1) | 19.4% | 26.6% |" in card
 
 
 # ------------------------------------------------------------------ TRL's card of a local model, and a run with None
