@@ -1,16 +1,11 @@
-# /// script
-# dependencies = [
-#     "oblr-trl",
-#     "trl>=1.16,<1.17",
-#     "peft",
-#     "math-verify",
-# ]
-# ///
 """OBLR-PO training script, the Hugging Face way (modelled on TRL's `examples/scripts/grpo.py`).
 
 Every `OBLRPOConfig` option (all of `GRPOConfig`'s plus OBLR-PO's), every `ModelConfig` option (PEFT/LoRA,
 quantization, dtype) and the script's own are command-line flags (`--help` lists them with their help text) and YAML
-keys (`--config recipe.yaml`; flags override the file).
+keys (`--config recipe.yaml`; flags override the file). `--help` lists OBLR-PO's options first.
+
+Install first, from a clone of this repository (oblr-trl is not on PyPI): `pip install -e .` (or `make install`, a
+CPU virtualenv in .venv); on a GPU machine see the README's "Install on a GPU machine".
 
 Offline, on the embedded tiny Qwen3 and a reasoning-gym task (no `--model_name_or_path`):
 
@@ -29,6 +24,7 @@ Ends with `save_model`, the model card (TRL's, plus the OBLR-PO section: setting
 `--push_to_hub`, the upload.
 """
 
+import argparse
 import importlib
 import os
 import sys
@@ -36,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl import ScriptArguments
+
+from oblr_trl.defaults import TINY_TASK, TINY_WARMUP_STEPS
 
 # trl.rewards functions by name; `get_soft_overlong_punishment` is a factory, built with the run's
 # max_completion_length (see `build_reward_funcs`).
@@ -79,14 +77,14 @@ class OBLRPOScriptArguments(ScriptArguments):
         metadata={"help": "Reward model (Hub id or local path), used in addition to --reward_funcs."},
     )
     task: str = field(
-        default="chain_sum",
+        default=TINY_TASK,
         metadata={"help": "reasoning-gym task generating the training data when no --dataset_name is given."},
     )
     num_train_examples: int = field(
         default=2000, metadata={"help": "Number of generated reasoning-gym training problems."}
     )
     tiny_warmup_steps: int = field(
-        default=200,
+        default=TINY_WARMUP_STEPS,
         metadata={"help": "SFT warm-up steps of the embedded tiny model (no --model_name_or_path); cached."},
     )
     tiny_cache_dir: str | None = field(
@@ -159,6 +157,9 @@ def main(script_args, training_args, model_args):
     from oblr_trl import OBLRPOTrainer, make_dataset, plot_training
     from oblr_trl.card import append_oblr_section
     from oblr_trl.tiny import load_or_build_warm_model
+    from oblr_trl.trl_logs import install_all_none_reward_filter
+
+    install_all_none_reward_filter()  # TRL's row dump for completions no reward function scores: once, not every step
 
     # Model: a Hub name (loaded by the trainer, as in TRL's script) or the embedded tiny Qwen3, warmed up offline.
     if model_args.model_name_or_path:
@@ -229,12 +230,76 @@ def main(script_args, training_args, model_args):
     return trainer
 
 
+USAGE = "%(prog)s [--config RECIPE.yaml] [--OPTION VALUE ...]   (flags override the recipe's keys)"
+
+
+def organize_help(parser, script_type, config_type, model_type) -> None:
+    """Group `--help` by where the options come from, OBLR-PO's first; fix the help TRL's parser gets wrong for us.
+
+    * groups, in order: OBLR-PO's own options, the GRPO options OBLR-PO's theory constrains, the script's, the
+      model's (`ModelConfig`: PEFT, quantization, dtype), then every other `GRPOConfig`/`TrainingArguments` option;
+    * `--loss_type` lists exactly the values `OBLRPOConfig` accepts (`SUPPORTED_LOSS_TYPES`) and refuses the others;
+    * a `--no_<flag>` switch says what it does instead of repeating `--<flag>`'s help.
+    Parsing is unchanged: only the groups' lists of actions (what `--help` prints) are rearranged.
+    """
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from oblr_trl import config as oblr_config
+    from oblr_trl.card import CONSTRAINED_GRPO_OPTIONS
+
+    grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    own = [f.name for f in dataclasses.fields(config_type) if f.name not in grpo_fields]
+    sections = [
+        ("OBLR-PO options (OBLRPOConfig; paper defaults)", own),
+        ("GRPO options that OBLR-PO's theory constrains", list(CONSTRAINED_GRPO_OPTIONS)),
+        ("script options (data, reward functions, the embedded tiny model)",
+         [f.name for f in dataclasses.fields(script_type)]),
+        ("model options (trl.ModelConfig: PEFT/LoRA, quantization, dtype)",
+         [f.name for f in dataclasses.fields(model_type)]),
+    ]
+    optionals = parser._optionals
+    keep = [a for a in optionals._group_actions if a.dest == "help"]
+    groups = []
+    for title, names in sections:
+        group = parser.add_argument_group(title)
+        parser._action_groups.remove(group)
+        wanted = set(names)
+        group._group_actions[:] = [a for a in optionals._group_actions if a.dest in wanted]
+        group._group_actions.sort(key=lambda a: names.index(a.dest))
+        groups.append(group)
+    placed = {id(a) for g in groups for a in g._group_actions} | {id(a) for a in keep}
+    rest = parser.add_argument_group("every other GRPOConfig / TrainingArguments option")
+    parser._action_groups.remove(rest)
+    rest._group_actions[:] = [a for a in optionals._group_actions if id(a) not in placed]
+    optionals._group_actions[:] = keep
+    position = parser._action_groups.index(optionals) + 1
+    parser._action_groups[position:position] = [*groups, rest]
+
+    for action in parser._actions:
+        if action.dest == "loss_type":
+            supported = tuple(oblr_config.SUPPORTED_LOSS_TYPES)
+            action.choices = supported
+            action.help = (
+                f"Loss formulation, one of {', '.join(supported)} (every loss type OBLRPOConfig accepts). The baseline "
+                "weights are each completion's squared score norm as it enters that loss; see trl.GRPOConfig for "
+                "what each one does. (default: %(default)s)"
+            )
+        no_flags = [o for o in action.option_strings if o.startswith("--no_") or o.startswith("--no-")]
+        if no_flags and len(no_flags) == len(action.option_strings):
+            action.help = f"Turn off --{action.dest} (set it to False)."
+            action.default = argparse.SUPPRESS  # the --<flag> action sets the default; no misleading "(default: False)"
+
+
 def make_parser():
     from trl import ModelConfig, TrlParser
 
     from oblr_trl import OBLRPOConfig
 
-    return TrlParser((OBLRPOScriptArguments, OBLRPOConfig, ModelConfig))
+    parser = TrlParser((OBLRPOScriptArguments, OBLRPOConfig, ModelConfig), usage=USAGE)
+    organize_help(parser, OBLRPOScriptArguments, OBLRPOConfig, ModelConfig)
+    return parser
 
 
 if __name__ == "__main__":

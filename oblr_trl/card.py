@@ -1,11 +1,20 @@
-"""The OBLR-PO section of a model card: settings, final metrics and training plots, appended to TRL's README.md.
+"""The model card of an OBLR-PO run: TRL's card made right for local models, plus an OBLR-PO section.
 
 `trainer.create_model_card()` (TRL) writes the card's front matter (tags, base model), usage snippet and the paper's
-BibTeX from `OBLRPOTrainer._tag_names/_name/_paper`. This module adds what only OBLR-PO knows:
+BibTeX from `OBLRPOTrainer._tag_names/_name/_paper`. `append_oblr_section` then
 
-* a table of the OBLR-PO options and the GRPO options its theory constrains, with their values;
-* the final metrics (reward, step-size scale, gradient SNR), last value and mean of the last logged steps;
-* links to the training plots, relative to the card so they render on the Hub once the folder is pushed.
+* fixes what TRL's template writes for a model that is not on the Hub: no "fine-tuned version of [None](...)", no
+  `pipeline(model="None")`, no "Model Card for None" (the local folder is named instead), and cites the paper with its
+  authors (`PAPER`);
+* adds what only OBLR-PO knows: a table of the OBLR-PO options and the GRPO options its theory constrains; the metrics
+  over the run (reward, the mean lr scale, the fraction of steps at lr scale 0, the applied lr's mean, the SNR),
+  never failing on a metric logged as None (TRL logs `reward: None` when every reward of a step is None); links to the
+  training plots; and held-out results when the folder has them (below).
+
+Held-out results: `eval_results.json` in the output folder (written by `examples/evaluate.py`), shaped as
+``{"model": str, "decoding": str, "results": [{"benchmark": str, "accuracy": float, "problems": int} or
+{"benchmark": str, "skipped": str}, ...]}``, and/or the demo's `summary.json` (`accuracy_before`/`accuracy_after`,
+`num_eval`, `task`). `write_held_out_results` writes the first and refreshes the card's section.
 
 The section sits between two HTML comments, so appending again (a later checkpoint, a push that rewrote the card)
 replaces it instead of stacking copies.
@@ -15,8 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
+import numbers
 import os
+import re
+import textwrap
 
 from trl import GRPOConfig
 
@@ -24,6 +37,25 @@ from .plotting import plot_training
 
 SECTION_START = "<!-- oblr-po:start -->"
 SECTION_END = "<!-- oblr-po:end -->"
+HELD_OUT_FILE = "eval_results.json"
+DEMO_SUMMARY_FILE = "summary.json"
+
+# The paper, for TRL's card generation (`OBLRPOTrainer._paper`). Authors as listed for arXiv 2511.23310 (v2).
+PAPER = {
+    "title": "OBLR-PO: A Theoretical Framework for Stable Reinforcement Learning",
+    "id": "2511.23310",
+    # docstyle-ignore
+    "citation": textwrap.dedent("""\
+        @misc{huang2025oblrpo,
+            title         = {{OBLR-PO: A Theoretical Framework for Stable Reinforcement Learning}},
+            author        = {Zixun Huang and Jiayi Sheng and Zeyu Zheng},
+            year          = 2025,
+            eprint        = {2511.23310},
+            archivePrefix = {arXiv},
+            primaryClass  = {stat.ML},
+            url           = {https://arxiv.org/abs/2511.23310},
+        }"""),
+}
 
 # GRPOConfig options whose values the paper's theory fixes or that define a step's sample (shown with OBLR-PO's own).
 CONSTRAINED_GRPO_OPTIONS = (
@@ -37,14 +69,16 @@ CONSTRAINED_GRPO_OPTIONS = (
     "max_grad_norm",
 )
 
-# (log key, label) of the final metrics.
-FINAL_METRICS = (
+# (log key, label) of the metrics over the run.
+RUN_METRICS = (
     ("reward", "reward"),
     ("oblr/lr_scale", "step-size scale N·SNR/(1+N·SNR)"),
+    ("oblr/lr", "applied lr"),
     ("oblr/snr", "gradient SNR"),
     ("oblr/num_samples", "samples per step N"),
     ("oblr/baseline_mean", "baseline mean"),
 )
+WINDOW = 10  # steps in the "first" and "last" columns
 
 
 def oblr_option_names(config) -> list[str]:
@@ -64,17 +98,96 @@ def _fmt(value) -> str:
     return f"`{value}`"
 
 
-def _final_metric(log_history: list[dict], key: str, window: int = 10) -> tuple[float, float, int] | None:
-    """(last value, mean of the last `window` finite values, number of logged values) or None if never logged."""
-    values = [float(entry[key]) for entry in log_history if key in entry]
-    if not values:
+def _number(value) -> float | None:
+    """`value` as a float, or None for what is not a number (None, strings): a log entry may hold `reward: None`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    finite = [v for v in values[-window:] if math.isfinite(v)]
-    return values[-1], (sum(finite) / len(finite) if finite else float("nan")), len(values)
+    return float(value)
 
 
-def oblr_card_section(config, log_history: list[dict], plot_paths: list[str] | None = None) -> str:
-    """Markdown for the card: OBLR-PO settings, final metrics and plot links.
+def metric_values(log_history: list[dict], key: str) -> list[float]:
+    """The numeric values logged under `key`, in order; entries without it, or holding None, are skipped."""
+    values = (_number(entry.get(key)) for entry in log_history if key in entry)
+    return [v for v in values if v is not None]
+
+
+def _mean_finite(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def numeric_history(log_history: list[dict]) -> list[dict]:
+    """`log_history` without the entries' None values (what the plots can draw)."""
+    return [{k: v for k, v in entry.items() if v is not None} for entry in log_history]
+
+
+def run_metrics_rows(log_history: list[dict]) -> list[str]:
+    """Markdown rows: each metric's mean over the run, over its first and last `WINDOW` logged steps, and its count."""
+    rows = []
+    for key, label in RUN_METRICS:
+        values = metric_values(log_history, key)
+        if values:
+            rows.append(
+                f"| {label} (`{key}`) | {_fmt(_mean_finite(values))} | {_fmt(_mean_finite(values[:WINDOW]))} "
+                f"| {_fmt(_mean_finite(values[-WINDOW:]))} | {len(values)} |"
+            )
+    return rows
+
+
+def step_size_summary(log_history: list[dict], config) -> list[str]:
+    """Lines on the step size over the run: mean lr scale, steps at scale 0, the applied lr against lr_max."""
+    scales = [v for v in metric_values(log_history, "oblr/lr_scale") if math.isfinite(v)]
+    if not scales:
+        return []
+    zero = sum(v == 0 for v in scales)
+    lines = [
+        f"- mean lr scale over the run: {_fmt(sum(scales) / len(scales))} ({len(scales)} steps)",
+        f"- steps at lr scale 0 (no update: no signal, or an SNR estimate of 0): {zero} of {len(scales)} "
+        f"({zero / len(scales):.0%})",
+    ]
+    applied = [v for v in metric_values(log_history, "oblr/lr") if math.isfinite(v)]
+    if applied:
+        lines.append(
+            f"- mean applied lr: {_fmt(sum(applied) / len(applied))} (`learning_rate`, the maximum: "
+            f"{_fmt(float(getattr(config, 'learning_rate', float('nan'))))})"
+        )
+    return lines
+
+
+def load_held_out_results(output_dir: str | os.PathLike) -> list[str]:
+    """Markdown lines of the held-out results found in `output_dir` (see the module docstring), or []."""
+    lines = []
+    path = os.path.join(output_dir, HELD_OUT_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        lines += [f"From `{HELD_OUT_FILE}` ({data.get('decoding', 'decoding not recorded')}):", ""]
+        lines += ["| benchmark | accuracy | problems |", "|---|---|---|"]
+        for row in data.get("results", []):
+            if "skipped" in row:
+                lines.append(f"| {row['benchmark']} | {row['skipped']} | 0 |")
+            else:
+                lines.append(f"| {row['benchmark']} | {float(row['accuracy']):.1%} | {int(row['problems'])} |")
+        lines.append("")
+    path = os.path.join(output_dir, DEMO_SUMMARY_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        pairs = [("greedy accuracy", "accuracy_before", "accuracy_after"),
+                 ("sampled accuracy (temperature 1)", "sampled_accuracy_before", "sampled_accuracy_after")]
+        rows = [f"| {label} | {float(data[a]):.1%} | {float(data[b]):.1%} |" for label, a, b in pairs
+                if _number(data.get(a)) is not None and _number(data.get(b)) is not None]
+        if rows:
+            what = f"{data.get('num_eval', '?')} held-out {data.get('task', '')} problems".replace("  ", " ")
+            lines += [f"From `{DEMO_SUMMARY_FILE}` ({what}):", "", "| metric | before RL | after RL |", "|---|---|---|",
+                      *rows, ""]
+    return lines
+
+
+def oblr_card_section(
+    config, log_history: list[dict], plot_paths: list[str] | None = None, output_dir: str | os.PathLike | None = None
+) -> str:
+    """Markdown for the card: OBLR-PO settings, metrics over the run, plot links, held-out results of `output_dir`.
 
     `plot_paths` are shown by file name, i.e. relative to the card (the plots lie next to README.md in output_dir).
     """
@@ -90,18 +203,22 @@ def oblr_card_section(config, log_history: list[dict], plot_paths: list[str] | N
     ]
     lines += [f"| `{name}` | {_fmt(getattr(config, name))} |" for name in oblr_option_names(config)]
 
-    lines += ["", "### Final metrics", ""]
-    rows = []
-    for key, label in FINAL_METRICS:
-        final = _final_metric(log_history, key)
-        if final is not None:
-            last, mean, count = final
-            rows.append(f"| {label} (`{key}`) | {_fmt(last)} | {_fmt(mean)} | {count} |")
+    lines += ["", "### Metrics over the run", ""]
+    rows = run_metrics_rows(log_history)
     if rows:
-        lines += ["| metric | last | mean of last 10 | logged steps |", "|---|---|---|---|", *rows]
+        lines += step_size_summary(log_history, config)
+        lines += [
+            "",
+            f"| metric | mean | first {WINDOW} steps | last {WINDOW} steps | logged steps |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
     else:
         lines.append("No metrics were logged.")
 
+    held_out = load_held_out_results(output_dir) if output_dir is not None else []
+    if held_out:
+        lines += ["", "### Held-out results", "", *held_out]
     if plot_paths:
         lines += ["", "### Training curves", ""]
         lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plot_paths]
@@ -109,23 +226,47 @@ def oblr_card_section(config, log_history: list[dict], plot_paths: list[str] | N
     return "\n".join(lines)
 
 
+def fix_trl_card(card: str, output_dir: str | os.PathLike) -> str:
+    """TRL's card text with what its template writes for a model that is not on the Hub put right.
+
+    A locally built base model (no Hub id) and an unpushed model (no `hub_model_id`) render in TRL's template as
+    "fine-tuned version of [None](https://huggingface.co/None)", `pipeline(model="None")` and "Model Card for None";
+    the local folder is named instead. The paper's BibTeX is replaced by `PAPER["citation"]` (with its authors).
+    """
+    folder = os.fspath(output_dir)
+    card = card.replace(
+        "a fine-tuned version of [None](https://huggingface.co/None)", "fine-tuned from a local model (not on the Hub)"
+    )
+    card = card.replace('model="None"', f"model={json.dumps(folder)}")
+    card = card.replace("# Model Card for None\n", f"# Model Card for {os.path.basename(os.path.normpath(folder))}\n")
+    card = re.sub(
+        r"(Cite OBLR-PO as:\s*```bibtex\n).*?(\n```)",
+        lambda m: m.group(1) + PAPER["citation"] + m.group(2),
+        card,
+        count=1,
+        flags=re.DOTALL,
+    )
+    return card
+
+
 def append_oblr_section(
     output_dir: str | os.PathLike, config, log_history: list[dict], plot_paths: list[str] | None = None
 ) -> str:
-    """Add (or replace) the OBLR-PO section of `output_dir`/README.md; return the README's path.
+    """Add (or replace) the OBLR-PO section of `output_dir`/README.md and fix TRL's part (`fix_trl_card`).
 
     Call it after `trainer.create_model_card()`; if no README.md exists yet, one holding only the section is written.
     `plot_paths` defaults to drawing the training plots into `output_dir` with `plot_training` (none if nothing was
-    logged).
+    logged). Returns the README's path. Metrics logged as None are skipped, never an error.
     """
     if plot_paths is None:
-        plot_paths = plot_training(log_history, output_dir) if log_history else []
-    section = oblr_card_section(config, log_history, plot_paths)
+        history = numeric_history(log_history)
+        plot_paths = plot_training(history, output_dir) if history else []
+    section = oblr_card_section(config, log_history, plot_paths, output_dir=output_dir)
     path = os.path.join(output_dir, "README.md")
     card = ""
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
-            card = f.read()
+            card = fix_trl_card(f.read(), output_dir)
     start, end = card.find(SECTION_START), card.find(SECTION_END)
     if start != -1 and end > start:
         card = card[:start] + section + card[end + len(SECTION_END) :].lstrip("\n")
@@ -133,4 +274,36 @@ def append_oblr_section(
         card = card.rstrip("\n") + ("\n\n" if card else "") + section
     with open(path, "w", encoding="utf-8") as f:
         f.write(card)
+    return path
+
+
+def write_held_out_results(output_dir: str | os.PathLike, results: dict) -> str:
+    """Write `results` (the `eval_results.json` shape above) into `output_dir` and show them on its card.
+
+    The card's OBLR-PO section, if present, gets its "Held-out results" block added or replaced in place; a card
+    without the section (or no card) is left alone. Returns the JSON file's path.
+    """
+    path = os.path.join(output_dir, HELD_OUT_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    readme = os.path.join(output_dir, "README.md")
+    if os.path.isfile(readme):
+        with open(readme, encoding="utf-8") as f:
+            card = f.read()
+        start, end = card.find(SECTION_START), card.find(SECTION_END)
+        if start != -1 and end > start:
+            section = card[start:end]
+            block_start = section.find("\n### Held-out results\n")
+            if block_start != -1:
+                block_end = section.find("\n### ", block_start + 1)
+                section = section[:block_start] + (section[block_end:] if block_end != -1 else "\n")
+            held_out = "\n".join(["", "### Held-out results", "", *load_held_out_results(output_dir)])
+            plots = section.find("\n### Training curves\n")
+            if plots != -1:
+                section = section[:plots] + held_out + section[plots:]
+            else:
+                section = section.rstrip("\n") + "\n" + held_out + "\n"
+            card = card[:start] + section + card[end:]
+            with open(readme, "w", encoding="utf-8") as f:
+                f.write(card)
     return path

@@ -48,6 +48,7 @@ from .estimators import (
 from .grad_norms import per_sequence_grad_inner_products, per_sequence_grads
 from .loss_terms import loss_coefficients
 from .precision import frozen_fraction
+from .trl_logs import install_all_none_reward_filter
 from .step_size import SNRState, snr_step_size
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class OBLRPOTrainer(GRPOTrainer):
             else:
                 self._one_backward = None
         self.add_callback(_RestoreScheduledLR(self))
+        install_all_none_reward_filter()  # TRL's data-row dump for all-None rewards: shown once, not every step
 
     # ---------------------------------------------------------------- helpers
     @property

@@ -1,0 +1,227 @@
+"""The recipes and the training script's command line: every recipe parses into OBLRPOConfig (an unknown key fails),
+its arithmetic and GPU layout hold, its launch commands use real flags; `--help` puts OBLR-PO's options first."""
+
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from trl import ModelConfig
+
+from oblr_trl import OBLRPOConfig
+from oblr_trl import config as oblr_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+RECIPES = sorted((EXAMPLES / "recipes").glob("*.yaml"))
+RECIPES_README = (EXAMPLES / "recipes" / "README.md").read_text()
+FULL_FINETUNING = {"qwen3_4b_base_math.yaml": "Qwen/Qwen3-4B-Base", "qwen3_8b_base_math.yaml": "Qwen/Qwen3-8B-Base"}
+ONE_GPU = "qwen3_4b_base_math_1gpu.yaml"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+# "# Prompts per step: 4 training GPUs x per_device_train_batch_size 16 x gradient_accumulation_steps 16
+#  #   = 1024 completions = 128 prompts x num_generations 8."
+ARITHMETIC = re.compile(
+    r"# Prompts per step: (\d+) (?:training GPUs?|process(?:es)?) x per_device_train_batch_size (\d+) x "
+    r"gradient_accumulation_steps (\d+)\s*#\s*= (\d+) completions = (\d+) prompts x num_generations (\d+)"
+)
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SCRIPT = load_script("oblrpo")
+
+
+def parse_recipe(recipe, *extra):
+    # bf16 recipes are for GPUs; on a CPU-only test machine TrainingArguments refuses bf16 without use_cpu.
+    cpu = [] if recipe.name == "tiny_cpu.yaml" else ["--use_cpu", "true"]
+    return SCRIPT.make_parser().parse_args_and_config(["--config", str(recipe), *cpu, *extra])
+
+
+@pytest.fixture(autouse=True)
+def _restore_env(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))  # a recipe's `env:` block sets it
+
+
+# ------------------------------------------------------------------ recipes
+def test_all_expected_recipes_exist():
+    assert {p.name for p in RECIPES} >= {"tiny_cpu.yaml", ONE_GPU, *FULL_FINETUNING}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_parses_into_oblrpo_config_and_its_arithmetic_holds(recipe):
+    script_args, config, model_args = parse_recipe(recipe)
+    assert isinstance(config, OBLRPOConfig)
+
+    match = ARITHMETIC.search(recipe.read_text())
+    assert match, f"{recipe.name} must state its prompts-per-step arithmetic in a comment"
+    processes, per_device, accumulation, completions, prompts, generations = map(int, match.groups())
+    assert per_device == config.per_device_train_batch_size
+    assert accumulation == config.gradient_accumulation_steps
+    assert generations == config.num_generations
+    assert processes * per_device * accumulation == completions == prompts * generations
+    # Whole groups on each rank, so the SNR counts prompts (snr_sample_unit="group").
+    assert (per_device * config.steps_per_generation) % generations == 0
+    if recipe.name == "tiny_cpu.yaml":
+        return
+
+    # GPU recipes: the paper's group size and prompts per step, OBLR-PO's defaults, a tracker, bounded disk.
+    assert (config.num_generations, prompts) == (8, 128)
+    assert script_args.dataset_name and script_args.reward_funcs == ["accuracy_reward"]
+    assert (config.baseline, config.snr_lr, config.scale_rewards) == ("gradient_weighted", True, "none")
+    assert config.bf16 and config.use_vllm
+    assert config.save_total_limit == 2
+    assert config.report_to and set(config.report_to) & {"trackio", "wandb", "tensorboard"}, config.report_to
+    if recipe.name in FULL_FINETUNING:
+        assert model_args.model_name_or_path == FULL_FINETUNING[recipe.name]
+        assert config.vllm_mode == "server"
+        # fp32 master weights under bf16 autocast: updates at lr ~1e-6 round away on bf16 weights
+        assert model_args.dtype == "float32" and not model_args.use_peft
+    else:
+        assert recipe.name == ONE_GPU and processes == 1
+        assert config.vllm_mode == "colocate" and model_args.use_peft  # bf16 base, fp32 adapters (PEFT's default)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_an_unknown_recipe_key_fails_loudly(recipe, tmp_path):
+    bad = tmp_path / recipe.name
+    bad.write_text(recipe.read_text() + "\nsnr_lr_typo: true\n")
+    with pytest.raises(ValueError, match="snr_lr_typo"):
+        parse_recipe(bad)
+
+
+def test_recipes_tell_no_false_fsdp_story_and_mark_times_as_estimates():
+    for recipe in RECIPES:
+        assert "FSDP does not" not in recipe.read_text(), recipe.name
+    assert "FSDP does not" not in RECIPES_README
+    for row in [line for line in RECIPES_README.splitlines() if line.startswith("| `qwen3")]:
+        assert re.search(r"~\d+ h .*\(estimate\)", row), row
+
+
+def test_accelerate_configs_load():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    ddp = load_config_from_file(str(EXAMPLES / "accelerate_configs" / "multi_gpu.yaml"))
+    fsdp = load_config_from_file(str(EXAMPLES / "accelerate_configs" / "fsdp2.yaml"))
+    assert ddp.distributed_type == "MULTI_GPU"
+    assert fsdp.distributed_type == "FSDP" and fsdp.fsdp_config["fsdp_version"] == 2
+
+
+def shell_commands(text):
+    """The commands in a markdown text's bash blocks, continuation lines joined."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
+    return [line.strip() for block in blocks for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_recipes_readme_launch_commands_parse():
+    """Every command of the recipes README parses with the parser of the program it runs."""
+    from accelerate.commands.launch import launch_command_parser
+    from trl.scripts.vllm_serve import ScriptArguments as VLLMServeArguments
+    from trl.scripts.vllm_serve import make_parser as vllm_serve_parser
+
+    commands = shell_commands(RECIPES_README)
+    assert commands
+    seen = set()
+    for command in commands:
+        words = [w for w in command.split() if "=" not in w or w.startswith("-")]  # drop VAR=value prefixes
+        if words[:2] == ["trl", "vllm-serve"]:
+            args = vllm_serve_parser().parse_args_and_config(words[2:])[0]
+            assert isinstance(args, VLLMServeArguments)
+            seen.add("vllm-serve")
+            if "Qwen3-4B" in command:
+                assert args.data_parallel_size == 4 and args.tensor_parallel_size == 1  # a 4B model fits one GPU
+        elif words[:2] == ["accelerate", "launch"]:
+            launch = launch_command_parser().parse_args(words[2:])
+            assert launch.training_script == "examples/oblrpo.py" and Path(ROOT, launch.config_file).is_file()
+            config = yaml.safe_load(Path(ROOT, launch.config_file).read_text())
+            recipe = Path(ROOT, launch.training_script_args[launch.training_script_args.index("--config") + 1])
+            if recipe.name in FULL_FINETUNING:
+                assert config["distributed_type"] == "FSDP"  # fp32 weights + AdamW states need sharding
+            parse_recipe(recipe, *[a for i, a in enumerate(launch.training_script_args)
+                                   if "--config" not in launch.training_script_args[max(0, i - 1):i + 1]])
+            seen.add("accelerate")
+        elif words[0] == "python" and words[1] == "examples/oblrpo.py":
+            recipe = Path(ROOT, words[words.index("--config") + 1])
+            parse_recipe(recipe)
+            seen.add("python oblrpo")
+        elif words[0] == "python" and words[1] == "examples/evaluate.py":
+            load_script("evaluate").parse_args(words[2:])
+            seen.add("python evaluate")
+        else:
+            raise AssertionError(f"unexpected command in examples/recipes/README.md: {command}")
+    assert seen == {"vllm-serve", "accelerate", "python oblrpo", "python evaluate"}
+    assert any(ONE_GPU in c for c in commands)
+
+
+def test_recipes_readme_flags_are_real():
+    """Every `--flag` in the recipes README exists in trl vllm-serve, accelerate launch or the example scripts."""
+    from trl.scripts.vllm_serve import ScriptArguments as VLLMServeArguments
+
+    known = {f.name for cls in (SCRIPT.OBLRPOScriptArguments, OBLRPOConfig, ModelConfig, VLLMServeArguments)
+             for f in dataclasses.fields(cls)}
+    known |= {a.dest for a in load_script("evaluate").make_parser()._actions}
+    known |= {"config", "config_file", "num_processes"}
+    flags = set(re.findall(r"(?<![\w-])--([a-z][a-z0-9_]*)", RECIPES_README))
+    assert flags and flags <= known, f"unknown flags in examples/recipes/README.md: {sorted(flags - known)}"
+
+
+# ------------------------------------------------------------------ the script's --help
+@pytest.fixture(scope="module")
+def help_text():
+    result = subprocess.run([sys.executable, str(EXAMPLES / "oblrpo.py"), "--help"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_help_puts_oblr_options_first_under_their_own_heading(help_text):
+    lines = help_text.splitlines()
+    headings = [line for line in lines if line and not line.startswith(" ") and line.endswith(":")]
+    assert headings[:3] == ["options:", "OBLR-PO options (OBLRPOConfig; paper defaults):",
+                            "GRPO options that OBLR-PO's theory constrains:"], headings
+    assert len(lines[0]) < 120  # the usage line names the recipe, not all ~400 flags
+    oblr_block = help_text.split("OBLR-PO options (OBLRPOConfig; paper defaults):")[1].split("\n\n")[0]
+    squashed = "".join(oblr_block.split())  # argparse wraps (and may break at hyphens): compare without whitespace
+    fields = {f.name: f for f in dataclasses.fields(OBLRPOConfig)}
+    for name in ("baseline", "leave_one_out", "grad_norm_estimator", "snr_lr", "snr_sample_unit", "lr_scale_min",
+                 "snr_ema", "one_backward", "weight_clip"):
+        assert f"--{name}" in oblr_block, name
+        assert "".join(fields[name].metadata["help"].split()) in squashed, name
+    assert "--reward_funcs" in help_text and "--use_peft" in help_text and "--learning_rate" in help_text
+
+
+def test_help_for_loss_type_lists_exactly_what_the_config_accepts(help_text):
+    supported = tuple(oblr_config.SUPPORTED_LOSS_TYPES)
+    listed = re.search(r"--loss_type \{([a-z_,]+)\}", help_text).group(1).split(",")
+    assert tuple(listed) == supported
+    for loss_type in listed:  # every listed value is accepted
+        OBLRPOConfig(output_dir="/tmp/unused", loss_type=loss_type, use_cpu=True, report_to="none")
+    with pytest.raises(SystemExit):  # and anything else is refused by the parser, naming the choices
+        SCRIPT.make_parser().parse_args_and_config(["--loss_type", "not_a_loss", "--use_cpu", "true"])
+
+
+def test_negative_switches_do_not_repeat_the_positive_help(help_text):
+    block = help_text.split("--no_snr_lr, --no-snr-lr")[1].split("\n  --")[0]
+    assert "Turn off --snr_lr" in block and "Theorem 4" not in block and "(default" not in block
+    _, config, _ = SCRIPT.make_parser().parse_args_and_config(["--no_snr_lr", "--use_cpu", "true"])
+    assert config.snr_lr is False
+    _, config, _ = SCRIPT.make_parser().parse_args_and_config(["--use_cpu", "true"])
+    assert config.snr_lr is True
+
+
+def test_script_has_no_install_header_naming_an_unpublished_package():
+    """A PEP 723 header listing `oblr-trl` (not on PyPI) made `uv run examples/oblrpo.py` fail."""
+    text = (EXAMPLES / "oblrpo.py").read_text()
+    header = re.search(r"^# /// script\n(.*?)^# ///$", text, re.DOTALL | re.MULTILINE)
+    assert header is None or "oblr-trl" not in header.group(1)
+    assert "pip install -e ." in text
