@@ -179,7 +179,7 @@ def test_recipes_readme_flags_are_real():
 @pytest.fixture(scope="module")
 def help_text():
     result = subprocess.run([sys.executable, str(EXAMPLES / "oblrpo.py"), "--help"], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -131,7 +131,7 @@ def test_every_reward_none_survives_checkpoint_and_card(tmp_path):
     config = common_args(output_dir=str(tmp_path / "out"), save_strategy="steps", save_steps=1)
     grpo, oblr = side_by_side(config, reward=nothing)
     assert_trained(oblr, 2)
-    assert os.path.isfile(tmp_path / "out" / "checkpoint-2" / "README.md")
+    assert os.path.isdir(tmp_path / "out" / "checkpoint-2") and os.path.isfile(tmp_path / "out" / "README.md")
     assert logged(oblr, "oblr/unscorable")[0] == 16
 
 
