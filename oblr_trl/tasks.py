@@ -27,23 +27,56 @@ def _task_config(task: str, task_kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**DEFAULT_TASK_KWARGS.get(task, {}), **task_kwargs}
 
 
-def make_dataset(task: str = "chain_sum", size: int = 512, seed: int = 0, **task_kwargs) -> Dataset:
+# Question wordings for a pretrained chat model (`make_dataset(prompt_template=...)`), measured on SmolLM2-135M-Instruct
+# (benchmarks/README.md, "Demo on a real model"): reasoning-gym's own wording gets 2% greedy accuracy there, this 7%.
+PROMPT_TEMPLATES: dict[str, str] = {
+    "chain_sum": "What is {expression}? Reply with only the number.",
+}
+
+
+def make_dataset(
+    task: str = "chain_sum", size: int = 512, seed: int = 0, prompt_template: str | None = None, **task_kwargs
+) -> Dataset:
     """A `datasets.Dataset` of `size` reasoning-gym problems.
 
     Columns: `prompt` (conversational, `[{"role": "user", "content": question}]`, no system prompt), `answer`
     (the reference string) and `entry` (the reasoning-gym entry as JSON, what the verifier scores against).
-    Extra kwargs configure the task (for chain_sum: min_terms, max_terms, min_digits, max_digits).
+    `prompt_template` rewrites the question: a `str.format` template over `question` (reasoning-gym's wording) and the
+    entry's metadata fields (for chain_sum: `expression`), e.g. `PROMPT_TEMPLATES["chain_sum"]`; a field the task
+    does not have raises `KeyError` naming it. Extra kwargs configure the task (for chain_sum: min_terms, max_terms,
+    min_digits, max_digits).
     """
     source = rg.create_dataset(task, size=size, seed=seed, **_task_config(task, task_kwargs))
+
+    def question(entry):
+        if prompt_template is None:
+            return entry["question"]
+        fields = {**entry.get("metadata", {}), "question": entry["question"]}
+        try:
+            return prompt_template.format(**fields)
+        except KeyError as missing:
+            raise KeyError(f"make_dataset: prompt_template field {missing} is not among {task}'s fields "
+                           f"{sorted(fields)}.") from None
+
     rows = [
         {
-            "prompt": [{"role": "user", "content": entry["question"]}],
+            "prompt": [{"role": "user", "content": question(entry)}],
             "answer": str(entry["answer"]),
             "entry": json.dumps(entry, default=str),
         }
         for entry in source
     ]
     return Dataset.from_list(rows)
+
+
+def without_questions_of(dataset: Dataset, held_out: Dataset) -> Dataset:
+    """`dataset` without the rows whose question (last prompt message) also appears in `held_out`.
+
+    Small tasks repeat problems (chain_sum with two one-digit terms has 200 distinct ones): this keeps the held-out
+    problems unseen in training.
+    """
+    seen = {row[-1]["content"] for row in held_out["prompt"]}
+    return dataset.filter(lambda row: row["prompt"][-1]["content"] not in seen)
 
 
 def extract_answer(completion: str | list[dict[str, str]]) -> str:
