@@ -28,15 +28,15 @@ import time
 PRESETS = {
     "smollm2": dict(
         prompt_template="chain_sum", lora_r=16, learning_rate=1e-3, max_steps=20, num_eval=100, eval_samples=4,
-        max_completion_length=8, one_backward=True, num_train=1000,
+        max_completion_length=8, one_backward=True, num_train=1000, format_reward=0.0, lr_scheduler_type="constant",
     ),
     "tiny": dict(
         prompt_template=None, lora_r=0, learning_rate=3e-3, max_steps=300, num_eval=1000, eval_samples=4,
-        max_completion_length=8, one_backward=False, num_train=2000,
+        max_completion_length=8, one_backward=False, num_train=2000, format_reward=0.0, lr_scheduler_type="linear",
     ),
     "hub": dict(
         prompt_template=None, lora_r=16, learning_rate=1e-4, max_steps=300, num_eval=200, eval_samples=4,
-        max_completion_length=256, one_backward=False, num_train=2000,
+        max_completion_length=256, one_backward=False, num_train=2000, format_reward=0.0, lr_scheduler_type="linear",
     ),
 }
 
@@ -77,6 +77,10 @@ def parse_args(argv=None):
         "'What is {expression}? Reply with only the number.'), a task name for oblr_trl.tasks.PROMPT_TEMPLATES[task], "
         "or 'none' for reasoning-gym's own wording.",
     )
+    parser.add_argument("--format_reward", type=float, default=None,
+                        help="Weight of oblr_trl.tasks.make_format_reward (reply is a bare number) added to the verifier's "
+                        "reward in training; 0 = the verifier alone. Held-out accuracy is the verifier alone.")
+    parser.add_argument("--lr_scheduler_type", default=None, help="transformers schedule of eta_max (constant, linear, ...).")
     parser.add_argument("--baseline", default=None, help="OBLRPOConfig.baseline: gradient_weighted (default) or mean.")
     parser.add_argument("--snr_lr", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="OBLRPOConfig.snr_lr: true (default) or false.")
@@ -180,7 +184,14 @@ def main(args):
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer, load_reference_model
     from oblr_trl.plotting import plot_training
-    from oblr_trl.tasks import PROMPT_TEMPLATES, evaluate_accuracy, make_dataset, make_reward_func, without_questions_of
+    from oblr_trl.tasks import (
+        PROMPT_TEMPLATES,
+        evaluate_accuracy,
+        make_dataset,
+        make_format_reward,
+        make_reward_func,
+        without_questions_of,
+    )
     from oblr_trl.tiny import load_or_build_warm_model
 
     # A quiet console: one progress bar and a table, not library chatter.
@@ -227,7 +238,9 @@ def main(args):
             make_dataset(args.task, size=args.num_train, seed=args.seed, prompt_template=args.prompt_template),
             eval_dataset,
         )
-    reward_func = make_reward_func(args.task)
+    reward_funcs = [make_reward_func(args.task)]
+    if args.format_reward:
+        reward_funcs.append(make_format_reward(args.format_reward))
     print(f"Task: {args.task}, e.g. {eval_dataset[0]['prompt'][-1]['content']!r} -> {eval_dataset[0]['answer']!r}; "
           f"{len(train_dataset)} training problems, {len(eval_dataset)} held-out", flush=True)
 
@@ -253,6 +266,7 @@ def main(args):
         per_device_train_batch_size=args.per_device_train_batch_size,
         num_generations=args.num_generations,
         learning_rate=args.learning_rate,
+        lr_scheduler_type=args.lr_scheduler_type,
         max_completion_length=args.max_completion_length,
         temperature=1.0,
         seed=args.seed,
@@ -273,7 +287,7 @@ def main(args):
     trainer = OBLRPOTrainer(
         model=model,
         processing_class=tokenizer,
-        reward_funcs=[reward_func],
+        reward_funcs=reward_funcs,
         args=config,
         train_dataset=train_dataset,
         peft_config=peft_config,
@@ -307,6 +321,8 @@ def main(args):
         "prompt_template": args.prompt_template,
         "lora_r": args.lora_r,
         "learning_rate": args.learning_rate,
+        "lr_scheduler_type": args.lr_scheduler_type,
+        "format_reward": args.format_reward,
         "one_backward": args.one_backward,
         "steps": steps,
         "num_eval": len(eval_dataset),

@@ -121,6 +121,28 @@ def make_reward_func(task: str = "chain_sum", **task_kwargs):
     return reward_func
 
 
+_BARE_NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?\.?")
+
+
+def make_format_reward(weight: float = 0.2):
+    """A TRL reward function for the reply's form only: `weight` when the whole completion (stripped) is a bare number
+    (`12`, `-3`, `4.5`, an optional final period), else 0.0, whether the number is right or wrong.
+
+    Meant to sit beside `make_reward_func` (TRL sums reward functions): a pretrained chat model answers arithmetic in
+    sentences ("7 - 5 is 2."), which the verifier scores 0 on the first line; this component rewards answering as
+    asked, so the verifier's reward becomes reachable. Held-out accuracy never includes it.
+    """
+    if not weight >= 0:
+        raise ValueError(f"make_format_reward: weight must be >= 0, got {weight}.")
+
+    def reward_func(prompts, completions, **kwargs) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [weight if _BARE_NUMBER.fullmatch(text.strip()) else 0.0 for text in texts]
+
+    reward_func.__name__ = reward_func.__qualname__ = "bare_number_format"
+    return reward_func
+
+
 @torch.no_grad()
 def evaluate_accuracy(
     model,
