@@ -27,8 +27,8 @@ import time
 # real model", lists what was tried.
 PRESETS = {
     "smollm2": dict(
-        prompt_template="chain_sum", lora_r=16, learning_rate=1e-3, max_steps=20, num_eval=100, eval_samples=4,
-        max_completion_length=8, one_backward=True, num_train=1000, format_reward=0.0, lr_scheduler_type="constant",
+        prompt_template="chain_sum", lora_r=16, learning_rate=1e-3, max_steps=15, num_eval=100, eval_samples=4,
+        max_completion_length=8, one_backward=True, num_train=1000, format_reward=0.2, lr_scheduler_type="constant",
     ),
     "tiny": dict(
         prompt_template=None, lora_r=0, learning_rate=3e-3, max_steps=300, num_eval=1000, eval_samples=4,
