@@ -227,7 +227,8 @@ def main(args):
     if not use_cpu:
         model.to("cuda")
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"Model: {model_name}, {n_params / 1e6:.1f}M parameters ({time.time() - start:.0f}s)", flush=True)
+    model_seconds = time.time() - start  # includes the one-time download and conversion on a fresh cache
+    print(f"Model: {model_name}, {n_params / 1e6:.1f}M parameters ({model_seconds:.0f}s)", flush=True)
 
     # 2. Data and reward: held-out problems from their own seed, and no held-out question among the training ones.
     eval_dataset = make_dataset(args.task, size=args.num_eval, seed=args.eval_seed, prompt_template=args.prompt_template)
@@ -338,6 +339,7 @@ def main(args):
         "mean_snr": mean(snrs) if snrs else None,
         "seconds_per_step": round(train_seconds / max(1, steps), 1),
         "torch_threads": torch.get_num_threads(),
+        "model_seconds": round(model_seconds, 1),
         "seconds": round(time.time() - start, 1),
     }
     plots = plot_training(history, args.output_dir, title=f"OBLR-PO on {model_name}, {args.task}",
