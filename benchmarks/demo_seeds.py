@@ -28,6 +28,14 @@ HERE = Path(__file__).resolve().parent
 DEMO = HERE.parent / "examples" / "demo.py"
 
 
+def load_seed(seed: int, out_root: Path) -> dict:
+    summary = json.loads((out_root / f"seed{seed}" / "summary.json").read_text())
+    print(f"seed {seed}: greedy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%}, sampled "
+          f"{summary['sampled_accuracy_before']:.1%} -> {summary['sampled_accuracy_after']:.1%} "
+          f"({summary['seconds']:.0f}s, {summary.get('seconds_per_step', float('nan'))} s/step)", flush=True)
+    return dict(seed=seed, **summary)
+
+
 def run_seed(seed: int, out_root: Path, extra: list[str]) -> dict:
     out = out_root / f"seed{seed}"
     cmd = [sys.executable, str(DEMO), "--seed", str(seed), "--output_dir", str(out), *extra]
@@ -35,11 +43,7 @@ def run_seed(seed: int, out_root: Path, extra: list[str]) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"seed {seed} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    print(f"seed {seed}: greedy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%}, sampled "
-          f"{summary['sampled_accuracy_before']:.1%} -> {summary['sampled_accuracy_after']:.1%} "
-          f"({summary['seconds']:.0f}s, {summary.get('seconds_per_step', float('nan'))} s/step)", flush=True)
-    return dict(seed=seed, **summary)
+    return load_seed(seed, out_root)
 
 
 def main():
@@ -49,15 +53,25 @@ def main():
     parser.add_argument("--out", type=Path, default=HERE / "results" / "demo_seeds_smollm2",
                         help="results file stem (the README block of the same name is filled from it)")
     parser.add_argument("--run_dir", type=Path, default=Path("outputs/demo_seeds"))
+    parser.add_argument("--no_run", action="store_true",
+                        help="tabulate the seeds whose run_dir/seedN/summary.json exists (from an earlier invocation) "
+                        "instead of running; the wall clock is then the sum of their run times")
     parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
     args = parser.parse_args()
 
     start = time.time()
-    # the first run alone: it fills the model cache (download + conversion, or the tiny model's warm-up) for the others
-    with ThreadPoolExecutor(args.parallel) as pool:
-        first = run_seed(0, args.run_dir, args.demo_args)
-        runs = [first] + list(pool.map(lambda s: run_seed(s, args.run_dir, args.demo_args), range(1, args.seeds)))
-    elapsed = time.time() - start
+    if args.no_run:
+        seeds = [s for s in range(args.seeds) if (args.run_dir / f"seed{s}" / "summary.json").exists()]
+        if not seeds:
+            raise SystemExit(f"no seedN/summary.json under {args.run_dir}")
+        runs = [load_seed(s, args.run_dir) for s in seeds]
+        elapsed = sum(r["seconds"] for r in runs)
+    else:
+        # the first run alone: it fills the model cache (download + conversion, or the tiny model's warm-up) first
+        with ThreadPoolExecutor(args.parallel) as pool:
+            first = run_seed(0, args.run_dir, args.demo_args)
+            runs = [first] + list(pool.map(lambda s: run_seed(s, args.run_dir, args.demo_args), range(1, args.seeds)))
+        elapsed = time.time() - start
 
     def stats(key):
         gains = [100 * (r[f"{key}_after"] - r[f"{key}_before"]) for r in runs]
@@ -67,7 +81,9 @@ def main():
     sampled, s_mean, s_std = stats("sampled_accuracy")
     result = dict(
         command=" ".join(["python", "benchmarks/demo_seeds.py", "--seeds", str(args.seeds), "--parallel",
-                          str(args.parallel), "--out", os.path.relpath(args.out, HERE.parent)]
+                          str(args.parallel), "--run_dir", str(args.run_dir), "--out",
+                          os.path.relpath(args.out.resolve(), HERE.parent)]
+                         + (["--no_run"] if args.no_run else [])
                          + (["--", *args.demo_args] if args.demo_args else [])),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         machine=f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPUs, {args.parallel} runs in parallel, "
@@ -83,6 +99,10 @@ def main():
         f"same {n_eval} held-out problems for every seed; only the RL seed changes. Greedy: greedy decoding; sampled: "
         "the mean score of completions sampled at temperature 1 (the reward RL maximizes). s/step: training time per "
         "optimizer step; s: the whole run (evaluations, and the model download/conversion in the first run).",
+        "",
+        "Settings: " + ", ".join(f"{k}={runs[0][k]!r}" for k in ("task", "prompt_template", "lora_r", "learning_rate",
+                                                              "lr_scheduler_type", "format_reward", "one_backward",
+                                                              "steps") if k in runs[0]) + ".",
         "",
         "| seed | greedy before % | greedy after % | gain (pts) | sampled before % | sampled after % | gain (pts) "
         "| train reward, first steps | last steps | steps with lr scale 0 | mean SNR | s/step | s |",
@@ -102,7 +122,7 @@ def main():
 
     lines += [
         "",
-        f"Gain, mean +- std over {len(runs)} seeds: greedy **{g_mean:+.1f} +- {g_std:.1f} pts** (the mean "
+        f"Gain, mean +- std over {len(runs)} seeds ({', '.join(str(r['seed']) for r in runs)}): greedy **{g_mean:+.1f} +- {g_std:.1f} pts** (the mean "
         f"{verdict(g_mean, g_std)} the seed-to-seed spread), sampled **{s_mean:+.1f} +- {s_std:.1f} pts** (the mean "
         f"{verdict(s_mean, s_std)} the spread).",
         "",
