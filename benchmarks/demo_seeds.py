@@ -5,8 +5,8 @@ Every run starts from the same model (SmolLM2-135M-Instruct, or the tiny model w
 data order) changes. Writes ``benchmarks/results/<--out>.{md,json}``: held-out greedy and sampled accuracy before and
 after OBLR-PO per seed, the mean gain and its standard deviation across seeds, and each run's time per step.
 
-    python benchmarks/demo_seeds.py --seeds 3          # the real-model demo (make demo), one run at a time
-    python benchmarks/demo_seeds.py --seeds 5 --parallel 2 --out benchmarks/results/demo_seeds -- --model tiny
+    python benchmarks/demo_seeds.py --seeds 3 -- --model smollm2   # the real-model demo (make demo-real), one at a time
+    python benchmarks/demo_seeds.py --seeds 5 --parallel 2 --out benchmarks/results/demo_seeds   # the tiny model
     python benchmarks/demo_seeds.py --seeds 3 -- --learning_rate 1e-3   # extra arguments go to examples/demo.py
 """
 
@@ -50,14 +50,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (1 torch thread each)")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "demo_seeds_smollm2",
-                        help="results file stem (the README block of the same name is filled from it)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results file stem (the README block of the same name is filled from it); default "
+                        "results/demo_seeds_smollm2 with `-- --model smollm2`, else results/demo_seeds")
     parser.add_argument("--run_dir", type=Path, default=Path("outputs/demo_seeds"))
     parser.add_argument("--no_run", action="store_true",
                         help="tabulate the seeds whose run_dir/seedN/summary.json exists (from an earlier invocation) "
                         "instead of running; the wall clock is then the sum of their run times")
     parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
     args = parser.parse_args()
+    if args.out is None:
+        real = "smollm2" in args.demo_args
+        args.out = HERE / "results" / ("demo_seeds_smollm2" if real else "demo_seeds")
 
     start = time.time()
     if args.no_run:

