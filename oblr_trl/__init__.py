@@ -17,6 +17,7 @@ from .estimators import (
 )
 from .grad_norms import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, register_grad_norm_rule
 from .plotting import plot_training
+from .reference_model import load_reference_model, resolve_model_path
 from .tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
 from .tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
 from .trainer import OBLRPOTrainer
@@ -31,6 +32,7 @@ __all__ = [
     "evaluate_accuracy",
     "extract_answer",
     "load_or_build_warm_model",
+    "load_reference_model",
     "make_dataset",
     "make_reward_func",
     "plot_training",
@@ -45,6 +47,7 @@ __all__ = [
     "per_sequence_grad_sq_norms",
     "register_baseline",
     "register_grad_norm_rule",
+    "resolve_model_path",
     "snr_lr_scale",
     "step_scale_from_contributions",
 ]

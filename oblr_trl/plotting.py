@@ -1,27 +1,34 @@
-"""Training curves from a `transformers` Trainer `state.log_history`."""
+"""Training curves from a `transformers` Trainer `state.log_history`.
+
+No import-time side effects: matplotlib is imported inside `plot_training`, which draws on a `matplotlib.figure.Figure`
+(never `pyplot`), so importing `oblr_trl` leaves the user's backend and open figures alone.
+"""
 
 from __future__ import annotations
 
+import math
 import os
-
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-
-# (panel title, [(log key, legend label), ...]); a panel whose keys never appear is drawn empty with a note.
-PANELS = [
-    ("Reward", [("reward", "reward")]),
-    ("OBLR-PO step-size scale", [("oblr/lr_scale", "lr scale")]),
-    ("Gradient SNR", [("oblr/snr", "SNR")]),
-    ("Baseline vs reward", [("oblr/baseline_mean", "baseline mean"), ("oblr/reward_mean", "reward mean")]),
-]
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) for every log entry that has `key`."""
-    points = [(entry.get("step", i), entry[key]) for i, entry in enumerate(log_history) if key in entry]
-    return [p[0] for p in points], [float(p[1]) for p in points]
+    """(steps, values) for every log entry whose `key` holds a number.
+
+    Entries without the key, or with `None` there (TRL logs `reward: None` for a step whose every reward is None) or a
+    non-finite value, are skipped: a gap in the curve, never an error.
+    """
+    steps, values = [], []
+    for i, entry in enumerate(log_history):
+        value = entry.get(key)
+        if value is None:
+            continue
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            steps.append(entry.get("step", i))
+            values.append(value)
+    return steps, values
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:
@@ -29,33 +36,76 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return [sum(values[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
 
 
-def plot_training(log_history: list[dict], out_dir: str | os.PathLike) -> list[str]:
-    """Write `training_curves.png` (reward, lr scale, SNR, baseline vs reward) into `out_dir`; return its path(s).
+def _draw(ax, steps: list[float], values: list[float], label: str) -> None:
+    if len(values) >= 20:  # noisy per-step values: faint raw curve plus a trailing moving average
+        (line,) = ax.plot(steps, values, alpha=0.3, linewidth=0.8)
+        window = max(2, len(values) // 10)
+        ax.plot(steps, _moving_average(values, window), color=line.get_color(), label=f"{label} (avg of {window})")
+    else:
+        ax.plot(steps, values, marker="o", markersize=3, label=label)
 
-    Missing keys are skipped: their panel says "not logged" instead of failing.
+
+# (panel title, y label, [(log key, legend label), ...]); a panel whose keys never appear is drawn empty with a note.
+PANELS = [
+    ("Reward", "mean reward of the step's completions", [("reward", "training reward")]),
+    ("OBLR-PO step-size scale", "lr scale = eta_t / eta_max", [("oblr/lr_scale", "lr scale")]),
+    ("Applied learning rate", "learning rate", [("oblr/lr", "applied lr (eta_max x scale)"),
+                                               ("learning_rate", "eta_max (schedule)")]),
+    ("Gradient SNR", "SNR", [("oblr/snr", "SNR")]),
+    ("Baseline vs reward", "reward", [("oblr/baseline_mean", "baseline mean"), ("oblr/reward_mean", "reward mean")]),
+    ("Completion length", "tokens", [("completions/mean_length", "mean length")]),
+]
+
+
+def plot_training(
+    log_history: list[dict],
+    out_dir: str | os.PathLike,
+    accuracy: dict[str, tuple[float, float]] | None = None,
+    title: str | None = None,
+) -> list[str]:
+    """Write `training_curves.png` into `out_dir`; return its path(s).
+
+    Panels: reward, OBLR-PO's lr scale (with the fraction of steps it was 0, i.e. skipped), the applied learning rate,
+    the gradient SNR, baseline vs reward, completion length; x axis: optimizer step. `accuracy` maps a label to a
+    held-out accuracy `(before, after)` in [0, 1] (e.g. `{"greedy": (0.07, 0.41)}`): marked on the reward panel at
+    the first and last step, so training reward and held-out accuracy share the axis. Missing keys are skipped (the
+    panel says "not logged"); `None` or non-finite values are gaps.
     """
+    from matplotlib.figure import Figure
+
     os.makedirs(out_dir, exist_ok=True)
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
-    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+    fig = Figure(figsize=(14, 7.5), layout="constrained")
+    axes = fig.subplots(2, 3)
+    last_step = max([entry.get("step", 0) for entry in log_history] or [0])
+    for ax, (panel, ylabel, keys) in zip(axes.flat, PANELS, strict=True):
         drawn = False
         for key, label in keys:
             steps, values = _series(log_history, key)
-            if len(values) >= 20:  # noisy per-step values: faint raw curve plus a trailing moving average
-                (line,) = ax.plot(steps, values, alpha=0.3, linewidth=0.8)
-                window = max(2, len(values) // 10)
-                ax.plot(steps, _moving_average(values, window), color=line.get_color(), label=f"{label} (avg {window})")
+            if values:
+                _draw(ax, steps, values, label)
                 drawn = True
-            elif values:
-                ax.plot(steps, values, marker="o", markersize=3, label=label)
-                drawn = True
+        if panel == "Reward" and accuracy:
+            for (name, (before, after)), marker in zip(accuracy.items(), "sD^v", strict=False):
+                ax.plot([0, last_step], [before, after], linestyle="--", marker=marker, markersize=7,
+                        label=f"held-out {name}: {before:.0%} -> {after:.0%}")
+            drawn = True
+        if panel == "OBLR-PO step-size scale":
+            _, scales = _series(log_history, "oblr/lr_scale")
+            if scales:
+                zero = sum(s == 0 for s in scales) / len(scales)
+                ax.text(0.02, 0.97, f"scale 0 (update skipped) on {zero:.0%} of {len(scales)} steps",
+                        transform=ax.transAxes, va="top", fontsize="small")
+                ax.set_ylim(-0.05, 1.1)
         if drawn:
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="best")
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
-        ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_title(panel)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
     path = os.path.join(out_dir, "training_curves.png")
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return [path]

@@ -27,23 +27,56 @@ def _task_config(task: str, task_kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**DEFAULT_TASK_KWARGS.get(task, {}), **task_kwargs}
 
 
-def make_dataset(task: str = "chain_sum", size: int = 512, seed: int = 0, **task_kwargs) -> Dataset:
+# Question wordings for a pretrained chat model (`make_dataset(prompt_template=...)`), measured on SmolLM2-135M-Instruct
+# (benchmarks/README.md, "Demo on a real model"): reasoning-gym's own wording gets 2% greedy accuracy there, this 7%.
+PROMPT_TEMPLATES: dict[str, str] = {
+    "chain_sum": "What is {expression}? Reply with only the number.",
+}
+
+
+def make_dataset(
+    task: str = "chain_sum", size: int = 512, seed: int = 0, prompt_template: str | None = None, **task_kwargs
+) -> Dataset:
     """A `datasets.Dataset` of `size` reasoning-gym problems.
 
     Columns: `prompt` (conversational, `[{"role": "user", "content": question}]`, no system prompt), `answer`
     (the reference string) and `entry` (the reasoning-gym entry as JSON, what the verifier scores against).
-    Extra kwargs configure the task (for chain_sum: min_terms, max_terms, min_digits, max_digits).
+    `prompt_template` rewrites the question: a `str.format` template over `question` (reasoning-gym's wording) and the
+    entry's metadata fields (for chain_sum: `expression`), e.g. `PROMPT_TEMPLATES["chain_sum"]`; a field the task
+    does not have raises `KeyError` naming it. Extra kwargs configure the task (for chain_sum: min_terms, max_terms,
+    min_digits, max_digits).
     """
     source = rg.create_dataset(task, size=size, seed=seed, **_task_config(task, task_kwargs))
+
+    def question(entry):
+        if prompt_template is None:
+            return entry["question"]
+        fields = {**entry.get("metadata", {}), "question": entry["question"]}
+        try:
+            return prompt_template.format(**fields)
+        except KeyError as missing:
+            raise KeyError(f"make_dataset: prompt_template field {missing} is not among {task}'s fields "
+                           f"{sorted(fields)}.") from None
+
     rows = [
         {
-            "prompt": [{"role": "user", "content": entry["question"]}],
+            "prompt": [{"role": "user", "content": question(entry)}],
             "answer": str(entry["answer"]),
             "entry": json.dumps(entry, default=str),
         }
         for entry in source
     ]
     return Dataset.from_list(rows)
+
+
+def without_questions_of(dataset: Dataset, held_out: Dataset) -> Dataset:
+    """`dataset` without the rows whose question (last prompt message) also appears in `held_out`.
+
+    Small tasks repeat problems (chain_sum with two one-digit terms has 200 distinct ones): this keeps the held-out
+    problems unseen in training.
+    """
+    seen = {row[-1]["content"] for row in held_out["prompt"]}
+    return dataset.filter(lambda row: row["prompt"][-1]["content"] not in seen)
 
 
 def extract_answer(completion: str | list[dict[str, str]]) -> str:
@@ -85,6 +118,28 @@ def make_reward_func(task: str = "chain_sum", **task_kwargs):
 
     reward_func.__name__ = f"{task}_accuracy"
     reward_func.__qualname__ = reward_func.__name__
+    return reward_func
+
+
+_BARE_NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?\.?")
+
+
+def make_format_reward(weight: float = 0.2):
+    """A TRL reward function for the reply's form only: `weight` when the whole completion (stripped) is a bare number
+    (`12`, `-3`, `4.5`, an optional final period), else 0.0, whether the number is right or wrong.
+
+    Meant to sit beside `make_reward_func` (TRL sums reward functions): a pretrained chat model answers arithmetic in
+    sentences ("7 - 5 is 2."), which the verifier scores 0 on the first line; this component rewards answering as
+    asked, so the verifier's reward becomes reachable. Held-out accuracy never includes it.
+    """
+    if not weight >= 0:
+        raise ValueError(f"make_format_reward: weight must be >= 0, got {weight}.")
+
+    def reward_func(prompts, completions, **kwargs) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [weight if _BARE_NUMBER.fullmatch(text.strip()) else 0.0 for text in texts]
+
+    reward_func.__name__ = reward_func.__qualname__ = "bare_number_format"
     return reward_func
 
 
