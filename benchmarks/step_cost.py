@@ -701,6 +701,9 @@ def measure_config(spec, completion, args, device, dtype, largest, log, jsonl) -
     fns, times, outputs, guard = time_config(model, batch, device, dtype, names, args, log)
     skipped += [f"{k}: {v}" for k, v in guard.failed.items()]
     err, gerr = accuracy(outputs)
+    finite = {k: bool(torch.isfinite(v).all()) for k, v in outputs.items() if isinstance(v, torch.Tensor)}
+    if not all(finite.values()):
+        skipped.append("non-finite outputs: " + ", ".join(k for k, ok in finite.items() if not ok))
     row = dict(size=label(spec), params=total_params, vocab=model.config.vocab_size, hidden=model.config.hidden_size,
                layers=model.config.num_hidden_layers, completion=completion, length=length, batch=args.batch,
                times=times, max_rel_err_norms=err, max_rel_err_group=gerr, est_gflop_sq=est1, est_gflop_group=est8,
