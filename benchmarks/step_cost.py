@@ -647,7 +647,8 @@ def headline(row: dict, step: dict | None, default: str) -> list[tuple[str, floa
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="sizes tiny+small, lengths 64 and 256 (~10 minutes)")
-    parser.add_argument("--sizes", nargs="+", choices=SIZES, default=None)
+    parser.add_argument("--sizes", nargs="*", choices=SIZES, default=None,
+                        help="built-in models (default: tiny small [medium]; none when --model is given)")
     parser.add_argument("--model", nargs="+", default=[], metavar="PATH_OR_NAME",
                         help="Hugging Face folder(s) or name(s) to measure as well (their weights)")
     parser.add_argument("--lengths", nargs="+", type=int, default=None)
@@ -682,7 +683,8 @@ def parse_args(argv=None):
     if args.batch % GROUP:
         parser.error(f"--batch must be a multiple of {GROUP}")
     quick = args.quick
-    args.sizes = (args.sizes or (["tiny", "small"] if quick or args.model else ["tiny", "small", "medium"]))
+    if args.sizes is None:
+        args.sizes = [] if args.model else (["tiny", "small"] if quick else ["tiny", "small", "medium"])
     args.specs = list(args.sizes) + list(args.model)
     args.cap_medium = args.lengths is None  # the 32k-vocab model's Grams grow too slow past 1024 tokens
     args.lengths = args.lengths or ([64, 256] if quick else [64, 256, 1024, 2048])
