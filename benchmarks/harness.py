@@ -110,3 +110,13 @@ class Log:
 
     def __call__(self, msg: str) -> None:
         print(f"[{self.elapsed():6.1f}s] {msg}", flush=True)
+
+
+def host(extra: str = "") -> str:
+    """``node (platform, N CPUs[, extra])``: the machine in one phrase."""
+    return f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPUs{', ' + extra if extra else ''})"
+
+
+def host_id() -> str:
+    """``node platform N CPUs``: the machine field of a result JSON."""
+    return f"{platform.node()} {platform.platform()} {os.cpu_count()} CPUs"

@@ -42,7 +42,7 @@ def mode_rows(result: dict) -> list[list[str]]:
     where = f"{m['device']}, {m['date'][:16].replace('T', ' ')} UTC"
     out = []
     for row in result["rows"]:
-        two = "update_group" if "update_group" in row["times"] else "update"
+        two = "update_group" if any(k.startswith("update_group") for k in row["times"]) else "update"
         for ckpt in ("", "_ckpt"):
             g, tp, ob = "fwdbwd" + ckpt, two + ckpt, "update_one_backward" + ckpt
             if g not in row["times"] and not _failed(row, g):
