@@ -37,3 +37,60 @@ def test_a_missing_result_file_is_an_error(tmp_path, monkeypatch):
     (tmp_path / "README.md").write_text("<!-- results:absent:begin -->\n<!-- results:absent:end -->\n")
     with pytest.raises(FileNotFoundError, match="absent"):
         module.main()
+
+
+def _bench_module(name):
+    import sys
+
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module(name)
+
+
+def test_time_interleaved_calls_in_turn_and_returns_warm_up_outputs():
+    harness = _bench_module("harness")
+    calls = []
+    fns = {"a": lambda: calls.append("a") or "A", "b": lambda: calls.append("b") or "B"}
+    times, outputs = harness.time_interleaved(fns, ["a", "b"], repeats=2, budget_s=1e9, log=lambda m: None)
+    assert calls == ["a", "b"] * 3  # a warm-up round, then two timed rounds, interleaved
+    assert outputs == {"a": "A", "b": "B"} and set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+
+
+def test_time_interleaved_stops_at_the_budget_with_the_warm_up_as_measurement():
+    harness = _bench_module("harness")
+    calls = []
+    times, _ = harness.time_interleaved({"a": lambda: calls.append(1)}, ["a"], repeats=5, budget_s=0.0,
+                                        log=lambda m: None)
+    assert len(calls) == 1 and set(times) == {"a"}
+
+
+def test_md_table_and_fmt():
+    harness = _bench_module("harness")
+    assert harness.md_table(["x", "y"], [[1, "b"]]) == ["| x | y |", "|---|---|", "| 1 | b |"]
+    assert harness.fmt(float("nan")) == "n/a" and harness.fmt(None) == "n/a" and harness.fmt(1.234) == "1.23"
+
+
+def _row(size, times, mem, skipped=()):
+    return dict(size=size, completion=512, batch=8, times=times, skipped=list(skipped),
+                memory={k: dict(peak_bytes=v) for k, v in mem.items()})
+
+
+def test_mode_table_ratios_per_checkpointing_setting_and_oom():
+    mode_table = _bench_module("mode_table")
+    machine = dict(device="GPU", date="2026-11-23T01:46:50+00:00")
+    ok = _row("m", dict(fwdbwd=1.0, update_group=3.0, update_one_backward=2.0, fwdbwd_ckpt=2.0,
+                        update_group_ckpt=5.0, update_one_backward_ckpt=3.0),
+              dict(fwdbwd=100, update_group=110, update_one_backward=120, fwdbwd_ckpt=10, update_group_ckpt=20,
+                   update_one_backward_ckpt=40))
+    oom = _row("m", dict(fwdbwd=float("nan"), fwdbwd_ckpt=1.0, update_group_ckpt=2.0, update_one_backward_ckpt=4.0),
+               dict(fwdbwd_ckpt=10, update_group_ckpt=15, update_one_backward_ckpt=30),
+               skipped=["fwdbwd: out of memory: ...", "update_group: out of memory: ...",
+                        "update_one_backward: out of memory: ..."])
+    rows = mode_table.mode_rows(dict(machine=machine, rows=[ok, oom]))
+    off, on, oom_off, oom_on = rows
+    assert off[4:] == ["off", "1.000", "0", "3.00", "2.00", "1.10", "1.20", "1.00 / 12.00"]
+    assert on[4:11] == ["on", "2.000", "0", "2.50", "1.50", "2.00", "4.00"]
+    assert oom_off[5] == "OOM" and oom_off[8] == "OOM" and oom_off[11] == "OOM"
+    assert oom_on[7:11] == ["2.00", "4.00", "1.50", "3.00"]
+    assert "2026-11-23 01:46 UTC" in off[3]
