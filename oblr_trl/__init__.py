@@ -15,7 +15,12 @@ from .estimators import (
     snr_lr_scale,
     step_scale_from_contributions,
 )
-from .grad_norms import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, register_grad_norm_rule
+from .grad_norms import (
+    per_sequence_grad_inner_products,
+    per_sequence_grad_sq_norms,
+    register_grad_norm_rule,
+    validate,
+)
 from .plotting import plot_training
 from .tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
 from .tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
@@ -47,4 +52,5 @@ __all__ = [
     "register_grad_norm_rule",
     "snr_lr_scale",
     "step_scale_from_contributions",
+    "validate",
 ]

@@ -28,7 +28,7 @@ from trl.trainer.utils import split_tensor_dict
 from .card import append_oblr_section
 from .config import OBLRPOConfig
 from .estimators import clip_weights, get_baseline, gradient_signal_noise, snr_from_signal_noise, snr_lr_scale
-from .grad_norms import per_sequence_grad_inner_products, per_sequence_grads
+from .grad_norms import per_sequence_grad_inner_products, per_sequence_grads, validate
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ class OBLRPOTrainer(GRPOTrainer):
                 "OBLRPOTrainer computes exact per-sequence norms under FSDP2 only (fsdp_version: 2 in the accelerate "
                 "config); with FSDP1 use grad_norm_estimator='length' and snr_lr=False."
             )
+        if self._needs_norms:  # every layer the exact norms cannot cover, named now, before the first generation
+            validate(self.model)
         self._oblr_step_records: list[tuple] = []
         self._oblr_rows_generated = 0  # completions generated for training so far, all ranks
         self._oblr_saved_lrs: list[float] | None = None
