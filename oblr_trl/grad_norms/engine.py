@@ -149,9 +149,12 @@ def _capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed_la
     def call_hook(module, args, kwargs, output):
         if generic.replaying() or (_in_backward() and calls[module]):
             return None
-        returned = None
         if batch > 1 and torch.is_tensor(output) and output.dim() and output.shape[0] == 1 and output.requires_grad:
-            output = returned = output.expand(batch, *output.shape[1:])  # shared by every row: gradient per row
+            output = output.expand(batch, *output.shape[1:])  # shared by every row: gradient per row
+        # Each output that carries a gradient is replaced by a fresh view of itself, so that its hook sees only the
+        # gradient from outside the module (an output the module itself used further, such as eager attention's
+        # probabilities, would otherwise also carry the gradient of the outputs computed from it).
+        output = returned = generic.fresh_views(output)
         outputs = generic.output_tensors(output)
         if not outputs:
             return None

@@ -63,6 +63,11 @@ def output_tensors(output) -> list[torch.Tensor]:
     return [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
 
 
+def fresh_views(output):
+    """``output`` with every tensor that carries a gradient replaced by a view of itself."""
+    return _map(lambda t: t.view_as(t) if t.requires_grad and t.is_floating_point() else t, output)
+
+
 def input_tensors(args, kwargs) -> list[torch.Tensor]:
     """The inputs of a call that carry a gradient (the backward must reach them, so that it reaches the outputs)."""
     return [t for t in _tensors((args, kwargs)) if t.requires_grad]
