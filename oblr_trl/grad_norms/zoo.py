@@ -52,12 +52,12 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def build(family: str, tie: bool = False, seed: int = 0) -> torch.nn.Module:
+def build(family: str, tie: bool = False, seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:
     """The family's tiny random model, in eval mode (no dropout), float32."""
     import transformers
 
     config_cls, model_cls, overrides = FAMILIES[family]
-    kwargs = {k: v for k, v in {**_COMMON, **overrides}.items() if v is not None}
+    kwargs = {k: v for k, v in {**_COMMON, **overrides, "vocab_size": vocab_size}.items() if v is not None}
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(tie_word_embeddings=tie, **kwargs)
     return getattr(transformers, model_cls)(config).eval()
