@@ -21,6 +21,7 @@ from .factors import (
     SoftmaxDelta,
     VOCAB_CHUNK,
     Usage,
+    head_logits,
     block_inner_products,
     block_weighted_rows,
     materializing_saves_memory,
@@ -269,23 +270,18 @@ def _fsdp_root_unsharded(lm: nn.Module):
 
 
 @torch.no_grad()
-def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, weight, bias, alpha: float):
-    """Log-sum-exp, label log-probs and ``d sum_t log p / d h`` of the head, in vocabulary chunks."""
-    hf = h.float()
+def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, weight, bias, alpha: float,
+                   softcap: float | None = None):
+    """Log-sum-exp of the scored logits and ``d sum_t log p / d h`` of the head, in vocabulary chunks."""
     lse = torch.full(h.shape[:-1], -float("inf"), device=h.device)
-    for start in range(0, weight.shape[0], VOCAB_CHUNK):
-        logits = alpha * (hf @ weight[start : start + VOCAB_CHUNK].float().T)
-        if bias is not None:
-            logits = logits + alpha * bias[start : start + VOCAB_CHUNK].float()
-        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
-    expected_w = torch.zeros_like(hf)
-    for start in range(0, weight.shape[0], VOCAB_CHUNK):
-        w = weight[start : start + VOCAB_CHUNK].float()
-        logits = alpha * (hf @ w.T)
-        if bias is not None:
-            logits = logits + alpha * bias[start : start + VOCAB_CHUNK].float()
-        expected_w += torch.exp(logits - lse[..., None]) @ w
-    grad_h = alpha * mask[..., None] * (weight.float()[labels] - expected_w)
+    chunks = [(start, min(start + VOCAB_CHUNK, weight.shape[0])) for start in range(0, weight.shape[0], VOCAB_CHUNK)]
+    for start, end in chunks:
+        z, _ = head_logits(h, weight[start:end], None if bias is None else bias[start:end], alpha, softcap)
+        lse = torch.logaddexp(lse, torch.logsumexp(z, dim=-1))
+    delta = SoftmaxDelta(h, weight, bias, alpha, lse, labels, mask, softcap)
+    grad_h = torch.zeros_like(h, dtype=torch.float32)
+    for start, end in chunks:
+        grad_h += delta.cols(start, end) @ weight[start:end].float()
     return lse, grad_h
 
 
@@ -443,8 +439,7 @@ def per_sequence_grads(
         raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
     backbone = lm.base_model
     alpha = _logit_scale(lm) / temperature
-    if getattr(_text_config(lm), "final_logit_softcapping", None) is not None:
-        validate(lm)  # raises, naming the head
+    softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
     hooked, per_row = _hooked_modules(backbone, skip=head)
     checkpointed = _checkpointed_layers(backbone)
     # Each trainable parameter's slot, (module, name) of its first owner: found now, by the parameters' identity, and
@@ -494,7 +489,7 @@ def per_sequence_grads(
         mask = completion_mask.to(torch.float32)
         head_weight, head_bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
         with _fp32(input_ids.device):
-            lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head_weight, head_bias, alpha)
+            lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head_weight, head_bias, alpha, softcap)
         if hidden.requires_grad:
             full_grad = torch.zeros_like(hidden)
             full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
@@ -527,7 +522,7 @@ def per_sequence_grads(
             continue
         keep(record, materialize_now=False)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask)
+        delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask, softcap)
         if head.weight.requires_grad:
             usages[slot_of[(head, "weight")]].append(Factored(delta, Dense(h.detach())))
         if head.bias is not None and head.bias.requires_grad:

@@ -68,13 +68,6 @@ def unsupported_modules(model: nn.Module) -> list[Unsupported]:
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         found.append(Unsupported("lm_head", type(head).__name__, "the LM head must be an nn.Linear"))
-    config = _text_config(lm)
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        found.append(Unsupported(
-            "lm_head", type(head).__name__,
-            "final_logit_softcapping is not supported by the chunked LM head (freezing does not help here: the "
-            "head's output gradient enters every layer; use grad_norm_estimator='length' with snr_lr=False)",
-        ))
     backbone = getattr(lm, "base_model", lm)
     for name, module in backbone.named_modules():
         if module is head or not any(p.requires_grad for p in module.parameters(recurse=False)):
