@@ -15,7 +15,12 @@ from .estimators import (
     snr_lr_scale,
     step_scale_from_contributions,
 )
-from .grad_norms import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, register_grad_norm_rule
+from .grad_norms import (
+    per_sequence_grad_inner_products,
+    per_sequence_grad_sq_norms,
+    register_grad_norm_rule,
+    validate,
+)
 from .plotting import plot_training
 from .reference_model import load_reference_model, resolve_model_path
 from .tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
@@ -50,4 +55,5 @@ __all__ = [
     "resolve_model_path",
     "snr_lr_scale",
     "step_scale_from_contributions",
+    "validate",
 ]

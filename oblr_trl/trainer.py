@@ -45,7 +45,7 @@ from .estimators import (
     max_weight_ratio,
     unit_sq_norms,
 )
-from .grad_norms import per_sequence_grad_inner_products, per_sequence_grads
+from .grad_norms import per_sequence_grad_inner_products, per_sequence_grads, validate
 from .loss_terms import loss_coefficients
 from .precision import frozen_fraction
 from .trl_logs import install_all_none_reward_filter
@@ -155,6 +155,8 @@ class OBLRPOTrainer(GRPOTrainer):
                 "OBLRPOTrainer computes exact per-sequence norms under FSDP2 only (fsdp_version: 2 in the accelerate "
                 "config); with FSDP1 use grad_norm_estimator='length' and snr_lr=False."
             )
+        if self._needs_norms:  # every layer the exact norms cannot cover, named now, before the first generation
+            validate(self.model)
         self._oblr_samples = StepSamples()
         self._oblr_rows_generated = 0  # completions generated for training so far, all ranks: the next row id
         self._oblr_saved_lrs: list[float] | None = None

@@ -1,5 +1,7 @@
-"""Exact per-sequence gradient norms: hooks (:mod:`.engine`), one rule per module type (:mod:`.rules`), and the
-ghost-norm algebra (:mod:`.factors`)."""
+"""Exact per-sequence gradient norms: hooks and the LM head (:mod:`.engine`), one rule per module type
+(:mod:`.rules`), rules recognised by what a layer computes (:mod:`.recognise`), the exact per-row path for small
+parameters no rule covers (:mod:`.generic`), the ghost-norm algebra (:mod:`.factors`), and :func:`validate`
+(:mod:`.support`)."""
 
 from .engine import (
     PerSequenceGradients,
@@ -9,6 +11,7 @@ from .engine import (
     unwrap_causal_lm,
 )
 from .rules import GRAD_NORM_RULES, register_grad_norm_rule
+from .support import Unsupported, UnsupportedModulesError, validate
 
 __all__ = [
     "GRAD_NORM_RULES",
@@ -17,5 +20,8 @@ __all__ = [
     "per_sequence_grad_sq_norms",
     "per_sequence_grads",
     "register_grad_norm_rule",
+    "Unsupported",
+    "UnsupportedModulesError",
+    "validate",
     "unwrap_causal_lm",
 ]

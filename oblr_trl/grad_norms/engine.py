@@ -21,12 +21,15 @@ from .factors import (
     SoftmaxDelta,
     VOCAB_CHUNK,
     Usage,
+    head_logits,
     block_inner_products,
     block_weighted_rows,
     materializing_saves_memory,
     per_sample_dtype,
 )
+from . import generic
 from .rules import find_rule
+from .support import _text_config, validate
 
 
 Slot = tuple[nn.Module, str]  # a parameter, as (owning module, attribute name)
@@ -42,12 +45,7 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
 
 
 def _logit_scale(lm: nn.Module) -> float:
-    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        raise NotImplementedError(
-            f"{type(lm).__name__} uses final_logit_softcapping, which per_sequence_grad_sq_norms does not support; "
-            "use OBLRPOConfig(grad_norm_estimator='length') for this model."
-        )
+    config = _text_config(lm)
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         if getattr(config, name, None) is not None:
             return float(getattr(config, name))
@@ -59,8 +57,27 @@ def _logit_scale(lm: nn.Module) -> float:
 class _Record:
     __slots__ = ("module", "activation", "output_grad", "input_has_grad")
 
-    def __init__(self, module: nn.Module, activation: torch.Tensor):
+    def __init__(self, module: nn.Module, activation):
         self.module, self.activation, self.output_grad, self.input_has_grad = module, activation, None, True
+
+
+def _per_row(t: torch.Tensor, batch: int, module: nn.Module, what: str) -> torch.Tensor:
+    """``t`` with the batch as its leading axis: as is, expanded from a leading 1 (an input shared by every row, such
+    as GPT-Neo's ``(1, T)`` position ids: each row's gradient then comes from its own output gradient), or a flattened
+    ``(B * T, ...)`` (OPT's MLP) reshaped to ``(B, T, ...)``. Anything else is refused, naming the module: pairing
+    such rows with the batch's sequences would be wrong."""
+    lead = t.shape[0] if t.dim() else 0
+    if lead == batch:
+        return t
+    if lead == 1:
+        return t.expand(batch, *t.shape[1:])
+    if lead and lead % batch == 0:
+        return t.reshape(batch, lead // batch, *t.shape[1:])
+    raise NotImplementedError(
+        f"{type(module).__name__}'s {what} has leading dimension {lead} (shape {tuple(t.shape)}), which is neither the "
+        f"batch ({batch}), 1, nor a multiple of the batch: its rows cannot be paired with the sequences. Freeze its "
+        "parameters (module.requires_grad_(False)) or use OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
+    )
 
 
 def _in_backward() -> bool:
@@ -81,7 +98,8 @@ def _checkpointed_layers(backbone: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[nn.Module] = ()):
+def _capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed_layers: list[nn.Module] = (),
+             calls_of: set[nn.Module] = frozenset()):
     """Record (activation, output gradient) of every call of ``modules`` during the forward/backward inside.
 
     ``on_grad(record, calls)``, if given, runs as soon as a record has both halves (``calls``: how many times each
@@ -90,6 +108,11 @@ def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[n
     Inside a checkpointed layer a module's input is not kept from the forward: the backward recomputes the layer, and
     the input is taken from that recomputation, just before (or just after) the module's output gradient arrives. So
     the pass keeps what checkpointing keeps, plus one layer's factors at a time when ``on_grad`` consumes them.
+
+    An output whose leading dimension is 1 while the batch is ``batch`` (computed once, broadcast to every row) is
+    replaced by its expansion to the batch, so that its gradient arrives per row instead of summed over the rows.
+    Modules in ``calls_of`` (handled by :mod:`.generic`) have their whole call recorded: arguments, keyword arguments
+    and every output that carries a gradient.
     """
     records: list[_Record] = []
     calls: dict[nn.Module, int] = defaultdict(int)
@@ -120,17 +143,53 @@ def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[n
                 "per-sequence norms cannot pair its recomputed inputs. Disable gradient checkpointing."
             )
         record = waiting[module].popleft()
-        record.activation = args[0].detach()
+        record.activation = _per_row(args[0].detach(), batch, module, "input")
         if record.output_grad is not None:
             ready(record)
 
+    def call_hook(module, args, kwargs, output):
+        if generic.replaying() or (_in_backward() and calls[module]):
+            return None
+        if batch > 1 and torch.is_tensor(output) and output.dim() and output.shape[0] == 1 and output.requires_grad:
+            output = output.expand(batch, *output.shape[1:])  # shared by every row: gradient per row
+        # Each output that carries a gradient is replaced by a fresh view of itself, so that its hook sees only the
+        # gradient from outside the module (an output the module itself used further, such as eager attention's
+        # probabilities, would otherwise also carry the gradient of the outputs computed from it).
+        output = returned = generic.fresh_views(output)
+        outputs = generic.output_tensors(output)
+        if not outputs:
+            return None
+        if batch > 1 and any(o.dim() == 0 or o.shape[0] == 1 for o in outputs):
+            raise NotImplementedError(
+                f"{type(module).__name__} returns an output shared by the whole batch inside a tuple: its per-sequence "
+                "gradients cannot be told apart. Freeze its parameters (module.requires_grad_(False)) or use "
+                "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
+            )
+        calls[module] += 1
+        record = _Record(module, generic.Call(args, kwargs, [o.detach() for o in outputs]))
+        record.output_grad = [None] * len(outputs)
+        records.append(record)
+        live_inputs = generic.input_tensors(args, kwargs)
+        inputs_with_grad.extend(live_inputs)
+        record.input_has_grad = bool(live_inputs)
+        for i, o in enumerate(outputs):
+            o.register_hook(lambda grad, record=record, i=i: record.output_grad.__setitem__(i, grad.detach()))
+        return returned
+
     def forward_hook(module, args, output):
+        if generic.replaying():
+            return None
         if not args or not torch.is_tensor(args[0]) or not torch.is_tensor(output) or not output.requires_grad:
-            return
+            return None
+        if batch > 1 and output.dim() and output.shape[0] == 1:
+            output = output.expand(batch, *output.shape[1:])  # shared by every row: expanded, its gradient is per row
+            returned = output
+        else:
+            returned = None
         if _in_backward() and module in in_checkpointed and calls[module]:
-            return  # the recomputation of a module that ran in the forward: paired by the pre-hook
+            return returned  # the recomputation of a module that ran in the forward: paired by the pre-hook
         deferred = module in in_checkpointed and not _in_backward()
-        record = _Record(module, None if deferred else args[0].detach())
+        record = _Record(module, None if deferred else _per_row(args[0].detach(), batch, module, "input"))
         records.append(record)
         if not _in_backward():
             calls[module] += 1
@@ -142,13 +201,15 @@ def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[n
             inputs_with_grad.append(args[0])
 
         def grad_hook(grad, record=record):
-            record.output_grad = grad.detach()
+            record.output_grad = _per_row(grad.detach(), batch, record.module, "output gradient")
             if record.activation is not None:
                 ready(record)
 
         output.register_hook(grad_hook)
+        return returned
 
-    handles = [m.register_forward_hook(forward_hook) for m in modules]
+    handles = [m.register_forward_hook(forward_hook) for m in modules if m not in calls_of]
+    handles += [m.register_forward_hook(call_hook, with_kwargs=True) for m in calls_of]
     handles += [m.register_forward_pre_hook(recompute_pre_hook) for m in modules if m in in_checkpointed]
     handles += [m.register_forward_pre_hook(layer_pre_hook, with_kwargs=True) for m in checkpointed_layers]
     try:
@@ -164,20 +225,22 @@ def _capture(modules: list[nn.Module], on_grad=None, checkpointed_layers: list[n
         )
 
 
-def _hooked_modules(backbone: nn.Module, skip: nn.Module | None) -> list[nn.Module]:
-    modules = []
-    for name, module in backbone.named_modules():
+def _hooked_modules(backbone: nn.Module, skip: nn.Module | None) -> tuple[list[nn.Module], set[nn.Module]]:
+    """The trainable modules to hook, and those of them taken by the per-row path (:mod:`.generic`). Refuses, listing
+    every unsupported module at once (:func:`~.support.validate`)."""
+    from .support import how_handled
+
+    modules, per_row = [], set()
+    for module in backbone.modules():
         if module is skip or not any(p.requires_grad for p in module.parameters(recurse=False)):
             continue
-        if find_rule(module) is None:
-            trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-            raise NotImplementedError(
-                f"No per-sequence gradient-norm rule for module type {type(module).__name__} ('{name}', trainable "
-                f"parameters {trainable}). Register one with oblr_trl.grad_norms.register_grad_norm_rule, freeze "
-                "those parameters, or use OBLRPOConfig(grad_norm_estimator='length')."
-            )
+        how = how_handled(module)
+        if how is None:
+            validate(backbone)  # raises, naming every unsupported module
+        if how == "per-row":
+            per_row.add(module)
         modules.append(module)
-    return modules
+    return modules, per_row
 
 
 def _plain(param: torch.Tensor, lm: nn.Module) -> torch.Tensor:
@@ -207,23 +270,18 @@ def _fsdp_root_unsharded(lm: nn.Module):
 
 
 @torch.no_grad()
-def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, weight, bias, alpha: float):
-    """Log-sum-exp, label log-probs and ``d sum_t log p / d h`` of the head, in vocabulary chunks."""
-    hf = h.float()
+def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, weight, bias, alpha: float,
+                   softcap: float | None = None):
+    """Log-sum-exp of the scored logits and ``d sum_t log p / d h`` of the head, in vocabulary chunks."""
     lse = torch.full(h.shape[:-1], -float("inf"), device=h.device)
-    for start in range(0, weight.shape[0], VOCAB_CHUNK):
-        logits = alpha * (hf @ weight[start : start + VOCAB_CHUNK].float().T)
-        if bias is not None:
-            logits = logits + alpha * bias[start : start + VOCAB_CHUNK].float()
-        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
-    expected_w = torch.zeros_like(hf)
-    for start in range(0, weight.shape[0], VOCAB_CHUNK):
-        w = weight[start : start + VOCAB_CHUNK].float()
-        logits = alpha * (hf @ w.T)
-        if bias is not None:
-            logits = logits + alpha * bias[start : start + VOCAB_CHUNK].float()
-        expected_w += torch.exp(logits - lse[..., None]) @ w
-    grad_h = alpha * mask[..., None] * (weight.float()[labels] - expected_w)
+    chunks = [(start, min(start + VOCAB_CHUNK, weight.shape[0])) for start in range(0, weight.shape[0], VOCAB_CHUNK)]
+    for start, end in chunks:
+        z, _ = head_logits(h, weight[start:end], None if bias is None else bias[start:end], alpha, softcap)
+        lse = torch.logaddexp(lse, torch.logsumexp(z, dim=-1))
+    delta = SoftmaxDelta(h, weight, bias, alpha, lse, labels, mask, softcap)
+    grad_h = torch.zeros_like(h, dtype=torch.float32)
+    for start, end in chunks:
+        grad_h += delta.cols(start, end) @ weight[start:end].float()
     return lse, grad_h
 
 
@@ -381,7 +439,8 @@ def per_sequence_grads(
         raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
     backbone = lm.base_model
     alpha = _logit_scale(lm) / temperature
-    hooked = _hooked_modules(backbone, skip=head)
+    softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
+    hooked, per_row = _hooked_modules(backbone, skip=head)
     checkpointed = _checkpointed_layers(backbone)
     # Each trainable parameter's slot, (module, name) of its first owner: found now, by the parameters' identity, and
     # kept as modules, because FSDP2 swaps the parameter objects when it unshards them inside the pass. A tied
@@ -423,14 +482,14 @@ def per_sequence_grads(
         record.activation, record.output_grad = None, None  # consumed
 
     on_grad_hook = on_grad if streamed is not None or materialize else None
-    with _fsdp_root_unsharded(lm), _capture(hooked, on_grad_hook, checkpointed) as (records, inputs_with_grad):
+    with _fsdp_root_unsharded(lm), _capture(hooked, batch, on_grad_hook, checkpointed, per_row) as (records, inputs_with_grad):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         h = hidden[:, length - completion_length - 1 : length - 1]
         labels = input_ids[:, length - completion_length :]
         mask = completion_mask.to(torch.float32)
         head_weight, head_bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
         with _fp32(input_ids.device):
-            lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head_weight, head_bias, alpha)
+            lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head_weight, head_bias, alpha, softcap)
         if hidden.requires_grad:
             full_grad = torch.zeros_like(hidden)
             full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
@@ -453,11 +512,17 @@ def per_sequence_grads(
                 ) from error
 
     for record in records:
+        if isinstance(record.activation, generic.Call):
+            if any(g is not None for g in record.output_grad):
+                for name, usage in generic.per_row_usages(record.module, record.activation, record.output_grad,
+                                                          batch).items():
+                    usages[slot_of[(record.module, name)]].append(usage)
+            continue
         if record.output_grad is None:  # streamed, a recomputation under gradient checkpointing, or an unused output
             continue
         keep(record, materialize_now=False)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask)
+        delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask, softcap)
         if head.weight.requires_grad:
             usages[slot_of[(head, "weight")]].append(Factored(delta, Dense(h.detach())))
         if head.bias is not None and head.bias.requires_grad:

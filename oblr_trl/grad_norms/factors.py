@@ -72,17 +72,35 @@ class OneHot:
         return out.scatter_add_(1, self.idx[..., None].expand(-1, -1, right.t.shape[-1]), right.t.float())
 
 
+def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: float,
+                softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """The head's scored logits ``z = alpha * cap(h W^T + b)`` on the rows of ``weight`` given (a vocabulary chunk or
+    gathered rows, ``(V_c, d)`` or ``(B, V_c, d)``), and ``dz/ds`` w.r.t. the raw logits ``s``: ``alpha``, times
+    ``1 - tanh^2(s / softcap)`` under Gemma 2's ``final_logit_softcapping`` (``cap(s) = softcap * tanh(s / softcap)``).
+    The one place the scored logits are written."""
+    w = weight.float()
+    s = h.float() @ (w.T if w.dim() == 2 else w.transpose(1, 2))
+    if bias is not None:
+        s = s + (bias.float() if bias.dim() == 1 else bias.float()[:, None, :])
+    if softcap is None:
+        return alpha * s, alpha
+    t = torch.tanh(s / softcap)
+    return alpha * softcap * t, alpha * (1 - t * t)
+
+
 @dataclass
 class SoftmaxDelta:
-    """``d log p(y_t) / d z_t`` of the LM head, ``mask_t * alpha * (onehot(y_t) - softmax(alpha * (h_t W^T + b)))``."""
+    """``d log p(y_t) / d s_t`` of the LM head w.r.t. its raw logits ``s_t = h_t W^T + b``:
+    ``mask_t * (onehot(y_t) - softmax(z_t)) * dz/ds`` with ``z`` from :func:`head_logits`."""
 
     h: torch.Tensor  # (B, T, d) hidden states entering the head
     weight: torch.Tensor  # (V, d)
     bias: torch.Tensor | None  # (V,)
     alpha: float  # logit scale / temperature
-    lse: torch.Tensor  # (B, T) log-sum-exp of the scaled logits
+    lse: torch.Tensor  # (B, T) log-sum-exp of the scored logits
     labels: torch.Tensor  # (B, T) long
     mask: torch.Tensor  # (B, T) float
+    softcap: float | None = None  # final_logit_softcapping
 
     @property
     def width(self) -> int:
@@ -91,29 +109,21 @@ class SoftmaxDelta:
     def blocked(self, k: int) -> "SoftmaxDelta":
         return SoftmaxDelta(
             _block(self.h, k), self.weight, self.bias, self.alpha, _block(self.lse, k), _block(self.labels, k),
-            _block(self.mask, k),
+            _block(self.mask, k), self.softcap,
         )
 
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.exp(self.alpha * logits - self.lse[..., None])
+    def _delta(self, weight, bias, is_label: torch.Tensor) -> torch.Tensor:
+        z, dz = head_logits(self.h, weight, bias, self.alpha, self.softcap)
+        return (is_label.float() - torch.exp(z - self.lse[..., None])) * dz * self.mask[..., None]
 
     def cols(self, start: int, end: int) -> torch.Tensor:
-        w = self.weight[start:end].float()
-        logits = self.h.float() @ w.T
-        if self.bias is not None:
-            logits = logits + self.bias[start:end].float()
-        delta = -self._probs(logits)
-        in_chunk = (self.labels >= start) & (self.labels < end)
-        delta.scatter_add_(2, (self.labels - start).clamp(0, end - start - 1)[..., None], in_chunk[..., None].float())
-        return delta * (self.alpha * self.mask)[..., None]
+        ids = torch.arange(start, end, device=self.labels.device)
+        bias = None if self.bias is None else self.bias[start:end]
+        return self._delta(self.weight[start:end], bias, self.labels[..., None] == ids)
 
     def gather_cols(self, idx: torch.Tensor) -> torch.Tensor:
-        w = self.weight.float()[idx]  # (B, Tq, d)
-        logits = torch.bmm(self.h.float(), w.transpose(1, 2))
-        if self.bias is not None:
-            logits = logits + self.bias.float()[idx][:, None, :]
-        delta = (self.labels[:, :, None] == idx[:, None, :]).float() - self._probs(logits)
-        return delta * (self.alpha * self.mask)[..., None]
+        bias = None if self.bias is None else self.bias[idx]
+        return self._delta(self.weight[idx], bias, self.labels[:, :, None] == idx[:, None, :])
 
 
 Factor = Dense | OneHot | SoftmaxDelta
@@ -253,7 +263,7 @@ def _block_slice(f: Factor, b: int) -> Factor:
     if isinstance(f, OneHot):
         return OneHot(f.idx[b : b + 1], f.n)
     return SoftmaxDelta(f.h[b : b + 1], f.weight, f.bias, f.alpha, f.lse[b : b + 1], f.labels[b : b + 1],
-                        f.mask[b : b + 1])
+                        f.mask[b : b + 1], f.softcap)
 
 
 def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:

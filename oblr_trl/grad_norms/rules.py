@@ -8,6 +8,7 @@ A rule maps ``(module, activation, output_grad)`` of one call of the module, bot
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -21,15 +22,16 @@ _NAME_RULES: dict[str, Rule] = {}
 
 
 def register_grad_norm_rule(*module_types: type | str) -> Callable[[Rule], Rule]:
-    """Register a rule for exact module types, or for class names (for model-specific classes such as
-    ``Qwen3RMSNorm`` that share a formula without sharing a base class)."""
+    """Register a rule for exact module types, or for class names (for model-specific classes that share a formula
+    without sharing a base class). Registering a second rule for a type (or name) raises: a rule is replaced only by
+    removing the first from :data:`GRAD_NORM_RULES` explicitly."""
 
     def decorator(rule: Rule) -> Rule:
         for module_type in module_types:
-            if isinstance(module_type, str):
-                _NAME_RULES[module_type] = rule
-            else:
-                GRAD_NORM_RULES[module_type] = rule
+            table = _NAME_RULES if isinstance(module_type, str) else GRAD_NORM_RULES
+            if module_type in table:
+                raise ValueError(f"A grad-norm rule is already registered for {module_type!r}: {table[module_type]}.")
+            table[module_type] = rule
         return rule
 
     return decorator
@@ -43,9 +45,21 @@ def _original_class(cls: type) -> type:
     return cls
 
 
+_RECOGNISED: "weakref.WeakKeyDictionary[nn.Module, Rule | None]" = weakref.WeakKeyDictionary()
+
+
 def find_rule(module: nn.Module) -> Rule | None:
+    """The module's rule: registered for its exact class (or class name), else recognised by what it computes
+    (:mod:`.recognise`: a norm, a scaled embedding, a linear map, each verified on a probe input), else None."""
     cls = _original_class(type(module))
-    return GRAD_NORM_RULES.get(cls) or _NAME_RULES.get(cls.__name__)
+    rule = GRAD_NORM_RULES.get(cls) or _NAME_RULES.get(cls.__name__)
+    if rule is not None:
+        return rule
+    if module not in _RECOGNISED:
+        from .recognise import recognise
+
+        _RECOGNISED[module] = recognise(module)
+    return _RECOGNISED[module]
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +67,7 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-@register_grad_norm_rule(nn.Linear)
+@register_grad_norm_rule(nn.Linear, "FalconLinear")
 def linear_rule(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
     """``y = x W^T + b``: per-sample ``dW = sum_t g_t (x) x_t`` (factored), ``db = sum_t g_t``."""
     g, x = _tokens(output_grad), _tokens(activation)
@@ -65,6 +79,13 @@ def linear_rule(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.T
     return usages
 
 
+def _embed_scale(layer: nn.Module) -> float | None:
+    scale = getattr(layer, "embed_scale", None)
+    if scale is None:
+        return None
+    return float(scale)
+
+
 @register_grad_norm_rule(nn.Embedding)
 def embedding_rule(layer: nn.Embedding, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
     """``y_t = W[x_t]``: per-sample ``dW = sum_t onehot(x_t) (x) g_t``; the ``padding_idx`` row gets no gradient."""
@@ -72,6 +93,9 @@ def embedding_rule(layer: nn.Embedding, activation: torch.Tensor, output_grad: t
         return {}
     ids = activation.reshape(activation.shape[0], -1)
     g = _tokens(output_grad)
+    scale = _embed_scale(layer)
+    if scale is not None:  # Gemma's *ScaledWordEmbedding: y = W[x] * embed_scale
+        g = g * scale
     if layer.padding_idx is not None:
         g = g * (ids != layer.padding_idx)[..., None].to(g.dtype)
     return {"weight": Factored(OneHot(ids, layer.num_embeddings), Dense(g))}
@@ -85,9 +109,10 @@ def _rms_normalized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@register_grad_norm_rule("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm", nn.RMSNorm)
+@register_grad_norm_rule(nn.RMSNorm)
 def rms_norm_rule(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
-    """``y = w * x / rms(x)`` (Llama/Qwen form): per-sample ``dw = sum_t g_t * xhat_t`` (materialized, d values)."""
+    """``y = w * x / rms(x)`` (Llama/Qwen form) or ``y = (1 + w) * x / rms(x)`` (Gemma's): per-sample
+    ``dw = sum_t g_t * xhat_t`` either way (materialized, d values)."""
     if not layer.weight.requires_grad:
         return {}
     xhat = _tokens(_rms_normalized(layer, activation))
@@ -106,4 +131,25 @@ def layer_norm_rule(layer: nn.LayerNorm, activation: torch.Tensor, output_grad: 
         usages["weight"] = Materialized((g * _tokens(xhat)).sum(1))
     if layer.bias is not None and layer.bias.requires_grad:
         usages["bias"] = Materialized(g.sum(1))
+    return usages
+
+
+def centred_norm_rule(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
+    """``y = w * (x - mean) / std`` with no bias (Cohere's LayerNorm): per-sample ``dw = sum_t g_t * xhat_t``."""
+    if not layer.weight.requires_grad:
+        return {}
+    eps = getattr(layer, "variance_epsilon", getattr(layer, "eps", 1e-5))
+    xhat = nn.functional.layer_norm(activation.float(), activation.shape[-1:], eps=eps)
+    return {"weight": Materialized((_tokens(output_grad).float() * _tokens(xhat)).sum(1))}
+
+
+@register_grad_norm_rule("Conv1D")
+def conv1d_rule(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
+    """GPT-2's ``Conv1D``, ``y = x W + b`` with ``W`` stored ``(in, out)``: per-sample ``dW = sum_t x_t (x) g_t``."""
+    g, x = _tokens(output_grad), _tokens(activation)
+    usages: dict[str, Usage] = {}
+    if layer.weight.requires_grad:
+        usages["weight"] = Factored(Dense(x), Dense(g))
+    if layer.bias is not None and layer.bias.requires_grad:
+        usages["bias"] = Materialized(g.float().sum(1))
     return usages

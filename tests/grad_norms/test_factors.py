@@ -1,4 +1,5 @@
-"""Exact per-sequence gradient norms vs one ``torch.autograd.grad`` per sequence (tests/reference.py)."""
+"""The whole-model pass (hooks, LM head, factor algebra, streaming, checkpointing, bf16) vs one ``torch.autograd.grad``
+per sequence (tests/reference.py)."""
 
 import pytest
 import torch
@@ -118,18 +119,21 @@ def test_frozen_model_gives_zero_norms():
     assert torch.equal(per_sequence_grad_sq_norms(model, ids, attention, completion_mask), torch.zeros(6))
 
 
-def test_module_without_rule_is_named():
+def test_module_without_rule_is_named_then_its_rule_is_used(monkeypatch):
+    """Above the per-row path's size limit a module with no rule is refused by name; a registered rule is used."""
+    from oblr_trl.grad_norms import generic
+
     class Scale(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.gain = torch.nn.Parameter(torch.ones(32))
+            self.gain = torch.nn.Parameter(torch.ones(48))
 
         def forward(self, x):
             return x * self.gain
 
+    monkeypatch.setattr(generic, "MAX_NUMEL", 0)
     model = qwen3(tie=True)
     model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), Scale())
-    model.model.layers[0].mlp.act_fn[1].gain = torch.nn.Parameter(torch.ones(48))
     ids, attention, completion_mask = padded_batch()
     with pytest.raises(NotImplementedError, match="Scale"):
         per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
@@ -139,7 +143,6 @@ def test_module_without_rule_is_named():
         from oblr_trl.grad_norms.factors import Materialized
         g, x = output_grad.reshape(output_grad.shape[0], -1, output_grad.shape[-1]), activation.reshape(activation.shape[0], -1, activation.shape[-1])
         return {"gain": Materialized((g * x).sum(1))}
-
     ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
     torch.testing.assert_close(ours.double(), per_sample_sq_norms(model, ids, attention, completion_mask), rtol=1e-4, atol=1e-6)
 
@@ -347,7 +350,9 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
     layers = _checkpointed_layers(backbone)
     assert len(layers) == 2
     inside = {m for layer in layers for m in layer.modules()}
-    with _capture(_hooked_modules(backbone, skip=model.lm_head), None, layers) as (records, targets):
+    hooked, per_row = _hooked_modules(backbone, skip=model.lm_head)
+    assert not per_row  # every Qwen3 layer has a rule
+    with _capture(hooked, ids.shape[0], None, layers) as (records, targets):
         backbone(input_ids=ids, attention_mask=attention, use_cache=False)
         held = [r for r in records if r.activation is not None]
         assert {r.module for r in held} == {backbone.embed_tokens, backbone.norm}  # outside the layers

@@ -1,0 +1,137 @@
+"""The exact path for small parameters that no rule covers (GPT-OSS attention ``sinks``, a router's weight, the
+biases and gains of exotic modules, a tiny model's expert bank).
+
+The module's whole call is recorded in the forward (positional and keyword arguments, detached, and every output
+that carries a gradient); once the backward has delivered the outputs' gradients, the module is run again on each
+sequence's rows alone and one vector-Jacobian product with that sequence's output gradients gives the per-sequence
+gradient of the module's own parameters, held materialized, ``(B, *param.shape)``.
+
+It is exact whenever the module treats the sequences independently (true of every layer of a transformer LM:
+nothing mixes rows), and it checks that: each row's re-run output must equal that row of the recorded output, or
+the pass stops naming the module. Cost: one forward and backward of the module per sequence (in total about one more
+forward+backward of that module on the batch, in ``B`` small calls), ``B x`` its direct parameters in memory, and its
+inputs kept from the forward until the end of the backward. Hence the limit :data:`MAX_NUMEL` on the parameters it
+takes; larger modules need a rule (or freezing).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .factors import Materialized
+
+MAX_NUMEL = 1 << 21  # trainable elements of one module's own parameters that the per-row path takes at most
+
+_REPLAY = [0]
+
+
+def replaying() -> bool:
+    """Whether a per-row re-run is under way (the capture hooks then record nothing)."""
+    return _REPLAY[0] > 0
+
+
+@contextmanager
+def _replay():
+    _REPLAY[0] += 1
+    try:
+        yield
+    finally:
+        _REPLAY[0] -= 1
+
+
+def _map(fn, x):
+    if torch.is_tensor(x):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(fn, v) for v in x)
+    if isinstance(x, dict):
+        return {k: _map(fn, v) for k, v in x.items()}
+    return x
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _map(lambda t: out.append(t) or t, x)
+    return out
+
+
+def output_tensors(output) -> list[torch.Tensor]:
+    """The outputs of a call that carry a gradient, in a fixed order."""
+    return [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+
+
+def fresh_views(output):
+    """``output`` with every tensor that carries a gradient replaced by a view of itself."""
+    return _map(lambda t: t.view_as(t) if t.requires_grad and t.is_floating_point() else t, output)
+
+
+def input_tensors(args, kwargs) -> list[torch.Tensor]:
+    """The inputs of a call that carry a gradient (the backward must reach them, so that it reaches the outputs)."""
+    return [t for t in _tensors((args, kwargs)) if t.requires_grad]
+
+
+class Call:
+    """One recorded call: detached arguments and the outputs that carry a gradient."""
+
+    __slots__ = ("args", "kwargs", "outputs")
+
+    def __init__(self, args, kwargs, outputs: list[torch.Tensor]):
+        self.args, self.kwargs = _map(torch.Tensor.detach, args), _map(torch.Tensor.detach, kwargs)
+        self.outputs = outputs
+
+
+def trainable_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+
+
+def per_row_usages(module: nn.Module, call: Call, output_grads: list, batch: int) -> dict[str, Materialized]:
+    """``{name: Materialized((B, *shape))}``: each sequence's gradient of its own parameters, from a re-run per row."""
+    names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    params = [getattr(module, n) for n in names]
+    lead = call.outputs[0].shape[0] if call.outputs[0].dim() else 0
+    if lead == 0 or (lead != 1 and lead % batch):
+        raise NotImplementedError(
+            f"{type(module).__name__}'s output has leading dimension {lead}, neither 1 nor a multiple of the batch "
+            f"({batch}): its rows cannot be paired with the sequences. Freeze its parameters "
+            "(module.requires_grad_(False)) or use OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
+        )
+    per = lead // batch if lead != 1 else 0  # output rows per sequence (0: one output shared by every row)
+    grads = [torch.zeros(batch, *p.shape, dtype=torch.float32, device=p.device) for p in params]
+
+    def rows(t: torch.Tensor, b: int) -> torch.Tensor:
+        if per and t.dim() and t.shape[0] == lead:
+            return t[b * per : (b + 1) * per]
+        if t.dim() and t.shape[0] == batch:
+            return t[b : b + 1]
+        return t
+
+    with _replay(), torch.enable_grad():
+        for b in range(batch):
+            grad_outputs = [None if g is None else rows(g, b) if per else g[b : b + 1] for g in output_grads]
+            if all(g is None for g in grad_outputs):
+                continue
+            out = output_tensors(module(*_map(lambda t: rows(t, b), call.args),
+                                        **_map(lambda t: rows(t, b), call.kwargs)))
+            if len(out) != len(call.outputs):
+                raise NotImplementedError(f"{type(module).__name__} returned different outputs when re-run per row.")
+            for o, recorded in zip(out, call.outputs):
+                expected = rows(recorded, b) if per else recorded
+                tol = (1e-3 if o.dtype == torch.float32 else 3e-2) * float(expected.abs().max()) + 1e-6
+                if o.shape != expected.shape or float((o.detach() - expected).abs().max()) > tol:
+                    raise NotImplementedError(
+                        f"{type(module).__name__} does not treat the sequences independently (a row re-run alone "
+                        "gives another output; dropout in train mode does that too): its per-sequence gradients "
+                        "cannot be taken row by row. Freeze its parameters (module.requires_grad_(False)), call "
+                        "model.eval() to disable dropout, or use OBLRPOConfig(grad_norm_estimator='length', "
+                        "snr_lr=False)."
+                    )
+            pairs = [(o, g) for o, g in zip(out, grad_outputs) if g is not None]
+            row = torch.autograd.grad([o for o, _ in pairs], params, [g.to(o.dtype) for o, g in pairs],
+                                      allow_unused=True)
+            for acc, r in zip(grads, row):
+                if r is not None:
+                    acc[b] = r.float()
+    return {n: Materialized(g) for n, g in zip(names, grads)}

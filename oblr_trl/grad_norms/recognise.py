@@ -1,0 +1,91 @@
+"""Rules for layers recognised by what they compute, where the class name says nothing (``Phi3RMSNorm``,
+``Olmo2RMSNorm``, Gemma's ``(1 + w)`` norm, ``CohereLayerNorm``, Gemma's ``*ScaledWordEmbedding``, subclasses of
+``nn.Linear``...).
+
+A candidate is chosen by its shape (a 1-D ``weight`` and an epsilon; an ``nn.Embedding`` or ``nn.Linear`` subclass)
+and accepted only if its forward, run on a random probe input with a random weight, equals the formula the rule
+differentiates. A module that computes anything else gets no rule from here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .rules import Rule, centred_norm_rule, embedding_rule, linear_rule, rms_norm_rule, _embed_scale
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    tol = 1e-4 if a.dtype == torch.float32 else 2e-2
+    return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
+
+
+def _own_trainable(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters(recurse=False)}
+
+
+def _eps(module: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def _norm_rule(module: nn.Module) -> Rule | None:
+    params = _own_trainable(module)
+    weight = params.get("weight")
+    if set(params) != {"weight"} or weight.dim() != 1 or any(True for _ in module.children()):
+        return None
+    eps = _eps(module)
+    if eps is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    d = weight.numel()
+    x = torch.randn(2, 3, d, generator=g).to(weight.device, weight.dtype)
+    w = torch.randn(d, generator=g).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        y = functional_call(module, {"weight": w}, (x,))
+        if not torch.is_tensor(y):
+            return None
+        xf, wf = x.float(), w.float()
+        rms = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if _close(y, wf * rms) or _close(y, (1 + wf) * rms):
+            return rms_norm_rule
+        if _close(y, wf * nn.functional.layer_norm(xf, (d,), eps=eps)):
+            return centred_norm_rule
+    return None
+
+
+def _embedding_rule(module: nn.Embedding) -> Rule | None:
+    ids = torch.randint(0, module.num_embeddings, (2, 5), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(module.weight.device)
+    with torch.no_grad():
+        y = module(ids)
+        expected = nn.functional.embedding(ids, module.weight)
+        scale = _embed_scale(module)
+        if scale is not None:
+            expected = expected * scale
+    return embedding_rule if torch.is_tensor(y) and _close(y, expected) else None
+
+
+def _linear_rule(module: nn.Linear) -> Rule | None:
+    x = torch.randn(2, 3, module.in_features, generator=torch.Generator().manual_seed(0))
+    x = x.to(module.weight.device, module.weight.dtype)
+    with torch.no_grad():
+        y = module(x)
+        expected = nn.functional.linear(x, module.weight, module.bias)
+    return linear_rule if torch.is_tensor(y) and _close(y, expected) else None
+
+
+def recognise(module: nn.Module) -> Rule | None:
+    """A rule whose formula this module's forward verifiably computes, or None."""
+    try:
+        if isinstance(module, nn.Embedding):
+            return _embedding_rule(module)
+        if isinstance(module, nn.Linear):
+            return _linear_rule(module)
+        return _norm_rule(module)
+    except Exception:  # a forward that will not run on a probe (other signature, sharded weights): no rule from here
+        return None

@@ -1,0 +1,97 @@
+"""Which trainable modules the exact per-sequence norms cover, and :func:`validate` (as Opacus's), which lists every
+one they do not, at once, with advice that works."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from . import generic
+from .rules import find_rule
+
+ADVICE = (
+    "Either freeze them (module.requires_grad_(False) for each), or train without exact norms: "
+    "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False) (a completion-length proxy for the baseline weights; "
+    "the SNR step size needs the exact norms, so it must be off too), or register a rule with "
+    "oblr_trl.grad_norms.register_grad_norm_rule."
+)
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    name: str  # the module's qualified name ('' for the model itself)
+    type: str  # its class name
+    reason: str
+
+    def __str__(self) -> str:
+        return f"'{self.name}' ({self.type}): {self.reason}"
+
+
+class UnsupportedModulesError(NotImplementedError):
+    """Raised by :func:`validate`; ``.modules`` lists every unsupported trainable module."""
+
+    def __init__(self, modules: list[Unsupported]):
+        self.modules = modules
+        lines = "\n".join(f"  - {m}" for m in modules)
+        super().__init__(
+            f"Exact per-sequence gradient norms do not cover {len(modules)} trainable module(s) of this model:\n"
+            f"{lines}\n{ADVICE}"
+        )
+
+
+def how_handled(module: nn.Module) -> str | None:
+    """'rule' (a per-layer rule), 'per-row' (:mod:`.generic`), or None (unsupported) for a module with trainable
+    parameters of its own."""
+    if find_rule(module) is not None:
+        return "rule"
+    if generic.trainable_numel(module) <= generic.MAX_NUMEL:
+        return "per-row"
+    return None
+
+
+def _text_config(lm: nn.Module):
+    config = getattr(lm, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return config
+
+
+def unsupported_modules(model: nn.Module) -> list[Unsupported]:
+    """Every trainable module of ``model`` (a causal LM, possibly PEFT/DDP-wrapped) the exact norms do not cover."""
+    from .engine import unwrap_causal_lm
+
+    lm = unwrap_causal_lm(model)
+    if not any(p.requires_grad for p in lm.parameters()):
+        return []
+    found: list[Unsupported] = []
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        found.append(Unsupported("lm_head", type(head).__name__, "the LM head must be an nn.Linear"))
+    backbone = getattr(lm, "base_model", lm)
+    for name, module in backbone.named_modules():
+        if module is head or not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        if how_handled(module) is None:
+            trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            found.append(Unsupported(
+                name, type(module).__name__,
+                f"no rule for its type, and its trainable parameters {trainable} "
+                f"({generic.trainable_numel(module):,} elements) exceed the per-row path's limit "
+                f"({generic.MAX_NUMEL:,})",
+            ))
+    return found
+
+
+def validate(model: nn.Module, *, strict: bool = True) -> list[Unsupported]:
+    """Check, before any training, that exact per-sequence gradient norms cover every trainable module of ``model``.
+
+    Returns the list of unsupported modules (empty when all are covered); with ``strict=True`` (the default) raises
+    :class:`UnsupportedModulesError` listing all of them at once, with advice that works. Layouts that only the data
+    reveal (an output whose leading dimension is not the batch) are checked during the pass itself, which stops
+    naming the module.
+    """
+    found = unsupported_modules(model)
+    if found and strict:
+        raise UnsupportedModulesError(found)
+    return found

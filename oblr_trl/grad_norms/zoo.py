@@ -1,0 +1,63 @@
+"""Tiny random models of the architecture families the exact norms are checked on (2 layers, hidden 32, built from
+transformers' config classes): the test zoo (tests/grad_norms/test_zoo.py) and the README's generated support table
+(:mod:`.support_table`) both read this list."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 48
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=0, max_position_embeddings=64)
+_NOT_LLAMA_NAMES = dict(hidden_size=None, intermediate_size=None, num_hidden_layers=None, num_attention_heads=None,
+                        num_key_value_heads=None, max_position_embeddings=None)
+_MOE = dict(num_experts_per_tok=2)
+
+# family: (config class, model class, config overrides; None drops a common key)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8)),
+    "Qwen3-MoE": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=8, num_experts=4, moe_intermediate_size=16, **_MOE)),
+    "Llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "Mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "Mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, **_MOE)),
+    "Gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=8)),
+    "Gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=8)),
+    "Gemma3 (text)": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=8)),
+    "Phi-3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "Phi-2": ("PhiConfig", "PhiForCausalLM", {}),
+    "GPT-2": ("GPT2Config", "GPT2LMHeadModel", dict(_NOT_LLAMA_NAMES, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+    "GPT-NeoX": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "GPT-Neo": ("GPTNeoConfig", "GPTNeoForCausalLM",
+                dict(_NOT_LLAMA_NAMES, hidden_size=32, max_position_embeddings=64, num_layers=2, num_heads=4,
+                     attention_types=[[["global", "local"], 1]], window_size=8)),
+    "GPTBigCode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
+                   dict(_NOT_LLAMA_NAMES, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+    "OLMo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "SmolLM3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
+    "Granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(logits_scaling=2.0, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3)),
+    "Cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+    "Cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(logit_scale=0.5)),
+    "StableLM": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "Falcon": ("FalconConfig", "FalconForCausalLM", dict(num_key_value_heads=None, intermediate_size=None)),
+    "DeepSeek-V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(n_routed_experts=4, n_shared_experts=1, num_key_value_heads=4, moe_intermediate_size=16,
+                         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                         head_dim=4, first_k_dense_replace=1, n_group=1, topk_group=1, **_MOE)),
+    "GPT-OSS": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, head_dim=8, sliding_window=4, **_MOE)),
+    "OPT": ("OPTConfig", "OPTForCausalLM",
+            dict(ffn_dim=48, word_embed_proj_dim=32, intermediate_size=None, num_key_value_heads=None)),
+}
+
+
+def build(family: str, tie: bool = False, seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:
+    """The family's tiny random model, in eval mode (no dropout), float32."""
+    import transformers
+
+    config_cls, model_cls, overrides = FAMILIES[family]
+    kwargs = {k: v for k, v in {**_COMMON, **overrides, "vocab_size": vocab_size}.items() if v is not None}
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(tie_word_embeddings=tie, **kwargs)
+    return getattr(transformers, model_cls)(config).eval()

@@ -1,0 +1,146 @@
+"""Every family of oblr_trl/grad_norms/zoo.py, tiny and random, tied and untied, on a padded batch: exact against
+per-row autograd, or refused by validate() with advice that is applied here and works."""
+
+import pytest
+import torch
+
+from oblr_trl import per_sequence_grad_sq_norms, validate
+from oblr_trl.grad_norms import UnsupportedModulesError
+from oblr_trl.grad_norms.zoo import FAMILIES, VOCAB, build
+from reference import padded_batch, per_sample_sq_norms
+
+REFUSED: dict[str, str] = {}  # family -> the reason validate() gives (none today)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_is_exact_or_refused(family, tie):
+    model = build(family, tie)
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    if family in REFUSED:
+        with pytest.raises(UnsupportedModulesError, match=REFUSED[family]):
+            validate(model)
+        with pytest.raises(UnsupportedModulesError, match=REFUSED[family]):
+            per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+        return
+    assert validate(model) == []
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    reference = per_sample_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    assert reference[[0, 1, 3]].min() > 0
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", ["GPT-Neo", "GPTBigCode"])
+def test_position_embeddings_on_shared_ids_are_per_row(family):
+    """Before: (1, T) position ids made the hook see one row, and every row got ||sum_b g_b||^2 (rel. error 1.4-3.3)."""
+    model = build(family).requires_grad_(False)
+    wpe = model.transformer.wpe.requires_grad_(True)
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), per_sample_sq_norms(model, ids, attention, completion_mask),
+                               rtol=1e-4, atol=1e-9)
+    assert wpe.weight.grad is None
+
+
+def test_peft_lora_and_dora():
+    peft = pytest.importorskip("peft")
+    for use_dora in (False, True):
+        model = peft.get_peft_model(build("Llama", tie=True), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+            use_dora=use_dora))
+        ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+        ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+        torch.testing.assert_close(ours.double(), per_sample_sq_norms(model, ids, attention, completion_mask),
+                                   rtol=1e-4, atol=1e-9)
+
+
+# ------------------------------------------------------------------ the trainer: validate at construction, and advice
+def _trainer(model, **overrides):
+    from datasets import Dataset
+
+    from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+    from oblr_trl.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 3}"}]} for i in range(16)])
+    args = dict(output_dir="/tmp/oblr-zoo-test", per_device_train_batch_size=4, num_generations=2,
+                max_completion_length=4, max_steps=2, logging_steps=1, report_to="none", use_cpu=True,
+                save_strategy="no", seed=0, data_seed=0, disable_tqdm=True)
+    args.update(overrides)
+    return OBLRPOTrainer(model=model, processing_class=tokenizer, args=OBLRPOConfig(**args), train_dataset=dataset,
+                         reward_funcs=[lambda completions, **kw: [float(len(c[0]["content"])) for c in completions]])
+
+
+class Gain(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def _with_unsupported_gains(monkeypatch):
+    from oblr_trl.grad_norms import generic
+    from oblr_trl.tiny import build_model, build_tokenizer
+
+    monkeypatch.setattr(generic, "MAX_NUMEL", 0)  # no per-row path: a module without a rule is unsupported
+    model = build_model(build_tokenizer())
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), Gain(layer.mlp.up_proj.out_features))
+    return model
+
+
+def test_trainer_construction_names_every_unsupported_module(monkeypatch):
+    model = _with_unsupported_gains(monkeypatch)
+    with pytest.raises(UnsupportedModulesError) as refused:
+        _trainer(model)
+    names = [m.name for m in refused.value.modules]
+    assert names == [f"layers.{i}.mlp.act_fn.1" for i in range(len(model.model.layers))]
+    assert "requires_grad_(False)" in str(refused.value) and "snr_lr=False" in str(refused.value)
+
+
+@pytest.mark.parametrize("advice", ["freeze", "length-without-snr"])
+def test_the_advice_works(monkeypatch, advice):
+    model = _with_unsupported_gains(monkeypatch)
+    if advice == "freeze":
+        for m in model.modules():
+            if isinstance(m, Gain):
+                m.requires_grad_(False)
+        trainer = _trainer(model)
+    else:
+        trainer = _trainer(model, grad_norm_estimator="length", snr_lr=False)
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_the_length_proxy_alone_still_needs_norms(monkeypatch):
+    """The old advice, grad_norm_estimator='length' with the SNR step still on, does not work: refused at once."""
+    with pytest.raises(UnsupportedModulesError):
+        _trainer(_with_unsupported_gains(monkeypatch), grad_norm_estimator="length")
+
+
+@pytest.mark.parametrize("family", ["GPT-Neo", "Qwen3-MoE"])
+def test_two_trainer_steps(family):
+    from oblr_trl.tiny import build_tokenizer
+
+    model = build(family, tie=True, vocab_size=len(build_tokenizer()))
+    trainer = _trainer(model)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_gemma2_softcapped_head_with_a_cap_that_bites(tie):
+    """final_logit_softcapping=0.5 puts the tiny model's logits deep in tanh's curve (at the default 30 it is nearly
+    linear), so a head that ignored the cap's derivative would be far off."""
+    model = build("Gemma2", tie)
+    model.config.final_logit_softcapping = 0.5
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    reference = per_sample_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-9)
+    model.config.final_logit_softcapping = None  # the same model scored without the cap: a different answer
+    uncapped = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    assert ((uncapped.double() - reference).abs() / reference.clamp_min(1e-12)).max() > 0.1
