@@ -10,7 +10,6 @@ import json
 import re
 from typing import Any
 
-import reasoning_gym as rg
 import torch
 from datasets import Dataset
 
@@ -46,6 +45,8 @@ def make_dataset(
     does not have raises `KeyError` naming it. Extra kwargs configure the task (for chain_sum: min_terms, max_terms,
     min_digits, max_digits).
     """
+    import reasoning_gym as rg  # imported where used: it imports matplotlib.pyplot (a global side effect)
+
     source = rg.create_dataset(task, size=size, seed=seed, **_task_config(task, task_kwargs))
 
     def question(entry):
@@ -101,6 +102,8 @@ def make_reward_func(task: str = "chain_sum", **task_kwargs):
     one, against a minimal entry built from the `answer` column. The reward is the verifier's score (1.0 for a correct answer for chain_sum); a wrong, empty or
     unparseable answer scores 0.0 (never None, so every completion contributes to the group baseline).
     """
+    import reasoning_gym as rg
+
     verifier = rg.create_dataset(task, size=1, seed=0, **_task_config(task, task_kwargs))
 
     def reward_func(prompts, completions, entry=None, answer=None, **kwargs) -> list[float]:
