@@ -81,11 +81,12 @@ class OBLRPOConfig(GRPOConfig):
             divide `gradient_accumulation_steps`, and where a generation spans several micro-batches
             `per_device_train_batch_size` must be a multiple of `num_generations` (micro-batches are then re-split
             into whole groups). Memory: it keeps each layer's input and output gradient (or, where smaller, its
-            per-sample gradients) until the update is formed, as a backward without gradient checkpointing does. So
-            with `gradient_checkpointing=False` the automatic choice always takes it; with checkpointing on (TRL's
-            default) it takes it when that estimate, made at the first generation from the batch's real shape, is at
-            most a quarter of the free device memory (CPU: available RAM), giving up checkpointing's savings for a
-            pass less; otherwise the two-pass path keeps them.
+            per-sample gradients) until the update is formed, as a backward without gradient checkpointing does. The
+            automatic choice follows the measurements (`benchmarks/README.md`): on a CPU, where it is faster, it takes
+            it without gradient checkpointing, and with checkpointing on (TRL's default) when that estimate, made at
+            the first generation from the batch's real shape, is at most a quarter of the available RAM (giving up
+            checkpointing's savings for a pass less); on a GPU, where it was measured no faster and, under
+            checkpointing, at 2-3.5x GRPO's memory, it keeps the two-pass path.
     """
 
     baseline: str = field(
@@ -159,9 +160,10 @@ class OBLRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Norms and update from one forward/backward instead of a norms pass then TRL's loss pass (same "
-            "result, one pass less). Default None: automatic, wherever valid and its memory fits (always without "
-            "gradient checkpointing; with it, when its kept activations fit in a quarter of the free memory); "
-            "True: wherever valid; False: never. The choice is logged once with its reason."
+            "result, one pass less). Default None: automatic, by measurement: on a CPU wherever valid and its memory "
+            "fits (always without gradient checkpointing; with it, when its kept activations fit in a quarter of the "
+            "available RAM); on a GPU never (measured no faster there). True: wherever valid; False: never. The "
+            "choice is logged once with its reason."
         },
     )
 

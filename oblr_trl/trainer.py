@@ -174,6 +174,12 @@ class OBLRPOTrainer(GRPOTrainer):
                                "; ".join(reasons))
             elif reasons:
                 logger.info("OBLR-PO takes the two-pass path (norms pass, then the loss pass): %s.", "; ".join(reasons))
+            elif self.args.one_backward is None and self.accelerator.device.type != "cpu":
+                logger.info(
+                    "OBLR-PO takes the two-pass path on %s (one_backward=None): on a GPU one_backward was measured no "
+                    "faster and, under gradient checkpointing, 2-3.5x GRPO's memory (benchmarks/README.md); set "
+                    "one_backward=True to use it.", self.accelerator.device.type,
+                )
             elif self.args.one_backward or not self.args.gradient_checkpointing:
                 self._one_backward = True
                 logger.info("OBLR-PO takes norms and update from one forward/backward (one_backward).")

@@ -7,7 +7,7 @@ import torch
 
 from oblr_trl import OBLRPOConfig
 from oblr_trl.tiny import build_model
-from helpers import TOKENIZER, common_args, logged, train
+from helpers import DATASET, TOKENIZER, common_args, logged, train
 from oblr_trl import OBLRPOTrainer
 
 
@@ -177,3 +177,20 @@ def test_one_backward_option_parses_as_a_three_way_flag():
     for argv, expected in [([], None), (["--one_backward", "false"], False), (["--one_backward", "true"], True)]:
         (config,) = parser.parse_args_and_config(["--output_dir", "/tmp/x", "--use_cpu", "true", *argv])
         assert config.one_backward is expected, argv
+
+
+def test_the_default_keeps_two_passes_on_an_accelerator(monkeypatch, caplog):
+    """On a GPU one_backward was measured no faster (benchmarks/README.md): the automatic choice keeps two passes there.
+    The device is faked after the trainer's construction has set up everything else on the CPU."""
+    import accelerate
+
+    real = accelerate.Accelerator.device
+    monkeypatch.setattr(accelerate.Accelerator, "device", property(lambda self: torch.device("meta")))
+    with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
+        try:
+            OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[lambda **k: [0.0]],
+                          args=OBLRPOConfig(**common_args(gradient_checkpointing=False)), train_dataset=DATASET)
+        except Exception:  # a meta device cannot hold the model; the choice was made and logged before that matters
+            pass
+    monkeypatch.setattr(accelerate.Accelerator, "device", real)
+    assert "two-pass path on meta" in caplog.text
