@@ -88,6 +88,10 @@ def load_model(path, args=None):
             args.task, cache_dir=args.cache_dir, seed=args.warm_seed, steps=args.warmup_steps
         )
         return model, f"embedded tiny Qwen3 (warmed up {args.warmup_steps} steps, before RL)"
+    from oblr_trl.reference_model import REFERENCE_MODELS, resolve_model_path
+
+    if path.lower() in REFERENCE_MODELS or path.lower().startswith("smollm2"):  # e.g. smollm2, offline
+        path = resolve_model_path(path)
     if not os.path.exists(path) and (os.path.isabs(path) or path.startswith(".") or path.count("/") > 1):
         raise ModelNotFound(f"{path} does not exist (a local folder was meant: a Hub name is `owner/name`).")
     is_adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))

@@ -163,7 +163,11 @@ def main(script_args, training_args, model_args):
 
     # Model: a Hub name (loaded by the trainer, as in TRL's script) or the embedded tiny Qwen3, warmed up offline.
     if model_args.model_name_or_path:
+        from oblr_trl.reference_model import REFERENCE_MODELS, resolve_model_path
+
         model, processing_class = model_args.model_name_or_path, None
+        if model.lower() in REFERENCE_MODELS or model.lower().startswith("smollm2"):  # offline reference model
+            model = resolve_model_path(model)
         model_init_kwargs = dict(
             revision=model_args.model_revision,
             trust_remote_code=training_args.trust_remote_code,
