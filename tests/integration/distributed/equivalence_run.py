@@ -116,8 +116,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     extra = {"bf16": False} if "fp32" in flags else {}
     if "ga2" in flags:  # two micro-batches per optimizer step, one generation batch for both
         extra["gradient_accumulation_steps"] = 2
-    if "one_backward" in flags:
-        extra["one_backward"] = True
+    extra["one_backward"] = "one_backward" in flags  # the two-pass path unless asked (the default chooses by device)
     if "degenerate" in flags:
         DEGENERATE_FROM = 8  # the global batch is 16: the second half
         NAN_FOR_EMPTY = "nan" in flags
