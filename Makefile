@@ -1,9 +1,13 @@
-# Every target sets up its own environment: a virtualenv with the CPU build of torch installed first (a bare
-# `torch` requirement would pull a multi-GB CUDA build), then this package with its test extras.
+# Every target sets up its own environment: a virtualenv with torch installed first, then this package with its test
+# extras. On Linux x86-64 the package index's torch is the CUDA build (several GB); CI's machines serve the CPU build
+# for torch==2.13.0. Elsewhere pick the build with TORCH_INDEX, e.g.
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu      (CPU only)
+# and see README.md, "Install on a GPU machine", for CUDA.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: install demo demo-real demo-tiny demo-seeds test test-floors bench clean
 
@@ -12,7 +16,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -40,7 +44,7 @@ FLOORS_VENV ?= .venv-floors
 test-floors:
 	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install -q --upgrade pip
-	$(FLOORS_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(FLOORS_VENV)/bin/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(FLOORS_VENV)/bin/python -m pip install -q -r .ci/floors.txt pytest hypothesis
 	$(FLOORS_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(FLOORS_VENV)/bin/python -m pip check

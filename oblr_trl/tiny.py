@@ -23,6 +23,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from .defaults import TINY_WARMUP_STEPS
+
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 BOS_TOKEN = "<bos>"
@@ -162,7 +164,7 @@ def load_or_build_warm_model(
     cache_dir: str | os.PathLike | None = None,
     seed: int = 0,
     size: str = "tiny",
-    steps: int = 300,
+    steps: int = TINY_WARMUP_STEPS,
     num_examples: int = 2000,
     **task_kwargs,
 ) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:

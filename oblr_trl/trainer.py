@@ -22,7 +22,6 @@ import inspect
 import json
 import logging
 import os
-import textwrap
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from . import one_backward
-from .card import append_oblr_section
+from .card import PAPER, append_oblr_section
 from .config import OBLRPOConfig, upgrade_config
 from .estimators import (
     aggregate_rewards,
@@ -118,18 +117,7 @@ class OBLRPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "oblr-po"]
     _name = "OBLR-PO"
-    _paper = {
-        "title": "OBLR-PO: A Theoretical Framework for Stable Reinforcement Learning",
-        "id": "2511.23310",
-        # docstyle-ignore
-        "citation": textwrap.dedent("""\
-            @misc{oblrpo2025,
-                title         = {{OBLR-PO: A Theoretical Framework for Stable Reinforcement Learning}},
-                year          = 2025,
-                eprint        = {2511.23310},
-                archivePrefix = {arXiv},
-            }"""),
-    }
+    _paper = PAPER  # title, arXiv id and BibTeX (with authors) for the model card
 
     _DEEPSPEED_REFUSAL = (
         "OBLRPOTrainer does not support DeepSpeed: DeepSpeed steps the optimizer inside the last backward, before the "
