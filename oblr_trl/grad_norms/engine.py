@@ -225,7 +225,8 @@ def _capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed_la
         )
 
 
-def _hooked_modules(backbone: nn.Module, skip: nn.Module | None) -> tuple[list[nn.Module], set[nn.Module]]:
+def _hooked_modules(backbone: nn.Module, skip: nn.Module | None, lm: nn.Module | None = None
+                    ) -> tuple[list[nn.Module], set[nn.Module]]:
     """The trainable modules to hook, and those of them taken by the per-row path (:mod:`.generic`). Refuses, listing
     every unsupported module at once (:func:`~.support.validate`)."""
     from .support import how_handled
@@ -236,7 +237,7 @@ def _hooked_modules(backbone: nn.Module, skip: nn.Module | None) -> tuple[list[n
             continue
         how = how_handled(module)
         if how is None:
-            validate(backbone)  # raises, naming every unsupported module
+            validate(lm if lm is not None else backbone)  # raises, naming every unsupported module
         if how == "per-row":
             per_row.add(module)
         modules.append(module)
@@ -440,7 +441,7 @@ def per_sequence_grads(
     backbone = lm.base_model
     alpha = _logit_scale(lm) / temperature
     softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
-    hooked, per_row = _hooked_modules(backbone, skip=head)
+    hooked, per_row = _hooked_modules(backbone, skip=head, lm=lm)
     checkpointed = _checkpointed_layers(backbone)
     # Each trainable parameter's slot, (module, name) of its first owner: found now, by the parameters' identity, and
     # kept as modules, because FSDP2 swaps the parameter objects when it unshards them inside the pass. A tied
