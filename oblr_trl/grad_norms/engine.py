@@ -64,14 +64,15 @@ class _Record:
 def _per_row(t: torch.Tensor, batch: int, module: nn.Module, what: str) -> torch.Tensor:
     """``t`` with the batch as its leading axis: as is, expanded from a leading 1 (an input shared by every row, such
     as GPT-Neo's ``(1, T)`` position ids: each row's gradient then comes from its own output gradient), or a flattened
-    ``(B * T, ...)`` (OPT's MLP) reshaped to ``(B, T, ...)``. Anything else is refused, naming the module: pairing
+    ``(B * T, d)`` (OPT's MLP; at most 2-D, so a sequence-first ``(T, B, d)`` is not mistaken for it) reshaped to
+    ``(B, T, d)``. Anything else is refused, naming the module: pairing
     such rows with the batch's sequences would be wrong."""
     lead = t.shape[0] if t.dim() else 0
     if lead == batch:
         return t
     if lead == 1:
         return t.expand(batch, *t.shape[1:])
-    if lead and lead % batch == 0:
+    if lead and lead % batch == 0 and t.dim() <= 2:  # tokens flattened to (B*T, d) or (B*T,); a 3-D (T, B, d) is not
         return t.reshape(batch, lead // batch, *t.shape[1:])
     raise NotImplementedError(
         f"{type(module).__name__}'s {what} has leading dimension {lead} (shape {tuple(t.shape)}), which is neither the "
