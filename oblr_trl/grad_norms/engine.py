@@ -64,14 +64,15 @@ class _Record:
 def _per_row(t: torch.Tensor, batch: int, module: nn.Module, what: str) -> torch.Tensor:
     """``t`` with the batch as its leading axis: as is, expanded from a leading 1 (an input shared by every row, such
     as GPT-Neo's ``(1, T)`` position ids: each row's gradient then comes from its own output gradient), or a flattened
-    ``(B * T, ...)`` (OPT's MLP) reshaped to ``(B, T, ...)``. Anything else is refused, naming the module: pairing
+    ``(B * T, d)`` (OPT's MLP; at most 2-D, so a sequence-first ``(T, B, d)`` is not mistaken for it) reshaped to
+    ``(B, T, d)``. Anything else is refused, naming the module: pairing
     such rows with the batch's sequences would be wrong."""
     lead = t.shape[0] if t.dim() else 0
     if lead == batch:
         return t
     if lead == 1:
         return t.expand(batch, *t.shape[1:])
-    if lead and lead % batch == 0:
+    if lead and lead % batch == 0 and t.dim() <= 2:  # tokens flattened to (B*T, d) or (B*T,); a 3-D (T, B, d) is not
         return t.reshape(batch, lead // batch, *t.shape[1:])
     raise NotImplementedError(
         f"{type(module).__name__}'s {what} has leading dimension {lead} (shape {tuple(t.shape)}), which is neither the "
@@ -225,7 +226,8 @@ def _capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed_la
         )
 
 
-def _hooked_modules(backbone: nn.Module, skip: nn.Module | None) -> tuple[list[nn.Module], set[nn.Module]]:
+def _hooked_modules(backbone: nn.Module, skip: nn.Module | None, lm: nn.Module | None = None
+                    ) -> tuple[list[nn.Module], set[nn.Module]]:
     """The trainable modules to hook, and those of them taken by the per-row path (:mod:`.generic`). Refuses, listing
     every unsupported module at once (:func:`~.support.validate`)."""
     from .support import how_handled
@@ -236,7 +238,7 @@ def _hooked_modules(backbone: nn.Module, skip: nn.Module | None) -> tuple[list[n
             continue
         how = how_handled(module)
         if how is None:
-            validate(backbone)  # raises, naming every unsupported module
+            validate(lm if lm is not None else backbone)  # raises, naming every unsupported module
         if how == "per-row":
             per_row.add(module)
         modules.append(module)
@@ -440,7 +442,7 @@ def per_sequence_grads(
     backbone = lm.base_model
     alpha = _logit_scale(lm) / temperature
     softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
-    hooked, per_row = _hooked_modules(backbone, skip=head)
+    hooked, per_row = _hooked_modules(backbone, skip=head, lm=lm)
     checkpointed = _checkpointed_layers(backbone)
     # Each trainable parameter's slot, (module, name) of its first owner: found now, by the parameters' identity, and
     # kept as modules, because FSDP2 swaps the parameter objects when it unshards them inside the pass. A tied

@@ -92,13 +92,14 @@ def per_row_usages(module: nn.Module, call: Call, output_grads: list, batch: int
     names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     params = [getattr(module, n) for n in names]
     lead = call.outputs[0].shape[0] if call.outputs[0].dim() else 0
-    if lead == 0 or (lead != 1 and lead % batch):
+    flattened = lead != batch and call.outputs[0].dim() <= 2  # (B*T, d) token lists; never a 3-D (T, B, d)
+    if lead == 0 or (lead != batch and not (flattened and lead % batch == 0)):
         raise NotImplementedError(
-            f"{type(module).__name__}'s output has leading dimension {lead}, neither 1 nor a multiple of the batch "
-            f"({batch}): its rows cannot be paired with the sequences. Freeze its parameters "
+            f"{type(module).__name__}'s output has shape {tuple(call.outputs[0].shape)}: neither the batch ({batch}) "
+            "leading nor tokens flattened to (B*T, d), so its rows cannot be paired with the sequences. Freeze its parameters "
             "(module.requires_grad_(False)) or use OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
         )
-    per = lead // batch if lead != 1 else 0  # output rows per sequence (0: one output shared by every row)
+    per = lead // batch  # output rows per sequence
     grads = [torch.zeros(batch, *p.shape, dtype=torch.float32, device=p.device) for p in params]
 
     def rows(t: torch.Tensor, b: int) -> torch.Tensor:
@@ -110,7 +111,7 @@ def per_row_usages(module: nn.Module, call: Call, output_grads: list, batch: int
 
     with _replay(), torch.enable_grad():
         for b in range(batch):
-            grad_outputs = [None if g is None else rows(g, b) if per else g[b : b + 1] for g in output_grads]
+            grad_outputs = [None if g is None else rows(g, b) for g in output_grads]
             if all(g is None for g in grad_outputs):
                 continue
             out = output_tensors(module(*_map(lambda t: rows(t, b), call.args),
@@ -118,7 +119,7 @@ def per_row_usages(module: nn.Module, call: Call, output_grads: list, batch: int
             if len(out) != len(call.outputs):
                 raise NotImplementedError(f"{type(module).__name__} returned different outputs when re-run per row.")
             for o, recorded in zip(out, call.outputs):
-                expected = rows(recorded, b) if per else recorded
+                expected = rows(recorded, b)
                 tol = (1e-3 if o.dtype == torch.float32 else 3e-2) * float(expected.abs().max()) + 1e-6
                 if o.shape != expected.shape or float((o.detach() - expected).abs().max()) > tol:
                     raise NotImplementedError(

@@ -168,3 +168,13 @@ def test_registering_a_rule_twice_raises():
         register_grad_norm_rule(Mine)(lambda layer, a, g: {})
     with pytest.raises(ValueError, match="already registered"):
         register_grad_norm_rule(nn.Linear)(lambda layer, a, g: {})
+
+
+def test_a_sequence_first_layout_is_refused_not_mistaken_for_flattened_tokens():
+    """(T, B, d) with T a multiple of B must not be reshaped to (B, T/B*..., d): that would pair the wrong tokens."""
+    from oblr_trl.grad_norms import engine
+
+    lin = nn.Linear(D, D)
+    with pytest.raises(NotImplementedError, match="Linear's input has leading dimension 8"):
+        with engine._capture([lin], 4) as _:
+            lin(torch.randn(8, 4, D))  # sequence-first: 8 tokens of a batch of 4

@@ -1,0 +1,76 @@
+"""The exact norms pass on a Qwen3-MoE model at a realistic expert count vs a plain forward+backward (same run,
+interleaved): ``python benchmarks/moe_norms.py --experts 32 --top-k 4``.
+
+Today the expert banks and routers take the exact per-row path (:mod:`oblr_trl.grad_norms.generic`): one re-run of
+the bank per sequence. A bank over ``generic.MAX_NUMEL`` elements is refused by ``validate``; this benchmark lifts the
+limit (``--lift-limit``, on by default) to measure what that path costs. A routed-token rule (cost proportional to the
+tokens each expert sees) is the planned replacement.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from oblr_trl import per_sequence_grad_sq_norms
+from oblr_trl.grad_norms import generic
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--moe-intermediate", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--length", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    generic.MAX_NUMEL = 1 << 40
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                            moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4,
+                            num_experts=args.experts, num_experts_per_tok=args.top_k, pad_token_id=0)
+    model = Qwen3MoeForCausalLM(config).to(args.device).eval()
+    ids = torch.randint(1, args.vocab, (args.batch, args.length), device=args.device)
+    attention = torch.ones_like(ids)
+    completion = torch.ones(args.batch, args.length // 2, dtype=torch.long, device=args.device)
+
+    def plain():
+        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        logits.float().log_softmax(-1).gather(-1, ids[:, 1:, None]).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    def norms():
+        per_sequence_grad_sq_norms(model, ids, attention, completion)
+
+    def timed(fn):
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    plain(), norms()  # warm-up
+    t_plain, t_norms = [], []
+    for _ in range(args.reps):  # interleaved
+        t_plain.append(timed(plain))
+        t_norms.append(timed(norms))
+    mp, mn = statistics.median(t_plain), statistics.median(t_norms)
+    print(f"Qwen3-MoE {args.layers} layers, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, "
+          f"batch {args.batch} x {args.length} tokens, {args.device}")
+    print(f"plain forward+backward {mp:.3f}s, norms pass {mn:.3f}s (medians of {args.reps}); ratio {mn / mp:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
