@@ -144,3 +144,32 @@ def test_gemma2_softcapped_head_with_a_cap_that_bites(tie):
     model.config.final_logit_softcapping = None  # the same model scored without the cap: a different answer
     uncapped = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     assert ((uncapped.double() - reference).abs() / reference.clamp_min(1e-12)).max() > 0.1
+
+
+@pytest.mark.parametrize("family", ["Qwen3-MoE", "GPT-OSS", "GPT-Neo"])
+def test_one_backward_equals_two_passes_through_the_per_row_path(family):
+    """Families whose small parameters take the exact per-row path (expert banks, attention sinks) or whose position
+    embedding runs on (1, T) ids: the update one_backward forms equals the two-pass path's (fp32, SGD)."""
+    from oblr_trl.tiny import build_tokenizer
+
+    def spread(completions, **kwargs):  # rewards that differ within a group
+        return [float(sum(map(ord, c[0]["content"])) % 5) for c in completions]
+
+    results = []
+    for one_backward in (False, True):
+        model = build(family, tie=True, vocab_size=len(build_tokenizer()))
+        if hasattr(model.config, "router_aux_loss_coef"):
+            model.config.router_aux_loss_coef = 0.0  # the router's auxiliary loss blocks one_backward (tested elsewhere)
+        trainer = _trainer(model, one_backward=one_backward, bf16=False, optim="sgd", learning_rate=1.0,
+                           max_grad_norm=1e9, max_completion_length=6)
+        trainer.reward_funcs = [spread]
+        trainer.train()
+        assert trainer.uses_one_backward is one_backward
+        history = [(h["grad_norm"], h["oblr/lr_scale"]) for h in trainer.state.log_history if "oblr/lr_scale" in h]
+        results.append((history, [p.detach().clone() for p in model.parameters()]))
+    (two, two_params), (one, one_params) = results
+    assert any(g > 0 for g, _ in two)
+    for (g1, s1), (g2, s2) in zip(one, two, strict=True):
+        assert g1 == pytest.approx(g2, rel=1e-4) and s1 == pytest.approx(s2, rel=1e-3, abs=1e-6)
+    for p, q in zip(one_params, two_params):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
