@@ -145,6 +145,12 @@ class OBLRPOTrainer(GRPOTrainer):
             )
         if self._needs_norms:  # every layer the exact norms cannot cover, named now, before the first generation
             validate(self.model)
+        if self.args.snr_lr and self.aux_loss_enabled:
+            logger.warning(
+                "The model's router auxiliary loss (router_aux_loss_coef != 0) adds a gradient term the SNR estimate "
+                "does not include: the step size is approximate. Set the model config's router_aux_loss_coef=0 for the "
+                "exact estimate."
+            )
         self._oblr_samples = StepSamples()
         self._oblr_rows_generated = 0  # completions generated for training so far, all ranks: the next row id
         self._oblr_saved_lrs: list[float] | None = None
