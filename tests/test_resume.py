@@ -19,6 +19,7 @@ import torch
 from datasets import Dataset
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+from oblr_trl.step_size import SNRState
 from oblr_trl.tiny import build_model, build_tokenizer
 from oblr_trl.trainer import OBLR_STATE_NAME
 
@@ -61,10 +62,11 @@ def test_checkpoint_holds_the_ema_state(straight):
     with open(os.path.join(checkpoint, OBLR_STATE_NAME)) as f:
         state = json.load(f)
     assert state["global_step"] == 2
-    signal, noise = state["snr_ema_state"]
-    assert noise > 0 and signal >= 0  # a real smoothed state, not the first step's placeholder
+    snr_state = SNRState.from_dict(state["snr_state"])
+    assert snr_state.steps == 2 and snr_state.noise > 0  # a real smoothed state, not the first step's placeholder
+    assert state["lr_stats"]["steps"] == 2
     with open(os.path.join(straight.args.output_dir, "checkpoint-4", OBLR_STATE_NAME)) as f:
-        assert tuple(json.load(f)["snr_ema_state"]) == straight._oblr_ema
+        assert SNRState.from_dict(json.load(f)["snr_state"]) == straight._oblr_snr_state
 
 
 def test_resume_reproduces_the_straight_run(straight, tmp_path):
@@ -74,7 +76,7 @@ def test_resume_reproduces_the_straight_run(straight, tmp_path):
     original = resumed._apply_snr_step_size
 
     def spy(grad_norm):  # the EMA state each resumed step starts from
-        seen.append(resumed._oblr_ema)
+        seen.append(resumed._oblr_snr_state)
         original(grad_norm)
 
     resumed._apply_snr_step_size = spy
@@ -84,11 +86,12 @@ def test_resume_reproduces_the_straight_run(straight, tmp_path):
         ours, theirs = last_logged(resumed, key), logged(straight, key)
         assert len(ours) == len(theirs) == 4, key
         assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-12), key
-    assert resumed._oblr_ema == pytest.approx(straight._oblr_ema, rel=1e-6)
+    for a, b in zip(resumed._oblr_snr_state.to_dict().values(), straight._oblr_snr_state.to_dict().values()):
+        assert a == pytest.approx(b, rel=1e-6)
     for (name, p), q in zip(resumed.model.named_parameters(), straight.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
     with open(os.path.join(checkpoint, OBLR_STATE_NAME)) as f:
-        assert seen[0] == tuple(json.load(f)["snr_ema_state"])  # restored before the first resumed step
+        assert seen[0] == SNRState.from_dict(json.load(f)["snr_state"])  # restored before the first resumed step
 
 
 def test_resume_from_a_checkpoint_without_oblr_state_warns(straight, tmp_path, caplog):
