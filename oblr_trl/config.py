@@ -33,6 +33,10 @@ class OBLRPOConfig(GRPOConfig):
     - the **SNR-governed step size** (Theorem 4), `lr_t = lr_max * N SNR_t / (1 + N SNR_t)`, where `lr_max` is the
       scheduled learning rate and `SNR_t` is estimated from the step's own samples.
 
+    `learning_rate` is eta_max, the largest step: the learning rate OBLR-PO would use if every sample's gradient agreed.
+    Each step uses `learning_rate x N SNR / (1 + N SNR)`, a small fraction of it (0.07-0.12 on the tiny demo), so the
+    default is 1e-5, ten times GRPO's 1e-6: set it about 10x the learning rate you would give GRPO.
+
     Defaults differ from `GRPOConfig` where the paper's theory requires it: `scale_rewards="none"` (std scaling biases
     the gradient), `beta=0.0` and `num_iterations=1` (on-policy, unbiased updates).
 
@@ -175,6 +179,18 @@ class OBLRPOConfig(GRPOConfig):
             "norms make the baseline follow one or two completions; e.g. 10."
         },
     )
+
+    # ---- issue 18: eta_max ----
+    learning_rate: float = field(
+        default=1e-5,
+        metadata={
+            "help": "eta_max, the largest step OBLR-PO takes: the learning rate it would use if every sample's "
+            "gradient agreed. Each step uses learning_rate x N*SNR/(1+N*SNR), measured at 0.07-0.12 of it on the "
+            "tiny demo, so the default 1e-5 (10x GRPO's 1e-6) lands near GRPO's default; set it ~10x the lr you would "
+            "give GRPO. oblr/lr_mean logs the mean applied lr."
+        },
+    )
+    # ---- end issue 18 ----
 
     # Paper defaults that differ from GRPOConfig's.
     scale_rewards: str = field(
