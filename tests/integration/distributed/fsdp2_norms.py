@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
 from reference import per_sample_sq_norms  # noqa: E402
 
 from oblr_trl import per_sequence_grad_sq_norms  # noqa: E402
