@@ -715,6 +715,7 @@ def measure_config(spec, completion, args, device, dtype, largest, log, jsonl) -
         names = [n for n in names if n not in GRAM_FNS]
         skipped.append(f"group form skipped (est. {est8['gram_total']:.0f} GFLOP of Gram products)")
     fns, times, outputs, guard = time_config(model, batch, device, dtype, names, args, log)
+    guard.fns = guard.model = None
     skipped += [f"{k}: {v}" for k, v in guard.failed.items()]
     err, gerr = accuracy(outputs)
     finite = {k: bool(torch.isfinite(v).all()) for k, v in outputs.items() if isinstance(v, torch.Tensor)}
@@ -724,16 +725,16 @@ def measure_config(spec, completion, args, device, dtype, largest, log, jsonl) -
                layers=model.config.num_hidden_layers, completion=completion, length=length, batch=args.batch,
                times=times, max_rel_err_norms=err, max_rel_err_group=gerr, est_gflop_sq=est1, est_gflop_group=est8,
                skipped=skipped)
+    if not args.no_profile and (spec, completion) == largest:
+        forms = [f for f in ("norms", "group") if f in times and times[f] == times[f]]
+        row["profile"] = profile_norms(model, batch, device, dtype, fns, forms=forms)
+    del model, fns, batch, outputs  # CPU: the memory subprocesses below must not share the machine with them
     if args.mem == "all" or (args.mem == "largest" and (spec, completion) == largest):
         row["memory"] = memory_config(spec, completion, args, guard, device, names)
     row["ratios"] = config_ratios(times, row.get("memory"))
     log_row(row, log)
-    if not args.no_profile and (spec, completion) == largest:
-        forms = [f for f in ("norms", "group") if f in times and times[f] == times[f]]
-        row["profile"] = profile_norms(model, batch, device, dtype, fns, forms=forms)
     jsonl.write(json.dumps(row, default=float) + "\n")
     jsonl.flush()
-    del model, fns, batch, outputs
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
