@@ -71,9 +71,14 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
 def linear_rule(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
     """``y = x W^T + b``: per-sample ``dW = sum_t g_t (x) x_t`` (factored), ``db = sum_t g_t``."""
     g, x = _tokens(output_grad), _tokens(activation)
+    return _affine_usages(layer, g, x, g)
+
+
+def _affine_usages(layer: nn.Module, left: torch.Tensor, right: torch.Tensor, g: torch.Tensor) -> dict[str, Usage]:
+    """An affine layer's per-sample gradients: ``weight`` as ``sum_t left_t (x) right_t``, ``bias`` as ``sum_t g_t``."""
     usages: dict[str, Usage] = {}
     if layer.weight.requires_grad:
-        usages["weight"] = Factored(Dense(g), Dense(x))
+        usages["weight"] = Factored(Dense(left), Dense(right))
     if layer.bias is not None and layer.bias.requires_grad:
         usages["bias"] = Materialized(g.float().sum(1))
     return usages
@@ -147,9 +152,4 @@ def centred_norm_rule(layer: nn.Module, activation: torch.Tensor, output_grad: t
 def conv1d_rule(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
     """GPT-2's ``Conv1D``, ``y = x W + b`` with ``W`` stored ``(in, out)``: per-sample ``dW = sum_t x_t (x) g_t``."""
     g, x = _tokens(output_grad), _tokens(activation)
-    usages: dict[str, Usage] = {}
-    if layer.weight.requires_grad:
-        usages["weight"] = Factored(Dense(x), Dense(g))
-    if layer.bias is not None and layer.bias.requires_grad:
-        usages["bias"] = Materialized(g.float().sum(1))
-    return usages
+    return _affine_usages(layer, x, g, g)

@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms
 from oblr_trl.grad_norms import register_grad_norm_rule
+import reference
 from reference import per_sample_grads, per_sample_sq_norms, within_group_products
 
 VOCAB, PROMPT, COMPLETION = 40, 5, 6
@@ -29,17 +30,7 @@ def llama(tie: bool):
 
 def padded_batch(batch=6, seed=0, completion=COMPLETION):
     """Left-padded prompts, right-padded completions, one empty completion."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (batch, PROMPT + completion), generator=g)
-    attention = torch.ones_like(ids)
-    completion_mask = torch.ones(batch, completion, dtype=torch.long)
-    ids[0, :2], attention[0, :2] = 0, 0  # left padding
-    ids[1, :1], attention[1, :1] = 0, 0
-    completion_mask[1, 3:] = 0  # right padding
-    ids[1, PROMPT + 3 :], attention[1, PROMPT + 3 :] = 0, 0
-    completion_mask[2] = 0  # empty completion
-    ids[2, PROMPT:], attention[2, PROMPT:] = 0, 0
-    return ids, attention, completion_mask
+    return reference.padded_batch(VOCAB, batch=batch, prompt=PROMPT, completion=completion, seed=seed)
 
 
 @pytest.mark.parametrize("build", [qwen3, llama], ids=["qwen3", "llama"])
