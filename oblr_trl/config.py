@@ -48,7 +48,10 @@ class OBLRPOConfig(GRPOConfig):
             subtracted from and the gradient estimate stays unbiased (Assumption 1).
         grad_norm_estimator (`str`, defaults to `"exact"`):
             Source of the weights `w_i`: `"exact"` computes `||grad log pi(o_i|q)||^2` from one extra forward and
-            backward; `"length"` uses verl OPO's proxy `w_i = |o_i|` (no extra pass for the baseline).
+            backward; `"logit"` uses verl's optimal-token-baseline proxy `sum_t (1 - 2 pi_t + sum_v pi_v^2)` from one
+            extra forward without backward; `"length"` uses verl OPO's proxy `w_i = |o_i|` (no extra pass). With
+            `snr_lr=True` the exact per-sequence gradients are computed anyway (the SNR needs them): the proxies
+            then change the baseline only, and save work only with `snr_lr=False`.
         snr_lr (`bool`, defaults to `True`):
             Scale each optimizer step's learning rate by `N SNR / (1 + N SNR)` (Theorem 4).
         snr_sample_unit (`str`, defaults to `"group"`):
@@ -113,7 +116,8 @@ class OBLRPOConfig(GRPOConfig):
         default="exact",
         metadata={
             "help": "Source of the baseline weights w_i: 'exact' (default; ||grad log pi(o_i|q)||^2 from one extra "
-            "forward/backward, per-sample norms by ghost-norm rules) or 'length' (verl OPO's proxy w_i = |o_i|).",
+            "forward/backward, per-sample norms by ghost-norm rules), 'logit' (verl's optimal-token-baseline proxy "
+            "sum_t (1 - 2 pi_t + sum pi^2), one forward without backward) or 'length' (verl OPO's proxy w_i = |o_i|).",
             "choices": list(GRAD_NORM_ESTIMATORS),
         },
     )

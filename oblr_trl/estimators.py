@@ -210,7 +210,7 @@ def step_scale_from_contributions(
 
 
 # ------------------------------------------------------------------------------------------ baseline weights
-GRAD_NORM_ESTIMATORS = ("exact", "length")
+GRAD_NORM_ESTIMATORS = ("exact", "length", "logit")
 
 
 def baseline_weights(
@@ -221,14 +221,15 @@ def baseline_weights(
     ``"exact"``: the squared norm of each completion's score as it enters ``loss_type``'s gradient,
     ``shape_i^2 ||u_i||^2`` (``shape_i = 1/|o_i|`` for the losses that average each sequence, see
     :mod:`oblr_trl.loss_terms`), from the per-sequence ``sq_norms = ||grad sum_t log pi(o_i,t)||^2``.
+    ``"logit"``: the same with ``sq_norms`` the forward-only proxy of :func:`logit_proxy_weights`.
     ``"length"``: verl OPO's proxy ``w_i = |o_i|`` (no norms needed).
     """
     if estimator == "length":
         return lengths.float()
-    if estimator != "exact":
+    if estimator not in GRAD_NORM_ESTIMATORS:
         raise ValueError(f"grad_norm_estimator={estimator!r}; allowed values: {list(GRAD_NORM_ESTIMATORS)}.")
     if sq_norms is None:
-        raise ValueError("grad_norm_estimator='exact' needs the per-sequence squared norms.")
+        raise ValueError(f"grad_norm_estimator={estimator!r} needs the per-sequence squared norms (or their proxy).")
     return sq_norms.float() * sequence_shape(loss_type, lengths).to(sq_norms.device) ** 2
 
 

@@ -40,7 +40,9 @@ from .estimators import (
     baseline_weights,
     clip_weights,
     get_baseline,
+    logit_proxy_weights,
     mask_nonfinite_products,
+    token_log_sum_sq_probs,
     max_weight_ratio,
     unit_sq_norms,
 )
@@ -273,6 +275,21 @@ class OBLRPOTrainer(GRPOTrainer):
                 for s in range(0, input_ids.shape[0], chunk)
             ]))
 
+    @torch.no_grad()
+    def _logit_proxy(self, batch: dict) -> torch.Tensor:
+        """``grad_norm_estimator="logit"``: each completion's proxy weight from one forward without backward."""
+        input_ids, attention_mask, mask = self._sequence_inputs(batch)
+        length = batch["completion_ids"].shape[1]
+        parts = []
+        chunk = self.args.per_device_train_batch_size
+        with self.accelerator.autocast():
+            for s in range(0, input_ids.shape[0], chunk):
+                logits = self.model(input_ids=input_ids[s : s + chunk], attention_mask=attention_mask[s : s + chunk],
+                                    logits_to_keep=length + 1).logits[:, :-1].float() / self.temperature
+                token_logps = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][s : s + chunk, :, None])
+                parts.append(logit_proxy_weights(token_logps[..., 0], token_log_sum_sq_probs(logits), mask[s : s + chunk]))
+        return torch.cat(parts)
+
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training:
@@ -288,6 +305,8 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_rows_generated += rewards.shape[0]
         if self._one_backward is None:
             self._decide_one_backward(output)
+        if self.args.grad_norm_estimator == "logit" and self.args.baseline == "gradient_weighted":
+            output["oblr_proxy"] = self._logit_proxy(output)
         if self._one_backward:  # norms, advantages and update all come from the training backward (compute_loss)
             output["oblr_reward"] = rewards[rank_slice]
             return output
@@ -310,7 +329,9 @@ class OBLRPOTrainer(GRPOTrainer):
         if products is not None:
             rewards = torch.where(gather(bad), torch.full_like(rewards, float("nan")), rewards)
             sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
-        if sq_norms is None and args.grad_norm_estimator == "exact":  # no norms needed (mean baseline, no SNR)
+        if args.grad_norm_estimator == "logit" and "oblr_proxy" in batch:
+            sq_norms = batch["oblr_proxy"]
+        if sq_norms is None and args.grad_norm_estimator != "length":  # no norms needed (mean baseline, no SNR)
             sq_norms = torch.zeros(mask.shape[0], device=mask.device)
         weights = gather(baseline_weights(args.grad_norm_estimator, self.loss_type, mask.sum(-1), sq_norms))
         if args.weight_clip is None and args.baseline == "gradient_weighted":

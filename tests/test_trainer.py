@@ -144,3 +144,36 @@ def test_a_step_with_one_sample_leaves_the_lr_unscaled(caplog):
     assert logged(trainer, "oblr/snr") == []
     assert probe.applied == logged(trainer, "learning_rate")
     assert "the SNR needs 2" in caplog.text
+
+
+def test_logit_proxy_weights_the_baseline_from_one_forward(monkeypatch):
+    """grad_norm_estimator='logit' with snr_lr=False: no norms pass; the baseline is weighted by verl's proxy,
+    recomputed here from the model's logits one completion at a time."""
+    import oblr_trl.trainer as trainer_module
+
+    def no_norms(*args, **kwargs):
+        raise AssertionError("a norms pass ran")
+
+    monkeypatch.setattr(trainer_module, "per_sequence_grads", no_norms)
+    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", no_norms)
+    model = build_model(TOKENIZER)
+    reference_model = copy.deepcopy(model)
+    trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=1), grad_norm_estimator="logit", snr_lr=False),
+                       model=model)
+    gen = trainer.generations[0]
+    proxy = []
+    for i in range(len(gen["advantages"])):
+        ids = torch.cat([gen["prompt_ids"][i], gen["completion_ids"][i]])[None]
+        att = torch.cat([gen["prompt_mask"][i], gen["completion_mask"][i]])[None]
+        with torch.no_grad():
+            logits = reference_model(input_ids=ids, attention_mask=att).logits[0].double()
+        length = gen["completion_ids"].shape[1]
+        probs = torch.softmax(logits[-length - 1 : -1] / trainer.args.temperature, -1)
+        p_token = probs.gather(-1, gen["completion_ids"][i][:, None])[:, 0]
+        terms = 1 - 2 * p_token + (probs * probs).sum(-1)
+        proxy.append(float((terms * gen["completion_mask"][i]).sum()))
+    proxy = torch.tensor(proxy)
+    rewards = gen["rewards"].sum(1)
+    expected = rewards - gradient_weighted_baseline(rewards, proxy, 4, leave_one_out=True)[0]
+    torch.testing.assert_close(gen["advantages"], expected.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gen["oblr_proxy"], proxy.float(), rtol=1e-4, atol=1e-5)
