@@ -32,7 +32,7 @@ PRESETS = {
         exclude_held_out=True,
     ),
     "tiny": dict(
-        prompt_template=None, lora_r=0, learning_rate=6e-3, max_steps=300, num_eval=1000, eval_samples=4,
+        prompt_template=None, lora_r=0, learning_rate=3e-3, max_steps=300, num_eval=1000, eval_samples=4,
         max_completion_length=8, one_backward=False, num_train=2000, format_reward=0.0, lr_scheduler_type="linear",
         exclude_held_out=False,  # its 1000 held-out problems cover nearly all 200 distinct ones: nothing would be left
     ),
