@@ -56,6 +56,31 @@ def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False) -> list[str]:
     return reasons
 
 
+def initial_choice(
+    requested: bool | None, reasons: list[str], device_type: str, gradient_checkpointing: bool
+) -> tuple[bool | None, str]:
+    """``one_backward``'s path at construction, and why: ``True``, ``False``, or ``None`` (the automatic choice under
+    gradient checkpointing on a CPU, decided at the first generation by :func:`kept_bytes` against free memory).
+
+    ``requested``: ``OBLRPOConfig.one_backward``; ``reasons``: :func:`blockers`. The automatic choice follows the
+    measurements (``benchmarks/README.md``): faster on a CPU, no faster and heavier on a GPU.
+    """
+    if reasons:
+        why = "; ".join(reasons)
+        if requested:
+            return False, f"one_backward=True falls back to two passes (norms pass, then the loss pass): {why}."
+        return False, f"OBLR-PO takes the two-pass path (norms pass, then the loss pass): {why}."
+    if requested is None and device_type != "cpu":
+        return False, (
+            f"OBLR-PO takes the two-pass path on {device_type} (one_backward=None): on a GPU one_backward was measured "
+            "no faster and, under gradient checkpointing, 2-3.5x GRPO's memory (benchmarks/README.md); set "
+            "one_backward=True to use it."
+        )
+    if requested or not gradient_checkpointing:
+        return True, "OBLR-PO takes norms and update from one forward/backward (one_backward)."
+    return None, ""
+
+
 def whole_group_micro_batches(micro_batches: list[dict], group_size: int) -> list[dict]:
     """TRL's (shuffled) micro-batches of one generation batch, re-split so that each holds whole groups.
 

@@ -165,22 +165,11 @@ class OBLRPOTrainer(GRPOTrainer):
         self._one_backward: bool | None = False
         if self.args.one_backward is not False and self._needs_norms:
             reasons = one_backward.blockers(self.args, fsdp1=fsdp1, aux_loss=self.aux_loss_enabled)
-            if reasons and self.args.one_backward:
-                logger.warning("one_backward=True falls back to two passes (norms pass, then the loss pass): %s.",
-                               "; ".join(reasons))
-            elif reasons:
-                logger.info("OBLR-PO takes the two-pass path (norms pass, then the loss pass): %s.", "; ".join(reasons))
-            elif self.args.one_backward is None and self.accelerator.device.type != "cpu":
-                logger.info(
-                    "OBLR-PO takes the two-pass path on %s (one_backward=None): on a GPU one_backward was measured no "
-                    "faster and, under gradient checkpointing, 2-3.5x GRPO's memory (benchmarks/README.md); set "
-                    "one_backward=True to use it.", self.accelerator.device.type,
-                )
-            elif self.args.one_backward or not self.args.gradient_checkpointing:
-                self._one_backward = True
-                logger.info("OBLR-PO takes norms and update from one forward/backward (one_backward).")
-            else:
-                self._one_backward = None
+            self._one_backward, why = one_backward.initial_choice(
+                self.args.one_backward, reasons, self.accelerator.device.type, self.args.gradient_checkpointing
+            )
+            if why:
+                logger.log(logging.WARNING if reasons and self.args.one_backward else logging.INFO, why)
         self.add_callback(_RestoreScheduledLR(self))
         install_all_none_reward_filter()  # TRL's data-row dump for all-None rewards: shown once, not every step
 

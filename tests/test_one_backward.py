@@ -194,3 +194,15 @@ def test_the_default_keeps_two_passes_on_an_accelerator(monkeypatch, caplog):
             pass
     monkeypatch.setattr(accelerate.Accelerator, "device", real)
     assert "two-pass path on meta" in caplog.text
+
+
+def test_initial_choice_table():
+    from oblr_trl.one_backward import initial_choice
+
+    assert initial_choice(None, [], "cpu", False)[0] is True
+    assert initial_choice(None, [], "cpu", True) == (None, "")  # decided at the first generation, by memory
+    assert initial_choice(None, [], "cuda", False)[0] is False
+    assert initial_choice(True, [], "cuda", True)[0] is True
+    choice, why = initial_choice(True, ["beta=0.1 (a KL term in the loss)"], "cpu", False)
+    assert choice is False and "falls back" in why and "beta=0.1" in why
+    assert initial_choice(None, ["fp16=True"], "cpu", False)[0] is False
