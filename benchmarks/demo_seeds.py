@@ -5,8 +5,8 @@ Every run starts from the same model (SmolLM2-135M-Instruct, or the tiny model w
 data order) changes. Writes ``benchmarks/results/<--out>.{md,json}``: held-out greedy and sampled accuracy before and
 after OBLR-PO per seed, the mean gain and its standard deviation across seeds, and each run's time per step.
 
-    python benchmarks/demo_seeds.py --seeds 3 -- --model smollm2   # the real-model demo (make demo-real), one at a time
-    python benchmarks/demo_seeds.py --seeds 5 --parallel 2 --out benchmarks/results/demo_seeds   # the tiny model
+    python benchmarks/demo_seeds.py --seeds 3 -- --model smollm2   # the demo (make demo-seeds), one at a time
+    python benchmarks/demo_seeds.py --seeds 5 --parallel 2 -- --model tiny   # the tiny model (results/demo_seeds)
     python benchmarks/demo_seeds.py --seeds 3 -- --learning_rate 1e-3   # extra arguments go to examples/demo.py
 """
 
@@ -52,7 +52,7 @@ def main():
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (1 torch thread each)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results file stem (the README block of the same name is filled from it); default "
-                        "results/demo_seeds_smollm2 with `-- --model smollm2`, else results/demo_seeds")
+                        "results/demo_seeds with `-- --model tiny`, else results/demo_seeds_smollm2")
     parser.add_argument("--run_dir", type=Path, default=Path("outputs/demo_seeds"))
     parser.add_argument("--no_run", action="store_true",
                         help="tabulate the seeds whose run_dir/seedN/summary.json exists (from an earlier invocation) "
@@ -60,7 +60,7 @@ def main():
     parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
     args = parser.parse_args()
     if args.out is None:
-        real = "smollm2" in args.demo_args
+        real = "tiny" not in args.demo_args  # examples/demo.py's default model is smollm2
         args.out = HERE / "results" / ("demo_seeds_smollm2" if real else "demo_seeds")
 
     start = time.time()

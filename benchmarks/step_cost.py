@@ -124,6 +124,9 @@ def load_model(spec: str, device, fused: bool = True):
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from oblr_trl import resolve_model_path
+
+        spec = resolve_model_path(spec)  # "smollm2": the reference model, fetched and converted once (offline)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(spec)
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, 4096)

