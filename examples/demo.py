@@ -160,25 +160,16 @@ def progress_callback():
 
 
 def rescore_command(model_dir, args):
-    """The `examples/evaluate.py` command that re-scores the saved model on the demo's held-out problems."""
-    import importlib.util
+    """The `examples/evaluate.py` command that re-scores the saved model on the demo's held-out problems, asked in the
+    demo's wording."""
     import shlex
 
-    spec = importlib.util.spec_from_file_location("_evaluate", os.path.join(os.path.dirname(__file__), "evaluate.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    options = {o for action in module.make_parser()._actions for o in action.option_strings}
     cmd = ["python", "examples/evaluate.py", "--model", model_dir, "--task", args.task, "--num_examples",
            str(args.num_eval), "--seed", str(args.eval_seed), "--max_new_tokens", str(args.max_completion_length),
            "--output", os.path.join(args.output_dir, "eval.md")]
-    note = None
     if args.prompt_template:
-        if "--prompt_template" in options:
-            cmd += ["--prompt_template", args.prompt_template]
-        else:
-            note = ("evaluate.py has no --prompt_template here: it asks reasoning-gym's own wording, not the demo's "
-                    f"({args.prompt_template!r}), so its figure will differ.")
-    return " ".join(shlex.quote(c) for c in cmd), note
+        cmd += ["--prompt_template", args.prompt_template]
+    return " ".join(shlex.quote(c) for c in cmd)
 
 
 def main(args):
@@ -379,10 +370,7 @@ def main(args):
           f"{summary['mean_applied_lr'] or 0:.3g}")
     print(f"Wrote {os.path.basename(plots[0])}, summary.json, log_history.json and the "
           f"{'adapter' if peft_config else 'model'} (model/) to {args.output_dir}")
-    command, note = rescore_command(model_dir, args)
-    print(f"Re-score it:\n  {command}")
-    if note:
-        print(f"  ({note})")
+    print(f"Re-score it:\n  {rescore_command(model_dir, args)}")
     return summary
 
 

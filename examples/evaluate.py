@@ -43,6 +43,12 @@ def make_parser() -> argparse.ArgumentParser:
         "Default: the embedded tiny model, warmed up as in the demo (the start before RL).",
     )
     parser.add_argument("--task", default=TINY_TASK, help="reasoning-gym task of the held-out problems.")
+    parser.add_argument(
+        "--prompt_template", default=None,
+        help="Question wording, as examples/demo.py's: a str.format template over reasoning-gym's `question` and the "
+        "entry's metadata (e.g. 'What is {expression}? Reply with only the number.'), or a task name for "
+        "oblr_trl.tasks.PROMPT_TEMPLATES[task]. Default: reasoning-gym's own wording.",
+    )
     parser.add_argument("--num_examples", type=int, default=200, help="Held-out reasoning-gym problems.")
     parser.add_argument("--seed", type=int, default=1, help="Seed of the held-out problems (training uses 0).")
     parser.add_argument("--max_new_tokens", type=int, default=8, help="Greedy decoding budget (8 fits chain_sum).")
@@ -162,18 +168,20 @@ def score_benchmark(model, tokenizer, name, args):
 def main(args):
     import torch
 
-    from oblr_trl.tasks import evaluate_accuracy, make_dataset
+    from oblr_trl.tasks import PROMPT_TEMPLATES, evaluate_accuracy, make_dataset
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # the tiny model is slower with threads on a shared CPU
     start = time.time()
     (model, tokenizer), name = load_model(args.model, args)
-    held_out = make_dataset(args.task, size=args.num_examples, seed=args.seed)
+    template = PROMPT_TEMPLATES.get(args.prompt_template, args.prompt_template)
+    held_out = make_dataset(args.task, size=args.num_examples, seed=args.seed, prompt_template=template)
     accuracy = evaluate_accuracy(
         model, tokenizer, held_out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, task=args.task
     )
     # the eval_results.json rows (oblr_trl.card's contract): accuracy and problems, or why a benchmark was skipped
-    results = [{"benchmark": f"reasoning-gym {args.task} (seed {args.seed})", "accuracy": accuracy,
+    wording = "" if template is None else f", asked as {template!r}"
+    results = [{"benchmark": f"reasoning-gym {args.task} (seed {args.seed}{wording})", "accuracy": accuracy,
                 "problems": len(held_out)}]
     for benchmark in args.benchmarks:
         result = score_benchmark(model, tokenizer, benchmark, args)

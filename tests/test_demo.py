@@ -19,7 +19,7 @@ def test_demo_tiny_quick_output_and_rescore(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "examples/demo.py", "--model", "tiny", "--quick", "--warmup_steps", "5", "--output_dir",
-         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+         str(out), "--prompt_template", "{question}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     console = proc.stdout + proc.stderr
@@ -35,6 +35,7 @@ def test_demo_tiny_quick_output_and_rescore(tmp_path):
     command = proc.stdout.split("Re-score it:\n", 1)[1].splitlines()[0].strip()
     argv = shlex.split(command)
     assert argv[:2] == ["python", "examples/evaluate.py"]
+    assert argv[argv.index("--prompt_template") + 1] == "{question}"  # asked in the demo's wording
     rescore = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=300)
     assert rescore.returncode == 0, rescore.stdout[-3000:] + rescore.stderr[-3000:]

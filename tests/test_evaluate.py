@@ -112,3 +112,37 @@ def test_scores_a_peft_adapter_folder_and_records_the_results_on_it(tmp_path):
     assert rows[0][0] == "reasoning-gym chain_sum (seed 1)" and rows[0][2] == "8"
     results = json.loads((adapter_dir / "eval_results.json").read_text())
     assert results["results"][0]["problems"] == 8 and 0.0 <= results["results"][0]["accuracy"] <= 1.0
+
+
+def test_prompt_template_asks_the_held_out_problems_in_that_wording(tmp_path, monkeypatch):
+    """--prompt_template (a template or a task name of PROMPT_TEMPLATES) rewrites the questions the model is asked,
+    as examples/demo.py does, so the demo's re-score command scores the problems the demo scored."""
+    import torch
+
+    from oblr_trl.tasks import PROMPT_TEMPLATES
+    from oblr_trl.tiny import build_model, build_tokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = build_tokenizer()
+    model_dir = tmp_path / "model"
+    build_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    evaluate = load_script("evaluate")
+    asked = []
+    import oblr_trl.tasks as tasks
+
+    real = tasks.evaluate_accuracy
+
+    def spy(model, tok, dataset, **kwargs):
+        asked.extend(row["prompt"][-1]["content"] for row in dataset)
+        return real(model, tok, dataset, **kwargs)
+
+    monkeypatch.setattr(tasks, "evaluate_accuracy", spy)
+    for template, expected in ((None, "="), ("chain_sum", "Reply with only the number."), ("{expression} =", " =")):
+        asked.clear()
+        argv = ["--model", str(model_dir), "--num_examples", "4", "--output", str(tmp_path / "eval.md"),
+                "--no-update_card"] + (["--prompt_template", template] if template else [])
+        rows = evaluate.main(evaluate.parse_args(argv))
+        assert len(asked) == 4 and all(q.endswith(expected) for q in asked), (template, asked)
+        wording = PROMPT_TEMPLATES.get(template, template)
+        assert (f"asked as {wording!r}" in rows[0][0]) == (template is not None)
