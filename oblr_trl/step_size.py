@@ -63,6 +63,36 @@ class SNRState:
 
 
 @dataclass(frozen=True)
+class LrStats:
+    """Running statistics of the applied step over a run (JSON-serialisable, saved with checkpoints): steps sized,
+    steps at scale 0, and the sums behind the mean applied lr and the mean scale."""
+
+    steps: int = 0
+    skipped: int = 0
+    lr_sum: float = 0.0
+    scale_sum: float = 0.0
+
+    def record(self, scale: float, lr: float) -> "LrStats":
+        """The statistics after one more step of ``scale`` (the SNR factor) applied as learning rate ``lr``."""
+        return LrStats(self.steps + 1, self.skipped + int(scale == 0.0), self.lr_sum + lr, self.scale_sum + scale)
+
+    def metrics(self) -> dict[str, float]:
+        """``lr_mean``, ``lr_scale_mean``, ``skipped_fraction`` over the steps so far (empty before the first)."""
+        if not self.steps:
+            return {}
+        return {"lr_mean": self.lr_sum / self.steps, "lr_scale_mean": self.scale_sum / self.steps,
+                "skipped_fraction": self.skipped / self.steps}
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "skipped": self.skipped, "lr_sum": self.lr_sum, "scale_sum": self.scale_sum}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LrStats":
+        return cls(int(d.get("steps", 0)), int(d.get("skipped", 0)), float(d.get("lr_sum", 0.0)),
+                   float(d.get("scale_sum", 0.0)))
+
+
+@dataclass(frozen=True)
 class SNRDecision:
     """One optimizer step's step-size decision: ``scale`` multiplies the scheduled lr.
 

@@ -50,7 +50,7 @@ from .grad_norms import per_sequence_grad_inner_products, per_sequence_grads, va
 from .loss_terms import loss_coefficients
 from .precision import frozen_fraction
 from .trl_logs import install_all_none_reward_filter
-from .step_size import SNRState, snr_step_size
+from .step_size import LrStats, SNRState, snr_step_size
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_saved_lrs: list[float] | None = None
         # the SNR estimator's state and the running step-size statistics (both checkpointed)
         self._oblr_snr_state = SNRState()
-        self._oblr_lr_stats = {"steps": 0, "skipped": 0, "lr_sum": 0.0, "scale_sum": 0.0}
+        self._oblr_lr_stats = LrStats()
         self._oblr_warned: set[str] = set()
         self._oblr_precision_checked_lr = float("inf")
         # one_backward: True / False once decided; None until the first generation decides it by memory (auto)
@@ -431,14 +431,8 @@ class OBLRPOTrainer(GRPOTrainer):
         for group in self.optimizer.param_groups:
             group["lr"] = group["lr"] * step.scale
         applied = self.optimizer.param_groups[0]["lr"]
-        stats = self._oblr_lr_stats
-        stats["steps"] += 1
-        stats["skipped"] += int(step.scale == 0.0)
-        stats["lr_sum"] += applied
-        stats["scale_sum"] += step.scale
-        self._log({"lr_scale": step.scale, "num_samples": float(n), "lr": applied,
-                   "lr_mean": stats["lr_sum"] / stats["steps"], "lr_scale_mean": stats["scale_sum"] / stats["steps"],
-                   "skipped_fraction": stats["skipped"] / stats["steps"]})
+        self._oblr_lr_stats = self._oblr_lr_stats.record(step.scale, applied)
+        self._log({"lr_scale": step.scale, "num_samples": float(n), "lr": applied, **self._oblr_lr_stats.metrics()})
         if step.snr == step.snr:  # undefined (fewer than 2 samples, non-finite gradient): not logged, warned
             self._log({"snr": step.snr})
         self._check_precision(applied)
@@ -498,7 +492,7 @@ class OBLRPOTrainer(GRPOTrainer):
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             with open(os.path.join(folder, OBLR_STATE_NAME), "w") as f:  # the SNR estimator's state, lr statistics
                 json.dump({"version": 2, "global_step": self.state.global_step,
-                           "snr_state": self._oblr_snr_state.to_dict(), "lr_stats": self._oblr_lr_stats}, f)
+                           "snr_state": self._oblr_snr_state.to_dict(), "lr_stats": self._oblr_lr_stats.to_dict()}, f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # called on every rank and with every backend when resuming (and only then), with the checkpoint folder
@@ -517,6 +511,6 @@ class OBLRPOTrainer(GRPOTrainer):
             saved = json.load(f)
         if "snr_state" in saved:
             self._oblr_snr_state = SNRState.from_dict(saved["snr_state"])
-            self._oblr_lr_stats = {**self._oblr_lr_stats, **saved.get("lr_stats", {})}
+            self._oblr_lr_stats = LrStats.from_dict(saved.get("lr_stats", {}))
         else:
             logger.warning(f"{path} predates the SNR estimator's state (an older oblr-trl): the estimate restarts.")

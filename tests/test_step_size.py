@@ -191,3 +191,23 @@ def test_the_state_survives_json():
 def test_bad_estimator_options_fail_at_construction(options, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         OBLRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **options)
+
+
+def test_lr_stats_record_means_and_round_trip():
+    """The running statistics behind oblr/lr_mean, oblr/lr_scale_mean and oblr/skipped_fraction, against the plain
+    means of the steps, and through the checkpoint's JSON."""
+    import json
+
+    from oblr_trl.step_size import LrStats
+
+    assert LrStats().metrics() == {}
+    scales = [0.5, 0.0, 0.25, 1.0]
+    lrs = [1e-3 * s for s in scales]
+    stats = LrStats()
+    for scale, lr in zip(scales, lrs):
+        stats = stats.record(scale, lr)
+    metrics = stats.metrics()
+    assert metrics["lr_mean"] == pytest.approx(sum(lrs) / 4)
+    assert metrics["lr_scale_mean"] == pytest.approx(sum(scales) / 4)
+    assert metrics["skipped_fraction"] == 0.25
+    assert LrStats.from_dict(json.loads(json.dumps(stats.to_dict()))) == stats
