@@ -28,6 +28,7 @@ from .factors import (
     per_sample_dtype,
 )
 from . import generic
+from .experts import call_usages
 from .rules import find_rule
 from .support import _text_config, validate
 
@@ -239,7 +240,7 @@ def _hooked_modules(backbone: nn.Module, skip: nn.Module | None, lm: nn.Module |
         how = how_handled(module)
         if how is None:
             validate(lm if lm is not None else backbone)  # raises, naming every unsupported module
-        if how == "per-row":
+        if how in ("per-row", "routed"):  # the whole call recorded
             per_row.add(module)
         modules.append(module)
     return modules, per_row
@@ -516,8 +517,8 @@ def per_sequence_grads(
     for record in records:
         if isinstance(record.activation, generic.Call):
             if any(g is not None for g in record.output_grad):
-                for name, usage in generic.per_row_usages(record.module, record.activation, record.output_grad,
-                                                          batch).items():
+                for name, usage in call_usages(record.module, record.activation, record.output_grad,
+                                               batch).items():
                     usages[slot_of[(record.module, name)]].append(usage)
             continue
         if record.output_grad is None:  # streamed, a recomputation under gradient checkpointing, or an unused output

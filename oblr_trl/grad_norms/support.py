@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from . import generic
+from .experts import recognise_bank
 from .rules import find_rule
 
 ADVICE = (
@@ -41,10 +42,12 @@ class UnsupportedModulesError(NotImplementedError):
 
 
 def how_handled(module: nn.Module) -> str | None:
-    """'rule' (a per-layer rule), 'per-row' (:mod:`.generic`), or None (unsupported) for a module with trainable
-    parameters of its own."""
+    """'rule' (a per-layer rule), 'routed' (a fused MoE expert bank, by its routed tokens: :mod:`.experts`),
+    'per-row' (:mod:`.generic`), or None (unsupported) for a module with trainable parameters of its own."""
     if find_rule(module) is not None:
         return "rule"
+    if recognise_bank(module) is not None:
+        return "routed"
     if generic.trainable_numel(module) <= generic.MAX_NUMEL:
         return "per-row"
     return None

@@ -46,7 +46,7 @@ def _per_row_reference(model, ids, attention, mask) -> torch.Tensor:
 
 def family_row(family: str) -> list[str]:
     errors, status = [], "exact"
-    layers: dict[str, set[str]] = {"rule": set(), "per-row": set()}
+    layers: dict[str, set[str]] = {"rule": set(), "routed": set(), "per-row": set()}
     for tie in (True, False):
         model = build(family, tie)
         refused = validate(model, strict=False)
@@ -63,7 +63,8 @@ def family_row(family: str) -> list[str]:
         reference = _per_row_reference(model, ids, attention, mask)
         errors.append(float(((ours - reference).abs() / reference).max()))
     error = f"{max(errors):.1e}" if errors else "—"
-    return [family, status, error, ", ".join(sorted(layers["rule"])) or "—", ", ".join(sorted(layers["per-row"])) or "—"]
+    by_rule = sorted(layers["rule"]) + [f"{name} (routed tokens)" for name in sorted(layers["routed"])]
+    return [family, status, error, ", ".join(by_rule) or "—", ", ".join(sorted(layers["per-row"])) or "—"]
 
 
 def table() -> str:
