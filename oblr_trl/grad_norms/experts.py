@@ -25,6 +25,7 @@ materialized per-sequence gradients (:func:`~.factors.block_inner_products`), ex
 from __future__ import annotations
 
 import inspect
+import math
 import weakref
 
 import torch
@@ -35,50 +36,64 @@ from . import generic
 
 
 class PerExpert:
-    """The per-sample gradient of one 3-D expert-bank parameter ``(E, n_L, n_R)``: for each expert hit, a
-    :class:`~.factors.Factored` usage over the tokens routed to it, ``(B, T_e, n_L)`` and ``(B, T_e, n_R)``
-    (``T_e``: the most tokens one sequence routes to expert ``e``; padding rows are zero)."""
+    """The per-sample gradient of one 3-D expert-bank parameter ``(E, n_L, n_R)``, by the tokens routed to each
+    expert: experts grouped by how many tokens one sequence routes to them at most (``T_e``, in bands of a factor
+    ``2^(1/4)``), each group a :class:`~.factors.Factored` usage with factors ``(E_g * B, W_g, n)`` (expert-major,
+    then sequence; ``W_g``: the group's largest ``T_e``; padding rows are zero). One batched Gram or materialization
+    per group, not per expert; a group's width is at most ``2^(1/4)`` times any of its experts' ``T_e``."""
 
-    def __init__(self, num_experts: int, shape: tuple[int, int], parts: dict[int, Factored]):
-        self.num_experts, self.shape, self.parts = num_experts, shape, parts
+    def __init__(self, num_experts: int, shape: tuple[int, int], batch: int,
+                 groups: list[tuple[list[int], Factored]]):
+        self.num_experts, self.shape, self.batch, self.groups = num_experts, shape, batch, groups
 
     def blocked(self, k: int) -> "PerExpert":
-        return PerExpert(self.num_experts, self.shape, {e: f.blocked(k) for e, f in self.parts.items()})
+        return PerExpert(self.num_experts, self.shape, self.batch // k, [(ex, f.blocked(k)) for ex, f in self.groups])
+
+    def _per_expert(self) -> dict[int, Factored]:
+        out = {}
+        for experts, f in self.groups:
+            n = len(experts)
+            left, right = (t.reshape(n, -1, *t.shape[1:]) for t in (f.left.t, f.right.t))
+            for i, e in enumerate(experts):
+                out[e] = Factored(Dense(left[i]), Dense(right[i]))
+        return out
 
     def materialize(self) -> torch.Tensor:
         """``(B, E, n_L, n_R)``, float32."""
-        first = next(iter(self.parts.values()), None)
-        batch = 0 if first is None else first.left.t.shape[0]
-        device = None if first is None else first.left.t.device
-        out = torch.zeros(batch, self.num_experts, *self.shape, device=device)
-        for e, f in self.parts.items():
-            out[:, e] = f.materialize()
+        device = self.groups[0][1].left.t.device if self.groups else None
+        out = torch.zeros(self.batch, self.num_experts, *self.shape, device=device)
+        for experts, f in self.groups:
+            out[:, experts] = f.materialize().reshape(len(experts), self.batch, *self.shape).transpose(0, 1)
         return out
 
     def block_inner_products(self, other, k: int) -> torch.Tensor:
-        """Blocked usages in, ``(B/k, k, k)`` out: the sum over experts hit by both."""
+        """Blocked usages in (``self.batch`` blocks of ``k`` rows), ``(B/k, k, k)`` out: the sum over experts."""
         if not isinstance(other, PerExpert):
             raise TypeError("An expert bank's routed usage pairs only with another; materialize both first.")
-        out = None
-        for e, f in self.parts.items():
-            g = other.parts.get(e)
-            if g is None:
-                continue
-            part = block_inner_products(f, f if other is self else g, k)
-            out = part if out is None else out + part
-        if out is None:
-            first = next(iter(self.parts.values()), None) or next(iter(other.parts.values()))
-            nb = first.left.t.shape[0]
-            out = torch.zeros(nb, k, k, device=first.left.t.device)
+        out = torch.zeros(self.batch, k, k, device=self.groups[0][1].left.t.device if self.groups else None)
+        if other is self:
+            for experts, f in self.groups:
+                out += block_inner_products(f, f, k).reshape(len(experts), self.batch, k, k).sum(0)
+            return out
+        mine, theirs = self._per_expert(), other._per_expert()  # two calls of one bank: expert by expert
+        for e, f in mine.items():
+            if e in theirs:
+                out += block_inner_products(f, theirs[e], k)
         return out
 
     def weighted_rows(self, scale: torch.Tensor, k: int, start: int, end: int) -> torch.Tensor:
         """``sum_{i in block} scale_i g_i[start:end]``: experts ``start:end``, ``(B/k, end - start, n_L * n_R)``."""
         nb = scale.shape[0] // k
         out = torch.zeros(nb, end - start, self.shape[0] * self.shape[1], device=scale.device)
-        for e, f in self.parts.items():
-            if start <= e < end:
-                out[:, e - start] = block_weighted_rows(f, scale, k, 0, self.shape[0]).reshape(nb, -1)
+        for experts, f in self.groups:
+            inside = [i for i, e in enumerate(experts) if start <= e < end]
+            if not inside:
+                continue
+            n = len(experts)
+            sub = Factored(*(Dense(t.reshape(n, self.batch, *t.shape[1:])[inside].flatten(0, 1))
+                             for t in (f.left.t, f.right.t)))
+            rows = block_weighted_rows(sub, scale.repeat(len(inside)), k, 0, self.shape[0])
+            out[:, [experts[i] - start for i in inside]] = rows.reshape(len(inside), nb, -1).transpose(0, 1)
         return out
 
 
@@ -188,26 +203,37 @@ def recognise_bank(module: nn.Module) -> dict | None:
 
 # ----------------------------------------------------------------------------------------------------------- the rule
 class _Padding:
-    """Where each routed pair goes when the pairs (sorted by expert, then sequence) are laid out per expert as
-    ``(B, T_e, n)``, zero-padded per sequence (``T_e``: the most tokens one sequence routes to expert ``e``); all
-    experts' blocks in one flat buffer, so each factor takes one scatter."""
+    """Where each routed pair goes (pairs sorted by expert, then sequence) in the groups of :class:`PerExpert`:
+    expert ``e`` of group ``g`` holds sequence ``b``'s pairs at rows ``b * W_g ...`` of its ``(B, W_g)`` block. All
+    groups live in one flat buffer, so each factor takes one copy."""
 
     def __init__(self, expert: torch.Tensor, seq: torch.Tensor, batch: int, num_experts: int):
         key = expert * batch + seq
         counts = torch.bincount(key, minlength=num_experts * batch)
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.arange(key.numel(), device=key.device) - starts[key]
-        widths = counts.reshape(num_experts, batch).amax(1)
-        offsets = torch.cumsum(widths * batch, 0) - widths * batch  # first row of expert e's block
-        self.row = offsets[expert] + seq * widths[expert] + pos
-        self.rows = int((widths * batch).sum())
-        self.blocks = [(e, int(o), int(w)) for e, (o, w) in enumerate(zip(offsets.tolist(), widths.tolist())) if w]
-        self.batch = batch
+        widths = counts.reshape(num_experts, batch).amax(1).tolist()
+        by_size: dict[int, list[int]] = {}
+        for e, w in enumerate(widths):
+            if w:
+                by_size.setdefault(math.ceil(4 * math.log2(w)), []).append(e)  # widths within a factor 2^(1/4)
+        first_row, width = [0] * num_experts, [0] * num_experts
+        self.groups, offset = [], 0
+        for experts in by_size.values():
+            w = max(widths[e] for e in experts)
+            for i, e in enumerate(experts):
+                first_row[e], width[e] = offset + i * batch * w, w
+            self.groups.append((experts, offset, w))
+            offset += len(experts) * batch * w
+        first_row, width = (torch.tensor(v, device=key.device) for v in (first_row, width))
+        self.row = first_row[expert] + seq * width[expert] + pos
+        self.rows, self.batch = offset, batch
 
-    def __call__(self, values: torch.Tensor) -> dict[int, torch.Tensor]:
+    def __call__(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """``(pairs, n)`` -> per group ``(E_g * B, W_g, n)``."""
         flat = values.new_zeros(self.rows, values.shape[-1])
-        flat[self.row] = values
-        return {e: flat[o : o + self.batch * w].view(self.batch, w, -1) for e, o, w in self.blocks}
+        flat.index_copy_(0, self.row, values)
+        return [flat[o : o + len(ex) * self.batch * w].view(len(ex) * self.batch, w, -1) for ex, o, w in self.groups]
 
 
 def bank_usages(module: nn.Module, call: generic.Call, output_grads: list, batch: int) -> dict:
@@ -261,28 +287,26 @@ def bank_usages(module: nn.Module, call: generic.Call, output_grads: list, batch
             (du,) = torch.autograd.grad(h, u, torch.cat(dhs))
         h = h.detach()
         usages: dict = {}
-        down_parts, up_parts = {}, {}
         up_shape, down_shape = tuple(getattr(module, up).shape[1:]), tuple(module.down_proj.shape[1:])
-        bias_sums = {up_bias: torch.zeros(batch, num_experts, du.shape[-1], device=x.device),
-                     "down_proj_bias": torch.zeros(batch, num_experts, d, device=x.device)} if layout["has_bias"] else {}
         padding = _Padding(expert, seq, batch, num_experts)
-        padded = {name: padding(v) for name, v in (("x", xs), ("g", gs), ("h", h), ("du", du))}
-        for e in segments:
-            px, pg, ph, pdu = (padded[name][e] for name in ("x", "g", "h", "du"))
-            if "down_proj" in wanted:
-                down_parts[e] = Factored(Dense(ph), Dense(pg)) if transposed else Factored(Dense(pg), Dense(ph))
-            if up in wanted:
-                up_parts[e] = Factored(Dense(px), Dense(pdu)) if transposed else Factored(Dense(pdu), Dense(px))
-            if layout["has_bias"]:
-                bias_sums[up_bias][:, e] = pdu.sum(1)
-                bias_sums["down_proj_bias"][:, e] = pg.sum(1)
+        px, pg, ph, pdu = (padding(v) for v in (xs, gs, h, du))
+        groups = [experts for experts, _, _ in padding.groups]
         if "down_proj" in wanted:
-            usages["down_proj"] = PerExpert(num_experts, down_shape, down_parts)
+            usages["down_proj"] = PerExpert(num_experts, down_shape, batch, [
+                (ex, Factored(Dense(hh), Dense(gg)) if transposed else Factored(Dense(gg), Dense(hh)))
+                for ex, hh, gg in zip(groups, ph, pg)])
         if up in wanted:
-            usages[up] = PerExpert(num_experts, up_shape, up_parts)
-        for name, sums in bias_sums.items():
-            if name in wanted:
-                usages[name] = Materialized(sums)
+            usages[up] = PerExpert(num_experts, up_shape, batch, [
+                (ex, Factored(Dense(xx), Dense(dd)) if transposed else Factored(Dense(dd), Dense(xx)))
+                for ex, xx, dd in zip(groups, px, pdu)])
+        if layout["has_bias"]:
+            sums = {up_bias: (pdu, du.shape[-1]), "down_proj_bias": (pg, d)}
+            for name, (parts, width) in sums.items():
+                if name in wanted:
+                    total = torch.zeros(batch, num_experts, width, device=x.device)
+                    for ex, part in zip(groups, parts):
+                        total[:, ex] = part.sum(1).reshape(len(ex), batch, width).transpose(0, 1)
+                    usages[name] = Materialized(total)
     return usages
 
 
