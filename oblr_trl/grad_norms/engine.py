@@ -28,7 +28,7 @@ from .factors import (
     per_sample_dtype,
 )
 from . import generic
-from .experts import call_usages
+from .experts import call_usages, routed_forwards
 from .rules import find_rule
 from .support import _text_config, validate
 
@@ -485,7 +485,11 @@ def per_sequence_grads(
         record.activation, record.output_grad = None, None  # consumed
 
     on_grad_hook = on_grad if streamed is not None or materialize else None
-    with _fsdp_root_unsharded(lm), _capture(hooked, batch, on_grad_hook, checkpointed, per_row) as (records, inputs_with_grad):
+    # expert banks outside checkpointed layers keep their routed pairs' factors from the forward (experts.py)
+    in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
+    banks = [m for m in per_row if m not in in_checkpointed]
+    with _fsdp_root_unsharded(lm), routed_forwards(banks), \
+            _capture(hooked, batch, on_grad_hook, checkpointed, per_row) as (records, inputs_with_grad):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         h = hidden[:, length - completion_length - 1 : length - 1]
         labels = input_ids[:, length - completion_length :]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 import weakref
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -135,10 +136,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
 
 
 def _weights(module: nn.Module, layout: dict, e: int, dtype=torch.float32):
-    up, t = layout["up"], layout
-    up_b = getattr(module, f"{up}_bias")[e].to(dtype) if t["has_bias"] else None
-    down_b = module.down_proj_bias[e].to(dtype) if t["has_bias"] else None
-    return getattr(module, up)[e].to(dtype), up_b, module.down_proj[e].to(dtype), down_b
+    """Expert ``e``'s (up weight, up bias, down weight, down bias), cast to ``dtype`` (None: as stored)."""
+    up, has_bias = layout["up"], layout["has_bias"]
+    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+    up_b = cast(getattr(module, f"{up}_bias")[e]) if has_bias else None
+    down_b = cast(module.down_proj_bias[e]) if has_bias else None
+    return cast(getattr(module, up)[e]), up_b, cast(module.down_proj[e]), down_b
 
 
 def _mirror(module: nn.Module, layout: dict, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -156,10 +159,10 @@ def _mirror(module: nn.Module, layout: dict, x: torch.Tensor, idx: torch.Tensor,
 def _call_arguments(module: nn.Module, args, kwargs):
     """``(hidden_states, top_k_index, top_k_weights)`` of a call, whatever the keyword names."""
     try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    except TypeError:
+        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    except (TypeError, ValueError):
         return None
-    values = list(bound.arguments.values())
+    values = list(bound.arguments.values())[1:]
     if len(values) != 3 or not all(torch.is_tensor(v) for v in values):
         return None
     return values
@@ -236,8 +239,105 @@ class _Padding:
         return [flat[o : o + len(ex) * self.batch * w].view(len(ex) * self.batch, w, -1) for ex, o, w in self.groups]
 
 
+def _pairs(idx: torch.Tensor, num_experts: int):
+    """The routed (token, expert) pairs of ``(N, k)`` routing indices, sorted by expert then token (so, within an
+    expert, by sequence): ``(order, token, expert, counts per expert)``; ``order`` indexes the flattened ``(N*k,)``
+    routing. Expert-parallel sentinels (index ``num_experts``) carry nothing and are dropped."""
+    tokens, k = idx.shape
+    token = torch.arange(tokens, device=idx.device).repeat_interleave(k)
+    expert = idx.reshape(-1)
+    keep = ((expert >= 0) & (expert < num_experts)).nonzero()[:, 0]
+    order = keep[torch.argsort(expert[keep] * tokens + token[keep], stable=True)]
+    expert = expert[order]
+    return order, token[order], expert, torch.bincount(expert, minlength=num_experts).tolist()
+
+
+class _Captured:
+    """What :func:`_routed_forward` kept of one call: the routed pairs' inputs and gate outputs, and (from the
+    backward) the gradients reaching the up projection's and the down projection's outputs."""
+
+    __slots__ = ("x", "order", "token", "expert", "counts", "xs", "h", "du", "g")
+
+    def __init__(self, x, order, token, expert, counts, xs, h):
+        self.x, self.order, self.token, self.expert, self.counts = x, order, token, expert, counts
+        self.xs, self.h, self.du, self.g = xs, h, None, None
+
+
+_CAPTURED: "weakref.WeakKeyDictionary[nn.Module, list[_Captured]]" = weakref.WeakKeyDictionary()
+
+
+def _routed_forward(module: nn.Module, layout: dict):
+    """The bank's forward as the formula above, pair by pair in expert order (the probe checked it equals the
+    module's own), keeping each pair's input and gate output, with hooks that keep the gradients reaching the up and
+    down projections' outputs: then the norms need no recomputation of the bank."""
+
+    def forward(*args, **kwargs):
+        x, idx, w = _call_arguments(module, args, kwargs)
+        d = x.shape[-1]
+        flat = x.reshape(-1, d)
+        idx, w = idx.reshape(flat.shape[0], -1), w.reshape(flat.shape[0], -1)
+        order, token, expert, counts = _pairs(idx, layout["num_experts"])
+        xs = flat[token]
+        us, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                up_w, up_b, _, _ = _weights(module, layout, e, dtype=None)
+                us.append(_linear(xs[start : start + count], up_w, up_b, layout["transposed"]))
+                start += count
+        if not us:
+            return torch.zeros_like(x)
+        u = torch.cat(us)
+        h = _gate(module, layout, u)
+        outs, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                _, _, down_w, down_b = _weights(module, layout, e, dtype=None)
+                outs.append(_linear(h[start : start + count], down_w, down_b, layout["transposed"]))
+                start += count
+        o = torch.cat(outs)
+        y = torch.zeros_like(flat).index_add(0, token, (o * w.reshape(-1)[order, None]).to(flat.dtype))
+        if torch.is_grad_enabled() and u.requires_grad and not generic.replaying() and not _in_backward():
+            entry = _Captured(x.detach(), order, token, expert, counts, xs.detach(), h.detach())
+            _CAPTURED.setdefault(module, []).append(entry)
+            u.register_hook(lambda grad: setattr(entry, "du", grad.detach()))
+            o.register_hook(lambda grad: setattr(entry, "g", grad.detach()))
+        return y.reshape(x.shape)
+
+    return forward
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextmanager
+def routed_forwards(modules):
+    """Inside, each recognised bank among ``modules`` runs :func:`_routed_forward` (an instance attribute shadowing
+    its class's forward). Its captures outlive the block (the usages are formed after it) and are taken by
+    :func:`bank_usages`; any left from an earlier pass are dropped on entry."""
+    banks = [m for m in modules if recognise_bank(m) is not None and "forward" not in vars(m)]
+    for m in banks:
+        _CAPTURED.pop(m, None)
+        m.forward = _routed_forward(m, recognise_bank(m))
+    try:
+        yield
+    finally:
+        for m in banks:
+            del m.forward
+
+
+def _take_capture(module: nn.Module, x: torch.Tensor) -> _Captured | None:
+    """The capture of the call whose input is ``x`` (the same storage), if its gradients arrived."""
+    for i, entry in enumerate(_CAPTURED.get(module, [])):
+        if entry.x.data_ptr() == x.data_ptr() and entry.x.shape == x.shape:
+            _CAPTURED[module].pop(i)
+            return entry if entry.du is not None and entry.g is not None else None
+    return None
+
+
 def bank_usages(module: nn.Module, call: generic.Call, output_grads: list, batch: int) -> dict:
-    """``{name: usage}`` of a recognised expert bank from its recorded call and output gradient."""
+    """``{name: usage}`` of a recognised expert bank from its recorded call and output gradient (and what
+    :func:`_routed_forward` kept, if it ran; else the bank's matmuls are recomputed on the routed tokens)."""
     layout = recognise_bank(module)
     arguments = _call_arguments(module, call.args, call.kwargs)
     if layout is None or arguments is None or len(output_grads) != 1:
@@ -245,6 +345,7 @@ def bank_usages(module: nn.Module, call: generic.Call, output_grads: list, batch
     if output_grads[0] is None:
         return {}
     x, idx, w = arguments
+    captured = _take_capture(module, x)
     d = x.shape[-1]
     x, grad = x.reshape(-1, d), output_grads[0].reshape(-1, d)
     tokens = x.shape[0]
@@ -255,37 +356,32 @@ def bank_usages(module: nn.Module, call: generic.Call, output_grads: list, batch
             "(module.requires_grad_(False)) or use OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
         )
     idx, w = idx.reshape(tokens, -1), w.reshape(tokens, -1)
-    k, num_experts, transposed = idx.shape[1], layout["num_experts"], layout["transposed"]
-    token = torch.arange(tokens, device=x.device).repeat_interleave(k)
-    expert, weight = idx.reshape(-1), w.reshape(-1)
-    keep = (expert >= 0) & (expert < num_experts)  # expert-parallel sentinels (num_experts) carry nothing
-    token, expert, weight = token[keep], expert[keep], weight[keep]
-    seq = token // (tokens // batch)
-    order = torch.argsort(expert * batch + seq, stable=True)  # by expert, then sequence
-    token, expert, weight, seq = token[order], expert[order], weight[order], seq[order]
-    counts = torch.bincount(expert, minlength=num_experts).tolist()
+    num_experts, transposed = layout["num_experts"], layout["transposed"]
     up, up_bias = layout["up"], f"{layout['up']}_bias"
     wanted = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
     with torch.autocast(device_type=x.device.type, enabled=False), torch.no_grad():
-        xs = x[token].float()
-        gs = grad[token].float() * weight.float()[:, None]  # the gradient reaching down_e's output
-        us, dhs, start = [], [], 0
-        segments = {}
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            segments[e] = (start, start + count)
-            up_w, up_b, down_w, _ = _weights(module, layout, e)
-            us.append(_linear(xs[start : start + count], up_w, up_b, transposed))
-            dhs.append(gs[start : start + count] @ (down_w.T if transposed else down_w))
-            start += count
-        if not segments:
-            return {}
-        with torch.enable_grad():
-            u = torch.cat(us).requires_grad_(True)
-            h = _gate(module, layout, u)
-            (du,) = torch.autograd.grad(h, u, torch.cat(dhs))
-        h = h.detach()
+        if captured is not None:
+            token, expert = captured.token, captured.expert
+            xs, h, du, gs = (t.float() for t in (captured.xs, captured.h, captured.du, captured.g))
+        else:
+            order, token, expert, counts = _pairs(idx, num_experts)
+            xs = x[token].float()
+            gs = grad[token].float() * w.reshape(-1)[order].float()[:, None]  # the gradient reaching down_e's output
+            us, dhs, start = [], [], 0
+            for e, count in enumerate(counts):
+                if count:
+                    up_w, up_b, down_w, _ = _weights(module, layout, e)
+                    us.append(_linear(xs[start : start + count], up_w, up_b, transposed))
+                    dhs.append(gs[start : start + count] @ (down_w.T if transposed else down_w))
+                    start += count
+            if not us:
+                return {}
+            with torch.enable_grad():
+                u = torch.cat(us).requires_grad_(True)
+                h = _gate(module, layout, u)
+                (du,) = torch.autograd.grad(h, u, torch.cat(dhs))
+            h = h.detach()
+        seq = token // (tokens // batch)
         usages: dict = {}
         up_shape, down_shape = tuple(getattr(module, up).shape[1:]), tuple(module.down_proj.shape[1:])
         padding = _Padding(expert, seq, batch, num_experts)

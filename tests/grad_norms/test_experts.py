@@ -4,8 +4,8 @@ per-sequence autograd: squared norms, within-group inner products and the weight
 import pytest
 import torch
 
-from oblr_trl.grad_norms import engine
-from oblr_trl.grad_norms.experts import PerExpert, call_usages, recognise_bank
+from oblr_trl.grad_norms import engine, experts
+from oblr_trl.grad_norms.experts import PerExpert, call_usages, recognise_bank, routed_forwards
 from oblr_trl.grad_norms.support import how_handled
 
 B, T, D, K = 4, 6, 12, 2
@@ -33,7 +33,7 @@ def _bank(name: str, experts: int = 5):
 
 def _routing(experts: int, skewed: bool = False, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B * T, D, generator=g)
+    x = torch.randn(B * T, D, generator=g).requires_grad_(True)  # as in a model: the bank's input carries a gradient
     idx = torch.stack([torch.randperm(experts, generator=g)[:K] for _ in range(B * T)])
     if skewed:  # sequence 0 sends every token to experts 0 and 1; the others avoid expert 0
         idx[:T] = torch.tensor([0, 1])
@@ -43,11 +43,15 @@ def _routing(experts: int, skewed: bool = False, seed: int = 1):
     return x, idx, w
 
 
-def _ours(bank, x, idx, w, r):
-    with engine._capture([bank], B, calls_of={bank}) as (records, _):
+def _ours(bank, x, idx, w, r, captured=True):
+    """Captured: the bank's routed forward keeps its pairs' factors (as in the norms pass); else they are recomputed
+    from the recorded call (as inside checkpointed layers)."""
+    with routed_forwards([bank] if captured else []), engine._capture([bank], B, calls_of={bank}) as (records, _):
         y = bank(x, idx, w)
         (y * r).sum().backward(inputs=[p for p in bank.parameters() if p.requires_grad])
     bank.zero_grad(set_to_none=True)
+    if captured and x.requires_grad and recognise_bank(bank) is not None:
+        assert len(experts._CAPTURED.get(bank, [])) == 1
     usages = {}
     for record in records:
         for name, usage in call_usages(bank, record.activation, record.output_grad, B).items():
@@ -65,15 +69,17 @@ def _per_row_grads(bank, x, idx, w, r):
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("captured", [True, False], ids=["captured", "recomputed"])
 @pytest.mark.parametrize("skewed", [False, True], ids=["random", "skewed"])
 @pytest.mark.parametrize("name", ["Qwen3MoeExperts", "MixtralExperts", "GptOssExperts"])
-def test_bank_by_routed_tokens_equals_per_row_autograd(name, skewed):
+def test_bank_by_routed_tokens_equals_per_row_autograd(name, skewed, captured):
     bank = _bank(name)
     assert how_handled(bank) == "routed"
     x, idx, w = _routing(5, skewed)
     r = torch.randn(B * T, D, generator=torch.Generator().manual_seed(4))
-    grads = _ours(bank, x, idx, w, r)
+    grads = _ours(bank, x, idx, w, r, captured)
     assert any(isinstance(u, PerExpert) for us in grads.usages.values() for u in us)
+    assert "forward" not in vars(bank)  # the routed forward is gone after the pass
     reference = _per_row_grads(bank, x, idx, w, r)
     for k in (1, 2):  # squared norms, and the inner products within groups of 2 (cross terms)
         blocks = reference.reshape(B // k, k, -1)
