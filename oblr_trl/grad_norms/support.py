@@ -32,12 +32,12 @@ class Unsupported:
 class UnsupportedModulesError(NotImplementedError):
     """Raised by :func:`validate`; ``.modules`` lists every unsupported trainable module."""
 
-    def __init__(self, modules: list[Unsupported]):
+    def __init__(self, modules: list[Unsupported], advice: str = ADVICE):
         self.modules = modules
         lines = "\n".join(f"  - {m}" for m in modules)
         super().__init__(
             f"Exact per-sequence gradient norms do not cover {len(modules)} trainable module(s) of this model:\n"
-            f"{lines}\n{ADVICE}"
+            f"{lines}\n{advice}"
         )
 
 
@@ -98,3 +98,26 @@ def validate(model: nn.Module, *, strict: bool = True) -> list[Unsupported]:
     if found and strict:
         raise UnsupportedModulesError(found)
     return found
+
+
+def refuse_outside_decoder(lm: nn.Module, hooked: list[nn.Module], model_inputs: dict) -> None:
+    """With inputs beyond the token ids (a VLM's images), every hooked (trainable) module must be inside the text
+    decoder: the others (a vision tower: patch embedding, vision blocks, merger) see rows that are image patches, not
+    the batch's sequences, and pairing them with the sequences would be wrong. Raises, naming them all."""
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    inside = set(decoder.modules()) if isinstance(decoder, nn.Module) else set()
+    names = {m: n for n, m in lm.named_modules()}
+    outside = [m for m in hooked if m not in inside]
+    if not outside:
+        return
+    found = [Unsupported(names.get(m, ""), type(m).__name__,
+                         f"outside the text decoder, it sees the inputs {sorted(model_inputs)} (image patches, not "
+                         "sequences)") for m in outside]
+    base = getattr(lm, "base_model", lm)
+    towers = [f"model.{names[c]}" for c in base.children()
+              if c not in inside and decoder not in set(c.modules()) and set(c.modules()) & set(outside)]
+    towers = towers or sorted({f"model.{names.get(m, '')}" for m in outside})
+    raise UnsupportedModulesError(found, advice=(
+        f"Freeze the vision tower ({', '.join(f'{t}.requires_grad_(False)' for t in towers)}): its parameters then "
+        "take no gradient, and the text decoder's norms are exact with the images in the batch. Or train without "
+        "exact norms: OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."))
