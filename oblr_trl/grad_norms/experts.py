@@ -278,23 +278,15 @@ def _routed_forward(module: nn.Module, layout: dict):
         idx, w = idx.reshape(flat.shape[0], -1), w.reshape(flat.shape[0], -1)
         order, token, expert, counts = _pairs(idx, layout["num_experts"])
         xs = flat[token]
-        us, start = [], 0
-        for e, count in enumerate(counts):
-            if count:
-                up_w, up_b, _, _ = _weights(module, layout, e, dtype=None)
-                us.append(_linear(xs[start : start + count], up_w, up_b, layout["transposed"]))
-                start += count
-        if not us:
+        hit = [e for e, count in enumerate(counts) if count]
+        if not hit:
             return torch.zeros_like(x)
-        u = torch.cat(us)
+        sizes = [counts[e] for e in hit]  # torch.split, not slices: one backward node, not one full-size per expert
+        u = torch.cat([_linear(part, *_weights(module, layout, e, dtype=None)[:2], layout["transposed"])
+                       for e, part in zip(hit, torch.split(xs, sizes))])
         h = _gate(module, layout, u)
-        outs, start = [], 0
-        for e, count in enumerate(counts):
-            if count:
-                _, _, down_w, down_b = _weights(module, layout, e, dtype=None)
-                outs.append(_linear(h[start : start + count], down_w, down_b, layout["transposed"]))
-                start += count
-        o = torch.cat(outs)
+        o = torch.cat([_linear(part, *_weights(module, layout, e, dtype=None)[2:], layout["transposed"])
+                       for e, part in zip(hit, torch.split(h, sizes))])
         y = torch.zeros_like(flat).index_add(0, token, (o * w.reshape(-1)[order, None]).to(flat.dtype))
         if torch.is_grad_enabled() and u.requires_grad and not generic.replaying() and not _in_backward():
             entry = _Captured(x.detach(), order, token, expert, counts, xs.detach(), h.detach())
