@@ -2,12 +2,12 @@
 interleaved): ``python benchmarks/moe_norms.py --experts 32 --top-k 4``.
 
 The expert banks take the routed-token rule (:mod:`oblr_trl.grad_norms.experts`: cost proportional to the tokens
-each expert sees); the routers, small, the exact per-row path (:mod:`oblr_trl.grad_norms.generic`). With
-``--per-row`` the banks are also timed on the per-row path (one re-run of the bank per sequence, what they took before
+each expert sees); the routers, their logits' rule (:mod:`oblr_trl.grad_norms.routers`). With ``--per-row`` the
+banks and routers are also timed on the per-row path (one re-run of the bank per sequence, what they took before
 the rule; the benchmark lifts ``generic.MAX_NUMEL`` so that a large bank is not refused), and the two passes'
 norms are checked equal.
 
-Measured 2026-11-23 04:37-04:39 UTC on a shared 2-core CPU (load average 4.7-5.5 from other jobs: absolute times are
+Measured (banks by routed tokens, routers still on the per-row path) 2026-11-23 04:37-04:39 UTC on a shared 2-core CPU (load average 4.7-5.5 from other jobs: absolute times are
 inflated, ratios are from interleaved runs), 1 thread, batch 8, ``--reps 5``:
 
     --experts 8  --top-k 2 --hidden 512 --moe-intermediate 256 --length 128: 0.916s vs 0.944s, 1.03x
@@ -25,7 +25,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from oblr_trl import per_sequence_grad_sq_norms
-from oblr_trl.grad_norms import experts, generic, support
+from oblr_trl.grad_norms import experts, generic, routers, support
 
 
 def main():
@@ -63,13 +63,15 @@ def main():
     def norms():
         return per_sequence_grad_sq_norms(model, ids, attention, completion)
 
-    def per_row():  # the banks on the per-row path: the rule switched off for this call
-        recognise = experts.recognise_bank
+    def per_row():  # banks and routers on the per-row path: their rules switched off for this call
+        bank, router = experts.recognise_bank, routers.recognise_router
         experts.recognise_bank = support.recognise_bank = lambda module: None
+        routers.recognise_router = support.recognise_router = lambda module: False
         try:
             return per_sequence_grad_sq_norms(model, ids, attention, completion)
         finally:
-            experts.recognise_bank = support.recognise_bank = recognise
+            experts.recognise_bank = support.recognise_bank = bank
+            routers.recognise_router = support.recognise_router = router
 
     def timed(fn):
         if args.device == "cuda":

@@ -399,8 +399,12 @@ def bank_usages(module: nn.Module, call: generic.Call, output_grads: list, batch
 
 
 def call_usages(module: nn.Module, call: generic.Call, output_grads: list, batch: int) -> dict:
-    """The usages of a module whose whole call was recorded: an expert bank by its routed tokens, anything else by
-    the per-row path."""
+    """The usages of a module whose whole call was recorded: an expert bank by its routed tokens, a router by its
+    logits (:mod:`.routers`), anything else by the per-row path."""
+    from .routers import recognise_router, router_usages
+
     if recognise_bank(module) is not None:
         return bank_usages(module, call, output_grads, batch)
+    if recognise_router(module):
+        return router_usages(module, call, output_grads, batch)
     return generic.per_row_usages(module, call, output_grads, batch)

@@ -9,6 +9,7 @@ from torch import nn
 
 from . import generic
 from .experts import recognise_bank
+from .routers import recognise_router
 from .rules import find_rule
 
 ADVICE = (
@@ -42,11 +43,12 @@ class UnsupportedModulesError(NotImplementedError):
 
 
 def how_handled(module: nn.Module) -> str | None:
-    """'rule' (a per-layer rule), 'routed' (a fused MoE expert bank, by its routed tokens: :mod:`.experts`),
+    """'rule' (a per-layer rule), 'routed' (a fused MoE expert bank, by its routed tokens: :mod:`.experts`; a router, by its
+    logits: :mod:`.routers`),
     'per-row' (:mod:`.generic`), or None (unsupported) for a module with trainable parameters of its own."""
     if find_rule(module) is not None:
         return "rule"
-    if recognise_bank(module) is not None:
+    if recognise_bank(module) is not None or recognise_router(module):
         return "routed"
     if generic.trainable_numel(module) <= generic.MAX_NUMEL:
         return "per-row"
