@@ -7,13 +7,14 @@ banks and routers are also timed on the per-row path (one re-run of the bank per
 the rule; the benchmark lifts ``generic.MAX_NUMEL`` so that a large bank is not refused), and the two passes'
 norms are checked equal.
 
-Measured (banks by routed tokens, routers still on the per-row path) 2026-11-23 04:37-04:39 UTC on a shared 2-core CPU (load average 4.7-5.5 from other jobs: absolute times are
-inflated, ratios are from interleaved runs), 1 thread, batch 8, ``--reps 5``:
+Measured 2026-11-23 04:47-04:49 UTC (commit 8af407d: banks by routed tokens, routers by logits) on a shared 2-core
+CPU (load average 3.3-4.5 from other jobs: absolute times are inflated, ratios are from interleaved runs), 1 thread,
+batch 8, ``--reps 5``; plain forward+backward vs the norms pass:
 
-    --experts 8  --top-k 2 --hidden 512 --moe-intermediate 256 --length 128: 0.916s vs 0.944s, 1.03x
-    --experts 32 --top-k 4 --hidden 512 --moe-intermediate 256 --length 128: 1.296s vs 1.519s, 1.17x
-    --experts 64 --top-k 8 --hidden 512 --moe-intermediate 256 --length 128: 1.508s vs 1.860s, 1.23x
-    --experts 32 --top-k 4 --length 64 --per-row: 0.194s vs 0.252s, 1.30x; per-row path 0.538s, 2.78x (max rel.
+    --experts 8  --top-k 2 --hidden 512 --moe-intermediate 256 --length 128: 0.718s vs 0.766s, 1.07x
+    --experts 32 --top-k 4 --hidden 512 --moe-intermediate 256 --length 128: 1.344s vs 1.580s, 1.18x
+    --experts 64 --top-k 8 --hidden 512 --moe-intermediate 256 --length 128: 1.620s vs 1.832s, 1.13x
+    --experts 32 --top-k 4 --length 64 --per-row: 0.190s vs 0.240s, 1.27x; per-row path 0.516s, 2.72x (max rel.
     difference between the two paths' norms 1.5e-07)
 """
 
@@ -97,11 +98,11 @@ def main():
     print(f"Qwen3-MoE {args.layers} layers, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, "
           f"moe-intermediate {args.moe_intermediate}, vocab {args.vocab}, batch {args.batch} x {args.length} tokens, "
           f"{args.device}, {args.threads} thread(s)")
-    print(f"plain forward+backward {mp:.3f}s, norms pass (routed banks) {mn:.3f}s (medians of {args.reps}); "
+    print(f"plain forward+backward {mp:.3f}s, norms pass (banks and routers by rule) {mn:.3f}s (medians of {args.reps}); "
           f"ratio {mn / mp:.2f}x")
     if args.per_row:
         mr = statistics.median(t_rows)
-        print(f"norms pass with the banks on the per-row path {mr:.3f}s; ratio {mr / mp:.2f}x "
+        print(f"norms pass with banks and routers on the per-row path {mr:.3f}s; ratio {mr / mp:.2f}x "
               f"(routed vs per-row norms: max rel. difference {error:.1e})")
 
 

@@ -82,20 +82,24 @@ def _probe(module: nn.Module) -> bool:
     x = torch.randn(6, weight.shape[1], generator=g).to(weight.device, weight.dtype)
     with torch.enable_grad():
         tap, out = _run_tapped(module, (x,), {})
-        short = module(x[:3])
+        halves = [(rows, module(x[rows])) for rows in (slice(0, 3), slice(3, 6))]
     if len(tap.logits) != 1 or tap.other_uses or tap.logits[0].shape[0] != 6:
         return False
-    outs, shorts = generic._tensors(out), generic._tensors(short)
-    if len(outs) != len(shorts) or not outs:
+    outs = generic._tensors(out)
+    if not outs:
         return False
-    for o, s in zip(outs, shorts):  # tokens independent: the first three rows do not depend on the others
-        if o.dim() == 0 or o.shape[0] != 6 or s.shape[0] != 3:
+    for rows, half in halves:  # tokens independent: each half of the probe alone gives the same rows
+        parts = generic._tensors(half)
+        if len(parts) != len(outs):
             return False
-        if o.is_floating_point():
-            if not torch.allclose(o[:3].detach().float(), s.detach().float(), rtol=1e-4, atol=1e-6):
+        for o, p in zip(outs, parts):
+            if o.dim() == 0 or o.shape[0] != 6 or p.shape[0] != 3:
                 return False
-        elif not torch.equal(o[:3], s):
-            return False
+            if o.is_floating_point():
+                if not torch.allclose(o[rows].detach().float(), p.detach().float(), rtol=1e-4, atol=1e-6):
+                    return False
+            elif not torch.equal(o[rows], p):
+                return False
     return any(o.requires_grad for o in outs)  # something carries the logits' gradient
 
 

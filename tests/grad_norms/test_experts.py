@@ -184,7 +184,12 @@ def test_routers_that_mix_tokens_or_reuse_their_weight_are_left_to_the_per_row_p
             z = torch.nn.functional.linear(x, self.weight) * self.weight.norm()
             return z, torch.softmax(z, -1).topk(2, -1).values
 
+    class RunningSum(BatchNormalisedRouter):  # each token's logits add the earlier tokens' (a prefix alone agrees)
+        def forward(self, x):
+            z = torch.nn.functional.linear(x, self.weight).cumsum(0)
+            return z, torch.softmax(z, -1).topk(2, -1).values
+
     from oblr_trl.grad_norms.routers import recognise_router
 
-    for router in (BatchNormalisedRouter(), WeightTwice()):
+    for router in (BatchNormalisedRouter(), WeightTwice(), RunningSum()):
         assert not recognise_router(router) and how_handled(router) == "per-row"
