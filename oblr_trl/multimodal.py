@@ -45,3 +45,25 @@ def row_inputs(batch: dict, start: int, end: int) -> dict:
     out["pixel_values"] = batch["pixel_values"][patch_rows[first] : patch_rows[last]]
     out["image_grid_thw"] = grid[first:last]
     return out
+
+
+def dataset_has_images(dataset) -> bool:
+    """Whether a training dataset carries images the way TRL's GRPOTrainer takes them (an ``image``/``images``
+    column)."""
+    names = getattr(dataset, "column_names", None) or []
+    return any(name in ("image", "images") for name in names)
+
+
+def refuse_trainable_vision(model, dataset) -> None:
+    """At construction: a dataset with images and a trainable module outside the text decoder (a vision tower) is
+    refused, naming the modules, with the advice (freeze the tower) that makes the norms exact."""
+    from .grad_norms.engine import unwrap_causal_lm
+    from .grad_norms.support import refuse_outside_decoder
+
+    if not dataset_has_images(dataset):
+        return
+    lm = unwrap_causal_lm(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    trainable = [m for m in getattr(lm, "base_model", lm).modules()
+                 if m is not head and any(p.requires_grad for p in m.parameters(recurse=False))]
+    refuse_outside_decoder(lm, trainable, {"pixel_values": None})

@@ -147,6 +147,7 @@ class OBLRPOTrainer(GRPOTrainer):
             )
         if self._needs_norms:  # every layer the exact norms cannot cover, named now, before the first generation
             validate(self.model)
+            multimodal.refuse_trainable_vision(self.model, self.train_dataset)
         if self.args.snr_lr and self.aux_loss_enabled:
             logger.warning(
                 "The model's router auxiliary loss (router_aux_loss_coef != 0) adds a gradient term the SNR estimate "

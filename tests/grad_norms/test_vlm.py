@@ -139,3 +139,106 @@ def test_row_inputs_refuses_other_image_layouts_and_passes_text_fields():
     torch.testing.assert_close(sliced["token_type_ids"], torch.arange(10, 20).reshape(2, 5))
     with pytest.raises(NotImplementedError, match=r"image_sizes.*grad_norm_estimator='length', snr_lr=False"):
         row_inputs({"pixel_values": torch.zeros(4, 3), "image_sizes": torch.zeros(4, 2), "num_images": [1] * 4}, 0, 2)
+
+
+# ------------------------------------------------------------------- OBLRPOTrainer on image prompts (TRL's VLM path)
+def _vlm_trainer_parts():
+    """A tiny Qwen2-VL with a processor built offline (the character tokenizer of oblr_trl.tiny plus the vision
+    tokens, the PIL image processor; no video processor, which needs torchvision) and 8 image prompts of 8 x 8 pixels
+    (one 4 x 4 patch grid: 4 image tokens each)."""
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+
+    from oblr_trl.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": vision})
+    template = (
+        "{%- for message in messages -%}"
+        "{%- if message['content'] is string -%}{{ message['role'][0] + ': ' + message['content'] + '\\n' }}"
+        "{%- else -%}{{ message['role'][0] + ': ' }}{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+        "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}{{ '\\n' }}{%- endif -%}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{ 'a: ' }}{%- endif -%}")
+    tokenizer.chat_template = template
+
+    class ImageOnlyProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    images = Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=2, min_pixels=64, max_pixels=64)
+    processor = ImageOnlyProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template)
+    token = tokenizer.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
+                           temporal_patch_size=2, spatial_merge_size=2, in_chans=3),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"))
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    rng = np.random.default_rng(0)
+    dataset = Dataset.from_list([
+        {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"{i}?"}]}],
+         "image": Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8))} for i in range(8)])
+    return model, processor, dataset
+
+
+def _vlm_trainer(model, processor, dataset):
+    from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+
+    args = OBLRPOConfig(output_dir="/tmp/oblr-vlm-test", per_device_train_batch_size=4, num_generations=2,
+                        max_completion_length=4, max_steps=2, logging_steps=1, report_to="none", use_cpu=True,
+                        save_strategy="no", seed=0, disable_tqdm=True, bf16=False)
+    return OBLRPOTrainer(model=model, processing_class=processor, args=args, train_dataset=dataset,
+                         reward_funcs=[lambda completions, **kw: [float(len(str(c))) for c in completions]])
+
+
+def test_trainer_refuses_a_trainable_tower_with_image_prompts_at_construction():
+    model, processor, dataset = _vlm_trainer_parts()
+    with pytest.raises(UnsupportedModulesError, match=r"model\.visual\.requires_grad_\(False\)") as refused:
+        _vlm_trainer(model, processor, dataset)
+    assert all(m.name.startswith("model.visual.") for m in refused.value.modules)
+
+
+def test_trainer_on_image_prompts_with_the_tower_frozen_passes_the_images_and_is_exact(monkeypatch):
+    from oblr_trl import trainer as trainer_module
+
+    model, processor, dataset = _vlm_trainer_parts()
+    model.model.visual.requires_grad_(False)  # the advice
+    calls = []
+    original = trainer_module.per_sequence_grad_inner_products
+
+    def spy(model, ids, attention, mask, **kwargs):
+        calls.append((ids, attention, mask, kwargs.get("model_inputs")))
+        return original(model, ids, attention, mask, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", spy)
+    trainer = _vlm_trainer(model, processor, dataset)
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer._one_backward is False  # two passes with images
+    assert calls and all(sorted(inputs) == ["image_grid_thw", "mm_token_type_ids", "pixel_values"]
+                         for *_, inputs in calls)
+    ids, attention, mask, inputs = calls[-1]  # the trainer's last chunk, at the trained weights
+    model.eval()
+    ours = per_sequence_grad_sq_norms(model, ids, attention, mask, model_inputs=inputs)
+    per_image = inputs["pixel_values"].shape[0] // ids.shape[0]  # one image (one grid) per prompt
+    reference = torch.cat([_per_row_reference_with(
+        model, ids[b : b + 1], attention[b : b + 1], mask[b : b + 1],
+        dict(pixel_values=inputs["pixel_values"][b * per_image : (b + 1) * per_image],
+             image_grid_thw=inputs["image_grid_thw"][b : b + 1], mm_token_type_ids=inputs["mm_token_type_ids"][b : b + 1]))
+        for b in range(ids.shape[0])])
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-9)
