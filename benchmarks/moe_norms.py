@@ -98,7 +98,8 @@ def main():
     print(f"Qwen3-MoE {args.layers} layers, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, "
           f"moe-intermediate {args.moe_intermediate}, vocab {args.vocab}, batch {args.batch} x {args.length} tokens, "
           f"{args.device}, {args.threads} thread(s)")
-    print(f"plain forward+backward {mp:.3f}s, norms pass (banks and routers by rule) {mn:.3f}s (medians of {args.reps}); "
+    print(f"plain forward+backward {mp:.3f}s, norms pass (banks and routers by rule) {mn:.3f}s "
+          f"(medians of {args.reps}); "
           f"ratio {mn / mp:.2f}x")
     if args.per_row:
         mr = statistics.median(t_rows)

@@ -239,6 +239,7 @@ def test_trainer_on_image_prompts_with_the_tower_frozen_passes_the_images_and_is
     reference = torch.cat([_per_row_reference_with(
         model, ids[b : b + 1], attention[b : b + 1], mask[b : b + 1],
         dict(pixel_values=inputs["pixel_values"][b * per_image : (b + 1) * per_image],
-             image_grid_thw=inputs["image_grid_thw"][b : b + 1], mm_token_type_ids=inputs["mm_token_type_ids"][b : b + 1]))
+             image_grid_thw=inputs["image_grid_thw"][b : b + 1],
+             mm_token_type_ids=inputs["mm_token_type_ids"][b : b + 1]))
         for b in range(ids.shape[0])])
     torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-9)
