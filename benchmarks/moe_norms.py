@@ -1,10 +1,21 @@
 """The exact norms pass on a Qwen3-MoE model at a realistic expert count vs a plain forward+backward (same run,
 interleaved): ``python benchmarks/moe_norms.py --experts 32 --top-k 4``.
 
-Today the expert banks and routers take the exact per-row path (:mod:`oblr_trl.grad_norms.generic`): one re-run of
-the bank per sequence. A bank over ``generic.MAX_NUMEL`` elements is refused by ``validate``; this benchmark lifts the
-limit (``--lift-limit``, on by default) to measure what that path costs. A routed-token rule (cost proportional to the
-tokens each expert sees) is the planned replacement.
+The expert banks take the routed-token rule (:mod:`oblr_trl.grad_norms.experts`: cost proportional to the tokens
+each expert sees); the routers, their logits' rule (:mod:`oblr_trl.grad_norms.routers`). With ``--per-row`` the
+banks and routers are also timed on the per-row path (one re-run of the bank per sequence, what they took before
+the rule; the benchmark lifts ``generic.MAX_NUMEL`` so that a large bank is not refused), and the two passes'
+norms are checked equal.
+
+Measured 2026-11-23 04:47-04:49 UTC (commit 8af407d: banks by routed tokens, routers by logits) on a shared 2-core
+CPU (load average 3.3-4.5 from other jobs: absolute times are inflated, ratios are from interleaved runs), 1 thread,
+batch 8, ``--reps 5``; plain forward+backward vs the norms pass:
+
+    --experts 8  --top-k 2 --hidden 512 --moe-intermediate 256 --length 128: 0.718s vs 0.766s, 1.07x
+    --experts 32 --top-k 4 --hidden 512 --moe-intermediate 256 --length 128: 1.344s vs 1.580s, 1.18x
+    --experts 64 --top-k 8 --hidden 512 --moe-intermediate 256 --length 128: 1.620s vs 1.832s, 1.13x
+    --experts 32 --top-k 4 --length 64 --per-row: 0.190s vs 0.240s, 1.27x; per-row path 0.516s, 2.72x (max rel.
+    difference between the two paths' norms 1.5e-07)
 """
 
 import argparse
@@ -15,7 +26,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from oblr_trl import per_sequence_grad_sq_norms
-from oblr_trl.grad_norms import generic
+from oblr_trl.grad_norms import experts, generic, routers, support
 
 
 def main():
@@ -31,6 +42,7 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--per-row", action="store_true", help="also time the banks on the per-row path")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     generic.MAX_NUMEL = 1 << 40
@@ -50,7 +62,17 @@ def main():
         model.zero_grad(set_to_none=True)
 
     def norms():
-        per_sequence_grad_sq_norms(model, ids, attention, completion)
+        return per_sequence_grad_sq_norms(model, ids, attention, completion)
+
+    def per_row():  # banks and routers on the per-row path: their rules switched off for this call
+        bank, router = experts.recognise_bank, routers.recognise_router
+        experts.recognise_bank = support.recognise_bank = lambda module: None
+        routers.recognise_router = support.recognise_router = lambda module: False
+        try:
+            return per_sequence_grad_sq_norms(model, ids, attention, completion)
+        finally:
+            experts.recognise_bank = support.recognise_bank = bank
+            routers.recognise_router = support.recognise_router = router
 
     def timed(fn):
         if args.device == "cuda":
@@ -61,15 +83,28 @@ def main():
             torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    plain(), norms()  # warm-up
-    t_plain, t_norms = [], []
+    plain()  # warm-up
+    routed = norms()
+    if args.per_row:
+        reference = per_row()
+        error = float(((routed - reference).abs() / reference.abs().clamp_min(1e-30)).max())
+    t_plain, t_norms, t_rows = [], [], []
     for _ in range(args.reps):  # interleaved
         t_plain.append(timed(plain))
         t_norms.append(timed(norms))
+        if args.per_row:
+            t_rows.append(timed(per_row))
     mp, mn = statistics.median(t_plain), statistics.median(t_norms)
     print(f"Qwen3-MoE {args.layers} layers, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, "
-          f"batch {args.batch} x {args.length} tokens, {args.device}")
-    print(f"plain forward+backward {mp:.3f}s, norms pass {mn:.3f}s (medians of {args.reps}); ratio {mn / mp:.2f}x")
+          f"moe-intermediate {args.moe_intermediate}, vocab {args.vocab}, batch {args.batch} x {args.length} tokens, "
+          f"{args.device}, {args.threads} thread(s)")
+    print(f"plain forward+backward {mp:.3f}s, norms pass (banks and routers by rule) {mn:.3f}s "
+          f"(medians of {args.reps}); "
+          f"ratio {mn / mp:.2f}x")
+    if args.per_row:
+        mr = statistics.median(t_rows)
+        print(f"norms pass with banks and routers on the per-row path {mr:.3f}s; ratio {mr / mp:.2f}x "
+              f"(routed vs per-row norms: max rel. difference {error:.1e})")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trl import GRPOTrainer
 
-from . import one_backward
+from . import multimodal, one_backward
 from .card import PAPER, append_oblr_section
 from .config import OBLRPOConfig, upgrade_config
 from .estimators import (
@@ -147,6 +147,7 @@ class OBLRPOTrainer(GRPOTrainer):
             )
         if self._needs_norms:  # every layer the exact norms cannot cover, named now, before the first generation
             validate(self.model)
+            multimodal.refuse_trainable_vision(self.model, self.train_dataset)
         if self.args.snr_lr and self.aux_loss_enabled:
             logger.warning(
                 "The model's router auxiliary loss (router_aux_loss_coef != 0) adds a gradient term the SNR estimate "
@@ -260,6 +261,7 @@ class OBLRPOTrainer(GRPOTrainer):
                 per_sequence_grad_inner_products(
                     self.model, input_ids[s : s + chunk], attention_mask[s : s + chunk], mask[s : s + chunk],
                     group_size=unit, temperature=self.temperature,
+                    model_inputs=multimodal.row_inputs(batch, s, s + chunk),  # a VLM's images, if any
                 )
                 for s in range(0, input_ids.shape[0], chunk)
             ]))
@@ -274,7 +276,8 @@ class OBLRPOTrainer(GRPOTrainer):
         with self.accelerator.autocast():
             for s in range(0, input_ids.shape[0], chunk):
                 logits = self.model(input_ids=input_ids[s : s + chunk], attention_mask=attention_mask[s : s + chunk],
-                                    logits_to_keep=length + 1).logits[:, :-1].float() / self.temperature
+                                    logits_to_keep=length + 1, **multimodal.row_inputs(batch, s, s + chunk),
+                                    ).logits[:, :-1].float() / self.temperature
                 token_logps = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][s : s + chunk, :, None])
                 parts.append(logit_proxy_weights(token_logps[..., 0], token_log_sum_sq_probs(logits), mask[s : s + chunk]))
         return torch.cat(parts)
@@ -292,6 +295,10 @@ class OBLRPOTrainer(GRPOTrainer):
         output["oblr_row"] = self._oblr_rows_generated + torch.arange(rank_slice.start, rank_slice.stop,
                                                                       device=rewards.device)
         self._oblr_rows_generated += rewards.shape[0]
+        if multimodal.has_images(output) and self._one_backward is not False:
+            if self._one_backward:  # it reorders rows; a VLM's patch rows are not rows of the batch
+                raise NotImplementedError("one_backward=True does not take image inputs: set one_backward=False.")
+            self._one_backward = False
         if self._one_backward is None:
             self._decide_one_backward(output)
         if self.args.grad_norm_estimator == "logit" and self.args.baseline == "gradient_weighted":

@@ -56,6 +56,7 @@ def module_sq_norms(module, x, seed=0, **kwargs):
     Ours: the capture hooks plus the module's rule (or the per-row path), as the whole-model pass uses them.
     Reference: one ``torch.autograd.grad`` per row, the module run on that row alone."""
     from oblr_trl.grad_norms import engine, generic
+    from oblr_trl.grad_norms.experts import call_usages
     from oblr_trl.grad_norms.support import how_handled
 
     batch = x.shape[0]
@@ -63,14 +64,14 @@ def module_sq_norms(module, x, seed=0, **kwargs):
     assert how is not None, f"{type(module).__name__} is not covered"
     out = module(x, **kwargs)
     r = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
-    per_row = {module} if how == "per-row" else set()
+    per_row = {module} if how in ("per-row", "routed") else set()
     with engine._capture([module], batch, calls_of=per_row) as (records, _):
         y = module(x, **kwargs)
         (y.float() * r).sum().backward(inputs=[p for p in module.parameters() if p.requires_grad])
     usages = {}
     for record in records:
         if isinstance(record.activation, generic.Call):
-            found = generic.per_row_usages(module, record.activation, record.output_grad, batch)
+            found = call_usages(module, record.activation, record.output_grad, batch)
         else:
             found = engine.find_rule(module)(module, record.activation, record.output_grad)
         for name, usage in found.items():

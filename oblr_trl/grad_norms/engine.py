@@ -28,8 +28,9 @@ from .factors import (
     per_sample_dtype,
 )
 from . import generic
+from .experts import call_usages, routed_forwards
 from .rules import find_rule
-from .support import _text_config, validate
+from .support import _text_config, refuse_outside_decoder, validate
 
 
 Slot = tuple[nn.Module, str]  # a parameter, as (owning module, attribute name)
@@ -239,7 +240,7 @@ def _hooked_modules(backbone: nn.Module, skip: nn.Module | None, lm: nn.Module |
         how = how_handled(module)
         if how is None:
             validate(lm if lm is not None else backbone)  # raises, naming every unsupported module
-        if how == "per-row":
+        if how in ("per-row", "routed"):  # the whole call recorded
             per_row.add(module)
         modules.append(module)
     return modules, per_row
@@ -412,6 +413,7 @@ def per_sequence_grads(
     temperature: float = 1.0,
     stream_group_size: int | None = None,
     materialize: bool = False,
+    model_inputs: dict | None = None,
 ) -> PerSequenceGradients:
     """Forward and backward of ``sum_t log pi(o_{i,t})`` for every row, captured as factored per-sequence gradients.
 
@@ -443,6 +445,8 @@ def per_sequence_grads(
     alpha = _logit_scale(lm) / temperature
     softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
     hooked, per_row = _hooked_modules(backbone, skip=head, lm=lm)
+    if model_inputs:  # images: the modules that see them (a vision tower) have rows that are not the sequences
+        refuse_outside_decoder(lm, hooked, model_inputs)
     checkpointed = _checkpointed_layers(backbone)
     # Each trainable parameter's slot, (module, name) of its first owner: found now, by the parameters' identity, and
     # kept as modules, because FSDP2 swaps the parameter objects when it unshards them inside the pass. A tied
@@ -484,8 +488,13 @@ def per_sequence_grads(
         record.activation, record.output_grad = None, None  # consumed
 
     on_grad_hook = on_grad if streamed is not None or materialize else None
-    with _fsdp_root_unsharded(lm), _capture(hooked, batch, on_grad_hook, checkpointed, per_row) as (records, inputs_with_grad):
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    # expert banks outside checkpointed layers keep their routed pairs' factors from the forward (experts.py)
+    in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
+    banks = [m for m in per_row if m not in in_checkpointed]
+    with _fsdp_root_unsharded(lm), routed_forwards(banks), \
+            _capture(hooked, batch, on_grad_hook, checkpointed, per_row) as (records, inputs_with_grad):
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                          **(model_inputs or {})).last_hidden_state
         h = hidden[:, length - completion_length - 1 : length - 1]
         labels = input_ids[:, length - completion_length :]
         mask = completion_mask.to(torch.float32)
@@ -516,8 +525,8 @@ def per_sequence_grads(
     for record in records:
         if isinstance(record.activation, generic.Call):
             if any(g is not None for g in record.output_grad):
-                for name, usage in generic.per_row_usages(record.module, record.activation, record.output_grad,
-                                                          batch).items():
+                for name, usage in call_usages(record.module, record.activation, record.output_grad,
+                                               batch).items():
                     usages[slot_of[(record.module, name)]].append(usage)
             continue
         if record.output_grad is None:  # streamed, a recomputation under gradient checkpointing, or an unused output
@@ -541,6 +550,7 @@ def per_sequence_grad_inner_products(
     *,
     group_size: int = 1,
     temperature: float = 1.0,
+    model_inputs: dict | None = None,
 ) -> torch.Tensor:
     """Inner products ``<u_i, u_j>`` of ``u_i = grad_theta sum_t log pi(o_{i,t} | q, o_{i,<t})`` within groups.
 
@@ -551,7 +561,8 @@ def per_sequence_grad_inner_products(
     if input_ids.shape[0] % group_size:
         raise ValueError(f"group_size={group_size} must divide the batch size {input_ids.shape[0]}.")
     grads = per_sequence_grads(
-        model, input_ids, attention_mask, completion_mask, temperature=temperature, stream_group_size=group_size
+        model, input_ids, attention_mask, completion_mask, temperature=temperature, stream_group_size=group_size,
+        model_inputs=model_inputs,
     )
     return grads.inner_products(group_size)
 
@@ -563,6 +574,7 @@ def per_sequence_grad_sq_norms(
     completion_mask: torch.Tensor,
     *,
     temperature: float = 1.0,
+    model_inputs: dict | None = None,
 ) -> torch.Tensor:
     """``||grad_theta sum_t log pi_theta(o_t | q, o_<t)||^2`` for each row: the weights ``w_i`` of Theorem 7.
 
@@ -577,11 +589,13 @@ def per_sequence_grad_sq_norms(
         completion_mask: ``(B, C)``; the completion is the last ``C`` positions of ``input_ids`` (right-padded: the
             mask is 0 after the end). Only its tokens enter the sum.
         temperature: the sampling temperature the trainer scores log-probs with (logits are divided by it).
+        model_inputs: further inputs of the backbone's forward, e.g. a VLM's images (see :func:`per_sequence_grads`).
 
     Returns:
         float32 tensor ``(B,)``.
     """
     products = per_sequence_grad_inner_products(
-        model, input_ids, attention_mask, completion_mask, group_size=1, temperature=temperature
+        model, input_ids, attention_mask, completion_mask, group_size=1, temperature=temperature,
+        model_inputs=model_inputs,
     )
     return products.reshape(-1)

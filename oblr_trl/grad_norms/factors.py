@@ -188,6 +188,8 @@ def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: 
     ``n`` is the parameter's size over its first axis. A factored usage costs what autograd's weight gradient costs
     (one contraction over the tokens, batched by block); the LM head's rows come from their vocabulary slice only.
     """
+    if hasattr(u, "weighted_rows"):  # a usage that forms its own rows (an expert bank's, :mod:`.experts`)
+        return u.weighted_rows(scale, k, start, end)
     batch = scale.shape[0]
     nb = batch // k
     if isinstance(u, Materialized):  # (nb, 1, k) x (nb, k, rows * cols): a batched matmul, no scaled copy
@@ -321,6 +323,8 @@ def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
     ``u`` and ``v`` must already be blocked with :meth:`blocked`. Each pair takes the cheaper of the ghost-norm Grams
     and the (block-by-block) materialized per-sample gradients.
     """
+    if hasattr(u, "block_inner_products"):  # a usage that pairs itself (an expert bank's, :mod:`.experts`)
+        return u.block_inner_products(v, k)
     if isinstance(u, Factored) and isinstance(v, Factored):
         if any(isinstance(f.left, OneHot) for f in (u, v)) and all(isinstance(f.right, Dense) for f in (u, v)):
             return _sparse_rows_block_products(u, v, k)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from . import generic
+from .experts import recognise_bank
+from .routers import recognise_router
 from .rules import find_rule
 
 ADVICE = (
@@ -31,20 +33,23 @@ class Unsupported:
 class UnsupportedModulesError(NotImplementedError):
     """Raised by :func:`validate`; ``.modules`` lists every unsupported trainable module."""
 
-    def __init__(self, modules: list[Unsupported]):
+    def __init__(self, modules: list[Unsupported], advice: str = ADVICE):
         self.modules = modules
         lines = "\n".join(f"  - {m}" for m in modules)
         super().__init__(
             f"Exact per-sequence gradient norms do not cover {len(modules)} trainable module(s) of this model:\n"
-            f"{lines}\n{ADVICE}"
+            f"{lines}\n{advice}"
         )
 
 
 def how_handled(module: nn.Module) -> str | None:
-    """'rule' (a per-layer rule), 'per-row' (:mod:`.generic`), or None (unsupported) for a module with trainable
-    parameters of its own."""
+    """'rule' (a per-layer rule), 'routed' (a fused MoE expert bank, by its routed tokens: :mod:`.experts`; a router, by its
+    logits: :mod:`.routers`),
+    'per-row' (:mod:`.generic`), or None (unsupported) for a module with trainable parameters of its own."""
     if find_rule(module) is not None:
         return "rule"
+    if recognise_bank(module) is not None or recognise_router(module):
+        return "routed"
     if generic.trainable_numel(module) <= generic.MAX_NUMEL:
         return "per-row"
     return None
@@ -95,3 +100,26 @@ def validate(model: nn.Module, *, strict: bool = True) -> list[Unsupported]:
     if found and strict:
         raise UnsupportedModulesError(found)
     return found
+
+
+def refuse_outside_decoder(lm: nn.Module, hooked: list[nn.Module], model_inputs: dict) -> None:
+    """With inputs beyond the token ids (a VLM's images), every hooked (trainable) module must be inside the text
+    decoder: the others (a vision tower: patch embedding, vision blocks, merger) see rows that are image patches, not
+    the batch's sequences, and pairing them with the sequences would be wrong. Raises, naming them all."""
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    inside = set(decoder.modules()) if isinstance(decoder, nn.Module) else set()
+    names = {m: n for n, m in lm.named_modules()}
+    outside = [m for m in hooked if m not in inside]
+    if not outside:
+        return
+    found = [Unsupported(names.get(m, ""), type(m).__name__,
+                         f"outside the text decoder, it sees the inputs {sorted(model_inputs)} (image patches, not "
+                         "sequences)") for m in outside]
+    base = getattr(lm, "base_model", lm)
+    towers = [f"model.{names[c]}" for c in base.children()
+              if c not in inside and decoder not in set(c.modules()) and set(c.modules()) & set(outside)]
+    towers = towers or sorted({f"model.{names.get(m, '')}" for m in outside})
+    raise UnsupportedModulesError(found, advice=(
+        f"Freeze the vision tower ({', '.join(f'{t}.requires_grad_(False)' for t in towers)}): its parameters then "
+        "take no gradient, and the text decoder's norms are exact with the images in the batch. Or train without "
+        "exact norms: OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."))

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .engine import per_sequence_grad_sq_norms, unwrap_causal_lm
+from .experts import recognise_bank
 from .support import how_handled, validate
 from .zoo import FAMILIES, VOCAB, build
 
@@ -46,7 +47,7 @@ def _per_row_reference(model, ids, attention, mask) -> torch.Tensor:
 
 def family_row(family: str) -> list[str]:
     errors, status = [], "exact"
-    layers: dict[str, set[str]] = {"rule": set(), "per-row": set()}
+    layers: dict[str, set[str]] = {"rule": set(), "routed": set(), "per-row": set()}
     for tie in (True, False):
         model = build(family, tie)
         refused = validate(model, strict=False)
@@ -57,13 +58,18 @@ def family_row(family: str) -> list[str]:
         head = lm.get_output_embeddings()
         for module in lm.base_model.modules():
             if module is not head and any(p.requires_grad for p in module.parameters(recurse=False)):
-                layers[how_handled(module)].add(type(module).__name__)
+                how = how_handled(module)
+                name = type(module).__name__
+                if how == "routed":  # an expert bank by its routed tokens, or a router by its logits
+                    name += " (routed tokens)" if recognise_bank(module) is not None else " (logits)"
+                layers[how].add(name)
         ids, attention, mask = _batch()
         ours = per_sequence_grad_sq_norms(model, ids, attention, mask).double()
         reference = _per_row_reference(model, ids, attention, mask)
         errors.append(float(((ours - reference).abs() / reference).max()))
     error = f"{max(errors):.1e}" if errors else "—"
-    return [family, status, error, ", ".join(sorted(layers["rule"])) or "—", ", ".join(sorted(layers["per-row"])) or "—"]
+    by_rule = sorted(layers["rule"]) + sorted(layers["routed"])
+    return [family, status, error, ", ".join(by_rule) or "—", ", ".join(sorted(layers["per-row"])) or "—"]
 
 
 def table() -> str:
