@@ -21,6 +21,9 @@ from .factors import (
     SoftmaxDelta,
     VOCAB_CHUNK,
     Usage,
+    as_operand,
+    autocast_operands,
+    mm32,
     head_logits,
     block_inner_products,
     block_weighted_rows,
@@ -274,7 +277,8 @@ def _fsdp_root_unsharded(lm: nn.Module):
 @torch.no_grad()
 def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, weight, bias, alpha: float,
                    softcap: float | None = None):
-    """Log-sum-exp of the scored logits and ``d sum_t log p / d h`` of the head, in vocabulary chunks."""
+    """Log-sum-exp of the scored logits and ``d sum_t log p / d h`` of the head, in vocabulary chunks. ``h`` and
+    ``weight`` in half precision (the head under autocast) are multiplied as they are, into float32 (:func:`mm32`)."""
     lse = torch.full(h.shape[:-1], -float("inf"), device=h.device)
     chunks = [(start, min(start + VOCAB_CHUNK, weight.shape[0])) for start in range(0, weight.shape[0], VOCAB_CHUNK)]
     for start, end in chunks:
@@ -282,8 +286,9 @@ def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, we
         lse = torch.logaddexp(lse, torch.logsumexp(z, dim=-1))
     delta = SoftmaxDelta(h, weight, bias, alpha, lse, labels, mask, softcap)
     grad_h = torch.zeros_like(h, dtype=torch.float32)
+    dtype = delta.operand_dtype
     for start, end in chunks:
-        grad_h += delta.cols(start, end) @ weight[start:end].float()
+        grad_h += mm32(as_operand(delta.cols(start, end), dtype), as_operand(weight[start:end], dtype))
     return lse, grad_h
 
 
@@ -441,6 +446,9 @@ def per_sequence_grads(
         raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
     backbone = lm.base_model
     alpha = _logit_scale(lm) / temperature
+    # The head's products run in the autocast dtype when the pass runs under autocast, as the fused head's do.
+    device_type = input_ids.device.type
+    head_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
     hooked, per_row = _hooked_modules(backbone, skip=head, lm=lm)
     checkpointed = _checkpointed_layers(backbone)
@@ -464,6 +472,7 @@ def per_sequence_grads(
     def keep(record: _Record, materialize_now: bool) -> None:
         """The record's per-sample gradients, by parameter: factored, or materialized where that saves memory."""
         for name, usage in find_rule(record.module)(record.module, record.activation, record.output_grad).items():
+            usage = autocast_operands(usage)
             if materialize_now and materializing_saves_memory(usage):
                 with _fp32(input_ids.device):
                     usage = Materialized(usage.materialize().to(per_sample_dtype(usage)))
@@ -475,7 +484,7 @@ def per_sequence_grads(
             k = stream_group_size
             with _fp32(input_ids.device):
                 for usage in find_rule(module)(module, record.activation, record.output_grad).values():
-                    blocked = usage.blocked(k)
+                    blocked = autocast_operands(usage).blocked(k)
                     streamed.add_(block_inner_products(blocked, blocked, k))
         elif materialize:
             keep(record, materialize_now=True)
@@ -487,11 +496,14 @@ def per_sequence_grads(
     with _fsdp_root_unsharded(lm), _capture(hooked, batch, on_grad_hook, checkpointed, per_row) as (records, inputs_with_grad):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         h = hidden[:, length - completion_length - 1 : length - 1]
+        h_op = h.detach() if head_dtype is None else h.detach().to(head_dtype)
         labels = input_ids[:, length - completion_length :]
         mask = completion_mask.to(torch.float32)
         head_weight, head_bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
+        if head_dtype is not None:
+            head_weight = head_weight.to(head_dtype)
         with _fp32(input_ids.device):
-            lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head_weight, head_bias, alpha, softcap)
+            lse, grad_h = _lm_head_terms(h_op, labels, mask, head_weight, head_bias, alpha, softcap)
         if hidden.requires_grad:
             full_grad = torch.zeros_like(hidden)
             full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
@@ -524,9 +536,9 @@ def per_sequence_grads(
             continue
         keep(record, materialize_now=False)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask, softcap)
+        delta = SoftmaxDelta(h_op, head_weight, head_bias, alpha, lse, labels, mask, softcap)
         if head.weight.requires_grad:
-            usages[slot_of[(head, "weight")]].append(Factored(delta, Dense(h.detach())))
+            usages[slot_of[(head, "weight")]].append(Factored(delta, Dense(h_op)))
         if head.bias is not None and head.bias.requires_grad:
             with _fp32(input_ids.device):
                 usages[slot_of[(head, "bias")]].append(Materialized(delta.cols(0, delta.width).sum(1)))
