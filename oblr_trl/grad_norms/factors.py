@@ -134,9 +134,9 @@ def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     w = as_operand(weight, dtype)
     s = mm32(as_operand(h, dtype), w.T if w.dim() == 2 else w.transpose(1, 2))
     if bias is not None:
-        s = s + (bias.float() if bias.dim() == 1 else bias.float()[:, None, :])
+        s += bias.float() if bias.dim() == 1 else bias.float()[:, None, :]
     if softcap is None:
-        return alpha * s, alpha
+        return (s if alpha == 1 else s.mul_(alpha)), alpha
     t = torch.tanh(s / softcap)
     return alpha * softcap * t, alpha * (1 - t * t)
 
@@ -175,9 +175,22 @@ class SoftmaxDelta:
         return (is_label.float() - torch.exp(z - self.lse[..., None])) * dz * self.mask[..., None]
 
     def cols(self, start: int, end: int) -> torch.Tensor:
-        ids = torch.arange(start, end, device=self.labels.device)
+        """Columns ``start:end`` of the delta, ``(B, T, end - start)`` float32: one logits product and three in-place
+        passes over the chunk (the label's ``+1`` is a scatter), the widest tensors of the whole pass."""
         bias = None if self.bias is None else self.bias[start:end]
-        return self._delta(self.weight[start:end], bias, self.labels[..., None] == ids)
+        z, dz = head_logits(self.h, self.weight[start:end], bias, self.alpha, self.softcap)
+        p = z.sub_(self.lse[..., None]).exp_()  # softmax probabilities of the chunk
+        if torch.is_tensor(dz):  # softcapped: dz/ds per logit
+            p.mul_(dz)
+            at_label = dz.gather(-1, (self.labels - start).clamp(0, end - start - 1)[..., None])[..., 0]
+            weight_row = self.mask
+        else:
+            at_label = None
+            weight_row = self.mask * dz
+        p.mul_(-weight_row[..., None])  # -(mask * dz) * softmax
+        inside = (self.labels >= start) & (self.labels < end)
+        plus = weight_row * inside if at_label is None else weight_row * at_label * inside
+        return p.scatter_add_(-1, (self.labels - start).clamp(0, end - start - 1)[..., None], plus[..., None].float())
 
     def gather_cols(self, idx: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[idx]
@@ -345,14 +358,14 @@ def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tens
     return torch.cat(out)
 
 
-def _block_slice(f: Factor, b: int) -> Factor:
-    """Block ``b`` of a blocked factor, keeping a batch axis of 1."""
+def _block_range(f: Factor, b0: int, b1: int) -> Factor:
+    """Blocks ``b0:b1`` of a blocked factor."""
     if isinstance(f, Dense):
-        return Dense(f.t[b : b + 1])
+        return Dense(f.t[b0:b1])
     if isinstance(f, OneHot):
-        return OneHot(f.idx[b : b + 1], f.n)
-    return SoftmaxDelta(f.h[b : b + 1], f.weight, f.bias, f.alpha, f.lse[b : b + 1], f.labels[b : b + 1],
-                        f.mask[b : b + 1], f.softcap)
+        return OneHot(f.idx[b0:b1], f.n)
+    return SoftmaxDelta(f.h[b0:b1], f.weight, f.bias, f.alpha, f.lse[b0:b1], f.labels[b0:b1], f.mask[b0:b1],
+                        f.softcap)
 
 
 def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
@@ -360,31 +373,54 @@ def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tenso
 
     Per block, both per-sample gradients are formed on the ``U`` unique token ids of the one-hot side(s), ``(k, U, d)``:
     an embedding's by scattering its output gradients, any other (the tied LM head's) from its left factor's columns
-    at those ids. ``k T U d`` work at most, against the ``(kT)^2 (U + d)`` of the token Grams.
+    at those ids. ``k T U d`` work at most, against the ``(kT)^2 (U + d)`` of the token Grams. All blocks at once
+    (as many as ``MATERIALIZE_BUDGET`` holds): each block's unique ids are found by a sort, padded to the block's
+    token count and masked, so nothing waits on the device (no ``torch.unique``, whose size the host must read).
     """
+    sides = [u] if v is u else [u, v]
+    ids = torch.cat([f.left.idx for f in sides if isinstance(f.left, OneHot)], dim=1)  # (nb, m)
+    nb, m = ids.shape
+    sorted_ids, order = ids.sort(dim=1)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    rank_sorted = first.long().cumsum(1) - 1  # the slot of each sorted id among the block's unique ids
+    rank = torch.empty_like(rank_sorted).scatter_(1, order, rank_sorted)  # ... of each id in token order
+    rows = torch.zeros_like(ids).scatter_(1, rank_sorted, sorted_ids)  # (nb, m): unique ids, then padding
+    valid = torch.arange(m, device=ids.device)[None, :] <= rank_sorted[:, -1:]  # (nb, m): not padding
+    offsets, offset = {}, 0
+    for f in sides:
+        if isinstance(f.left, OneHot):
+            offsets[id(f)] = offset
+            offset += f.left.idx.shape[1]
+    d = u.right.width
+    step = max(1, MATERIALIZE_BUDGET // max(1, k * m * d * len(sides)))
     out = []
-    for block in range(u.right.t.shape[0]):
-        rows = torch.unique(torch.cat([f.left.idx[block] for f in (u, v) if isinstance(f.left, OneHot)]))
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
 
         def per_sample(f: Factored) -> torch.Tensor:
-            right = f.right.t[block]  # (kT, d)
+            right = f.right.t[b0:b1]  # (n, kT, d)
+            n, kt = right.shape[:2]
             if isinstance(f.left, OneHot):
-                right = right.float()
-                ids = f.left.idx[block]
-                grads = right.new_zeros(k, rows.numel(), right.shape[-1])
-                sample = torch.arange(k, device=ids.device).repeat_interleave(ids.numel() // k)
-                grads.index_put_((sample, torch.searchsorted(rows, ids)), right, accumulate=True)
+                slot = rank[b0:b1, offsets[id(f)] : offsets[id(f)] + kt]  # (n, kT)
+                sample = torch.arange(k, device=ids.device).repeat_interleave(kt // k)
+                index = (sample[None, :] * m + slot)[..., None].expand(-1, -1, right.shape[-1])
+                grads = right.new_zeros(n, k * m, right.shape[-1], dtype=torch.float32)
+                grads.scatter_add_(1, index, right.float())
             else:
-                left = _block_slice(f.left, block).gather_cols(rows[None])[0]  # (kT, U)
+                left = _block_range(f.left, b0, b1).gather_cols(rows[b0:b1]) * valid[b0:b1, None, :]  # (n, kT, m)
                 dtype = _operand_dtype(f.left, f.right)
-                grads = mm32(as_operand(left, dtype).reshape(k, -1, rows.numel()).transpose(1, 2),
-                             as_operand(right, dtype).reshape(k, -1, right.shape[-1]))
-            return grads.reshape(k, -1)
+                grads = mm32(as_operand(left, dtype).reshape(n * k, kt // k, m).transpose(1, 2),
+                             as_operand(right, dtype).reshape(n * k, kt // k, right.shape[-1]))
+            return grads.reshape(n, k, -1)
 
         grads_u = per_sample(u)
+        if v is u and k == 1:
+            out.append(grads_u.pow(2).sum(-1, keepdim=True))
+            continue
         grads_v = grads_u if v is u else per_sample(v)
-        out.append(grads_u @ grads_v.T)
-    return torch.stack(out)
+        out.append(torch.bmm(grads_u, grads_v.transpose(1, 2)))
+    return torch.cat(out)
 
 
 def _head_materialize_cheaper(u: Factored, k: int) -> bool:
@@ -394,18 +430,48 @@ def _head_materialize_cheaper(u: Factored, k: int) -> bool:
     return kt * vocab * d + k * k * vocab * d < kt * kt * (vocab + d)
 
 
-def _head_materialized_block_products(u: Factored, k: int) -> torch.Tensor:
-    """The head's per-sample gradients ``delta^T h``, one vocabulary chunk at a time (never ``(k, V, d)`` whole)."""
+def head_columns(u: Factored, chunk: int = VOCAB_CHUNK):
+    """``(start, end, columns)`` of a blocked head usage's delta, vocabulary chunk by chunk, in its operand dtype."""
+    dtype = _operand_dtype(u.left, u.right)
+    for start in range(0, u.left.width, chunk):
+        end = min(start + chunk, u.left.width)
+        yield start, end, as_operand(u.left.cols(start, end), dtype)
+
+
+def _head_materialized_block_products(u: Factored, k: int, columns=None) -> torch.Tensor:
+    """The head's per-sample gradients ``delta^T h``, one vocabulary chunk at a time (never ``(k, V, d)`` whole).
+
+    ``columns``: the delta's ``(start, end, columns)`` chunks (:func:`head_columns`) when the caller computes them
+    anyway (the engine's pass that forms the head's output gradient), so that they are not computed twice."""
     nb, kt, d = u.right.t.shape
     dtype = _operand_dtype(u.left, u.right)
     h = as_operand(u.right.t, dtype).reshape(nb * k, kt // k, d)
-    chunk = max(1, min(VOCAB_CHUNK, (1 << 25) // max(1, nb * k * d)))  # bound the (nb, k, chunk, d) buffer
+    sub = max(1, (1 << 25) // max(1, nb * k * d))  # bound the (nb, k, chunk, d) buffer
     out = torch.zeros(nb, k, k, device=h.device)
-    for start in range(0, u.left.width, chunk):
-        delta = as_operand(u.left.cols(start, min(start + chunk, u.left.width)), dtype)
-        grads = mm32(delta.reshape(nb * k, kt // k, -1).transpose(1, 2), h).reshape(nb, k, -1)
-        out += grads.pow(2).sum(-1, keepdim=True) if k == 1 else torch.bmm(grads, grads.transpose(1, 2))
+    for _, _, cols in head_columns(u, min(VOCAB_CHUNK, sub)) if columns is None else columns:
+        for first in range(0, cols.shape[-1], sub):
+            delta = cols[..., first : first + sub]
+            grads = mm32(delta.reshape(nb * k, kt // k, -1).transpose(1, 2), h).reshape(nb, k, -1)
+            out += grads.pow(2).sum(-1, keepdim=True) if k == 1 else torch.bmm(grads, grads.transpose(1, 2))
     return out
+
+
+def _head_gram_block_products(u: Factored, k: int, columns=None) -> torch.Tensor:
+    """The head's self inner products by token Grams: ``sum_chunks delta_c delta_c^T`` times ``h h^T``."""
+    nb, kt, _ = u.right.t.shape
+    g = None
+    for _, _, cols in head_columns(u) if columns is None else columns:
+        part = mm32(cols, cols.transpose(1, 2))
+        g = part if g is None else g.add_(part)
+    prod = g.mul_(gram(u.right, u.right))
+    return prod.reshape(nb, k, kt // k, k, kt // k).sum(dim=(2, 4))
+
+
+def head_self_products(u: Factored, k: int, columns=None) -> torch.Tensor:
+    """A blocked head usage's ``(B/k, k, k)`` self inner products by the cheaper strategy, from ``columns`` if given."""
+    if _head_materialize_cheaper(u, k):
+        return _head_materialized_block_products(u, k, columns)
+    return _head_gram_block_products(u, k, columns)
 
 
 def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
