@@ -44,6 +44,7 @@ class Breakdown:
 
     TARGETS = [(engine, "_lm_head_terms", "head_terms"), (factors, "_sparse_rows_block_products", "tied_sparse_rows"),
                (factors, "_head_materialized_block_products", "head_per_sample"),
+               (factors, "_head_gram_block_products", "head_gram"),
                (factors, "_materialized_block_products", "materialized"), (factors, "gram", "gram"),
                (engine, "block_inner_products", "products_total")]
 
