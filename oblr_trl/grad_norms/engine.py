@@ -483,6 +483,8 @@ def per_sequence_grads(
     owners = Counter(slot_of.values())
     sharing = {module for (module, _), slot in slot_of.items() if owners[slot] > 1}
     streamed, self_done = None, set()
+    streamed_parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
+    cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
     if stream_group_size is not None:
         if batch % stream_group_size:
             raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
@@ -491,7 +493,7 @@ def per_sequence_grads(
     def keep(record: _Record, materialize_now: bool) -> None:
         """The record's per-sample gradients, by parameter: factored, or materialized where that saves memory."""
         for name, usage in find_rule(record.module)(record.module, record.activation, record.output_grad).items():
-            usage = autocast_operands(usage)
+            usage = autocast_operands(usage, cast_cache)
             if materialize_now and materializing_saves_memory(usage):
                 with _fp32(input_ids.device):
                     usage = Materialized(usage.materialize().to(per_sample_dtype(usage)))
@@ -503,8 +505,8 @@ def per_sequence_grads(
             k = stream_group_size
             with _fp32(input_ids.device):
                 for usage in find_rule(module)(module, record.activation, record.output_grad).values():
-                    blocked = autocast_operands(usage).blocked(k)
-                    streamed.add_(block_inner_products(blocked, blocked, k))
+                    blocked = autocast_operands(usage, cast_cache).blocked(k)
+                    streamed_parts.append(block_inner_products(blocked, blocked, k))
         elif materialize:
             keep(record, materialize_now=True)
         else:
@@ -527,7 +529,7 @@ def per_sequence_grads(
             lse, grad_h, head_self = _lm_head_terms(h_op, labels, mask, head_weight, head_bias, alpha, softcap,
                                                     head_self_k)
         if head_self is not None:
-            streamed += head_self
+            streamed_parts.append(head_self)
         if hidden.requires_grad:
             full_grad = torch.zeros_like(hidden)
             full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
@@ -549,6 +551,10 @@ def per_sequence_grads(
                     "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default)."
                 ) from error
 
+    cast_cache.clear()
+    if streamed_parts:
+        streamed += torch.stack(streamed_parts).sum(0)
+        streamed_parts.clear()
     for record in records:
         if isinstance(record.activation, generic.Call):
             if any(g is not None for g in record.output_grad):

@@ -65,16 +65,32 @@ def as_operand(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.float() if dtype is None else t.to(dtype)
 
 
-def autocast_operands(u: "Usage") -> "Usage":
+def autocast_operands(u: "Usage", cache: dict | None = None) -> "Usage":
     """A factored usage whose output gradient is half precision while its input is float32 (a linear layer under
     bf16/fp16 autocast, whose input is cast for the matmul) with the input cast the same way: autograd's own weight
     gradient is the product of the cast input, so these are the per-sample gradients of what ran, and every
-    product over them takes the half-precision (tensor-core) path of :func:`mm32`."""
+    product over them takes the half-precision (tensor-core) path of :func:`mm32`.
+
+    ``cache`` (a dict owned by the caller, one pass long) keeps the last cast with its source, so that layers reading
+    one input (q/k/v, gate/up projections) cast it once; holding the source keeps its memory from being reused."""
     if isinstance(u, Factored) and isinstance(u.left, Dense) and isinstance(u.right, Dense):
         dtype = half_dtype(u.left.t, u.right.t)
         if dtype is not None and (u.left.t.dtype != dtype or u.right.t.dtype != dtype):
-            return Factored(Dense(u.left.t.to(dtype)), Dense(u.right.t.to(dtype)))
+            return Factored(Dense(_cast(u.left.t, dtype, cache)), Dense(_cast(u.right.t, dtype, cache)))
     return u
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
+    if t.dtype == dtype:
+        return t
+    if cache is None:
+        return t.to(dtype)
+    src = cache.get("source")
+    if (src is not None and src.data_ptr() == t.data_ptr() and src.shape == t.shape and src.stride() == t.stride()
+            and src.dtype == t.dtype and cache["cast"].dtype == dtype):
+        return cache["cast"]
+    cache["source"], cache["cast"] = t, t.to(dtype)
+    return cache["cast"]
 
 
 def _block(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -355,7 +371,7 @@ def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tens
             continue
         grads_v = grads_u if v is u else per_sample(v)
         out.append(torch.bmm(grads_u, grads_v.transpose(1, 2)))
-    return torch.cat(out)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _block_range(f: Factor, b0: int, b1: int) -> Factor:
@@ -420,7 +436,7 @@ def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tenso
             continue
         grads_v = grads_u if v is u else per_sample(v)
         out.append(torch.bmm(grads_u, grads_v.transpose(1, 2)))
-    return torch.cat(out)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _head_materialize_cheaper(u: Factored, k: int) -> bool:

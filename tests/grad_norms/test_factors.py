@@ -350,3 +350,25 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
         # per layer: q, k, v, o, gate, up, down, q_norm, k_norm and two layer norms, each waiting for its recomputation
         assert len([r for r in records if r.module in inside]) == 2 * 11
         assert len(targets) == 3  # the final norm's input and the checkpointed layers' inputs
+
+
+def test_autocast_operands_cast_a_shared_input_once_and_never_reuse_another():
+    """Under autocast a linear's float32 input is cast to its bf16 output gradient's dtype (what autograd's weight
+    gradient uses); layers reading one input (q/k/v) share the cast through the pass's cache, keyed on the very
+    tensor (same memory, shape and strides): a different tensor, or a view at another offset, gets its own cast."""
+    from oblr_trl.grad_norms.factors import Dense, Factored, autocast_operands
+
+    x = torch.randn(2, 5, 4)
+    g = torch.randn(2, 5, 3).to(torch.bfloat16)
+    cache = {}
+    first = autocast_operands(Factored(Dense(g), Dense(x)), cache)
+    assert first.right.t.dtype == torch.bfloat16 and torch.equal(first.right.t, x.to(torch.bfloat16))
+    again = autocast_operands(Factored(Dense(g[..., :2]), Dense(x.detach())), cache)  # same memory: reused
+    assert again.right.t is first.right.t
+    other = x + 1
+    cast = autocast_operands(Factored(Dense(g), Dense(other)), cache)
+    assert torch.equal(cast.right.t, other.to(torch.bfloat16))
+    view = x[:, 1:]
+    cast = autocast_operands(Factored(Dense(g[:, 1:]), Dense(view)), cache)
+    assert torch.equal(cast.right.t, view.to(torch.bfloat16))
+    assert autocast_operands(Factored(Dense(x), Dense(x)), cache).right.t is x  # no half factor: unchanged
