@@ -31,6 +31,8 @@ MATERIALIZE_BUDGET = 1 << 26
 # On CUDA, the cost model's price of one byte moved through device memory, in multiply-adds (tensor-core rate over
 # bandwidth: an H100's ~400 T bf16 multiply-adds/s over ~3 TB/s is ~130, an A100's 156 T over 1.5-2 TB/s ~80-100).
 CUDA_MACS_PER_BYTE = 100
+# Devices where _row_products splits its long axis into a batch (a GPU's parallelism); the CPU gains nothing from it.
+SPLIT_ROW_PRODUCTS = ("cuda",)
 _OUT_DTYPE = {"ok": True}  # whether torch.mm/bmm(..., out_dtype=torch.float32) works here (CUDA, torch >= 2.8)
 
 
@@ -348,6 +350,22 @@ def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
     return materialized < gram
 
 
+def _row_products(a: torch.Tensor, b: torch.Tensor, inner: int) -> torch.Tensor:
+    """``a @ b^T`` per block for ``(nb, k, N)`` float32 rows (``k`` per-sample gradients of ``N`` entries; ``b`` may
+    be ``a``): ``(nb, k, k)``. With ``k > 1`` the long axis is split into ``N / inner`` pieces that become the batch
+    of one matmul (then summed), because a ``(k, N) @ (N, k)`` product with a small ``k`` leaves most of a GPU idle;
+    ``inner`` must divide ``N`` (the per-sample gradient's last axis)."""
+    nb, k, n = a.shape
+    if k == 1:
+        return (a * b).sum(-1, keepdim=True) if b is not a else a.pow(2).sum(-1, keepdim=True)
+    if a.device.type not in SPLIT_ROW_PRODUCTS or inner <= 0 or n % inner or n // inner == 1:
+        return torch.bmm(a, b.transpose(1, 2))
+    pieces = n // inner
+    x = a.reshape(nb, k, pieces, inner).transpose(1, 2).reshape(nb * pieces, k, inner)
+    y = x if b is a else b.reshape(nb, k, pieces, inner).transpose(1, 2).reshape(nb * pieces, k, inner)
+    return torch.bmm(x, y.transpose(1, 2)).reshape(nb, pieces, k, k).sum(1)
+
+
 def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
     """Materialize the ``k`` per-sample gradients of each usage, as many blocks at a time as
     ``MATERIALIZE_BUDGET`` float32 elements hold (each one batched contraction over the tokens, in half precision
@@ -366,11 +384,8 @@ def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tens
             return mm32(left.transpose(1, 2), right).reshape(end - start, k, -1)
 
         grads_u = per_sample(u)
-        if v is u and k == 1:
-            out.append(grads_u.pow(2).sum(-1, keepdim=True))
-            continue
         grads_v = grads_u if v is u else per_sample(v)
-        out.append(torch.bmm(grads_u, grads_v.transpose(1, 2)))
+        out.append(_row_products(grads_u, grads_v, u.right.width))
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
@@ -431,11 +446,8 @@ def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tenso
             return grads.reshape(n, k, -1)
 
         grads_u = per_sample(u)
-        if v is u and k == 1:
-            out.append(grads_u.pow(2).sum(-1, keepdim=True))
-            continue
         grads_v = grads_u if v is u else per_sample(v)
-        out.append(torch.bmm(grads_u, grads_v.transpose(1, 2)))
+        out.append(_row_products(grads_u, grads_v, d))
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
@@ -468,7 +480,7 @@ def _head_materialized_block_products(u: Factored, k: int, columns=None) -> torc
         for first in range(0, cols.shape[-1], sub):
             delta = cols[..., first : first + sub]
             grads = mm32(delta.reshape(nb * k, kt // k, -1).transpose(1, 2), h).reshape(nb, k, -1)
-            out += grads.pow(2).sum(-1, keepdim=True) if k == 1 else torch.bmm(grads, grads.transpose(1, 2))
+            out += _row_products(grads, grads, d)
     return out
 
 

@@ -372,3 +372,27 @@ def test_autocast_operands_cast_a_shared_input_once_and_never_reuse_another():
     cast = autocast_operands(Factored(Dense(g[:, 1:]), Dense(view)), cache)
     assert torch.equal(cast.right.t, view.to(torch.bfloat16))
     assert autocast_operands(Factored(Dense(x), Dense(x)), cache).right.t is x  # no half factor: unchanged
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_row_products_split_into_a_batch_equal_the_plain_product(monkeypatch, k):
+    """The within-block products of materialized per-sample gradients, with the long axis split into a batch (what a
+    GPU runs) or not, and the norms end to end with the split on this device."""
+    from oblr_trl.grad_norms import factors
+
+    a, b = torch.randn(2, k, 6 * 5), torch.randn(2, k, 6 * 5)
+    plain = factors._row_products(a, b, 5)
+    monkeypatch.setattr(factors, "SPLIT_ROW_PRODUCTS", ("cpu", "cuda"))
+    all_dense = lambda u, v: all(isinstance(f, factors.Dense) for f in (u.left, u.right, v.left, v.right))
+    monkeypatch.setattr(factors, "_materialize_cheaper", lambda u, v, k: all_dense(u, v))  # every layer split
+    monkeypatch.setattr(factors, "_head_materialize_cheaper", lambda u, k: True)
+    torch.testing.assert_close(factors._row_products(a, b, 5), torch.bmm(a, b.transpose(1, 2)))
+    torch.testing.assert_close(factors._row_products(a, a, 5), torch.bmm(a, a.transpose(1, 2)))
+    torch.testing.assert_close(plain, torch.bmm(a, b.transpose(1, 2)))
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch()
+    grads = per_sample_grads(model, ids, attention, completion_mask)
+    ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=3)
+    reference = torch.stack([torch.stack([torch.stack([grads[3 * q + i].double() @ grads[3 * q + j].double()
+                                                       for j in range(3)]) for i in range(3)]) for q in range(2)])
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
