@@ -31,6 +31,8 @@ MATERIALIZE_BUDGET = 1 << 26
 # On CUDA, the cost model's price of one byte moved through device memory, in multiply-adds (tensor-core rate over
 # bandwidth: an H100's ~400 T bf16 multiply-adds/s over ~3 TB/s is ~130, an A100's 156 T over 1.5-2 TB/s ~80-100).
 CUDA_MACS_PER_BYTE = 100
+# Float32 elements of the (blocks, k T, slots) softmax columns the tied head gathers at its embedding's token ids.
+GATHER_BUDGET = 1 << 25
 # Devices where _row_products splits its long axis into a batch (a GPU's parallelism); the CPU gains nothing from it.
 SPLIT_ROW_PRODUCTS = ("cuda",)
 _OUT_DTYPE = {"ok": True}  # whether torch.mm/bmm(..., out_dtype=torch.float32) works here (CUDA, torch >= 2.8)
@@ -429,25 +431,36 @@ def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tenso
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
 
-        def per_sample(f: Factored) -> torch.Tensor:
+        def per_sample(f: Factored, c0: int, c1: int) -> torch.Tensor:
+            """Block rows b0:b1's per-sample gradients on unique-id slots c0:c1, ``(n, k, (c1 - c0) * d)``."""
             right = f.right.t[b0:b1]  # (n, kT, d)
             n, kt = right.shape[:2]
             if isinstance(f.left, OneHot):
-                slot = rank[b0:b1, offsets[id(f)] : offsets[id(f)] + kt]  # (n, kT)
-                sample = torch.arange(k, device=ids.device).repeat_interleave(kt // k)
-                index = (sample[None, :] * m + slot)[..., None].expand(-1, -1, right.shape[-1])
-                grads = right.new_zeros(n, k * m, right.shape[-1], dtype=torch.float32)
-                grads.scatter_add_(1, index, right.float())
-            else:
-                left = _block_range(f.left, b0, b1).gather_cols(rows[b0:b1]) * valid[b0:b1, None, :]  # (n, kT, m)
-                dtype = _operand_dtype(f.left, f.right)
-                grads = mm32(as_operand(left, dtype).reshape(n * k, kt // k, m).transpose(1, 2),
-                             as_operand(right, dtype).reshape(n * k, kt // k, right.shape[-1]))
+                if id(f) not in scattered:  # every slot at once (the scatter is cheap), sliced per chunk below
+                    slot = rank[b0:b1, offsets[id(f)] : offsets[id(f)] + kt]  # (n, kT)
+                    sample = torch.arange(k, device=ids.device).repeat_interleave(kt // k)
+                    index = (sample[None, :] * m + slot)[..., None].expand(-1, -1, right.shape[-1])
+                    grads = right.new_zeros(n, k * m, right.shape[-1], dtype=torch.float32)
+                    scattered[id(f)] = grads.scatter_add_(1, index, right.float()).reshape(n, k, m, -1)
+                return scattered[id(f)][:, :, c0:c1].reshape(n, k, -1)
+            left = _block_range(f.left, b0, b1).gather_cols(rows[b0:b1, c0:c1]) * valid[b0:b1, None, c0:c1]
+            dtype = _operand_dtype(f.left, f.right)
+            grads = mm32(as_operand(left, dtype).reshape(n * k, kt // k, c1 - c0).transpose(1, 2),
+                         as_operand(right, dtype).reshape(n * k, kt // k, right.shape[-1]))
             return grads.reshape(n, k, -1)
 
-        grads_u = per_sample(u)
-        grads_v = grads_u if v is u else per_sample(v)
-        out.append(_row_products(grads_u, grads_v, d))
+        scattered: dict[int, torch.Tensor] = {}
+        gathered = any(not isinstance(f.left, OneHot) for f in sides)
+        # a gathered side's (n, kT, slots) softmax columns are bounded by GATHER_BUDGET: slots in chunks
+        chunk = max(1, GATHER_BUDGET // max(1, (b1 - b0) * u.right.t.shape[1])) if gathered else m
+        part = None
+        for c0 in range(0, m, chunk):
+            c1 = min(m, c0 + chunk)
+            grads_u = per_sample(u, c0, c1)
+            grads_v = grads_u if v is u else per_sample(v, c0, c1)
+            prod = _row_products(grads_u, grads_v, d)
+            part = prod if part is None else part + prod
+        out.append(part)
     return out[0] if len(out) == 1 else torch.cat(out)
 
 

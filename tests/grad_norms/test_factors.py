@@ -396,3 +396,21 @@ def test_row_products_split_into_a_batch_equal_the_plain_product(monkeypatch, k)
     reference = torch.stack([torch.stack([torch.stack([grads[3 * q + i].double() @ grads[3 * q + j].double()
                                                        for j in range(3)]) for i in range(3)]) for q in range(2)])
     torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_tied_head_sparse_rows_in_slot_chunks_are_exact(monkeypatch, group):
+    """The tied embedding/head cross terms gather the head's softmax columns at the embedding's unique token ids in
+    chunks of slots (bounded memory): one slot at a time gives the per-row autograd products."""
+    from oblr_trl.grad_norms import factors
+
+    monkeypatch.setattr(factors, "GATHER_BUDGET", 1)  # one slot at a time
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch()
+    grads = per_sample_grads(model, ids, attention, completion_mask)
+    ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=group)
+    nb = len(grads) // group
+    reference = torch.stack([torch.stack([torch.stack([grads[group * q + i].double() @ grads[group * q + j].double()
+                                                       for j in range(group)]) for i in range(group)])
+                             for q in range(nb)])
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
