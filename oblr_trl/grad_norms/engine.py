@@ -467,7 +467,8 @@ def per_sequence_grads(
     alpha = _logit_scale(lm) / temperature
     # The head's products run in the autocast dtype when the pass runs under autocast, as the fused head's do.
     device_type = input_ids.device.type
-    head_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    half = torch.is_autocast_enabled(device_type) and device_type in factors.HALF_OPERAND_DEVICES
+    head_dtype = torch.get_autocast_dtype(device_type) if half else None
     softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
     hooked, per_row = _hooked_modules(backbone, skip=head, lm=lm)
     checkpointed = _checkpointed_layers(backbone)

@@ -26,6 +26,10 @@ import torch
 
 VOCAB_CHUNK = 8192
 HALF = (torch.bfloat16, torch.float16)
+# Devices where products take half-precision operands (tensor cores, float32 output). Elsewhere (the CPU, where bf16
+# matmuls gain nothing) every product runs on float32 operands, as autocast's factors are upcast: the historical
+# numbers exactly.
+HALF_OPERAND_DEVICES = ("cuda",)
 # Elements of one (blocks, k, n_L * n_R) float32 buffer of materialized per-sample gradients.
 MATERIALIZE_BUDGET = 1 << 26
 # On CUDA, the cost model's price of one byte moved through device memory, in multiply-adds (tensor-core rate over
@@ -39,9 +43,10 @@ _OUT_DTYPE = {"ok": True}  # whether torch.mm/bmm(..., out_dtype=torch.float32) 
 
 
 def half_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
-    """The half-precision dtype among ``tensors`` (bf16 or fp16), or None: the operand dtype of their products."""
+    """The half-precision dtype among ``tensors`` (bf16 or fp16), or None: the operand dtype of their products (None
+    off ``HALF_OPERAND_DEVICES``)."""
     for t in tensors:
-        if t is not None and t.dtype in HALF:
+        if t is not None and t.dtype in HALF and t.device.type in HALF_OPERAND_DEVICES:
             return t.dtype
     return None
 
@@ -222,9 +227,13 @@ Factor = Dense | OneHot | SoftmaxDelta
 
 def _operand_dtype(*factors: Factor) -> torch.dtype | None:
     """The half-precision dtype the products of these factors take (under autocast), or None (float32)."""
+    tensors = [f.t if isinstance(f, Dense) else f.h for f in factors if not isinstance(f, OneHot)]
+    if not tensors or tensors[0].device.type not in HALF_OPERAND_DEVICES:
+        return None
     dtypes = {f.t.dtype if isinstance(f, Dense) else f.operand_dtype if isinstance(f, SoftmaxDelta) else None
               for f in factors if not isinstance(f, OneHot)}
-    return dtypes.pop() if len(dtypes) == 1 and None not in dtypes else None
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return dtype if dtype in HALF else None
 
 
 def gram(a: Factor, b: Factor) -> torch.Tensor:

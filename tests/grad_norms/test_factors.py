@@ -352,12 +352,14 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
         assert len(targets) == 3  # the final norm's input and the checkpointed layers' inputs
 
 
-def test_autocast_operands_cast_a_shared_input_once_and_never_reuse_another():
+def test_autocast_operands_cast_a_shared_input_once_and_never_reuse_another(monkeypatch):
     """Under autocast a linear's float32 input is cast to its bf16 output gradient's dtype (what autograd's weight
     gradient uses); layers reading one input (q/k/v) share the cast through the pass's cache, keyed on the very
     tensor (same memory, shape and strides): a different tensor, or a view at another offset, gets its own cast."""
+    from oblr_trl.grad_norms import factors
     from oblr_trl.grad_norms.factors import Dense, Factored, autocast_operands
 
+    monkeypatch.setattr(factors, "HALF_OPERAND_DEVICES", ("cpu", "cuda"))  # the GPU's policy, here
     x = torch.randn(2, 5, 4)
     g = torch.randn(2, 5, 3).to(torch.bfloat16)
     cache = {}
@@ -414,3 +416,38 @@ def test_tied_head_sparse_rows_in_slot_chunks_are_exact(monkeypatch, group):
                                                        for j in range(group)]) for i in range(group)])
                              for q in range(nb)])
     torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_half_precision_operands_as_on_a_gpu_are_accurate_to_bf16(monkeypatch):
+    """The GPU's policy (HALF_OPERAND_DEVICES), run here: under bf16 autocast every product takes bf16 operands (a
+    linear's float32 input cast as autocast casts it, the head in bf16) with float32 sums. Norms, group products,
+    the weighted gradient and the group norms agree with per-sample autograd under the same autocast to bf16's
+    precision; off that policy (the CPU's default) the numbers are the float32-operand ones."""
+    from reference import completion_logprob_sums
+
+    from oblr_trl.grad_norms import factors, per_sequence_grads
+
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch(completion=24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        default = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    monkeypatch.setattr(factors, "HALF_OPERAND_DEVICES", ("cpu", "cuda"))
+    scale = torch.tensor([0.5, -1.25, 3.0, 0.0, -0.75, 2.0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        norms = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+        products = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=3)
+        grads = per_sequence_grads(model, ids, attention, completion_mask, materialize=True)
+        per_sample = torch.stack(per_sample_grads(model, ids, attention, completion_mask)).double()
+    assert not torch.equal(norms, default)  # the policy took effect
+    torch.testing.assert_close(norms.double(), per_sample.pow(2).sum(1), rtol=1e-2, atol=1e-4)
+    reference = torch.stack([per_sample[3 * q : 3 * q + 3] @ per_sample[3 * q : 3 * q + 3].T for q in range(2)])
+    torch.testing.assert_close(products.double(), reference, rtol=1e-2, atol=1e-2 * float(reference.abs().max()))
+    group_sq = grads.accumulate_grad(scale, group_size=3)
+    groups = (per_sample * scale.double()[:, None]).reshape(2, 3, -1).sum(1)
+    torch.testing.assert_close(group_sq.double(), groups.pow(2).sum(1), rtol=1e-2, atol=1e-4)
+    ours = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (completion_logprob_sums(model, ids, attention, completion_mask) * scale).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    assert (ours - expected).norm() <= 1e-2 * expected.norm()
