@@ -21,13 +21,16 @@ from .factors import (
     SoftmaxDelta,
     VOCAB_CHUNK,
     Usage,
+    as_operand,
+    autocast_operands,
+    mm32,
     head_logits,
     block_inner_products,
     block_weighted_rows,
     materializing_saves_memory,
     per_sample_dtype,
 )
-from . import generic
+from . import factors, generic
 from .experts import call_usages, routed_forwards
 from .rules import find_rule
 from .support import _text_config, refuse_outside_decoder, validate
@@ -274,8 +277,13 @@ def _fsdp_root_unsharded(lm: nn.Module):
 
 @torch.no_grad()
 def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, weight, bias, alpha: float,
-                   softcap: float | None = None):
-    """Log-sum-exp of the scored logits and ``d sum_t log p / d h`` of the head, in vocabulary chunks."""
+                   softcap: float | None = None, self_products: int | None = None):
+    """Log-sum-exp of the scored logits and ``d sum_t log p / d h`` of the head, in vocabulary chunks. ``h`` and
+    ``weight`` in half precision (the head under autocast) are multiplied as they are, into float32 (:func:`mm32`).
+
+    With ``self_products=k``, also the head weight's own ``(B/k, k, k)`` per-sample inner products, from the same
+    chunks of the softmax delta as the output gradient (:func:`~.factors.head_self_products`), else None: the widest
+    tensors of the pass are then formed twice (log-sum-exp, then delta) instead of three times."""
     lse = torch.full(h.shape[:-1], -float("inf"), device=h.device)
     chunks = [(start, min(start + VOCAB_CHUNK, weight.shape[0])) for start in range(0, weight.shape[0], VOCAB_CHUNK)]
     for start, end in chunks:
@@ -283,9 +291,21 @@ def _lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, we
         lse = torch.logaddexp(lse, torch.logsumexp(z, dim=-1))
     delta = SoftmaxDelta(h, weight, bias, alpha, lse, labels, mask, softcap)
     grad_h = torch.zeros_like(h, dtype=torch.float32)
-    for start, end in chunks:
-        grad_h += delta.cols(start, end) @ weight[start:end].float()
-    return lse, grad_h
+    dtype = delta.operand_dtype
+    k = self_products or 1
+
+    def columns():
+        for start, end in chunks:
+            cols = as_operand(delta.cols(start, end), dtype)
+            grad_h.add_(mm32(cols, as_operand(weight[start:end], dtype)))
+            yield start, end, cols.reshape(h.shape[0] // k, k * h.shape[1], end - start)  # blocked by k
+
+    if self_products is None:
+        for _ in columns():
+            pass
+        return lse, grad_h, None
+    usage = Factored(delta, Dense(h)).blocked(k)
+    return lse, grad_h, factors.head_self_products(usage, k, columns())
 
 
 def _reduce_scatter_like(grad: torch.Tensor, param) -> torch.Tensor:
@@ -312,8 +332,11 @@ class PerSequenceGradients:
     """
 
     def __init__(self, usages: dict[Slot, list[Usage]], batch: int, device, streamed: torch.Tensor | None = None,
-                 slots: list[Slot] = ()):
+                 slots: list[Slot] = (), self_done: set[int] = frozenset()):
         self.usages, self.batch, self.device = usages, batch, device
+        # ids of usages whose products with themselves are already in ``streamed`` (the LM head's, formed with its
+        # output gradient)
+        self.self_done = set(self_done)
         # inner products already summed during the backward (layers whose factors were consumed as they arrived)
         self.streamed = streamed
         self.slots = list(slots) or list(usages)  # every trainable parameter, in module order
@@ -344,7 +367,8 @@ class PerSequenceGradients:
                 ]
             blocked = [u.blocked(group_size) for u in param_usages]
             for a in range(len(blocked)):
-                out += block_inner_products(blocked[a], blocked[a], group_size)
+                if id(param_usages[a]) not in self.self_done:
+                    out += block_inner_products(blocked[a], blocked[a], group_size)
                 for b in range(a + 1, len(blocked)):
                     cross = block_inner_products(blocked[a], blocked[b], group_size)
                     out += cross + cross.transpose(1, 2)
@@ -443,6 +467,10 @@ def per_sequence_grads(
         raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
     backbone = lm.base_model
     alpha = _logit_scale(lm) / temperature
+    # The head's products run in the autocast dtype when the pass runs under autocast, as the fused head's do.
+    device_type = input_ids.device.type
+    half = torch.is_autocast_enabled(device_type) and device_type in factors.HALF_OPERAND_DEVICES
+    head_dtype = torch.get_autocast_dtype(device_type) if half else None
     softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
     hooked, per_row = _hooked_modules(backbone, skip=head, lm=lm)
     if model_inputs:  # images: the modules that see them (a vision tower) have rows that are not the sequences
@@ -459,7 +487,9 @@ def per_sequence_grads(
                 slot_of[(module, name)] = first_owner.setdefault(id(p), (module, name))
     owners = Counter(slot_of.values())
     sharing = {module for (module, _), slot in slot_of.items() if owners[slot] > 1}
-    streamed = None
+    streamed, self_done = None, set()
+    streamed_parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
+    cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
     if stream_group_size is not None:
         if batch % stream_group_size:
             raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
@@ -468,6 +498,7 @@ def per_sequence_grads(
     def keep(record: _Record, materialize_now: bool) -> None:
         """The record's per-sample gradients, by parameter: factored, or materialized where that saves memory."""
         for name, usage in find_rule(record.module)(record.module, record.activation, record.output_grad).items():
+            usage = autocast_operands(usage, cast_cache)
             if materialize_now and materializing_saves_memory(usage):
                 with _fp32(input_ids.device):
                     usage = Materialized(usage.materialize().to(per_sample_dtype(usage)))
@@ -479,8 +510,8 @@ def per_sequence_grads(
             k = stream_group_size
             with _fp32(input_ids.device):
                 for usage in find_rule(module)(module, record.activation, record.output_grad).values():
-                    blocked = usage.blocked(k)
-                    streamed.add_(block_inner_products(blocked, blocked, k))
+                    blocked = autocast_operands(usage, cast_cache).blocked(k)
+                    streamed_parts.append(block_inner_products(blocked, blocked, k))
         elif materialize:
             keep(record, materialize_now=True)
         else:
@@ -496,11 +527,19 @@ def per_sequence_grads(
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                           **(model_inputs or {})).last_hidden_state
         h = hidden[:, length - completion_length - 1 : length - 1]
+        h_op = h.detach() if head_dtype is None else h.detach().to(head_dtype)
         labels = input_ids[:, length - completion_length :]
         mask = completion_mask.to(torch.float32)
         head_weight, head_bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
+        if head_dtype is not None:
+            head_weight = head_weight.to(head_dtype)
+        # Streamed, the head weight's own products come with its output gradient, from the same softmax chunks.
+        head_self_k = stream_group_size if streamed is not None and head.weight.requires_grad else None
         with _fp32(input_ids.device):
-            lse, grad_h = _lm_head_terms(h.detach(), labels, mask, head_weight, head_bias, alpha, softcap)
+            lse, grad_h, head_self = _lm_head_terms(h_op, labels, mask, head_weight, head_bias, alpha, softcap,
+                                                    head_self_k)
+        if head_self is not None:
+            streamed_parts.append(head_self)
         if hidden.requires_grad:
             full_grad = torch.zeros_like(hidden)
             full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
@@ -522,6 +561,10 @@ def per_sequence_grads(
                     "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default)."
                 ) from error
 
+    cast_cache.clear()
+    if streamed_parts:
+        streamed += torch.stack(streamed_parts).sum(0)
+        streamed_parts.clear()
     for record in records:
         if isinstance(record.activation, generic.Call):
             if any(g is not None for g in record.output_grad):
@@ -533,13 +576,16 @@ def per_sequence_grads(
             continue
         keep(record, materialize_now=False)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        delta = SoftmaxDelta(h.detach(), head_weight, head_bias, alpha, lse, labels, mask, softcap)
+        delta = SoftmaxDelta(h_op, head_weight, head_bias, alpha, lse, labels, mask, softcap)
         if head.weight.requires_grad:
-            usages[slot_of[(head, "weight")]].append(Factored(delta, Dense(h.detach())))
+            head_usage = Factored(delta, Dense(h_op))
+            usages[slot_of[(head, "weight")]].append(head_usage)
+            if head_self is not None:
+                self_done.add(id(head_usage))
         if head.bias is not None and head.bias.requires_grad:
             with _fp32(input_ids.device):
                 usages[slot_of[(head, "bias")]].append(Materialized(delta.cols(0, delta.width).sum(1)))
-    return PerSequenceGradients(usages, batch, input_ids.device, streamed, slots=list(owners))
+    return PerSequenceGradients(usages, batch, input_ids.device, streamed, slots=list(owners), self_done=self_done)
 
 
 def per_sequence_grad_inner_products(

@@ -25,6 +25,81 @@ from dataclasses import dataclass
 import torch
 
 VOCAB_CHUNK = 8192
+HALF = (torch.bfloat16, torch.float16)
+# Devices where products take half-precision operands (tensor cores, float32 output). Elsewhere (the CPU, where bf16
+# matmuls gain nothing) every product runs on float32 operands, as autocast's factors are upcast: the historical
+# numbers exactly.
+HALF_OPERAND_DEVICES = ("cuda",)
+# Elements of one (blocks, k, n_L * n_R) float32 buffer of materialized per-sample gradients.
+MATERIALIZE_BUDGET = 1 << 26
+# On CUDA, the cost model's price of one byte moved through device memory, in multiply-adds (tensor-core rate over
+# bandwidth: an H100's ~400 T bf16 multiply-adds/s over ~3 TB/s is ~130, an A100's 156 T over 1.5-2 TB/s ~80-100).
+CUDA_MACS_PER_BYTE = 100
+# Float32 elements of the (blocks, k T, slots) softmax columns the tied head gathers at its embedding's token ids.
+GATHER_BUDGET = 1 << 25
+# Devices where _row_products splits its long axis into a batch (a GPU's parallelism); the CPU gains nothing from it.
+SPLIT_ROW_PRODUCTS = ("cuda",)
+_OUT_DTYPE = {"ok": True}  # whether torch.mm/bmm(..., out_dtype=torch.float32) works here (CUDA, torch >= 2.8)
+
+
+def half_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
+    """The half-precision dtype among ``tensors`` (bf16 or fp16), or None: the operand dtype of their products (None
+    off ``HALF_OPERAND_DEVICES``)."""
+    for t in tensors:
+        if t is not None and t.dtype in HALF and t.device.type in HALF_OPERAND_DEVICES:
+            return t.dtype
+    return None
+
+
+def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (2-D, or batched 3-D; ``a`` 3-D with ``b`` 2-D is flattened) accumulated and returned in float32.
+
+    Half-precision operands of one dtype are multiplied as they are, on CUDA on the tensor cores with a float32
+    output (``out_dtype``): each product of two half-precision numbers is exact in float32, so this is the float32
+    product of the same numbers, at the half-precision rate. Anything else, and any device without that kernel, runs
+    in float32 on upcast operands: the same numbers, the same result up to the order of the sums.
+    """
+    if a.dim() == 3 and b.dim() == 2:
+        return mm32(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in HALF and _OUT_DTYPE["ok"]:
+        try:
+            return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE["ok"] = False  # this torch has no float32-output half kernel: float32 from now on
+    return torch.matmul(a.float(), b.float())
+
+
+def as_operand(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` as a matmul operand of ``dtype`` (a half-precision dtype), or float32 where ``dtype`` is None."""
+    return t.float() if dtype is None else t.to(dtype)
+
+
+def autocast_operands(u: "Usage", cache: dict | None = None) -> "Usage":
+    """A factored usage whose output gradient is half precision while its input is float32 (a linear layer under
+    bf16/fp16 autocast, whose input is cast for the matmul) with the input cast the same way: autograd's own weight
+    gradient is the product of the cast input, so these are the per-sample gradients of what ran, and every
+    product over them takes the half-precision (tensor-core) path of :func:`mm32`.
+
+    ``cache`` (a dict owned by the caller, one pass long) keeps the last cast with its source, so that layers reading
+    one input (q/k/v, gate/up projections) cast it once; holding the source keeps its memory from being reused."""
+    if isinstance(u, Factored) and isinstance(u.left, Dense) and isinstance(u.right, Dense):
+        dtype = half_dtype(u.left.t, u.right.t)
+        if dtype is not None and (u.left.t.dtype != dtype or u.right.t.dtype != dtype):
+            return Factored(Dense(_cast(u.left.t, dtype, cache)), Dense(_cast(u.right.t, dtype, cache)))
+    return u
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
+    if t.dtype == dtype:
+        return t
+    if cache is None:
+        return t.to(dtype)
+    src = cache.get("source")
+    if (src is not None and src.data_ptr() == t.data_ptr() and src.shape == t.shape and src.stride() == t.stride()
+            and src.dtype == t.dtype and cache["cast"].dtype == dtype):
+        return cache["cast"]
+    cache["source"], cache["cast"] = t, t.to(dtype)
+    return cache["cast"]
 
 
 def _block(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -52,7 +127,8 @@ class Dense:
         return torch.gather(self.t.float(), 2, idx[:, None, :].expand(b, t, idx.shape[1]))
 
     def materialize_with(self, right: "Dense") -> torch.Tensor:
-        return torch.einsum("btl,btr->blr", self.t.float(), right.t.float())
+        dtype = half_dtype(self.t, right.t)
+        return mm32(as_operand(self.t, dtype).transpose(1, 2), as_operand(right.t, dtype))
 
 
 @dataclass
@@ -77,13 +153,15 @@ def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """The head's scored logits ``z = alpha * cap(h W^T + b)`` on the rows of ``weight`` given (a vocabulary chunk or
     gathered rows, ``(V_c, d)`` or ``(B, V_c, d)``), and ``dz/ds`` w.r.t. the raw logits ``s``: ``alpha``, times
     ``1 - tanh^2(s / softcap)`` under Gemma 2's ``final_logit_softcapping`` (``cap(s) = softcap * tanh(s / softcap)``).
-    The one place the scored logits are written."""
-    w = weight.float()
-    s = h.float() @ (w.T if w.dim() == 2 else w.transpose(1, 2))
+    The one place the scored logits are written. Half-precision ``h`` and ``weight`` (the head under autocast) are
+    multiplied as they are, with a float32 result (:func:`mm32`); the rest is float32."""
+    dtype = half_dtype(h, weight) if h.dtype == weight.dtype else None
+    w = as_operand(weight, dtype)
+    s = mm32(as_operand(h, dtype), w.T if w.dim() == 2 else w.transpose(1, 2))
     if bias is not None:
-        s = s + (bias.float() if bias.dim() == 1 else bias.float()[:, None, :])
+        s += bias.float() if bias.dim() == 1 else bias.float()[:, None, :]
     if softcap is None:
-        return alpha * s, alpha
+        return (s if alpha == 1 else s.mul_(alpha)), alpha
     t = torch.tanh(s / softcap)
     return alpha * softcap * t, alpha * (1 - t * t)
 
@@ -106,6 +184,11 @@ class SoftmaxDelta:
     def width(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def operand_dtype(self) -> torch.dtype | None:
+        """The dtype its columns enter products in: the head's half-precision dtype under autocast, else float32."""
+        return self.h.dtype if self.h.dtype in HALF and self.weight.dtype == self.h.dtype else None
+
     def blocked(self, k: int) -> "SoftmaxDelta":
         return SoftmaxDelta(
             _block(self.h, k), self.weight, self.bias, self.alpha, _block(self.lse, k), _block(self.labels, k),
@@ -117,9 +200,22 @@ class SoftmaxDelta:
         return (is_label.float() - torch.exp(z - self.lse[..., None])) * dz * self.mask[..., None]
 
     def cols(self, start: int, end: int) -> torch.Tensor:
-        ids = torch.arange(start, end, device=self.labels.device)
+        """Columns ``start:end`` of the delta, ``(B, T, end - start)`` float32: one logits product and three in-place
+        passes over the chunk (the label's ``+1`` is a scatter), the widest tensors of the whole pass."""
         bias = None if self.bias is None else self.bias[start:end]
-        return self._delta(self.weight[start:end], bias, self.labels[..., None] == ids)
+        z, dz = head_logits(self.h, self.weight[start:end], bias, self.alpha, self.softcap)
+        p = z.sub_(self.lse[..., None]).exp_()  # softmax probabilities of the chunk
+        if torch.is_tensor(dz):  # softcapped: dz/ds per logit
+            p.mul_(dz)
+            at_label = dz.gather(-1, (self.labels - start).clamp(0, end - start - 1)[..., None])[..., 0]
+            weight_row = self.mask
+        else:
+            at_label = None
+            weight_row = self.mask * dz
+        p.mul_(-weight_row[..., None])  # -(mask * dz) * softmax
+        inside = (self.labels >= start) & (self.labels < end)
+        plus = weight_row * inside if at_label is None else weight_row * at_label * inside
+        return p.scatter_add_(-1, (self.labels - start).clamp(0, end - start - 1)[..., None], plus[..., None].float())
 
     def gather_cols(self, idx: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[idx]
@@ -127,6 +223,17 @@ class SoftmaxDelta:
 
 
 Factor = Dense | OneHot | SoftmaxDelta
+
+
+def _operand_dtype(*factors: Factor) -> torch.dtype | None:
+    """The half-precision dtype the products of these factors take (under autocast), or None (float32)."""
+    tensors = [f.t if isinstance(f, Dense) else f.h for f in factors if not isinstance(f, OneHot)]
+    if not tensors or tensors[0].device.type not in HALF_OPERAND_DEVICES:
+        return None
+    dtypes = {f.t.dtype if isinstance(f, Dense) else f.operand_dtype if isinstance(f, SoftmaxDelta) else None
+              for f in factors if not isinstance(f, OneHot)}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return dtype if dtype in HALF else None
 
 
 def gram(a: Factor, b: Factor) -> torch.Tensor:
@@ -140,13 +247,15 @@ def gram(a: Factor, b: Factor) -> torch.Tensor:
     if isinstance(a, OneHot):
         return b.gather_cols(a.idx).transpose(1, 2)
     if isinstance(a, Dense) and isinstance(b, Dense):
-        return torch.bmm(a.t.float(), b.t.float().transpose(1, 2))
+        dtype = half_dtype(a.t, b.t)
+        return mm32(as_operand(a.t, dtype), as_operand(b.t, dtype).transpose(1, 2))
+    dtype = _operand_dtype(a, b)
     out = None
     for start in range(0, a.width, VOCAB_CHUNK):
         end = min(start + VOCAB_CHUNK, a.width)
-        cols_a = a.cols(start, end)
-        cols_b = cols_a if b is a else b.cols(start, end)  # a Gram of a factor with itself: compute the chunk once
-        part = torch.bmm(cols_a, cols_b.transpose(1, 2))
+        cols_a = as_operand(a.cols(start, end), dtype)
+        cols_b = cols_a if b is a else as_operand(b.cols(start, end), dtype)  # with itself: the chunk once
+        part = mm32(cols_a, cols_b.transpose(1, 2))
         out = part if out is None else out + part
     return out
 
@@ -200,14 +309,15 @@ def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: 
         raise NotImplementedError("A factored usage needs a dense right (input-side) factor.")
     right = _block(u.right.t.float() * scale.float()[:, None, None], k)  # (nb, kT, n_R)
     left = u.left
+    dtype = _operand_dtype(left, u.right)
     if isinstance(left, OneHot):
         ids = _block(left.idx, k)  # (nb, kT)
         inside = (ids >= start) & (ids < end)
         rows = (torch.arange(nb, device=ids.device)[:, None] * (end - start) + ids - start)[inside]
         out = right.new_zeros(nb * (end - start), right.shape[-1])
         return out.index_add_(0, rows, right[inside]).reshape(nb, end - start, -1)
-    cols = left.t[..., start:end].float() if isinstance(left, Dense) else left.cols(start, end)
-    return torch.bmm(_block(cols, k).transpose(1, 2), right)
+    cols = left.t[..., start:end] if isinstance(left, Dense) else left.cols(start, end)
+    return mm32(as_operand(_block(cols, k), dtype).transpose(1, 2), as_operand(right, dtype))
 
 
 def per_sample_dtype(u: Factored) -> torch.dtype:
@@ -234,38 +344,72 @@ def materializing_saves_memory(u: Usage) -> bool:
 def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
     """Whether materializing the per-sample gradients beats the token Grams for this pair (fastDP's choice).
 
-    Gram: ``(kT_u)(kT_v)(n_L + n_R)`` per block; materialized: ``k (T_u + T_v) n_L n_R + k^2 n_L n_R``.
+    In multiply-adds per block, Gram: ``(kT_u)(kT_v)(n_L + n_R)``; materialized: ``(kT_u + kT_v) n_L n_R + k^2 n_L
+    n_R`` (``kT_u n_L n_R`` alone when ``u`` is ``v``: its gradients are formed once). On CUDA, where the matmuls run
+    on the tensor cores, the float32 buffers each writes and reads are priced too (``CUDA_MACS_PER_BYTE``
+    multiply-adds a byte): the two Grams and their product, ``(kT_u)(kT_v)`` elements of ~24 bytes, against the
+    per-sample gradients, ``k n_L n_R`` elements of 8 bytes per usage formed. On the CPU (flops bound) the historical
+    count, both usages formed, is kept.
     """
     if not all(isinstance(f, Dense) for f in (u.left, u.right, v.left, v.right)):
         return False
     t_u, t_v = u.left.t.shape[1], v.left.t.shape[1]  # already blocked: k*T
     n_l, n_r = u.left.width, u.right.width
-    return (t_u + t_v) * n_l * n_r + k * k * n_l * n_r < t_u * t_v * (n_l + n_r)
+    if not u.left.t.is_cuda:
+        return (t_u + t_v) * n_l * n_r + k * k * n_l * n_r < t_u * t_v * (n_l + n_r)
+    formed = 1 if v is u else 2
+    gram = t_u * t_v * (n_l + n_r + 24 * CUDA_MACS_PER_BYTE)
+    materialized = (t_u if v is u else t_u + t_v) * n_l * n_r + k * n_l * n_r * (k + 8 * formed * CUDA_MACS_PER_BYTE)
+    return materialized < gram
+
+
+def _row_products(a: torch.Tensor, b: torch.Tensor, inner: int) -> torch.Tensor:
+    """``a @ b^T`` per block for ``(nb, k, N)`` float32 rows (``k`` per-sample gradients of ``N`` entries; ``b`` may
+    be ``a``): ``(nb, k, k)``. With ``k > 1`` the long axis is split into ``N / inner`` pieces that become the batch
+    of one matmul (then summed), because a ``(k, N) @ (N, k)`` product with a small ``k`` leaves most of a GPU idle;
+    ``inner`` must divide ``N`` (the per-sample gradient's last axis)."""
+    nb, k, n = a.shape
+    if k == 1:
+        return (a * b).sum(-1, keepdim=True) if b is not a else a.pow(2).sum(-1, keepdim=True)
+    if a.device.type not in SPLIT_ROW_PRODUCTS or inner <= 0 or n % inner or n // inner == 1:
+        return torch.bmm(a, b.transpose(1, 2))
+    pieces = n // inner
+    x = a.reshape(nb, k, pieces, inner).transpose(1, 2).reshape(nb * pieces, k, inner)
+    y = x if b is a else b.reshape(nb, k, pieces, inner).transpose(1, 2).reshape(nb * pieces, k, inner)
+    return torch.bmm(x, y.transpose(1, 2)).reshape(nb, pieces, k, k).sum(1)
 
 
 def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
-    """Per block: materialize the ``k`` per-sample gradients of each usage (one block at a time), then their Gram."""
+    """Materialize the ``k`` per-sample gradients of each usage, as many blocks at a time as
+    ``MATERIALIZE_BUDGET`` float32 elements hold (each one batched contraction over the tokens, in half precision
+    under autocast), then their Gram."""
+    nb = u.left.t.shape[0]
+    n = u.left.width * u.right.width
+    step = max(1, MATERIALIZE_BUDGET // max(1, k * n * (1 if v is u else 2)))
     out = []
-    for block in range(u.left.t.shape[0]):
+    for start in range(0, nb, step):
+        end = min(nb, start + step)
+
         def per_sample(f: Factored) -> torch.Tensor:
-            left = f.left.t[block].float().reshape(k, -1, f.left.width)
-            right = f.right.t[block].float().reshape(k, -1, f.right.width)
-            return torch.bmm(left.transpose(1, 2), right).reshape(k, -1)
+            dtype = half_dtype(f.left.t, f.right.t)
+            left = as_operand(f.left.t[start:end], dtype).reshape((end - start) * k, -1, f.left.width)
+            right = as_operand(f.right.t[start:end], dtype).reshape((end - start) * k, -1, f.right.width)
+            return mm32(left.transpose(1, 2), right).reshape(end - start, k, -1)
 
         grads_u = per_sample(u)
         grads_v = grads_u if v is u else per_sample(v)
-        out.append(grads_u @ grads_v.T)
-    return torch.stack(out)
+        out.append(_row_products(grads_u, grads_v, u.right.width))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _block_slice(f: Factor, b: int) -> Factor:
-    """Block ``b`` of a blocked factor, keeping a batch axis of 1."""
+def _block_range(f: Factor, b0: int, b1: int) -> Factor:
+    """Blocks ``b0:b1`` of a blocked factor."""
     if isinstance(f, Dense):
-        return Dense(f.t[b : b + 1])
+        return Dense(f.t[b0:b1])
     if isinstance(f, OneHot):
-        return OneHot(f.idx[b : b + 1], f.n)
-    return SoftmaxDelta(f.h[b : b + 1], f.weight, f.bias, f.alpha, f.lse[b : b + 1], f.labels[b : b + 1],
-                        f.mask[b : b + 1], f.softcap)
+        return OneHot(f.idx[b0:b1], f.n)
+    return SoftmaxDelta(f.h[b0:b1], f.weight, f.bias, f.alpha, f.lse[b0:b1], f.labels[b0:b1], f.mask[b0:b1],
+                        f.softcap)
 
 
 def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
@@ -273,28 +417,62 @@ def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tenso
 
     Per block, both per-sample gradients are formed on the ``U`` unique token ids of the one-hot side(s), ``(k, U, d)``:
     an embedding's by scattering its output gradients, any other (the tied LM head's) from its left factor's columns
-    at those ids. ``k T U d`` work at most, against the ``(kT)^2 (U + d)`` of the token Grams.
+    at those ids. ``k T U d`` work at most, against the ``(kT)^2 (U + d)`` of the token Grams. All blocks at once
+    (as many as ``MATERIALIZE_BUDGET`` holds): each block's unique ids are found by a sort, padded to the block's
+    token count and masked, so nothing waits on the device (no ``torch.unique``, whose size the host must read).
     """
+    sides = [u] if v is u else [u, v]
+    ids = torch.cat([f.left.idx for f in sides if isinstance(f.left, OneHot)], dim=1)  # (nb, m)
+    nb, m = ids.shape
+    sorted_ids, order = ids.sort(dim=1)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    rank_sorted = first.long().cumsum(1) - 1  # the slot of each sorted id among the block's unique ids
+    rank = torch.empty_like(rank_sorted).scatter_(1, order, rank_sorted)  # ... of each id in token order
+    rows = torch.zeros_like(ids).scatter_(1, rank_sorted, sorted_ids)  # (nb, m): unique ids, then padding
+    valid = torch.arange(m, device=ids.device)[None, :] <= rank_sorted[:, -1:]  # (nb, m): not padding
+    offsets, offset = {}, 0
+    for f in sides:
+        if isinstance(f.left, OneHot):
+            offsets[id(f)] = offset
+            offset += f.left.idx.shape[1]
+    d = u.right.width
+    step = max(1, MATERIALIZE_BUDGET // max(1, k * m * d * len(sides)))
     out = []
-    for block in range(u.right.t.shape[0]):
-        rows = torch.unique(torch.cat([f.left.idx[block] for f in (u, v) if isinstance(f.left, OneHot)]))
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
 
-        def per_sample(f: Factored) -> torch.Tensor:
-            right = f.right.t[block].float()  # (kT, d)
+        def per_sample(f: Factored, c0: int, c1: int) -> torch.Tensor:
+            """Block rows b0:b1's per-sample gradients on unique-id slots c0:c1, ``(n, k, (c1 - c0) * d)``."""
+            right = f.right.t[b0:b1]  # (n, kT, d)
+            n, kt = right.shape[:2]
             if isinstance(f.left, OneHot):
-                ids = f.left.idx[block]
-                grads = right.new_zeros(k, rows.numel(), right.shape[-1])
-                sample = torch.arange(k, device=ids.device).repeat_interleave(ids.numel() // k)
-                grads.index_put_((sample, torch.searchsorted(rows, ids)), right, accumulate=True)
-            else:
-                left = _block_slice(f.left, block).gather_cols(rows[None])[0]  # (kT, U)
-                grads = torch.bmm(left.reshape(k, -1, rows.numel()).transpose(1, 2), right.reshape(k, -1, right.shape[-1]))
-            return grads.reshape(k, -1)
+                if id(f) not in scattered:  # every slot at once (the scatter is cheap), sliced per chunk below
+                    slot = rank[b0:b1, offsets[id(f)] : offsets[id(f)] + kt]  # (n, kT)
+                    sample = torch.arange(k, device=ids.device).repeat_interleave(kt // k)
+                    index = (sample[None, :] * m + slot)[..., None].expand(-1, -1, right.shape[-1])
+                    grads = right.new_zeros(n, k * m, right.shape[-1], dtype=torch.float32)
+                    scattered[id(f)] = grads.scatter_add_(1, index, right.float()).reshape(n, k, m, -1)
+                return scattered[id(f)][:, :, c0:c1].reshape(n, k, -1)
+            left = _block_range(f.left, b0, b1).gather_cols(rows[b0:b1, c0:c1]) * valid[b0:b1, None, c0:c1]
+            dtype = _operand_dtype(f.left, f.right)
+            grads = mm32(as_operand(left, dtype).reshape(n * k, kt // k, c1 - c0).transpose(1, 2),
+                         as_operand(right, dtype).reshape(n * k, kt // k, right.shape[-1]))
+            return grads.reshape(n, k, -1)
 
-        grads_u = per_sample(u)
-        grads_v = grads_u if v is u else per_sample(v)
-        out.append(grads_u @ grads_v.T)
-    return torch.stack(out)
+        scattered: dict[int, torch.Tensor] = {}
+        gathered = any(not isinstance(f.left, OneHot) for f in sides)
+        # a gathered side's (n, kT, slots) softmax columns are bounded by GATHER_BUDGET: slots in chunks
+        chunk = max(1, GATHER_BUDGET // max(1, (b1 - b0) * u.right.t.shape[1])) if gathered else m
+        part = None
+        for c0 in range(0, m, chunk):
+            c1 = min(m, c0 + chunk)
+            grads_u = per_sample(u, c0, c1)
+            grads_v = grads_u if v is u else per_sample(v, c0, c1)
+            prod = _row_products(grads_u, grads_v, d)
+            part = prod if part is None else part + prod
+        out.append(part)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _head_materialize_cheaper(u: Factored, k: int) -> bool:
@@ -304,17 +482,48 @@ def _head_materialize_cheaper(u: Factored, k: int) -> bool:
     return kt * vocab * d + k * k * vocab * d < kt * kt * (vocab + d)
 
 
-def _head_materialized_block_products(u: Factored, k: int) -> torch.Tensor:
-    """The head's per-sample gradients ``delta^T h``, one vocabulary chunk at a time (never ``(k, V, d)`` whole)."""
-    nb, kt, d = u.right.t.shape
-    h = u.right.t.float().reshape(nb, k, kt // k, d)
-    chunk = max(1, min(VOCAB_CHUNK, (1 << 25) // max(1, nb * k * d)))  # bound the (nb, k, chunk, d) buffer
-    out = h.new_zeros(nb, k, k)
+def head_columns(u: Factored, chunk: int = VOCAB_CHUNK):
+    """``(start, end, columns)`` of a blocked head usage's delta, vocabulary chunk by chunk, in its operand dtype."""
+    dtype = _operand_dtype(u.left, u.right)
     for start in range(0, u.left.width, chunk):
-        delta = u.left.cols(start, min(start + chunk, u.left.width)).reshape(nb, k, kt // k, -1)
-        grads = torch.einsum("nktc,nktd->nkcd", delta, h).reshape(nb, k, -1)
-        out += torch.bmm(grads, grads.transpose(1, 2))
+        end = min(start + chunk, u.left.width)
+        yield start, end, as_operand(u.left.cols(start, end), dtype)
+
+
+def _head_materialized_block_products(u: Factored, k: int, columns=None) -> torch.Tensor:
+    """The head's per-sample gradients ``delta^T h``, one vocabulary chunk at a time (never ``(k, V, d)`` whole).
+
+    ``columns``: the delta's ``(start, end, columns)`` chunks (:func:`head_columns`) when the caller computes them
+    anyway (the engine's pass that forms the head's output gradient), so that they are not computed twice."""
+    nb, kt, d = u.right.t.shape
+    dtype = _operand_dtype(u.left, u.right)
+    h = as_operand(u.right.t, dtype).reshape(nb * k, kt // k, d)
+    sub = max(1, (1 << 25) // max(1, nb * k * d))  # bound the (nb, k, chunk, d) buffer
+    out = torch.zeros(nb, k, k, device=h.device)
+    for _, _, cols in head_columns(u, min(VOCAB_CHUNK, sub)) if columns is None else columns:
+        for first in range(0, cols.shape[-1], sub):
+            delta = cols[..., first : first + sub]
+            grads = mm32(delta.reshape(nb * k, kt // k, -1).transpose(1, 2), h).reshape(nb, k, -1)
+            out += _row_products(grads, grads, d)
     return out
+
+
+def _head_gram_block_products(u: Factored, k: int, columns=None) -> torch.Tensor:
+    """The head's self inner products by token Grams: ``sum_chunks delta_c delta_c^T`` times ``h h^T``."""
+    nb, kt, _ = u.right.t.shape
+    g = None
+    for _, _, cols in head_columns(u) if columns is None else columns:
+        part = mm32(cols, cols.transpose(1, 2))
+        g = part if g is None else g.add_(part)
+    prod = g.mul_(gram(u.right, u.right))
+    return prod.reshape(nb, k, kt // k, k, kt // k).sum(dim=(2, 4))
+
+
+def head_self_products(u: Factored, k: int, columns=None) -> torch.Tensor:
+    """A blocked head usage's ``(B/k, k, k)`` self inner products by the cheaper strategy, from ``columns`` if given."""
+    if _head_materialize_cheaper(u, k):
+        return _head_materialized_block_products(u, k, columns)
+    return _head_gram_block_products(u, k, columns)
 
 
 def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
@@ -336,5 +545,6 @@ def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
         nb, kt1, kt2 = prod.shape
         return prod.reshape(nb, k, kt1 // k, k, kt2 // k).sum(dim=(2, 4))
     if isinstance(u, Materialized) and isinstance(v, Materialized):
-        return torch.bmm(u.g.float(), v.g.float().transpose(1, 2))
+        dtype = u.g.dtype if u.g.dtype == v.g.dtype and u.g.dtype in HALF else None
+        return mm32(as_operand(u.g, dtype), as_operand(v.g, dtype).transpose(1, 2))
     raise TypeError("Mixed factored and materialized usages must be materialized first.")

@@ -350,3 +350,104 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
         # per layer: q, k, v, o, gate, up, down, q_norm, k_norm and two layer norms, each waiting for its recomputation
         assert len([r for r in records if r.module in inside]) == 2 * 11
         assert len(targets) == 3  # the final norm's input and the checkpointed layers' inputs
+
+
+def test_autocast_operands_cast_a_shared_input_once_and_never_reuse_another(monkeypatch):
+    """Under autocast a linear's float32 input is cast to its bf16 output gradient's dtype (what autograd's weight
+    gradient uses); layers reading one input (q/k/v) share the cast through the pass's cache, keyed on the very
+    tensor (same memory, shape and strides): a different tensor, or a view at another offset, gets its own cast."""
+    from oblr_trl.grad_norms import factors
+    from oblr_trl.grad_norms.factors import Dense, Factored, autocast_operands
+
+    monkeypatch.setattr(factors, "HALF_OPERAND_DEVICES", ("cpu", "cuda"))  # the GPU's policy, here
+    x = torch.randn(2, 5, 4)
+    g = torch.randn(2, 5, 3).to(torch.bfloat16)
+    cache = {}
+    first = autocast_operands(Factored(Dense(g), Dense(x)), cache)
+    assert first.right.t.dtype == torch.bfloat16 and torch.equal(first.right.t, x.to(torch.bfloat16))
+    again = autocast_operands(Factored(Dense(g[..., :2]), Dense(x.detach())), cache)  # same memory: reused
+    assert again.right.t is first.right.t
+    other = x + 1
+    cast = autocast_operands(Factored(Dense(g), Dense(other)), cache)
+    assert torch.equal(cast.right.t, other.to(torch.bfloat16))
+    view = x[:, 1:]
+    cast = autocast_operands(Factored(Dense(g[:, 1:]), Dense(view)), cache)
+    assert torch.equal(cast.right.t, view.to(torch.bfloat16))
+    assert autocast_operands(Factored(Dense(x), Dense(x)), cache).right.t is x  # no half factor: unchanged
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_row_products_split_into_a_batch_equal_the_plain_product(monkeypatch, k):
+    """The within-block products of materialized per-sample gradients, with the long axis split into a batch (what a
+    GPU runs) or not, and the norms end to end with the split on this device."""
+    from oblr_trl.grad_norms import factors
+
+    a, b = torch.randn(2, k, 6 * 5), torch.randn(2, k, 6 * 5)
+    plain = factors._row_products(a, b, 5)
+    monkeypatch.setattr(factors, "SPLIT_ROW_PRODUCTS", ("cpu", "cuda"))
+    all_dense = lambda u, v: all(isinstance(f, factors.Dense) for f in (u.left, u.right, v.left, v.right))
+    monkeypatch.setattr(factors, "_materialize_cheaper", lambda u, v, k: all_dense(u, v))  # every layer split
+    monkeypatch.setattr(factors, "_head_materialize_cheaper", lambda u, k: True)
+    torch.testing.assert_close(factors._row_products(a, b, 5), torch.bmm(a, b.transpose(1, 2)))
+    torch.testing.assert_close(factors._row_products(a, a, 5), torch.bmm(a, a.transpose(1, 2)))
+    torch.testing.assert_close(plain, torch.bmm(a, b.transpose(1, 2)))
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch()
+    grads = per_sample_grads(model, ids, attention, completion_mask)
+    ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=3)
+    reference = torch.stack([torch.stack([torch.stack([grads[3 * q + i].double() @ grads[3 * q + j].double()
+                                                       for j in range(3)]) for i in range(3)]) for q in range(2)])
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_tied_head_sparse_rows_in_slot_chunks_are_exact(monkeypatch, group):
+    """The tied embedding/head cross terms gather the head's softmax columns at the embedding's unique token ids in
+    chunks of slots (bounded memory): one slot at a time gives the per-row autograd products."""
+    from oblr_trl.grad_norms import factors
+
+    monkeypatch.setattr(factors, "GATHER_BUDGET", 1)  # one slot at a time
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch()
+    grads = per_sample_grads(model, ids, attention, completion_mask)
+    ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=group)
+    nb = len(grads) // group
+    reference = torch.stack([torch.stack([torch.stack([grads[group * q + i].double() @ grads[group * q + j].double()
+                                                       for j in range(group)]) for i in range(group)])
+                             for q in range(nb)])
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_half_precision_operands_as_on_a_gpu_are_accurate_to_bf16(monkeypatch):
+    """The GPU's policy (HALF_OPERAND_DEVICES), run here: under bf16 autocast every product takes bf16 operands (a
+    linear's float32 input cast as autocast casts it, the head in bf16) with float32 sums. Norms, group products,
+    the weighted gradient and the group norms agree with per-sample autograd under the same autocast to bf16's
+    precision; off that policy (the CPU's default) the numbers are the float32-operand ones."""
+    from reference import completion_logprob_sums
+
+    from oblr_trl.grad_norms import factors, per_sequence_grads
+
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch(completion=24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        default = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    monkeypatch.setattr(factors, "HALF_OPERAND_DEVICES", ("cpu", "cuda"))
+    scale = torch.tensor([0.5, -1.25, 3.0, 0.0, -0.75, 2.0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        norms = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+        products = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=3)
+        grads = per_sequence_grads(model, ids, attention, completion_mask, materialize=True)
+        per_sample = torch.stack(per_sample_grads(model, ids, attention, completion_mask)).double()
+    assert not torch.equal(norms, default)  # the policy took effect
+    torch.testing.assert_close(norms.double(), per_sample.pow(2).sum(1), rtol=1e-2, atol=1e-4)
+    reference = torch.stack([per_sample[3 * q : 3 * q + 3] @ per_sample[3 * q : 3 * q + 3].T for q in range(2)])
+    torch.testing.assert_close(products.double(), reference, rtol=1e-2, atol=1e-2 * float(reference.abs().max()))
+    group_sq = grads.accumulate_grad(scale, group_size=3)
+    groups = (per_sample * scale.double()[:, None]).reshape(2, 3, -1).sum(1)
+    torch.testing.assert_close(group_sq.double(), groups.pow(2).sum(1), rtol=1e-2, atol=1e-4)
+    ours = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (completion_logprob_sums(model, ids, attention, completion_mask) * scale).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    assert (ours - expected).norm() <= 1e-2 * expected.norm()
