@@ -1,0 +1,76 @@
+"""benchmarks/proxies.py: the batched per-sequence LoRA-B score vectors and logit proxies (one forward, one backward,
+hooks + einsum) equal the one-completion-at-a-time autograd reference, and the sampler draws from the policy."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+SPEC = importlib.util.spec_from_file_location("proxies", Path(__file__).resolve().parents[1] / "benchmarks" / "proxies.py")
+proxies = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(proxies)
+
+
+def tiny_lora_model(seed=0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=5,
+                         tie_word_embeddings=True)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=3, lora_alpha=3, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model.eval()
+    return model
+
+
+def test_batched_scores_equal_one_at_a_time_autograd():
+    model = tiny_lora_model()
+    params = [p for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n]
+    modules = proxies.lora_b_modules(model)
+    assert [m.weight for m in modules] == params
+    prompt = [1, 7, 9, 11, 3]
+    completions = [[20, 21, 5], [30, 31, 32, 33, 34, 35], [40], [50, 51, 52, 53]]  # ragged: right padding matters
+    S, proxy, fwd, bwd = proxies.batched_scores(model, modules, prompt, completions)
+    assert S.shape == (4, sum(p.numel() for p in params)) and fwd > 0 and bwd > 0
+    for i, c in enumerate(completions):
+        s, p, _ = proxies.score_and_proxy(model, params, prompt, c)
+        assert s.norm() > 0
+        assert (S[i] - s).norm() <= 1e-4 * s.norm(), i
+        assert abs(float(proxy[i]) - p) <= 1e-4 * abs(p), i
+    # the per-sequence gradients sum to the batch gradient (a second, independent check of the hook bookkeeping)
+    total = sum(proxies.score_and_proxy(model, params, prompt, c)[0] for c in completions)
+    assert (S.sum(0) - total).norm() <= 1e-4 * total.norm()
+
+
+def test_sampler_draws_the_policy():
+    """First-token frequencies of the KV-cache sampler match softmax(logits) (chi-square-sized tolerance), completions
+    end at their first eos, and the draws are reproducible from the generator."""
+    model = tiny_lora_model(1)
+    with torch.no_grad():
+        model.get_base_model().model.norm.weight.mul_(12.0)  # peaked logits, so a wrong sampler would show
+    prompt = [1, 7, 9]
+    with torch.no_grad():
+        pi = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), -1)
+    assert 0.5 * (pi - 1 / pi.numel()).abs().sum() > 0.4  # far from uniform
+    n = 3000
+    draws = proxies.sample_completions(model, prompt, n, 3, eos_token_id=5, generator=torch.Generator().manual_seed(0),
+                                       batch=1000)
+    again = proxies.sample_completions(model, prompt, n, 3, eos_token_id=5, generator=torch.Generator().manual_seed(0),
+                                       batch=1000)
+    assert draws == again
+    assert all(1 <= len(c) <= 3 and (5 not in c[:-1]) for c in draws)
+    freq = torch.bincount(torch.tensor([c[0] for c in draws]), minlength=pi.numel()).double() / n
+    # total variation between empirical and exact first-token law: ~sqrt(V / n) / 2 for a correct sampler
+    assert 0.5 * (freq - pi.double()).abs().sum() < 0.12
+    # second tokens follow the policy given the first (checked on the most frequent first token)
+    top = int(freq.argmax())
+    with torch.no_grad():
+        pi2 = torch.softmax(model(input_ids=torch.tensor([prompt + [top]])).logits[0, -1].float(), -1).double()
+    seconds = [c[1] for c in draws if c[0] == top and len(c) > 1]
+    f2 = torch.bincount(torch.tensor(seconds), minlength=pi.numel()).double() / len(seconds)
+    assert 0.5 * (f2 - pi2).abs().sum() < 0.5 * (pi.numel() / len(seconds)) ** 0.5 + 0.05
