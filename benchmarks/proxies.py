@@ -1,25 +1,29 @@
-"""Baseline-weight proxies against exact per-sequence gradient norms on a real LLM (SmolLM2-135M-Instruct), at fixed
-parameters (issue 18).
+"""Gradient variance, bias and baseline-weight proxies on a real LLM (SmolLM2-135M-Instruct) at fixed parameters
+(issue 18, parts 1 and 2).
 
-For a few prompts, draw K independent groups of G completions each from the model itself (temperature 1, no top-k/p),
-score them with the task's reasoning-gym verifier, and take for every distinct completion
+For the first ``--prompts`` prompts whose completions in a pilot have mixed rewards, draw K independent groups of G
+completions each from the model itself (temperature 1, full softmax, :func:`sample_completions`), score them with the
+task's reasoning-gym verifier, and take for every distinct completion in a group with mixed rewards (an all-equal group
+has every method's advantages 0, so it contributes a zero gradient and needs no score vector)
 
 * its exact score vector ``s_i = grad sum_t log pi(o_i,t)`` in a **LoRA gradient space** (rank ``--rank`` adapters on
   every linear layer of the 30 blocks, B = 0 so the policy is the model's own: the gradient w.r.t. B is the full weight
-  gradient ``delta x^T`` projected on A's random rows, a sketch of the full gradient);
+  gradient ``delta x^T`` projected on A's random rows, a sketch of the full gradient), for ``--batch`` completions at a
+  time from one forward and one backward (:func:`batched_scores`: hooks on the LoRA B linears, a per-sequence einsum);
 * the proxies from the same forward: ``|o_i|`` (verl OPO's ``"length"``) and ``sum_t (1 - 2 pi_t + sum_v pi_v^2)``
   (verl's optimal-token baseline, ``"logit"``, :func:`oblr_trl.estimators.logit_proxy_weights`).
 
-Reported per weight source (length, logit, exact ``||s_i||^2``): Spearman rank correlation of ``w_i`` with the exact
-norms (per prompt, then averaged); the leave-one-out baseline's RMS error against the oracle optimal baseline
-``E[w r] / E[w]`` (Theorem 7, exact weights, all K*G samples of the prompt); and the trace of the covariance of the
-group's policy-gradient estimate ``g = (1/G) sum_i A_i s_i`` across the K groups, as a ratio to RLOO's, with paired
-bootstrap 90% intervals (the K groups resampled with replacement, the same resample for every method). Also GRPO
-(mean, /std) and RLOO. And the SNR of one group's gradient across all prompts' groups (the step size's input), from
-which N SNR / (1 + N SNR) at N = 8 prompts (rough: few prompts).
+Methods (advantages from the same samples): GRPO (mean, /std), Dr. GRPO (mean), RLOO, and the weighted baseline
+``sum w r / sum w`` with w = length, logit proxy or exact ``||s||^2``, each plain and leave-one-out (the OBLR-PO default
+is exact, leave-one-out). Reported, pooled over prompts with paired bootstrap 90% intervals (each prompt's K groups
+resampled, the same resample for every method): tr Cov of one group's estimate ``g = (1/G) sum_i A_i s_i`` as a ratio to
+RLOO's; the scale-free noise-to-signal ``tr Cov(g) / ||E g||^2``; the bias ``||E g - grad J||^2`` relative to tr Cov(g),
+with grad J = RLOO's mean over all K groups (exactly unbiased) and the difference paired per group. And per weight
+source: Spearman rank correlation of w_i with the exact norms, the baseline's RMS error against Theorem 7's optimal
+baseline ``E[w r] / E[w]``, cost per completion, and the SNR of one group's gradient.
 
-    python benchmarks/proxies.py                # ~25 min on 2 shared CPU cores
-    python benchmarks/proxies.py --quick        # smoke run
+    python benchmarks/proxies.py                # 12 prompts x 16 groups x 8: ~25-60 min on a shared 2-core CPU
+    python benchmarks/proxies.py --quick        # smoke run, < 1 min
 """
 
 from __future__ import annotations
@@ -201,7 +205,8 @@ def stratified_oracle(r: torch.Tensor, w: torch.Tensor, scored: torch.Tensor) ->
     """Theorem 7's optimal baseline ``E[w r] / E[w]`` for one prompt, with ``E[w | r = c]`` taken from the scored
     completions (those in mixed groups) and ``P(r = c)`` from all K*G rewards. Samples are i.i.d., so whether a
     sample's group is mixed depends on the sample only through its reward: a scored sample with reward c is a draw from
-    the policy's completions with reward c, and the estimate is unbiased. None if a reward value has no scored sample."""
+    the policy's completions with reward c, so each ``E[w | r = c]`` is unbiased and the ratio consistent. None if a
+    reward value has no scored sample."""
     num = den = 0.0
     for c in r.unique():
         at = r == c

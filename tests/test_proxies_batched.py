@@ -74,3 +74,22 @@ def test_sampler_draws_the_policy():
     seconds = [c[1] for c in draws if c[0] == top and len(c) > 1]
     f2 = torch.bincount(torch.tensor(seconds), minlength=pi.numel()).double() / len(seconds)
     assert 0.5 * (f2 - pi2).abs().sum() < 0.5 * (pi.numel() / len(seconds)) ** 0.5 + 0.05
+
+
+def test_stratified_oracle_is_the_full_sample_ratio_and_consistent_from_mixed_groups():
+    """All scored: exactly sum w r / sum w. Only mixed groups scored (the benchmark's saving): Monte Carlo against the
+    closed form E[w r] / E[w] of a known law, where the naive ratio over the scored samples alone is biased."""
+    gen = torch.Generator().manual_seed(0)
+    r = torch.tensor([0.0, 1.0, 0.0, 0.5, 1.0, 0.0])
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], dtype=torch.float64)
+    assert abs(proxies.stratified_oracle(r, w, torch.ones(6, dtype=torch.bool)) - float((w * r).sum() / w.sum())) < 1e-12
+    assert proxies.stratified_oracle(r, w, torch.tensor([1, 1, 1, 0, 1, 1], dtype=torch.bool)) is None  # 0.5 unseen
+    # law: r ~ Bernoulli(0.15); w | r=1 ~ 1 + Exp(1) * 3, w | r=0 ~ 1 + Exp(1); E[w r]/E[w] = 0.15*4 / (0.15*4 + 0.85*2)
+    truth = 0.15 * 4 / (0.15 * 4 + 0.85 * 2)
+    K, G = 20000, 4
+    rr = (torch.rand(K, G, generator=gen) < 0.15).double()
+    ww = 1 + torch.empty(K, G, dtype=torch.float64).exponential_(generator=gen) * (1 + 2 * rr)
+    mixed = (rr.max(1).values > rr.min(1).values)[:, None].expand(K, G).reshape(-1)
+    est = proxies.stratified_oracle(rr.reshape(-1), ww.reshape(-1), mixed)
+    naive = float((ww.reshape(-1)[mixed] * rr.reshape(-1)[mixed]).sum() / ww.reshape(-1)[mixed].sum())
+    assert abs(est - truth) < 0.01 < abs(naive - truth)
