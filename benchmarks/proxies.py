@@ -224,20 +224,55 @@ def tr_cov_stats(e: dict, m: str, idx=None) -> dict:
     return dict(tr=tr, mean_sq=mean_sq, trd=trd, mean_d_sq=mean_d_sq)
 
 
-def pooled(per_prompt: list[dict], K: int, idx_list=None) -> dict:
+def pooled(per_prompt: list[dict], K: int, idx_list=None, plugin: bool = False) -> dict:
     """Per method, over prompts: mean tr Cov(g), ||E g||^2 (debiased), ||E d||^2 (debiased; d = g - g_rloo paired per
-    group) and its noise floor tr Cov(d) / K."""
+    group) and its noise floor tr Cov(d) / K.
+
+    ``plugin=True``: the same quantities of the empirical distribution of the K groups itself (covariance over K, means
+    not debiased). These are what a bootstrap resample's debiased estimates average to (a resample is K i.i.d. draws
+    from that distribution), so they are the "true values" of the bootstrap world, used by :func:`basic_interval`."""
     out = {}
     for m in METHODS:
         acc = dict(tr=0.0, signal=0.0, bias_sq=0.0, floor=0.0)
         for j, e in enumerate(per_prompt):
             st = tr_cov_stats(e, m, None if idx_list is None else idx_list[j])
-            acc["tr"] += st["tr"]
-            acc["signal"] += st["mean_sq"] - st["tr"] / K
-            acc["bias_sq"] += st["mean_d_sq"] - st["trd"] / K
+            if plugin:
+                acc["tr"] += st["tr"] * (K - 1) / K
+                acc["signal"] += st["mean_sq"]
+                acc["bias_sq"] += st["mean_d_sq"]
+            else:
+                acc["tr"] += st["tr"]
+                acc["signal"] += st["mean_sq"] - st["tr"] / K
+                acc["bias_sq"] += st["mean_d_sq"] - st["trd"] / K
             acc["floor"] += st["trd"] / K
         out[m] = {k: v / len(per_prompt) for k, v in acc.items()}
     return out
+
+
+def basic_interval(point: float, plugin: float, resampled: list[float], level: float = 0.9) -> list[float] | None:
+    """The basic (reverse-percentile) bootstrap interval ``[point - (q_hi - plugin), point - (q_lo - plugin)]``: the
+    resampled statistic's spread around the bootstrap world's true value ``plugin`` stands for the estimate's spread
+    around the truth. (A plain percentile interval would be centred on ``plugin``, not on the debiased estimate: the
+    signal and bias terms are debiased within each resample against a truth that is not debiased.) None when the
+    statistic is undefined in more than 10% of the resamples."""
+    v = torch.tensor([x for x in resampled if x == x and abs(x) != float("inf")], dtype=torch.float64)
+    if len(v) < 0.9 * len(resampled) or point != point or plugin != plugin:
+        return None
+    a = (1 - level) / 2
+    return [point - (float(v.quantile(1 - a)) - plugin), point - (float(v.quantile(a)) - plugin)]
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+STATISTICS = {  # name -> f(pooled, method)
+    "tr_cov_vs_rloo": lambda p, m: ratio(p[m]["tr"], p["rloo"]["tr"]),
+    "noise_to_signal": lambda p, m: ratio(p[m]["tr"], p[m]["signal"]),
+    "noise_to_signal_vs_rloo": lambda p, m: ratio(ratio(p[m]["tr"], p[m]["signal"]),
+                                                  ratio(p["rloo"]["tr"], p["rloo"]["signal"])),
+    "bias_sq_vs_tr_cov": lambda p, m: ratio(p[m]["bias_sq"], p[m]["tr"]),
+}
 
 
 def main():
@@ -359,7 +394,8 @@ def main():
             if A[~mixed].abs().sum() > 1e-9:
                 raise AssertionError(f"{m}: nonzero advantage in an all-equal group")
             C = torch.zeros(K, len(unique), dtype=torch.float64)
-            C.scatter_add_(1, index.clamp(min=0).view(K, G), torch.where(sel.view(K, G), A / G, 0.0))
+            if len(unique):  # no mixed group at all: every method's gradient is 0 on this prompt
+                C.scatter_add_(1, index.clamp(min=0).view(K, G), torch.where(sel.view(K, G), A / G, 0.0))
             coeffs[m] = C
         flat_r = r.reshape(-1)
         oracle = stratified_oracle(flat_r, w_ex, sel)
@@ -389,28 +425,13 @@ def main():
     boots = [pooled(per_prompt, K, [torch.randint(0, K, (K,), generator=gen) for _ in per_prompt])
              for _ in range(args.bootstrap)]
 
-    def ci(values):
-        v = torch.tensor([x for x in values if x == x and abs(x) != float("inf")], dtype=torch.float64)
-        if len(v) < 0.9 * len(values):  # too many undefined resamples for an interval
-            return None
-        return [float(v.quantile(0.05)), float(v.quantile(0.95))]
-
-    def ratio(a, b):
-        return a / b if b > 0 else float("nan")
-
+    plug = pooled(per_prompt, K, plugin=True)
     table = {}
     for m in METHODS:
-        pm = point[m]
-        table[m] = dict(
-            tr_cov=pm["tr"],
-            tr_cov_vs_rloo=ratio(pm["tr"], point["rloo"]["tr"]),
-            tr_cov_vs_rloo_ci90=ci([ratio(b[m]["tr"], b["rloo"]["tr"]) for b in boots]),
-            noise_to_signal=ratio(pm["tr"], pm["signal"]),
-            noise_to_signal_ci90=ci([ratio(b[m]["tr"], b[m]["signal"]) for b in boots]),
-            bias_sq_vs_tr_cov=ratio(pm["bias_sq"], pm["tr"]),
-            bias_sq_vs_tr_cov_ci90=ci([ratio(b[m]["bias_sq"], b[m]["tr"]) for b in boots]),
-            bias_floor_vs_tr_cov=ratio(pm["floor"], pm["tr"]),
-        )
+        table[m] = dict(tr_cov=point[m]["tr"], bias_floor_vs_tr_cov=ratio(point[m]["floor"], point[m]["tr"]))
+        for name, f in STATISTICS.items():
+            table[m][name] = f(point, m)
+            table[m][name + "_ci90"] = basic_interval(f(point, m), f(plug, m), [f(b, m) for b in boots])
 
     # SNR of one group's gradient (exact, leave-one-out) across all prompts' groups
     n_groups = K * len(per_prompt)
@@ -480,17 +501,20 @@ def write(result: dict, args) -> None:
         f"The reference grad J is RLOO's mean over all K groups of the prompt (RLOO is exactly unbiased), paired per "
         f"group (d = g - g_RLOO) so the shared sampling noise cancels; ||E d||^2 is debiased by tr Cov(d) / K, and "
         f"the resolution (what an unbiased method would show by chance, tr Cov(d) / K / tr Cov(g)) is the last "
-        f"column. All pooled over prompts (means of per-prompt traces); 90% intervals from {result['bootstrap']} "
-        f"paired bootstrap resamples of each prompt's K groups (the same resample for every method).",
+        f"column. All pooled over prompts (means of per-prompt traces); 90% basic (reverse-percentile) bootstrap "
+        f"intervals from {result['bootstrap']} paired resamples of each prompt's K groups (the same resample for every "
+        f"method), centred on the debiased estimates.",
         "",
-        "| method | tr Cov / RLOO's | 90% CI | noise / signal | 90% CI | bias^2 / tr Cov | 90% CI | resolution |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | tr Cov / RLOO's | 90% CI | noise / signal | its ratio to RLOO's | 90% CI | bias^2 / tr Cov | 90% CI "
+        "| resolution |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m in METHODS:
         t = result["methods"][m]
         lines.append(
             f"| {LABELS[m]} | {fmt(t['tr_cov_vs_rloo'])} | {fmt_ci(t['tr_cov_vs_rloo_ci90'])} | "
-            f"{fmt(t['noise_to_signal'])} | {fmt_ci(t['noise_to_signal_ci90'])} | {fmt(t['bias_sq_vs_tr_cov'])} | "
+            f"{fmt(t['noise_to_signal'], 2)} | {fmt(t['noise_to_signal_vs_rloo'])} | "
+            f"{fmt_ci(t['noise_to_signal_vs_rloo_ci90'])} | {fmt(t['bias_sq_vs_tr_cov'])} | "
             f"{fmt_ci(t['bias_sq_vs_tr_cov_ci90'])} | {fmt(t['bias_floor_vs_tr_cov'])} |")
     lines += [
         "",
