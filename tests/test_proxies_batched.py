@@ -93,3 +93,33 @@ def test_stratified_oracle_is_the_full_sample_ratio_and_consistent_from_mixed_gr
     est = proxies.stratified_oracle(rr.reshape(-1), ww.reshape(-1), mixed)
     naive = float((ww.reshape(-1)[mixed] * rr.reshape(-1)[mixed]).sum() / ww.reshape(-1)[mixed].sum())
     assert abs(est - truth) < 0.01 < abs(naive - truth)
+
+
+def test_plugin_values_are_what_bootstrap_resamples_average_to():
+    """The basic interval's premise: over resamples of the K groups, the debiased estimates average to the plug-in
+    values (covariance over K, means not debiased), not to the debiased point estimates."""
+    gen = torch.Generator().manual_seed(1)
+    K, D = 6, 5
+
+    def entry():
+        vecs = {m: torch.randn(K, D, generator=gen, dtype=torch.float64) + 0.7 for m in proxies.METHODS}
+        return {"gram": {m: v @ v.T for m, v in vecs.items()},
+                "gram_d": {m: (v - vecs["rloo"]) @ (v - vecs["rloo"]).T for m, v in vecs.items()}}
+
+    per_prompt = [entry(), entry()]
+    point = proxies.pooled(per_prompt, K)
+    plug = proxies.pooled(per_prompt, K, plugin=True)
+    n = 4000
+    sums = {m: dict(tr=0.0, signal=0.0, bias_sq=0.0) for m in proxies.METHODS}
+    for _ in range(n):
+        b = proxies.pooled(per_prompt, K, [torch.randint(0, K, (K,), generator=gen) for _ in per_prompt])
+        for m in proxies.METHODS:
+            for k in sums[m]:
+                sums[m][k] += b[m][k] / n
+    for m in ("exact_loo", "grpo"):
+        for k in ("tr", "signal", "bias_sq"):
+            assert abs(sums[m][k] - plug[m][k]) < 0.05 * abs(plug[m][k]) + 0.02, (m, k)
+        assert abs(plug[m]["signal"] - point[m]["signal"]) > 0.05  # the two differ: the check has teeth
+    lo, hi = proxies.basic_interval(1.0, 1.2, [1.1, 1.2, 1.3] * 10)
+    assert abs(lo - 0.9) < 0.02 and abs(hi - 1.1) < 0.02
+    assert proxies.basic_interval(1.0, 1.0, [float("nan")] * 5 + [1.0]) is None
