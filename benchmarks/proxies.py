@@ -22,7 +22,8 @@ with grad J = RLOO's mean over all K groups (exactly unbiased) and the differenc
 source: Spearman rank correlation of w_i with the exact norms, the baseline's RMS error against Theorem 7's optimal
 baseline ``E[w r] / E[w]``, cost per completion, and the SNR of one group's gradient.
 
-    python benchmarks/proxies.py                # 12 prompts x 16 groups x 8: ~25-60 min on a shared 2-core CPU
+    python benchmarks/proxies.py --repeats 24   # results/proxies.md: 12 prompts x 24 groups x 8, 26 min (shared CPU)
+    python benchmarks/proxies.py                # 12 prompts x 16 groups x 8: 13 min there
     python benchmarks/proxies.py --quick        # smoke run, < 1 min
 """
 
