@@ -203,6 +203,10 @@ def main(script_args, training_args, model_args):
     from oblr_trl.tiny import load_or_build_warm_model
     from oblr_trl.trl_logs import install_all_none_reward_filter
 
+    template = prompt_template(script_args)
+    if template and script_args.dataset_name:
+        raise ValueError("examples/oblrpo.py: --prompt_template rewrites generated reasoning-gym problems and cannot "
+                         "apply to --dataset_name: drop it, or word the dataset's `prompt` column itself.")
     install_all_none_reward_filter()  # TRL's row dump for completions no reward function scores: once, not every step
 
     # Model: a folder or Hub name (loaded by the trainer, as in TRL's script); by default SmolLM2-135M-Instruct,
@@ -236,10 +240,6 @@ def main(script_args, training_args, model_args):
 
     # Data: a Hub dataset (with a `prompt` column) or reasoning-gym problems, scored by the task's own verifier.
     eval_dataset = None
-    template = prompt_template(script_args)
-    if template and script_args.dataset_name:
-        raise ValueError("--prompt_template rewrites generated reasoning-gym problems; it cannot apply to "
-                         "--dataset_name (word the dataset's `prompt` column itself).")
     if script_args.dataset_name:
         dataset = load_dataset(
             script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming

@@ -23,7 +23,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 NOTEBOOK = Path(__file__).with_name("oblrpo_walkthrough.ipynb")
 
 # The walkthrough's size: (environment variable, default). The defaults are what the committed notebook ran with.
-DEFAULTS = {"OBLR_WALKTHROUGH_STEPS": 10, "OBLR_WALKTHROUGH_BATCH": 32, "OBLR_WALKTHROUGH_EVAL": 100}
+DEFAULTS = {"OBLR_WALKTHROUGH_STEPS": 10, "OBLR_WALKTHROUGH_BATCH": 64, "OBLR_WALKTHROUGH_EVAL": 100}
 SIZE_VARIABLES = tuple(DEFAULTS)
 
 
@@ -49,11 +49,11 @@ trained through a LoRA adapter to answer one-digit sums from [reasoning-gym](htt
 with only the number. We train it with `OBLRPOTrainer`, look at the SNR and the step size, train it again from the
 same base model with TRL's `GRPOTrainer` and the same settings, measure held-out accuracy before and after, and save
 the adapter with its model card. The task, wording, reward and optimizer settings are those of the real-model demo
-(`python examples/demo.py --model smollm2`), with fewer prompts per step and fewer steps so that both trainers fit in
-about 15 minutes on 2 CPU cores.
+(`python examples/demo.py --model smollm2`), with 10 steps instead of 15 so that both trainers fit in about 20-25
+minutes on 2 CPU cores, in about 3.5 GB of memory.
 
 **Size.** Three environment variables, read in the first cell, set it: `OBLR_WALKTHROUGH_STEPS` (RL steps per
-trainer, default 10), `OBLR_WALKTHROUGH_BATCH` (completions per step, a multiple of 8, default 32 = 4 prompts × 8)
+trainer, default 10), `OBLR_WALKTHROUGH_BATCH` (completions per step, a multiple of 8, default 64 = 8 prompts × 8)
 and `OBLR_WALKTHROUGH_EVAL` (held-out problems, default 100). The outputs below are from the defaults. The test suite
 runs the notebook at 2 steps × 16 completions and 16 problems, which checks that it runs, not what it finds."""),
     new_code_cell("""import os
@@ -79,10 +79,10 @@ transformers.utils.logging.disable_progress_bar()
 datasets.disable_progress_bars()
 
 STEPS = int(os.environ.get("OBLR_WALKTHROUGH_STEPS", "10"))     # RL steps per trainer
-BATCH = int(os.environ.get("OBLR_WALKTHROUGH_BATCH", "32"))     # completions per step: BATCH // 8 prompts x 8
+BATCH = int(os.environ.get("OBLR_WALKTHROUGH_BATCH", "64"))     # completions per step: BATCH // 8 prompts x 8
 NUM_EVAL = int(os.environ.get("OBLR_WALKTHROUGH_EVAL", "100"))  # held-out problems
 assert STEPS >= 1 and NUM_EVAL >= 1 and BATCH >= 16 and BATCH % 8 == 0, \\
-    "OBLR_WALKTHROUGH_BATCH must be a multiple of 8 (whole groups of 8) and at least 16 (two prompts: the SNR needs N >= 2)"
+    "OBLR_WALKTHROUGH_BATCH must be a multiple of 8 (whole groups of 8) and at least 16 (the SNR needs N >= 2 prompts)"
 print(f"size: {STEPS} RL steps per trainer x {BATCH} completions ({BATCH // 8} prompts x 8), {NUM_EVAL} held-out problems")
 print(f"torch threads: {torch.get_num_threads()} (set OMP_NUM_THREADS before starting Jupyter to change it)")
 work_dir = tempfile.mkdtemp(prefix="oblrpo_walkthrough_")"""),
@@ -129,19 +129,22 @@ print(f"held-out greedy accuracy before RL: {accuracy_start:.1%}")"""),
 
 `OBLRPOConfig` is a `GRPOConfig` with OBLR-PO's options, at the paper's defaults here. Each step samples 8
 completions of at most 8 tokens for each of `BATCH // 8` prompts, so the SNR is estimated from `N = BATCH // 8`
-prompts. `learning_rate` is `lr_max` (1e-3, constant: the adapter's learning rate; OBLR-PO scales it down by its SNR
-factor). LoRA: rank 16 on every linear layer; the base weights stay frozen. `one_backward=True` takes the
-per-completion gradient norms and the update from a single backward pass. Everything runs in fp32 (`bf16=False`)."""),
+prompts. The completions go through the model one group (8 completions) at a time (`gradient_accumulation_steps =
+BATCH // 8`), which bounds the memory whatever `BATCH` is; one optimizer step and its SNR still cover all of them. `learning_rate`
+is `lr_max` (1e-3, constant: the adapter's learning rate; OBLR-PO scales it down by its SNR factor). LoRA: rank 16
+on every linear layer; the base weights stay frozen. `one_backward=True` takes the per-completion gradient norms and
+the update from a single backward pass. Everything runs in fp32 (`bf16=False`)."""),
     new_code_cell("""settings = dict(
     max_steps=STEPS,
-    per_device_train_batch_size=BATCH,
+    per_device_train_batch_size=8,            # completions per forward/backward: one prompt's group
+    gradient_accumulation_steps=BATCH // 8,   # so one optimizer step covers BATCH completions
     num_generations=8,
     learning_rate=1e-3,
     lr_scheduler_type="constant",
     max_completion_length=8,
     temperature=1.0,
     bf16=False,
-    activation_checkpointing=False,  # a 135M model on a CPU: memory is not the limit, time is
+    activation_checkpointing=False,  # one group at a time on a 135M model: recomputing activations would only cost time
     logging_steps=1,
     save_strategy="no",
     report_to="none",
@@ -203,7 +206,15 @@ for step, snr, scale in zip(*series(oblr_history, "oblr/snr"), series(oblr_histo
 TRL's `GRPOTrainer` with the same settings, from the same base model (loaded again: the first trainer put its LoRA
 layers into the first copy) with its own fresh LoRA adapter: group-mean baseline, rewards divided by the group's
 std (GRPO's default `scale_rewards="group"`), and the fixed learning rate `lr_max` at every step."""),
-    new_code_cell("""grpo_base, _ = load_reference_model("smollm2")  # the same base weights, a separate copy
+    new_code_cell("""import ctypes, gc
+
+gc.collect()
+try:  # Linux: hand the memory the first run freed back to the system (glibc keeps it), so the two runs' peaks do not add up
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+except (OSError, AttributeError):
+    pass
+
+grpo_base, _ = load_reference_model("smollm2")  # the same base weights, a separate copy
 grpo_args = GRPOConfig(output_dir=os.path.join(work_dir, "grpo"), **settings)
 grpo_trainer = GRPOTrainer(
     model=grpo_base, processing_class=tokenizer, reward_funcs=rewards, args=grpo_args, train_dataset=train_dataset,
@@ -228,8 +239,8 @@ format reward). What this does and does not show:
 * **One seed, one short run.** With 100 problems, one problem is one point, and the standard error printed beside
   each figure is about ±3-5 points. Over 3 seeds the demo (`python examples/demo.py --model smollm2`: 8 prompts per
   step, 15 steps) raised greedy accuracy from 6.5% by +17.3 points with a seed-to-seed spread of ±13.7 points
-  (`benchmarks/README.md`). This notebook takes fewer prompts per step and fewer steps, so its gain can be smaller,
-  and any single run can land far from the mean.
+  (`benchmarks/README.md`). This notebook takes 10 steps, not 15, so its gain can be smaller, and any single run can
+  land far from the mean.
 * **OBLR-PO against GRPO here is an illustration, not a comparison.** A gap of a few points between the two trainers
   in one seed is within the run-to-run noise above; it says nothing about which method is better. Both runs share the
   base model, data, reward and `lr_max`; GRPO takes every step at full length, OBLR-PO scales each step by its SNR.

@@ -73,6 +73,22 @@ def test_evaluate_scores_the_saved_checkpoint(trained_dir, tmp_path):
     assert "### Held-out results" in card and f"| reasoning-gym chain_sum (seed 1) | {row.group(1)}% | 32 |" in card
 
 
+def test_prompt_template_with_a_hub_dataset_is_refused_before_any_loading(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_oblrpo", EXAMPLES / "oblrpo.py")
+    SCRIPT = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(SCRIPT)
+    argv = ["--dataset_name", "oblr-trl-tests/no-such-dataset", "--reward_funcs", "accuracy_reward", "--prompt_template",
+            "chain_sum", "--use_cpu", "true", "--output_dir", str(tmp_path)]
+    with pytest.raises(ValueError, match="--prompt_template .* cannot apply to --dataset_name: drop it"):
+        SCRIPT.main(*SCRIPT.make_parser().parse_args_and_config(argv))
+    # the advice: without --prompt_template the same command gets past that check, to loading the dataset
+    with pytest.raises(Exception) as error:
+        SCRIPT.main(*SCRIPT.make_parser().parse_args_and_config(argv[:4] + argv[6:]))
+    assert "no-such-dataset" in str(error.value) and "--prompt_template" not in str(error.value)
+
+
 # ------------------------------------------------------------------ the script's default model: SmolLM2, offline
 @pytest.mark.skipif(os.environ.get("OBLR_TRL_REAL_MODEL_TEST") == "0",
                     reason="OBLR_TRL_REAL_MODEL_TEST=0: skips the real SmolLM2-135M-Instruct load (and its download)")
