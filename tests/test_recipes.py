@@ -22,6 +22,7 @@ RECIPES = sorted((EXAMPLES / "recipes").glob("*.yaml"))
 RECIPES_README = (EXAMPLES / "recipes" / "README.md").read_text()
 FULL_FINETUNING = {"qwen3_4b_base_math.yaml": "Qwen/Qwen3-4B-Base", "qwen3_8b_base_math.yaml": "Qwen/Qwen3-8B-Base"}
 ONE_GPU = "qwen3_4b_base_math_1gpu.yaml"
+CPU_RECIPES = ("tiny_cpu.yaml", "smollm2_cpu.yaml")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
 # "# Prompts per step: 4 training GPUs x per_device_train_batch_size 16 x gradient_accumulation_steps 16
@@ -55,7 +56,32 @@ def _restore_env(monkeypatch):
 
 # ------------------------------------------------------------------ recipes
 def test_all_expected_recipes_exist():
-    assert {p.name for p in RECIPES} >= {"tiny_cpu.yaml", ONE_GPU, *FULL_FINETUNING}
+    assert {p.name for p in RECIPES} >= {*CPU_RECIPES, ONE_GPU, *FULL_FINETUNING}
+
+
+def test_cpu_recipes_name_their_model_and_smollm2_cpu_holds_the_demos_measured_settings():
+    """tiny_cpu.yaml names `tiny` (the script's default is SmolLM2 now); smollm2_cpu.yaml is the real-model demo's
+    preset (examples/demo.py PRESETS["smollm2"], chosen by measurement) in the script's options."""
+    _, _, model_args = parse_recipe(EXAMPLES / "recipes" / "tiny_cpu.yaml")
+    assert model_args.model_name_or_path == "tiny"
+
+    demo = load_script("demo")
+    preset, defaults = demo.PRESETS["smollm2"], demo.parse_args(["--model", "smollm2"])
+    script_args, config, model_args = parse_recipe(EXAMPLES / "recipes" / "smollm2_cpu.yaml")
+    assert model_args.model_name_or_path == "smollm2" and model_args.dtype == "float32"
+    assert model_args.use_peft and model_args.lora_r == preset["lora_r"] and model_args.lora_dropout == 0.0
+    assert model_args.lora_alpha == 2 * preset["lora_r"]  # the demo's LoraConfig(lora_alpha=2 * r)
+    assert model_args.lora_target_modules in ("all-linear", ["all-linear"])
+    assert script_args.prompt_template == preset["prompt_template"] and script_args.task == defaults.task
+    assert script_args.format_reward == preset["format_reward"] and script_args.reward_funcs == [defaults.task]
+    assert script_args.num_train_examples == preset["num_train"]
+    assert (config.learning_rate, config.lr_scheduler_type, config.max_steps) == (
+        preset["learning_rate"], preset["lr_scheduler_type"], preset["max_steps"])
+    assert (config.per_device_train_batch_size, config.num_generations, config.max_completion_length) == (
+        defaults.per_device_train_batch_size, defaults.num_generations, preset["max_completion_length"])
+    assert config.one_backward is preset["one_backward"] and config.temperature == 1.0 and config.seed == 0
+    assert not config.bf16 and not config.activation_checkpointing  # fp32, as the demo trains on a CPU
+    assert (config.baseline, config.snr_lr, config.snr_estimator) == ("gradient_weighted", True, "ema_soft")
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -72,7 +98,7 @@ def test_recipe_parses_into_oblrpo_config_and_its_arithmetic_holds(recipe):
     assert processes * per_device * accumulation == completions == prompts * generations
     # Whole groups on each rank, so the SNR counts prompts (snr_sample_unit="group").
     assert (per_device * config.steps_per_generation) % generations == 0
-    if recipe.name == "tiny_cpu.yaml":
+    if recipe.name in CPU_RECIPES:
         return
 
     # GPU recipes: the paper's group size and prompts per step, OBLR-PO's defaults, a tracker, bounded disk.
