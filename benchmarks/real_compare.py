@@ -142,8 +142,8 @@ def tabulate(runs: list[dict], default_lr: float, within: float = WITHIN_PTS) ->
     return dict(cells=cells, before=before, answers=answers, default_lr=default_lr, within_pts=within)
 
 
-def fmt_cell(stat: dict) -> str:
-    return f"{stat['mean']:.1f}" + ("" if math.isnan(stat["std"]) else f" +- {stat['std']:.1f}")
+def fmt_cell(stat: dict, signed: bool = False) -> str:
+    return f"{stat['mean']:{'+' if signed else ''}.1f}" + ("" if math.isnan(stat["std"]) else f" +- {stat['std']:.1f}")
 
 
 def render(table: dict, header: list[str], missing: list[str]) -> str:
@@ -160,8 +160,8 @@ def render(table: dict, header: list[str], missing: list[str]) -> str:
         skipped = "-" if c["skipped_fraction"] is None else f"{c['skipped_fraction']:.0%}"
         lines.append(
             f"| {c['method']} | {c['lr']:.3g} | {','.join(map(str, c['seeds']))} | {','.join(map(str, c['steps']))} "
-            f"| {fmt_cell(c['greedy'])} | {fmt_cell(c['greedy_gain'])} | {fmt_cell(c['sampled'])} "
-            f"| {fmt_cell(c['sampled_gain'])} | {c['mean_applied_lr']:.3g} | {skipped} | {c['seconds_per_step']:.0f} |"
+            f"| {fmt_cell(c['greedy'])} | {fmt_cell(c['greedy_gain'], True)} | {fmt_cell(c['sampled'])} "
+            f"| {fmt_cell(c['sampled_gain'], True)} | {c['mean_applied_lr']:.3g} | {skipped} | {c['seconds_per_step']:.0f} |"
         )
     lines += ["", "Means +- standard deviation over seeds. The answers:", ""]
     for label in ("greedy", "sampled"):
