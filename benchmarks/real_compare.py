@@ -176,6 +176,10 @@ def render(table: dict, header: list[str], missing: list[str]) -> str:
         else:
             lines.append(f"- **{label}**: OBLR-PO default vs GRPO's best: not measured (a cell is missing).")
         for method, w in a["within"].items():
+            if len(w["lrs_tested"]) == 1:
+                lines.append(f"  - {method}: {w['best']:.1f}% at lr {w['best_lr']:.3g}, the only lr run: no range "
+                             "measured.")
+                continue
             lines.append(
                 f"  - {method}: best {w['best']:.1f}% at lr {w['best_lr']:.3g}; within {table['within_pts']:g} pts of "
                 f"it: lr {', '.join(f'{x:.3g}' for x in w['lrs_within'])} of {len(w['lrs_tested'])} tried "
