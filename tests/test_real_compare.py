@@ -91,6 +91,8 @@ def test_no_run_mode_reads_summaries_lists_missing_cells_and_plots(tmp_path, mon
     md = out.with_suffix(".md").read_text()
     assert "| GRPO | 0.00055 | 0,1,2 | 10 | 50.0 +- 1.0 | +20.0 +- 1.0 |" in md
     assert "**loses to**" in md and "-4.0 pts" in md
+    assert "RLOO: 42.0% at lr 1e-05, the only lr run: no range measured" in md
+    assert "OBLR-PO: best 47.0% at lr 0.0055; within 2 pts of it: lr 0.001, 0.0055, 0.03 of 3 tried (a 30x range" in md
     # RLOO ran seeds 0 and 1 of 0-2; OPO's lr is unknown until OBLR-PO's default has its mean applied lr (auto_lr.json)
     assert "RLOO lr 1e-05 seeds 2" in md
     assert "OPO lr 1e-05 seeds 0,1,2" in md  # auto = the OBLR-PO default runs' mean applied lr, 1e-3 / 100
