@@ -210,6 +210,10 @@ def plot(table: dict, path: Path, title: str) -> None:
                 c = mine[0]
                 ax.errorbar(lrs, means, yerr=[[c[label]["mean"] - c[label]["min"]], [c[label]["max"] - c[label]["mean"]]],
                             color=colors[method], capsize=4)
+        oblr = [c for c in table["cells"] if c["method"] == "OBLR-PO" and c["mean_applied_lr"] == c["mean_applied_lr"]]
+        if oblr:  # where OBLR-PO's steps actually were: eta_max times its mean SNR factor
+            ax.plot([c["mean_applied_lr"] for c in oblr], [c[label]["mean"] for c in oblr], linestyle="none",
+                    marker="o", markerfacecolor="none", color=colors["OBLR-PO"], label="OBLR-PO at its mean applied lr")
         ax.axhline(table["before"][label], color="gray", linestyle="--", label="before RL")
         ax.set_xscale("log")
         ax.set_xlabel("learning rate (eta_max for OBLR-PO)")
@@ -382,7 +386,8 @@ def main():
                    f"`{loads[0].split('; ', 1)[-1]}` ... `{loads[-1].split('; ', 1)[-1]}`."]
     text = render(table, header, missing)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text + f"\n![accuracy after RL vs lr]({args.out.name}.png)\n")
+    args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png` (accuracy after RL vs lr; "
+                                          "OBLR-PO's open markers at its mean applied lr).\n")
     args.out.with_suffix(".json").write_text(json.dumps(dict(command=command, runner_log=state["log"], auto_lr=auto,
                                                              missing=missing, **table,
                                                              runs=runs), indent=1, default=str))
