@@ -36,10 +36,15 @@ def load_seed(seed: int, out_root: Path) -> dict:
     return dict(seed=seed, **summary)
 
 
-def run_seed(seed: int, out_root: Path, extra: list[str]) -> dict:
-    out = out_root / f"seed{seed}"
+def demo_command(seed: int, out: Path, extra: list[str]) -> tuple[list[str], dict]:
+    """The examples/demo.py subprocess of one run (1 torch thread, offline) and its environment."""
     cmd = [sys.executable, str(DEMO), "--seed", str(seed), "--output_dir", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return cmd, env
+
+
+def run_seed(seed: int, out_root: Path, extra: list[str]) -> dict:
+    cmd, env = demo_command(seed, out_root / f"seed{seed}", extra)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"seed {seed} failed:\n{proc.stderr[-3000:]}")

@@ -17,6 +17,11 @@ Reads top to bottom like the algorithm:
     python examples/demo.py --model tiny    # the embedded tiny model (make demo-tiny): a few minutes, nothing downloaded
     python examples/demo.py --quick         # a smoke run of a few steps
     python examples/demo.py --model Qwen/Qwen3-0.6B   # any Hub model (needs network; a GPU advised)
+    python examples/demo.py --model smollm2 --trainer grpo --learning_rate 5.5e-4   # TRL's GRPO, same setting
+
+`--trainer grpo` trains the identical setting (data, rewards, LoRA, sampling, steps, lr schedule, loss_type, beta, seed)
+with `trl.GRPOTrainer` and GRPO's own reward scaling (scale_rewards="group"), for a side-by-side comparison.
+RLOO is `--baseline mean --snr_lr false`, OPO `--grad_norm_estimator length --snr_lr false`.
 """
 
 import argparse
@@ -85,7 +90,16 @@ def parse_args(argv=None):
                         help="Weight of oblr_trl.tasks.make_format_reward (reply is a bare number) added to the verifier's "
                         "reward in training; 0 = the verifier alone. Held-out accuracy is the verifier alone.")
     parser.add_argument("--lr_scheduler_type", default=None, help="transformers schedule of eta_max (constant, linear, ...).")
+    parser.add_argument(
+        "--trainer", default="oblrpo", choices=("oblrpo", "grpo"),
+        help="oblrpo (default: OBLRPOTrainer) or grpo (trl.GRPOTrainer with scale_rewards='group', everything else "
+        "identical; the OBLR-PO options below are then refused).",
+    )
     parser.add_argument("--baseline", default=None, help="OBLRPOConfig.baseline: gradient_weighted (default) or mean.")
+    parser.add_argument("--grad_norm_estimator", default=None,
+                        help="OBLRPOConfig.grad_norm_estimator: exact (default), logit or length (OPO's |o_i|).")
+    parser.add_argument("--leave_one_out", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
+                        help="OBLRPOConfig.leave_one_out: true (default) or false.")
     parser.add_argument("--snr_lr", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="OBLRPOConfig.snr_lr: true (default) or false.")
     parser.add_argument("--snr_estimator", default=None,
@@ -108,12 +122,28 @@ def parse_args(argv=None):
                         help="Remove the held-out questions from the training problems (default: true, false for tiny, "
                         "whose 1000 held-out problems cover nearly all of chain_sum's 200).")
     parser.add_argument("--cache_dir", default=None, help="Model cache (default $OBLR_TRL_CACHE or ~/.cache/oblr_trl).")
+    parser.add_argument("--skip_before_eval", action="store_true",
+                        help="Do not measure the held-out accuracy before RL (its entries in summary.json are null), "
+                        "unless --before_from gives it.")
+    parser.add_argument(
+        "--before_from", default=None,
+        help="A before.json or summary.json of an earlier run (or its output folder) whose before-RL accuracies are "
+        "reused instead of measured: every run starts from the same model on the same held-out problems, and the "
+        "sampled accuracy is the same for the same --seed. Its task, model and held-out settings must match.",
+    )
     parser.add_argument("--quick", action="store_true", help="A tiny smoke run (a few steps, small eval).")
     args = parser.parse_args(argv)
     args.preset = args.model if args.model in ("smollm2", "tiny") else "hub"
     if args.output_dir is None:
         args.output_dir = {"smollm2": "outputs/demo", "tiny": "outputs/demo_tiny"}.get(args.preset, "outputs/demo_hub")
+    if args.trainer == "grpo":
+        given = [f"--{k}" for k in OBLR_OPTIONS if getattr(args, k) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} configure OBLR-PO and do nothing with --trainer grpo: drop them, or use "
+                         "--trainer oblrpo (e.g. RLOO is --baseline mean --snr_lr false).")
     for name, value in PRESETS[args.preset].items():
+        if name in OBLR_OPTIONS and args.trainer == "grpo":
+            continue
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.prompt_template in ("none", "None", ""):
@@ -123,11 +153,40 @@ def parse_args(argv=None):
     return args
 
 
+# OBLRPOConfig options the demo passes through when given (the config's defaults otherwise).
+OBLR_OPTIONS = ("baseline", "leave_one_out", "grad_norm_estimator", "snr_lr", "snr_estimator", "snr_ema", "snr_window",
+                "lr_scale_min", "one_backward")
+# What a reused before-RL measurement must share with this run.
+BEFORE_KEYS = ("task", "model", "prompt_template", "num_eval", "eval_seed", "eval_samples", "max_completion_length")
+
+
+def before_record(args, model_name):
+    return {"seed": args.seed, "model": model_name, **{k: getattr(args, k) for k in BEFORE_KEYS if k != "model"}}
+
+
+def load_before(path, args, model_name):
+    """(greedy, sampled) before-RL accuracy from an earlier run's before.json / summary.json, checked to match."""
+    if os.path.isdir(path):
+        path = next((os.path.join(path, n) for n in ("before.json", "summary.json")
+                     if os.path.exists(os.path.join(path, n))), os.path.join(path, "before.json"))
+    with open(path) as f:
+        saved = json.load(f)
+    mine = before_record(args, model_name)
+    wrong = [f"{k}={saved.get(k)!r} (this run: {mine[k]!r})" for k in BEFORE_KEYS if k in saved and saved[k] != mine[k]]
+    if wrong or saved.get("accuracy_before") is None:
+        raise SystemExit(f"--before_from {path}: cannot reuse its before-RL accuracy: "
+                         + (", ".join(wrong) if wrong else "it has none") + ". Drop --before_from to measure it.")
+    if saved.get("seed", args.seed) != args.seed:
+        print(f"Note: --before_from {path} is seed {saved['seed']}: its sampled accuracy is from other samples.",
+              flush=True)
+    return saved["accuracy_before"], saved["sampled_accuracy_before"]
+
+
 def mean(values):
     return sum(values) / len(values) if values else float("nan")
 
 
-def progress_callback():
+def progress_callback(desc="OBLR-PO"):
     """One tqdm bar for the whole run, with reward / lr scale / SNR in its postfix, instead of a printed log per step."""
     from tqdm.auto import tqdm
     from transformers import TrainerCallback
@@ -136,7 +195,7 @@ def progress_callback():
         bar = None
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=state.max_steps, desc="OBLR-PO", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=state.max_steps, desc=desc, unit="step", dynamic_ncols=True)
 
         def on_step_end(self, args, state, control, **kwargs):
             self.bar.update(state.global_step - self.bar.n)
@@ -184,6 +243,8 @@ def main(args):
     from tqdm.contrib.logging import logging_redirect_tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from trl import GRPOConfig, GRPOTrainer
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer, load_reference_model
     from oblr_trl.plotting import plot_training
@@ -248,6 +309,8 @@ def main(args):
           f"{len(train_dataset)} training problems, {len(eval_dataset)} held-out", flush=True)
 
     # 3. Held-out accuracy before RL: greedy, and sampled at the training temperature (the reward RL maximizes).
+    method = "GRPO" if args.trainer == "grpo" else "OBLR-PO"
+
     def held_out(m, when):
         t = time.time()
         greedy = evaluate_accuracy(m, tokenizer, eval_dataset, max_new_tokens=args.max_completion_length)
@@ -257,14 +320,32 @@ def main(args):
               flush=True)
         return greedy, sampled
 
-    accuracy_before, sampled_before = held_out(model, "before OBLR-PO")
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.before_from:
+        accuracy_before, sampled_before = load_before(args.before_from, args, model_name)
+        print(f"Held-out accuracy before {method}: greedy {accuracy_before:.1%}, sampled {sampled_before:.1%} "
+              f"(from {args.before_from})", flush=True)
+    elif args.skip_before_eval:
+        accuracy_before = sampled_before = None
+        print("Held-out accuracy before RL: not measured (--skip_before_eval)", flush=True)
+    else:
+        accuracy_before, sampled_before = held_out(model, f"before {method}")
+    if accuracy_before is not None:  # for --before_from of later runs, before this one finishes
+        with open(os.path.join(args.output_dir, "before.json"), "w") as f:
+            json.dump(dict(before_record(args, model_name), accuracy_before=accuracy_before,
+                           sampled_accuracy_before=sampled_before), f, indent=1)
 
     # 4. OBLR-PO: group sampling, verifier rewards, optimal baseline, SNR-scaled step size, update.
-    oblr_names = ("baseline", "snr_lr", "snr_estimator", "snr_ema", "snr_window", "lr_scale_min")
-    oblr_options = {k: getattr(args, k) for k in oblr_names if getattr(args, k) is not None}
-    config = OBLRPOConfig(
-        **oblr_options,
-        one_backward=args.one_backward,
+    #    (--trainer grpo: TRL's GRPO on the same everything, with its group-std reward scaling.)
+    if args.trainer == "grpo":
+        config_cls, trainer_cls, method_options = GRPOConfig, GRPOTrainer, dict(scale_rewards="group")
+    else:
+        config_cls, trainer_cls = OBLRPOConfig, OBLRPOTrainer
+        method_options = {k: getattr(args, k) for k in OBLR_OPTIONS if getattr(args, k) is not None}
+    config = config_cls(
+        **method_options,
+        loss_type=OBLRPOConfig.loss_type,  # the same loss and KL weight for both trainers
+        beta=OBLRPOConfig.beta,
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         per_device_train_batch_size=args.per_device_train_batch_size,
@@ -288,7 +369,7 @@ def main(args):
 
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear",
                                  task_type="CAUSAL_LM")
-    trainer = OBLRPOTrainer(
+    trainer = trainer_cls(
         model=model,
         processing_class=tokenizer,
         reward_funcs=reward_funcs,
@@ -298,14 +379,14 @@ def main(args):
     )
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(progress_callback())
+    trainer.add_callback(progress_callback(method))
     train_start = time.time()
     with logging_redirect_tqdm(loggers=[logging.getLogger("oblr_trl")]):  # OBLR-PO's advice printed above the bar
         trainer.train()
     train_seconds = time.time() - train_start
 
     # 5. Held-out accuracy after RL, save, summary, plots.
-    accuracy_after, sampled_after = held_out(trainer.model, "after OBLR-PO")
+    accuracy_after, sampled_after = held_out(trainer.model, f"after {method}")
     model_dir = os.path.join(args.output_dir, "model")
     trainer.save_model(model_dir)  # a LoRA adapter (adapter_config.json names the base model) or the full model
     tokenizer.save_pretrained(model_dir)
@@ -319,7 +400,12 @@ def main(args):
     snrs = [entry["oblr/snr"] for entry in history if entry.get("oblr/snr") is not None]
     window = max(1, min(10, len(rewards) // 4))
     steps = trainer.state.global_step
+    applied_lrs = [e["oblr/lr"] for e in history if "oblr/lr" in e] or [e["learning_rate"] for e in history
+                                                                          if "learning_rate" in e and "loss" in e]
     summary = {
+        "trainer": args.trainer,
+        **{k: getattr(config, k) for k in OBLR_OPTIONS[:-1] if args.trainer == "oblrpo"},
+        "seed": args.seed,
         "task": args.task,
         "model": model_name,
         "prompt_template": args.prompt_template,
@@ -340,16 +426,17 @@ def main(args):
         "mean_lr_scale": mean(lr_scales) if lr_scales else None,
         "final_lr_scale": lr_scales[-1] if lr_scales else None,
         "skipped_fraction": mean([s == 0.0 for s in lr_scales]) if lr_scales else None,
-        "mean_applied_lr": mean([e["oblr/lr"] for e in history if "oblr/lr" in e]) if lr_scales else None,
+        "mean_applied_lr": mean(applied_lrs) if applied_lrs else None,
         "mean_snr": mean(snrs) if snrs else None,
         "seconds_per_step": round(train_seconds / max(1, steps), 1),
         "torch_threads": torch.get_num_threads(),
         "model_seconds": round(model_seconds, 1),
         "seconds": round(time.time() - start, 1),
     }
-    plots = plot_training(history, args.output_dir, title=f"OBLR-PO on {model_name}, {args.task}",
+    plots = plot_training(history, args.output_dir, title=f"{method} on {model_name}, {args.task}",
                           accuracy={"greedy": (accuracy_before, accuracy_after),
-                                    f"sampled (T=1, {args.eval_samples} each)": (sampled_before, sampled_after)})
+                                    f"sampled (T=1, {args.eval_samples} each)": (sampled_before, sampled_after)}
+                          if accuracy_before is not None else None)
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     with open(os.path.join(args.output_dir, "log_history.json"), "w") as f:
@@ -359,8 +446,11 @@ def main(args):
     title = f"held-out, {len(eval_dataset)} problems"
     print(f"{title:<36}{'before RL':>11}{'after RL':>11}")
     print("-" * 58)
-    print(f"{'greedy accuracy':<36}{accuracy_before:>11.1%}{accuracy_after:>11.1%}")
-    print(f"{f'sampled accuracy (T=1, {args.eval_samples} each)':<36}{sampled_before:>11.1%}{sampled_after:>11.1%}")
+    def pct(value):
+        return f"{'n/a':>11}" if value is None else f"{value:>11.1%}"
+
+    print(f"{'greedy accuracy':<36}{pct(accuracy_before)}{pct(accuracy_after)}")
+    print(f"{f'sampled accuracy (T=1, {args.eval_samples} each)':<36}{pct(sampled_before)}{pct(sampled_after)}")
     print(f"{f'training reward (first/last {window} steps)':<36}{summary['reward_first_steps']:>11.3f}"
           f"{summary['reward_last_steps']:>11.3f}")
     print()

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,3 +42,57 @@ def test_demo_tiny_quick_output_and_rescore(tmp_path):
                              timeout=300)
     assert rescore.returncode == 0, rescore.stdout[-3000:] + rescore.stderr[-3000:]
     assert f"| {summary['accuracy_after']:.1%} | {summary['num_eval']} |" in rescore.stdout
+
+
+def _demo(tmp_path, out, *flags):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "OBLR_TRL_CACHE": str(tmp_path / "cache")}
+    return subprocess.run(
+        [sys.executable, "examples/demo.py", "--model", "tiny", "--quick", "--warmup_steps", "5", "--output_dir",
+         str(out), *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_demo_grpo_trainer_reused_before_accuracy_and_pass_through_flags(tmp_path):
+    # --trainer grpo: TRL's GRPOTrainer on the same setting; its first step sees the same samples as OBLR-PO's
+    grpo = _demo(tmp_path, tmp_path / "grpo", "--trainer", "grpo")
+    assert grpo.returncode == 0, grpo.stdout[-3000:] + grpo.stderr[-3000:]
+    assert re.search(r"GRPO: 100%.*3/3", grpo.stdout + grpo.stderr) and "before GRPO" in grpo.stdout
+    g = json.loads((tmp_path / "grpo" / "summary.json").read_text())
+    assert g["trainer"] == "grpo" and g["mean_lr_scale"] is None and "baseline" not in g
+    # GRPO has no SNR factor: its applied lr is the schedule's (the tiny preset: linear from 3e-3 over 3 steps)
+    history = json.loads((tmp_path / "grpo" / "log_history.json").read_text())
+    scheduled = [e["learning_rate"] for e in history if "loss" in e]
+    assert len(scheduled) == 3 and g["mean_applied_lr"] == pytest.approx(sum(scheduled) / 3)
+    assert max(scheduled) == pytest.approx(3e-3)
+    before = json.loads((tmp_path / "grpo" / "before.json").read_text())
+    assert before["accuracy_before"] == g["accuracy_before"] and before["seed"] == 0
+
+    # OPO through the pass-through flags, its before-RL accuracy reused from the GRPO run (same seed: identical)
+    opo = _demo(tmp_path, tmp_path / "opo", "--grad_norm_estimator", "length", "--snr_lr", "false",
+                "--leave_one_out", "true", "--before_from", str(tmp_path / "grpo"))
+    assert opo.returncode == 0, opo.stdout[-3000:] + opo.stderr[-3000:]
+    assert f"(from {tmp_path / 'grpo'})" in opo.stdout
+    o = json.loads((tmp_path / "opo" / "summary.json").read_text())
+    assert (o["trainer"], o["grad_norm_estimator"], o["snr_lr"], o["leave_one_out"]) == ("oblrpo", "length", False, True)
+    assert (o["accuracy_before"], o["sampled_accuracy_before"]) == (g["accuracy_before"], g["sampled_accuracy_before"])
+    assert o["reward_first_steps"] == pytest.approx(g["reward_first_steps"])  # same data, seed and sampling
+
+    # --skip_before_eval: null before-RL entries, "n/a" in the table, and the run completes
+    skip = _demo(tmp_path, tmp_path / "skip", "--skip_before_eval", "--max_steps", "1")
+    assert skip.returncode == 0, skip.stdout[-3000:] + skip.stderr[-3000:]
+    assert re.search(r"greedy accuracy\s+n/a\s+[\d.]+%", skip.stdout)
+    s = json.loads((tmp_path / "skip" / "summary.json").read_text())
+    assert s["accuracy_before"] is None and s["sampled_accuracy_before"] is None and s["accuracy_after"] is not None
+    assert not (tmp_path / "skip" / "before.json").exists()
+
+
+def test_demo_refuses_oblr_options_with_grpo_and_a_mismatched_before_from(tmp_path):
+    refused = _demo(tmp_path, tmp_path / "x", "--trainer", "grpo", "--baseline", "mean")
+    assert refused.returncode == 2 and "--baseline configure OBLR-PO" in refused.stderr
+    assert "--trainer oblrpo" in refused.stderr
+    (tmp_path / "before.json").write_text(json.dumps(dict(
+        seed=0, task="chain_sum", model="embedded tiny Qwen3", prompt_template=None, num_eval=99, eval_seed=12345,
+        eval_samples=2, max_completion_length=8, accuracy_before=0.5, sampled_accuracy_before=0.5)))
+    mismatch = _demo(tmp_path, tmp_path / "y", "--before_from", str(tmp_path / "before.json"), "--max_steps", "1")
+    assert mismatch.returncode != 0 and "num_eval=99 (this run: 16)" in mismatch.stderr
+    assert "Drop --before_from" in mismatch.stderr

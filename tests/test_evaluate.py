@@ -45,9 +45,10 @@ def warm_model_call(monkeypatch, run):
 
 
 def test_default_start_is_the_demos_the_scripts_and_the_notebooks(monkeypatch):
-    """Without --model, evaluate.py scores the model the demo starts RL from (issue: it used 300 warm-up steps)."""
+    """Without --model, evaluate.py scores the model the tiny demo (`--model tiny`, make demo-tiny) starts RL from
+    (issue: it used 300 warm-up steps)."""
     demo, evaluate = load_script("demo"), load_script("evaluate")
-    demo_call = warm_model_call(monkeypatch, lambda: demo.main(demo.parse_args([])))
+    demo_call = warm_model_call(monkeypatch, lambda: demo.main(demo.parse_args(["--model", "tiny"])))
     eval_call = warm_model_call(monkeypatch, lambda: evaluate.load_model(None, evaluate.parse_args([])))
     assert eval_call == demo_call
     (task,), kwargs = demo_call

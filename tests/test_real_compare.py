@@ -1,0 +1,107 @@
+"""benchmarks/real_compare.py's tabulation on fake run summaries (no training): cells, gains, the two answers, the
+missing cells and the plot, against values worked out by hand."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+
+def module():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    return importlib.import_module("real_compare")
+
+
+def fake(method, lr, seed, greedy, sampled=None, before=(0.30, 0.20), skipped=None, applied=None, steps=10):
+    """A summary.json as examples/demo.py writes it, accuracies in points."""
+    return dict(
+        method=method, seed=seed, learning_rate=lr, steps=steps, accuracy_before=before[0],
+        sampled_accuracy_before=before[1], accuracy_after=greedy / 100,
+        sampled_accuracy_after=(greedy if sampled is None else sampled) / 100,
+        steps_with_lr_scale_0=skipped or 0, mean_lr_scale=None if skipped is None else 0.5,
+        mean_applied_lr=lr if applied is None else applied, seconds_per_step=40.0,
+    )
+
+
+def grid():
+    runs = []
+    # GRPO: best at 5.5e-4 (mean 50); 1e-4 within 2 pts (49), 3e-3 far (30)
+    for lr, accs in ((1e-4, (48, 49, 50)), (5.5e-4, (49, 50, 51)), (3e-3, (29, 30, 31))):
+        runs += [fake("GRPO", lr, s, a) for s, a in enumerate(accs)]
+    # OBLR-PO: default 1e-3 mean 46 (loses by 4 with a standard error of sqrt(1/3 + 1/3) = 0.82), flat over 30x
+    for lr, accs in ((1e-3, (45, 46, 47)), (5.5e-3, (46, 47, 48)), (3e-2, (45, 46, 47))):
+        runs += [fake("OBLR-PO", lr, s, a, skipped=s, applied=lr / 100) for s, a in enumerate(accs)]
+    runs += [fake("RLOO", 1e-5, 0, 40), fake("RLOO", 1e-5, 1, 44)]
+    return runs
+
+
+def test_cells_gains_and_applied_lr():
+    table = module().tabulate(grid(), default_lr=1e-3)
+    cells = {(c["method"], c["lr"]): c for c in table["cells"]}
+    assert [c["method"] for c in table["cells"]][:3] == ["OBLR-PO"] * 3  # method order, then lr
+    g = cells[("GRPO", 5.5e-4)]
+    assert g["seeds"] == [0, 1, 2] and g["greedy"]["mean"] == pytest.approx(50) and g["greedy"]["std"] == pytest.approx(1)
+    assert (g["greedy"]["min"], g["greedy"]["max"]) == (pytest.approx(49), pytest.approx(51))
+    assert g["greedy_gain"]["mean"] == pytest.approx(20) and g["sampled_gain"]["mean"] == pytest.approx(30)
+    assert g["skipped_fraction"] is None  # no SNR factor: not applicable, not 0
+    o = cells[("OBLR-PO", 1e-3)]
+    assert o["skipped_fraction"] == pytest.approx((0 + 1 + 2) / 3 / 10) and o["mean_applied_lr"] == pytest.approx(1e-5)
+    r = cells[("RLOO", 1e-5)]
+    assert r["greedy"]["std"] == pytest.approx(math.sqrt(8)) and table["before"]["greedy"] == pytest.approx(30)
+
+
+def test_the_two_answers():
+    table = module().tabulate(grid(), default_lr=1e-3)
+    a = table["answers"]["greedy"]
+    assert a["grpo_best_lr"] == 5.5e-4 and a["diff_pts"] == pytest.approx(-4)
+    assert a["se_pts"] == pytest.approx(math.sqrt(2 / 3)) and a["verdict"] == "loses to"
+    w = a["within"]
+    assert w["GRPO"]["lrs_within"] == [1e-4, 5.5e-4] and w["GRPO"]["ratio"] == pytest.approx(5.5)
+    assert w["OBLR-PO"]["lrs_within"] == [1e-3, 5.5e-3, 3e-2] and w["OBLR-PO"]["ratio"] == pytest.approx(30)
+    assert w["RLOO"]["ratio"] == 1
+    # within the spread -> "matches"; one seed each -> no verdict
+    close = [dict(r, accuracy_after=r["accuracy_after"] + (0.035 if r["method"] == "OBLR-PO" else 0)) for r in grid()]
+    assert module().tabulate(close, default_lr=1e-3)["answers"]["greedy"]["verdict"] == "matches"
+    one = [r for r in grid() if r["seed"] == 0]
+    assert module().tabulate(one, default_lr=1e-3)["answers"]["greedy"]["verdict"] == "unknown (one seed)"
+    # no OBLR-PO run at its default: said, not invented
+    text = module().render(module().tabulate([r for r in grid() if r["learning_rate"] != 1e-3], 1e-3), ["# t"], [])
+    assert "not measured (a cell is missing)" in text
+
+
+def test_no_run_mode_reads_summaries_lists_missing_cells_and_plots(tmp_path, monkeypatch):
+    rc = module()
+    run_dir = tmp_path / "runs"
+    for r in grid():
+        out = rc.cell_dir(run_dir, r["method"], r["learning_rate"]) / f"seed{r['seed']}"
+        out.mkdir(parents=True)
+        (out / "summary.json").write_text(json.dumps({k: v for k, v in r.items() if k not in ("method", "seed")}))
+    out = tmp_path / "res" / "real_compare"
+    monkeypatch.setattr(sys, "argv", ["real_compare.py", "--no_run", "--run_dir", str(run_dir), "--out", str(out),
+                                      "--cells", "OBLR-PO:1e-3", "GRPO:5.5e-4", "RLOO:1e-5", "OPO:auto"])
+    rc.main()
+    md = out.with_suffix(".md").read_text()
+    assert "| GRPO | 0.00055 | 0,1,2 | 10 | 50.0 +- 1.0 | +20.0 +- 1.0 |" in md
+    assert "**loses to**" in md and "-4.0 pts" in md
+    assert "RLOO: 42.0% at lr 1e-05, the only lr run: no range measured" in md
+    assert "OBLR-PO: best 47.0% at lr 0.0055; within 2 pts of it: lr 0.001, 0.0055, 0.03 of 3 tried (a 30x range" in md
+    # RLOO ran seeds 0 and 1 of 0-2; OPO's lr is unknown until OBLR-PO's default has its mean applied lr (auto_lr.json)
+    assert "RLOO lr 1e-05 seeds 2" in md
+    assert "OPO lr 1e-05 seeds 0,1,2" in md  # auto = the OBLR-PO default runs' mean applied lr, 1e-3 / 100
+    assert json.loads((run_dir / "auto_lr.json").read_text())["lr"] == pytest.approx(1e-5)
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert json.loads(out.with_suffix(".json").read_text())["answers"]["greedy"]["verdict"] == "loses to"
+
+
+def test_bad_cells_are_refused():
+    with pytest.raises(SystemExit, match="METHOD:LR"):
+        module().parse_cells(["PPO:1e-3"])
+    assert module().parse_cells(["GRPO:1e-4,3e-3", "RLOO:auto"]) == [("GRPO", "1e-4"), ("GRPO", "3e-3"), ("RLOO", "auto")]
