@@ -240,18 +240,23 @@ def mem_available_gb() -> float:
     return math.inf
 
 
-def real_demo_processes() -> int:
-    """examples/demo.py runs on the real model on this machine, ours or anyone's (the machine holds 2 of ~8 GB)."""
-    count = 0
+def real_demo_outputs() -> list[str]:
+    """The --output_dir of every examples/demo.py run on the real model on this machine, ours or anyone's (the
+    machine holds 2 of ~8 GB; a run another runner started is not started twice)."""
+    outputs = []
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
         except (OSError, ValueError):
             continue
-        if any(a.endswith(b"examples/demo.py") for a in argv) and b"smollm2" in argv and b"python" in argv[0]:
-            count += 1
-    return count
+        if any(a.endswith("examples/demo.py") for a in argv) and "smollm2" in argv and "python" in argv[0]:
+            outputs.append(argv[argv.index("--output_dir") + 1] if "--output_dir" in argv[:-1] else "")
+    return outputs
+
+
+def is_running(out: Path, running_outputs: list[str]) -> bool:
+    return any(o and Path(o).resolve() == out.resolve() for o in running_outputs)
 
 
 def resolve_auto(run_dir: Path, default_lr: float, seeds: list[int]) -> float | None:
@@ -286,7 +291,7 @@ def run_grid(args, cells, seeds, log) -> None:
         if not launchable and pending:
             log(f"stop time {args.stop_launching} UTC reached: not launching {len(pending)} runs")
             pending = []
-        while (pending and len(running) < args.parallel and real_demo_processes() < args.parallel
+        while (pending and len(running) < args.parallel and len(real_demo_outputs()) < args.parallel
                and mem_available_gb() >= args.min_free_gb):
             job = next((j for j in pending if j[1] != "auto" or resolve_auto(args.run_dir, args.default_lr, seeds)),
                        None)
@@ -296,7 +301,7 @@ def run_grid(args, cells, seeds, log) -> None:
             method, lr, seed = job
             lr = resolve_auto(args.run_dir, args.default_lr, seeds) if lr == "auto" else float(lr)
             out = cell_dir(args.run_dir, method, lr) / f"seed{seed}"
-            if (out / "summary.json").exists():
+            if (out / "summary.json").exists() or is_running(out, real_demo_outputs()):
                 continue
             extra = ["--model", "smollm2", "--learning_rate", repr(lr), "--max_steps", str(args.max_steps),
                      *METHODS[method], *args.demo_args]

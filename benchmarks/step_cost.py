@@ -87,7 +87,17 @@ FNS_CUDA = ["fwdbwd", "fwdbwd_ckpt", "norms", "group", "loop", "loop_sq", "updat
 GRAM_FNS = ("group", "update_group", "update_group_ckpt")  # skipped past --max-gram-gflop
 MEM_CPU = ["fwdbwd", "norms", "update_one_backward", "group", "fwdbwd_ckpt", "update_one_backward_ckpt",
            "group_ckpt"]
-STEP_KINDS = ("grpo", "grpo_no_ckpt", "two_pass", "one_backward")
+# OBLR-PO's kinds: its mode (one_backward True / False / None = the automatic default) and whether TRL's gradient
+# checkpointing is on; each is compared with the GRPO kind of the same checkpointing setting.
+STEP_KINDS = ("grpo", "grpo_no_ckpt", "two_pass", "one_backward", "default", "one_backward_no_ckpt",
+              "default_no_ckpt")
+STEP_MODE = {"two_pass": False, "one_backward": True, "default": None, "one_backward_no_ckpt": True,
+             "default_no_ckpt": None}
+
+
+def grpo_of(kind: str) -> str:
+    """The GRPO kind with ``kind``'s checkpointing setting."""
+    return "grpo_no_ckpt" if kind.endswith("no_ckpt") else "grpo"
 
 
 # ------------------------------------------------------------------------------------------------------------ setup
@@ -521,7 +531,7 @@ def step_worker(kind: str, spec: str, completion: int, steps: int, batch: int, t
                   num_generations=GROUP, max_completion_length=completion, max_steps=steps + 1, logging_steps=1,
                   learning_rate=1e-5, report_to="none", save_strategy="no", disable_tqdm=True, seed=0, data_seed=0,
                   use_cpu=device.type != "cuda", bf16=device.type == "cuda",
-                  gradient_checkpointing=kind != "grpo_no_ckpt",
+                  gradient_checkpointing=not kind.endswith("no_ckpt"),
                   generation_kwargs={"min_new_tokens": completion})  # every completion is exactly max length
     sections = defaultdict(float)
     base = GRPOTrainer if kind.startswith("grpo") else OBLRPOTrainer
@@ -533,7 +543,7 @@ def step_worker(kind: str, spec: str, completion: int, steps: int, batch: int, t
             sections["generate+score"] += time.perf_counter() - t0
             return out
 
-    args = GRPOConfig(**common) if base is GRPOTrainer else OBLRPOConfig(**common, one_backward=kind == "one_backward")
+    args = GRPOConfig(**common) if base is GRPOTrainer else OBLRPOConfig(**common, one_backward=STEP_MODE[kind])
     step_times, step_sections = [], []
 
     class Timer(TrainerCallback):
@@ -554,7 +564,9 @@ def step_worker(kind: str, spec: str, completion: int, steps: int, batch: int, t
     med = {k: statistics.median(s.get(k, 0.0) for s in step_sections[1:]) for k in step_sections[-1]}
     print(json.dumps(dict(step_s=statistics.median(timed), steps=len(timed), sections=med, peak_bytes=mem["peak_bytes"],
                           mem_method=mem["method"] + " over the whole train() call",
-                          gradient_checkpointing=bool(trainer.args.gradient_checkpointing))))
+                          gradient_checkpointing=bool(trainer.args.gradient_checkpointing),
+                          mode=("grpo" if base is GRPOTrainer else
+                                "one_backward" if trainer.uses_one_backward else "two_pass"))))
 
 
 def run_steps(spec: str, completion: int, args, log) -> dict:
@@ -567,10 +579,11 @@ def run_steps(spec: str, completion: int, args, log) -> dict:
         res[kind] = r
         log(f"  RL step {label(spec)} C={completion} {kind}: " + (
             f"{r['step_s']:.2f}s/step, peak RSS +{r['peak_bytes'] / 2**20:.0f} MB, checkpointing "
-            f"{r['gradient_checkpointing']}" if "failed" not in r else "FAILED " + r["failed"][-300:]))
-    g = res.get("grpo", {})
+            f"{r['gradient_checkpointing']}, mode {r.get('mode')}" if "failed" not in r
+            else "FAILED " + r["failed"][-300:]))
     out = dict(size=label(spec), completion=completion, **res)
     for kind in args.step_kinds:
+        g = res.get("grpo" if kind == "grpo_no_ckpt" else grpo_of(kind), {})
         if kind != "grpo" and "step_s" in res[kind] and "step_s" in g:
             out[f"step_{kind}_vs_grpo"] = res[kind]["step_s"] / g["step_s"]
             out[f"step_peak_mem_{kind}_vs_grpo"] = res[kind]["peak_bytes"] / g["peak_bytes"]
@@ -624,6 +637,8 @@ def headline(row: dict, step: dict | None, default: str) -> list[tuple[str, floa
                mem_ckpt=r.get("peak_mem_one_backward_ckpt_vs_grpo_ckpt", float("nan")),
                step=s.get("step_one_backward_vs_grpo", float("nan")))
     d = one if default == "one_backward" else two
+    auto = s.get("default", {})  # the trainer as users get it (one_backward=None), where measured
+    auto_st = f"{s.get('size')}, C={s.get('completion')}, whole RL step, OBLRPOConfig defaults (one_backward=None)"
     return [
         ("default_mode", default, "the mode the historical keys below report (--default-mode)"),
         ("norms_vs_fwdbwd", r["norms_vs_fwdbwd"], at + ", per_sequence_grad_sq_norms / GRPO's forward+backward"),
@@ -643,6 +658,16 @@ def headline(row: dict, step: dict | None, default: str) -> list[tuple[str, floa
         ("step_one_backward_vs_grpo", one["step"], st + ", one_backward"),
         ("step_peak_mem_vs_grpo", s.get(f"step_peak_mem_{default}_vs_grpo", float("nan")),
          st + f", peak RSS of the {default} trainer's process / GRPOTrainer's (checkpointed)"),
+        ("step_default_vs_grpo", s.get("step_default_vs_grpo", float("nan")),
+         auto_st + f" / GRPOTrainer, both checkpointed; it took {auto.get('mode', 'n/a')}"),
+        ("step_peak_mem_default_vs_grpo", s.get("step_peak_mem_default_vs_grpo", float("nan")),
+         auto_st + ", peak RSS / GRPOTrainer's, both checkpointed"),
+        ("step_default_no_ckpt_vs_grpo_no_ckpt", s.get("step_default_no_ckpt_vs_grpo", float("nan")),
+         auto_st.replace("defaults", "defaults without checkpointing") + " / GRPOTrainer without checkpointing; it took "
+         + s.get("default_no_ckpt", {}).get("mode", "n/a")),
+        ("step_peak_mem_default_no_ckpt_vs_grpo_no_ckpt", s.get("step_peak_mem_default_no_ckpt_vs_grpo", float("nan")),
+         auto_st.replace("defaults", "defaults without checkpointing") + ", peak RSS / GRPOTrainer's, neither "
+         "checkpointed"),
     ]
 
 
@@ -849,7 +874,9 @@ def render_markdown(res: dict) -> str:
                 "`trl.GRPOTrainer` + `GRPOConfig` vs `OBLRPOTrainer` + `OBLRPOConfig` in each mode, same arguments "
                 f"otherwise (per_device_train_batch_size {a['step_batch']}, num_generations {a['group']}, reward = "
                 "count of '1', completions forced to exactly C tokens with `min_new_tokens`, TRL's defaults incl. "
-                "gradient checkpointing unless `no_ckpt`). Each trainer runs in its own process, one after the "
+                "gradient checkpointing unless `no_ckpt`). `default` is `OBLRPOConfig`'s `one_backward=None` (the "
+                "automatic choice; 'mode taken' says which path it chose); ratios are to the GRPO step with the same "
+                "checkpointing setting (`grpo_no_ckpt`'s to `grpo`'s). Each trainer runs in its own process, one after the "
                 "other; median wall time of a step (`on_step_begin`..`on_step_end`) after one warm-up step; peak "
                 "memory: peak RSS of the process above its RSS before `train()` (CPU).", ""]
         rows = []
@@ -859,14 +886,15 @@ def render_markdown(res: dict) -> str:
                 if not k:
                     continue
                 if "failed" in k:
-                    rows.append([s["size"], s["completion"], kind, "failed", "", "", "", "", ""])
+                    rows.append([s["size"], s["completion"], kind, "failed", "", "", "", "", "", ""])
                     continue
-                rows.append([s["size"], s["completion"], kind, k["gradient_checkpointing"], f"{k['step_s']:.2f}",
+                rows.append([s["size"], s["completion"], kind, k.get("mode", ""), k["gradient_checkpointing"],
+                             f"{k['step_s']:.2f}",
                              fmt(k["sections"].get("generate+score"), ".2f"), f"{k['peak_bytes'] / 2**20:.0f}",
                              "1.00" if kind == "grpo" else f"**{fmt(s.get(f'step_{kind}_vs_grpo'))}**",
                              "1.00" if kind == "grpo" else fmt(s.get(f"step_peak_mem_{kind}_vs_grpo"))])
-        out += md_table(["model", "C", "trainer", "checkpointing", "step s", "generate+score s", "peak MB",
-                         "step / GRPO", "peak mem / GRPO"], rows)
+        out += md_table(["model", "C", "trainer", "mode taken", "checkpointing", "step s", "generate+score s",
+                         "peak MB", "step / GRPO", "peak mem / GRPO"], rows)
     profiled = [r for r in res["rows"] if r.get("profile")]
     for r in profiled:
         prof = r["profile"]
