@@ -5,7 +5,9 @@ No trainer state: the trainer calls these with what it holds.
 * :func:`blockers`: why a configuration cannot use it (then the two-pass path runs, and says why).
 * :func:`whole_group_micro_batches`: TRL's shuffled micro-batches re-split so each holds whole groups.
 * :func:`all_reduce_grads`: what DDP's backward hooks would have done, once per optimizer step.
-* :func:`kept_bytes` / :func:`free_memory_bytes`: the memory it keeps, estimated before it runs, against what is free.
+* :func:`kept_bytes`, :func:`checkpointed_bytes`, :func:`chunk_budget`, :func:`chunk_rows`: under gradient
+  checkpointing, chunks of whole groups whose kept memory (estimated before it runs) is at most what GRPO's
+  checkpointed loss pass holds for the micro-batch, plus the tenth the memory goal allows.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch
 from trl.trainer.utils import split_tensor_dict
 
 ALL_REDUCE_BUCKET = 1 << 25  # elements per all-reduce (DDP's default bucket is 25 MiB)
-MEMORY_FRACTION = 0.25  # the automatic choice takes one_backward when it keeps at most this share of free memory
 
 
 def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False) -> list[str]:
@@ -60,7 +61,8 @@ def initial_choice(
     requested: bool | None, reasons: list[str], device_type: str, gradient_checkpointing: bool
 ) -> tuple[bool | None, str]:
     """``one_backward``'s path at construction, and why: ``True``, ``False``, or ``None`` (the automatic choice under
-    gradient checkpointing on a CPU, decided at the first generation by :func:`kept_bytes` against free memory).
+    gradient checkpointing on a CPU, decided at the first generation by :func:`chunk_rows`: whether one group's kept
+    memory fits :func:`chunk_budget`).
 
     ``requested``: ``OBLRPOConfig.one_backward``; ``reasons``: :func:`blockers`. The automatic choice follows the
     measurements (``benchmarks/README.md``): faster on a CPU, no faster and heavier on a GPU.
@@ -149,10 +151,47 @@ def kept_bytes(model: torch.nn.Module, rows: int, tokens: int, itemsize: int) ->
     return total * itemsize
 
 
-def free_memory_bytes(device: torch.device) -> int:
-    """Free memory where the activations live: the accelerator's free memory, or the host's available RAM."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import psutil
+def checkpointed_bytes(model: torch.nn.Module, rows: int, tokens: int, completion_tokens: int, itemsize: int) -> int:
+    """What a loss pass under gradient checkpointing (GRPO's) holds for a micro-batch of ``rows x tokens``: each
+    checkpointed layer's input (``rows * tokens * hidden``, ``itemsize`` bytes) and the float32 logits of the
+    completion tokens (``rows * completion_tokens * vocab``). A model without checkpointed layers counts its hidden
+    states once. An estimate of the same kind as :func:`kept_bytes`, for the budget of :func:`chunk_budget`."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return psutil.virtual_memory().available
+    embeddings = model.get_input_embeddings()
+    vocab, hidden = embeddings.weight.shape
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        vocab = head.weight.shape[0]
+    layers = max(1, sum(isinstance(m, GradientCheckpointingLayer) for m in model.modules()))
+    return rows * (tokens * layers * hidden * itemsize + completion_tokens * vocab * 4)
+
+
+def training_state_bytes(model: torch.nn.Module) -> int:
+    """The model's weights, and for each trainable weight its gradient and Adam's two moments: what a training
+    process holds whatever the batch."""
+    total = 0
+    for p in model.parameters():
+        total += p.numel() * p.element_size() * (4 if p.requires_grad else 1)
+    return total
+
+
+def chunk_budget(model: torch.nn.Module, rows: int, tokens: int, completion_tokens: int, itemsize: int) -> int:
+    """What ``one_backward`` may keep per chunk under gradient checkpointing: what the checkpointed loss pass holds
+    for the micro-batch, plus a tenth of that and of the training state (:func:`training_state_bytes`), the margin
+    the memory goal allows (peak memory at most 1.1x GRPO's under the same checkpointing setting)."""
+    held = checkpointed_bytes(model, rows, tokens, completion_tokens, itemsize)
+    return held + (held + training_state_bytes(model)) // 10
+
+
+def chunk_rows(rows: int, group_size: int, kept_per_row: int, budget: int) -> int:
+    """Rows per chunk of ``one_backward``'s micro-batch so that what a chunk keeps (``kept_per_row`` each) is at most
+    ``budget``: ``rows`` where all fit; else whole groups of ``group_size``, as few chunks as fit and of equal size as
+    far as they divide; ``0`` where not even one group fits or the rows are not whole groups (a group spans ranks)."""
+    if rows * kept_per_row <= budget:
+        return rows
+    if rows % group_size or group_size * kept_per_row > budget:
+        return 0
+    groups, fit = rows // group_size, budget // (group_size * kept_per_row)
+    chunks = -(-groups // fit)
+    return -(-groups // chunks) * group_size

@@ -162,8 +162,10 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_lr_stats = LrStats()
         self._oblr_warned: set[str] = set()
         self._oblr_precision_checked_lr = float("inf")
-        # one_backward: True / False once decided; None until the first generation decides it by memory (auto)
+        # one_backward: True / False once decided; None until the first generation decides it by memory (auto).
+        # Its rows per chunk: 0 = the whole micro-batch; None = decided at the first generation (under checkpointing)
         self._one_backward: bool | None = False
+        self._oblr_chunk_rows: int | None = None if self.args.gradient_checkpointing else 0
         if self.args.one_backward is not False and self._needs_norms:
             reasons = one_backward.blockers(self.args, fsdp1=fsdp1, aux_loss=self.aux_loss_enabled)
             self._one_backward, why = one_backward.initial_choice(
@@ -181,19 +183,32 @@ class OBLRPOTrainer(GRPOTrainer):
         return bool(self._one_backward)
 
     def _decide_one_backward(self, batch: dict) -> None:
-        """The automatic choice under gradient checkpointing: ``one_backward`` if what it keeps for this batch's
-        shape fits in a quarter of the free memory on every rank, else the two-pass path (logged once)."""
-        rows, tokens = batch["prompt_ids"].shape[0], batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
-        rows = min(rows, self.args.per_device_train_batch_size)
+        """Under gradient checkpointing, ``one_backward``'s chunks: whole groups keeping at most what GRPO's
+        checkpointed loss pass holds for the micro-batch, plus the tenth the memory goal allows
+        (:func:`one_backward.chunk_budget`), the same on every rank. The automatic choice takes the two-pass path
+        where not even one group fits; ``one_backward=True`` then runs one group at a time. Logged once."""
+        rows = min(batch["prompt_ids"].shape[0], self.args.per_device_train_batch_size)
+        tokens = batch["prompt_ids"].shape[1] + self.max_completion_length
         itemsize = 2 if (self.args.bf16 or self.args.fp16) else 4
-        need = one_backward.kept_bytes(self.model, rows, tokens, itemsize)
-        free = one_backward.free_memory_bytes(self.accelerator.device)
-        fits = torch.tensor([float(need <= one_backward.MEMORY_FRACTION * free)], device=self.accelerator.device)
-        self._one_backward = bool(self.accelerator.gather(fits).min() > 0)  # every rank takes the same path
+        kept = one_backward.kept_bytes(self.model, 1, tokens, itemsize)
+        budget = one_backward.chunk_budget(self.model, rows, tokens, self.max_completion_length, itemsize)
+        chunk = one_backward.chunk_rows(rows, self.num_generations, kept, budget)
+        chunk = int(self.accelerator.gather(torch.tensor([chunk], device=self.accelerator.device)).min())
+        if self._one_backward is None:
+            self._one_backward = chunk > 0
+        elif chunk == 0:  # one_backward=True: as little at a time as whole groups allow
+            chunk = self.num_generations if rows % self.num_generations == 0 else rows
+        self._oblr_chunk_rows = chunk if self._one_backward else 0
+        if self._one_backward:
+            how = ("one forward/backward per micro-batch." if chunk >= rows else
+                   f"one forward/backward per chunk of {chunk} rows ({chunk // self.num_generations} groups).")
+        else:
+            how = "two passes, keeping checkpointing's savings."
         logger.info(
-            f"OBLR-PO (one_backward=None, gradient checkpointing on): one_backward keeps ~{need / 2**30:.2f} GiB per "
-            f"micro-batch of {rows} x {tokens} tokens against {free / 2**30:.1f} GiB free: "
-            + ("one forward/backward." if self._one_backward else "two passes, keeping checkpointing's savings.")
+            f"OBLR-PO (one_backward={self.args.one_backward}, gradient checkpointing on): one_backward keeps "
+            f"~{rows * kept / 2**30:.2f} GiB per micro-batch of {rows} x {tokens} tokens against a budget of "
+            f"~{budget / 2**30:.2f} GiB (what GRPO's checkpointed pass holds, plus a tenth of it and of the training "
+            f"state): " + how
         )
 
     @property
@@ -299,7 +314,7 @@ class OBLRPOTrainer(GRPOTrainer):
             if self._one_backward:  # it reorders rows; a VLM's patch rows are not rows of the batch
                 raise NotImplementedError("one_backward=True does not take image inputs: set one_backward=False.")
             self._one_backward = False
-        if self._one_backward is None:
+        if self._one_backward is not False and self._oblr_chunk_rows is None:
             self._decide_one_backward(output)
         if self.args.grad_norm_estimator == "logit" and self.args.baseline == "gradient_weighted":
             output["oblr_proxy"] = self._logit_proxy(output)
@@ -315,10 +330,11 @@ class OBLRPOTrainer(GRPOTrainer):
         return output
 
     def _advantages(self, batch: dict, rewards: torch.Tensor, products: torch.Tensor | None,
-                    bad: torch.Tensor | None) -> torch.Tensor:
+                    bad: torch.Tensor | None, metrics_of: list | None = None) -> torch.Tensor:
         """The local completions' ``r_i - b_i`` (Theorem 7) from all ranks' ``rewards`` (NaN: unscorable), the local
         within-unit inner ``products`` (``None`` without norms) and ``bad``, the local completions whose norm was not
-        finite (unscorable too); logs the baseline's metrics."""
+        finite (unscorable too); logs the baseline's metrics, or appends their inputs to ``metrics_of`` (chunks of one
+        micro-batch log once, over the whole micro-batch)."""
         args, gather = self.args, self.accelerator.gather
         mask = self._sequence_inputs(batch)[2]
         sq_norms = None
@@ -348,7 +364,10 @@ class OBLRPOTrainer(GRPOTrainer):
             self._warn_once("fallback")
         if torch.isnan(rewards).any():
             self._warn_once("unscorable")
-        self._log(baseline_metrics(rewards, baseline, weights, num_fallback, num_clipped))
+        if metrics_of is None:
+            self._log(baseline_metrics(rewards, baseline, weights, num_fallback, num_clipped))
+        else:
+            metrics_of.append((rewards, baseline, weights, num_fallback, num_clipped))
         return advantages
 
     # --------------------------------------------------------- training loss
@@ -387,22 +406,40 @@ class OBLRPOTrainer(GRPOTrainer):
         order = torch.argsort(batch["oblr_row"])  # undo TRL's shuffle: a group's rows are consecutive again
         batch = {k: v[order] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v for k, v in batch.items()}
         unit = self._unit(n)
+        coefficients = self._loss_coefficients(batch)  # of the whole micro-batch (a token-mean spans it)
+        chunk = self._oblr_chunk_rows or n  # whole groups (see _decide_one_backward), the same on every rank
+        metrics_of = []
+        loss = sum(
+            self._one_backward_chunk(
+                {k: v[s : s + chunk] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v
+                 for k, v in batch.items()},
+                coefficients[s : s + chunk], unit, metrics_of,
+            )
+            for s in range(0, n, chunk)
+        )
+        rewards, baseline, weights, num_fallback, num_clipped = zip(*metrics_of)
+        self._log(baseline_metrics(torch.cat(rewards), torch.cat(baseline), torch.cat(weights), sum(num_fallback),
+                                   sum(num_clipped)))
+        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
+            one_backward.all_reduce_grads(self.model.parameters())  # DDP's job (c_i already has 1/world)
+        return loss.detach().requires_grad_()
+
+    def _one_backward_chunk(self, batch: dict, coefficients: torch.Tensor, unit: int, metrics_of: list) -> torch.Tensor:
+        """One chunk of whole units: its forward/backward, norms, advantages, gradient (added to ``.grad``) and each
+        unit's ``||H_q||^2``; appends its baseline metrics' inputs to ``metrics_of``; returns its part of the loss."""
         input_ids, attention_mask, mask = self._sequence_inputs(batch)
         with self.accelerator.autocast():
             grads = per_sequence_grads(
                 self.model, input_ids, attention_mask, mask, temperature=self.temperature, materialize=True
             )
         products, bad = self._finite(grads.inner_products(1))  # the weights need ||u_i||^2 only
-        batch["advantages"] = self._advantages(batch, self.accelerator.gather(batch["oblr_reward"]), products, bad)
-        a = self._loss_coefficients(batch) * batch["advantages"]
+        advantages = self._advantages(batch, self.accelerator.gather(batch["oblr_reward"]), products, bad, metrics_of)
+        a = coefficients * advantages
         # the gradient of TRL's loss at ratio 1, and each unit's ||H_q||^2 = ||sum_{i in q} a_i u_i||^2 with it
         unit_sq = grads.accumulate_grad(-a, group_size=unit if self.args.snr_lr else None)
         if unit_sq is not None:
             self._oblr_samples.formed.append((batch["oblr_row"][::unit].cpu() // unit, unit_sq.double().cpu()))
-        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
-            one_backward.all_reduce_grads(self.model.parameters())  # DDP's job (c_i already has 1/world)
-        loss = -(a * self.accelerator.num_processes * mask.sum(-1)).sum()
-        return loss.detach().requires_grad_()
+        return -(a * self.accelerator.num_processes * mask.sum(-1)).sum()
 
     # ------------------------------------------------------ step size (Thm 4)
     def training_step(self, model, inputs, num_items_in_batch=None):

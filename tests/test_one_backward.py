@@ -7,7 +7,7 @@ import torch
 
 from oblr_trl import OBLRPOConfig
 from oblr_trl.tiny import build_model
-from helpers import DATASET, TOKENIZER, common_args, logged, train
+from helpers import DATASET, GROUP, TOKENIZER, common_args, logged, train
 from oblr_trl import OBLRPOTrainer
 
 
@@ -143,18 +143,77 @@ def test_the_default_takes_one_backward_without_checkpointing(caplog):
     assert "one forward/backward" in caplog.text
 
 
-@pytest.mark.parametrize("free, expected", [(2**40, True), (1024, False)])
-def test_the_default_under_checkpointing_chooses_by_memory(free, expected, monkeypatch, caplog):
+@pytest.mark.parametrize("budget_groups, chunk", [(100, 8), (1, 4), (0, 0)],
+                         ids=["micro-batch-fits", "one-group-per-chunk", "not-one-group"])
+def test_the_default_under_checkpointing_chunks_by_memory(budget_groups, chunk, monkeypatch, caplog):
+    """Under checkpointing the default keeps at most the budget per chunk of whole groups: the whole micro-batch of 8
+    (2 groups of 4) where it fits, one group at a time where only one does, the two-pass path where not even one."""
     import oblr_trl.one_backward as ob
 
-    monkeypatch.setattr(ob, "free_memory_bytes", lambda device: free)
+    monkeypatch.setattr(ob, "kept_bytes", lambda model, rows, tokens, itemsize: 1000 * rows)
+    monkeypatch.setattr(ob, "chunk_budget", lambda *a: 1000 * GROUP * budget_groups)
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
         trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=2)))
     assert trainer.args.gradient_checkpointing  # TRL's default
-    assert trainer.uses_one_backward is expected
-    assert ("oblr_gram" in trainer.generations[0]) is not expected  # the norms pass ran only on the two-pass path
-    assert ("one forward/backward." if expected else "keeping checkpointing's savings") in caplog.text
+    assert trainer.uses_one_backward is (chunk > 0) and trainer._oblr_chunk_rows == chunk
+    assert ("oblr_gram" in trainer.generations[0]) is (chunk == 0)  # the norms pass ran only on the two-pass path
+    expected = {8: "one forward/backward per micro-batch.", 4: "per chunk of 4 rows (1 groups)",
+                0: "keeping checkpointing's savings"}[chunk]
+    assert expected in caplog.text
     assert len(logged(trainer, "oblr/lr_scale")) == 2
+
+
+def test_one_backward_true_under_checkpointing_runs_one_group_at_a_time_where_none_fits(monkeypatch):
+    import oblr_trl.one_backward as ob
+
+    monkeypatch.setattr(ob, "chunk_budget", lambda *a: 0)
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=True))
+    assert trainer.uses_one_backward and trainer._oblr_chunk_rows == GROUP
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo"])
+def test_one_backward_in_chunks_matches_two_passes(loss_type, monkeypatch):
+    """One group per chunk under checkpointing: the same advantages, SNR terms, gradient and step as the two-pass
+    path (a token-mean loss's denominator spans the whole micro-batch, not the chunk)."""
+    import oblr_trl.one_backward as ob
+
+    monkeypatch.setattr(ob, "chunk_budget", lambda *a: 0)
+    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
+    one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
+    assert one._oblr_chunk_rows == GROUP < kwargs["per_device_train_batch_size"]
+    for key in ("oblr/lr_scale", "oblr/snr", "oblr/baseline_mean", "grad_norm", "loss"):
+        assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key
+    for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_chunk_rows_table():
+    from oblr_trl.one_backward import chunk_rows
+
+    assert chunk_rows(64, 8, 10, 640) == 64  # all fit
+    assert chunk_rows(64, 8, 10, 639) == 32  # 4 groups fit: 2 chunks of 4
+    assert chunk_rows(64, 8, 10, 300) == 24  # 3 groups fit: chunks of 3, 3, 2 groups
+    assert chunk_rows(64, 8, 10, 79) == 0  # not one group
+    assert chunk_rows(12, 8, 10, 100) == 0  # a group spans ranks: no whole groups to chunk by
+
+
+def test_chunk_budget_is_the_checkpointed_pass_plus_a_tenth():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oblr_trl.one_backward import checkpointed_bytes, chunk_budget, training_state_bytes
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=50))
+    model.model.embed_tokens.weight.requires_grad_(False)
+    rows, tokens, completion = 4, 10, 6
+    # each of 3 layers' input (rows x tokens x 16 x 2 bytes) and the fp32 logits of the completion tokens
+    assert checkpointed_bytes(model, rows, tokens, completion, 2) == rows * (tokens * 3 * 16 * 2 + completion * 50 * 4)
+    params = sum(p.numel() for p in model.parameters())
+    frozen = model.model.embed_tokens.weight.numel()
+    assert training_state_bytes(model) == 4 * (frozen + 4 * (params - frozen))
+    held = checkpointed_bytes(model, rows, tokens, completion, 2)
+    assert chunk_budget(model, rows, tokens, completion, 2) == held + (held + training_state_bytes(model)) // 10
 
 
 def test_kept_bytes_counts_each_trainable_layer_once():
