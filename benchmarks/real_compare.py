@@ -12,12 +12,15 @@ Methods (the lr is GRPO's / RLOO's / OPO's learning rate, OBLR-PO's eta_max):
   GRPO     --trainer grpo (trl.GRPOTrainer, scale_rewards="group"; everything else the same)
   RLOO     --baseline mean --snr_lr false
   OPO      --grad_norm_estimator length --snr_lr false
+  OBLR-PO-per_step  --snr_estimator per_step (the paper's per-step SNR estimate; the default is ema_soft)
 An lr of ``auto`` is OBLR-PO's measured mean applied lr at its default eta_max (``--default_lr``), read from those
 runs' summary.json once all their seeds have finished: the same average step, without the SNR factor.
 
 Resumable: a run whose summary.json exists is not run again; each run reuses the before-RL accuracy of any run of the
 same seed (examples/demo.py --before_from; identical by construction). Cells are run in the order given, seeds of a
-cell after one another.
+cell after one another (``--seed_major``: every cell's first seed, then every cell's second, ...). A run another runner
+on this machine has in flight is not started again, and the machine-wide count of real-model runs is kept at
+``--parallel``, so a second runner can join with other cells.
 
     python benchmarks/real_compare.py --max_steps 10 --cells OBLR-PO:1e-3 GRPO:5.5e-4 GRPO:1e-4,3e-3 \\
         OBLR-PO:5.5e-3,3e-2 RLOO:auto OPO:auto --stop_launching 05:45
@@ -45,6 +48,7 @@ METHODS = {
     "GRPO": ["--trainer", "grpo"],
     "RLOO": ["--baseline", "mean", "--snr_lr", "false"],
     "OPO": ["--grad_norm_estimator", "length", "--snr_lr", "false"],
+    "OBLR-PO-per_step": ["--snr_estimator", "per_step"],  # the paper's per-step SNR instead of the default ema_soft
 }
 WITHIN_PTS = 2.0
 
@@ -195,7 +199,7 @@ def plot(table: dict, path: Path, title: str) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4.5), layout="constrained")
-    colors = dict(zip(METHODS, ("tab:red", "tab:blue", "tab:green", "tab:purple")))
+    colors = dict(zip(METHODS, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")))
     for ax, label in zip(fig.subplots(1, 2), ("greedy", "sampled")):
         for method in METHODS:
             mine = [c for c in table["cells"] if c["method"] == method]
@@ -274,7 +278,8 @@ def resolve_auto(run_dir: Path, default_lr: float, seeds: list[int]) -> float | 
 
 
 def run_grid(args, cells, seeds, log) -> None:
-    pending = [(m, lr, s) for m, lr in cells for s in seeds]
+    pending = ([(m, lr, s) for s in seeds for m, lr in cells] if args.seed_major
+               else [(m, lr, s) for m, lr in cells for s in seeds])
     running: list[tuple[subprocess.Popen, str, Path]] = []
     stop = None
     if args.stop_launching:
@@ -327,6 +332,8 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max_steps", type=int, default=10, help="RL steps of every run (a fixed step budget)")
     parser.add_argument("--default_lr", type=float, default=1e-3, help="OBLR-PO's default eta_max (the demo's)")
+    parser.add_argument("--seed_major", action="store_true",
+                        help="run every cell's first seed, then every cell's second, ... (default: a cell's seeds in turn)")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (1 torch thread each, ~8 GB each)")
     parser.add_argument("--min_free_gb", type=float, default=9.0, help="launch only when this much memory is free")
     parser.add_argument("--stop_launching", default=None, help="HH:MM UTC after which no run is launched")

@@ -88,12 +88,14 @@ class OBLRPOConfig(GRPOConfig):
             divide `gradient_accumulation_steps`, and where a generation spans several micro-batches
             `per_device_train_batch_size` must be a multiple of `num_generations` (micro-batches are then re-split
             into whole groups). Memory: it keeps each layer's input and output gradient (or, where smaller, its
-            per-sample gradients) until the update is formed, as a backward without gradient checkpointing does. The
-            automatic choice follows the measurements (`benchmarks/README.md`): on a CPU, where it is faster, it takes
-            it without gradient checkpointing, and with checkpointing on (TRL's default) when that estimate, made at
-            the first generation from the batch's real shape, is at most a quarter of the available RAM (giving up
-            checkpointing's savings for a pass less); on a GPU, where it was measured no faster and, under
-            checkpointing, at 2-3.5x GRPO's memory, it keeps the two-pass path.
+            per-sample gradients) until the update is formed, as a backward without gradient checkpointing does.
+            Under gradient checkpointing (TRL's default) it therefore runs each micro-batch in chunks of whole groups,
+            each keeping at most what GRPO's checkpointed loss pass holds for the whole micro-batch plus a tenth of
+            that and of the training state (estimated at the first generation from the batch's shape; same result,
+            tested). The automatic choice follows the measurements (`benchmarks/README.md`): on a CPU, where it is
+            faster, it takes it without gradient checkpointing, and with checkpointing where at least one group fits
+            that budget (else the two-pass path, keeping checkpointing's savings); on a GPU, where it was measured no
+            faster, it keeps the two-pass path. `True` under checkpointing runs one group at a time where none fits.
     """
 
     baseline: str = field(
@@ -169,9 +171,9 @@ class OBLRPOConfig(GRPOConfig):
         metadata={
             "help": "Norms and update from one forward/backward instead of a norms pass then TRL's loss pass (same "
             "result, one pass less). Default None: automatic, by measurement: on a CPU wherever valid and its memory "
-            "fits (always without gradient checkpointing; with it, when its kept activations fit in a quarter of the "
-            "available RAM); on a GPU never (measured no faster there). True: wherever valid; False: never. The "
-            "choice is logged once with its reason."
+            "fits (always without gradient checkpointing; with it, in chunks of whole groups keeping at most what "
+            "GRPO's checkpointed pass holds plus a tenth, where one group fits); on a GPU never (measured no faster "
+            "there). True: wherever valid; False: never. The choice is logged once with its reason."
         },
     )
 
