@@ -255,7 +255,11 @@ def real_demo_outputs() -> list[str]:
         except (OSError, ValueError):
             continue
         if any(a.endswith("examples/demo.py") for a in argv) and "smollm2" in argv and "python" in argv[0]:
-            outputs.append(argv[argv.index("--output_dir") + 1] if "--output_dir" in argv[:-1] else "")
+            out = argv[argv.index("--output_dir") + 1] if "--output_dir" in argv[:-1] else ""
+            try:  # relative to that run's working directory
+                outputs.append(str(Path(os.readlink(f"/proc/{pid}/cwd")) / out) if out else "")
+            except OSError:
+                outputs.append(out)
     return outputs
 
 
