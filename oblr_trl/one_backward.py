@@ -7,7 +7,8 @@ No trainer state: the trainer calls these with what it holds.
 * :func:`all_reduce_grads`: what DDP's backward hooks would have done, once per optimizer step.
 * :func:`kept_bytes`, :func:`checkpointed_bytes`, :func:`chunk_budget`, :func:`chunk_rows`: under gradient
   checkpointing, chunks of whole groups whose kept memory (estimated before it runs) is at most what GRPO's
-  checkpointed loss pass holds for the micro-batch, plus the tenth the memory goal allows.
+  checkpointed loss pass holds for the micro-batch, plus a tenth of a lower bound on GRPO's peak memory (the margin
+  the memory goal allows).
 """
 
 from __future__ import annotations
@@ -136,9 +137,13 @@ def kept_bytes(model: torch.nn.Module, rows: int, tokens: int, itemsize: int) ->
     """What ``one_backward`` keeps until the update: per layer with trainable weights, the smaller of its input and
     output gradient (``rows * tokens * (n_in + n_out)``) and its per-sample gradients (``rows * n_in * n_out``).
 
-    An upper bound for the layers' kept factors; embeddings keep their token ids only and count 0. ``itemsize``: the
-    activations' bytes per element (2 under bf16 autocast, 4 in fp32).
+    An upper bound for the layers' kept factors (an input several layers share is counted for each); embeddings keep
+    their token ids only and count 0; the LM head keeps its input (``rows * tokens * n_in``): its output gradient is
+    formed again in vocabulary chunks, never held (:mod:`.grad_norms.engine`). ``itemsize``: the activations' bytes
+    per element (2 under bf16 autocast, 4 in fp32).
     """
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     total = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -147,6 +152,9 @@ def kept_bytes(model: torch.nn.Module, rows: int, tokens: int, itemsize: int) ->
         if isinstance(module, torch.nn.Embedding):
             continue
         n_out, n_in = weight.shape  # nn.Linear's layout (GPT-2's Conv1D is the transpose: the same sum)
+        if module is head:
+            total += rows * tokens * n_in
+            continue
         total += rows * min(tokens * (n_in + n_out), n_in * n_out)
     return total * itemsize
 
@@ -176,12 +184,32 @@ def training_state_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def chunk_budget(model: torch.nn.Module, rows: int, tokens: int, completion_tokens: int, itemsize: int) -> int:
+def process_peak_bytes(device: torch.device) -> int:
+    """The most memory this process has held so far where the activations live: the accelerator's peak allocation,
+    or the peak RSS on a CPU (0 where unknown). At the first generation it counts the weights and generation."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            import resource
+            import sys
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+        except (ImportError, OSError):
+            return 0
+    return 0
+
+
+def chunk_budget(model: torch.nn.Module, rows: int, tokens: int, completion_tokens: int, itemsize: int,
+                 process_peak: int = 0) -> int:
     """What ``one_backward`` may keep per chunk under gradient checkpointing: what the checkpointed loss pass holds
-    for the micro-batch, plus a tenth of that and of the training state (:func:`training_state_bytes`), the margin
-    the memory goal allows (peak memory at most 1.1x GRPO's under the same checkpointing setting)."""
+    for the micro-batch, plus the margin the memory goal allows (peak memory at most 1.1x GRPO's under the same
+    checkpointing setting): a tenth of a lower bound on GRPO's peak, the larger of that pass plus the training state
+    (:func:`training_state_bytes`) and the process's peak so far (``process_peak``, :func:`process_peak_bytes`: a
+    GRPO step generates too)."""
     held = checkpointed_bytes(model, rows, tokens, completion_tokens, itemsize)
-    return held + (held + training_state_bytes(model)) // 10
+    return held + max(held + training_state_bytes(model), process_peak) // 10
 
 
 def chunk_rows(rows: int, group_size: int, kept_per_row: int, budget: int) -> int:

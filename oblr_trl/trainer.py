@@ -184,14 +184,15 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _decide_one_backward(self, batch: dict) -> None:
         """Under gradient checkpointing, ``one_backward``'s chunks: whole groups keeping at most what GRPO's
-        checkpointed loss pass holds for the micro-batch, plus the tenth the memory goal allows
-        (:func:`one_backward.chunk_budget`), the same on every rank. The automatic choice takes the two-pass path
+        checkpointed loss pass holds for the micro-batch, plus a tenth of a lower bound on GRPO's peak memory (the
+        margin the memory goal allows; :func:`one_backward.chunk_budget`), the same on every rank. The automatic choice takes the two-pass path
         where not even one group fits; ``one_backward=True`` then runs one group at a time. Logged once."""
         rows = min(batch["prompt_ids"].shape[0], self.args.per_device_train_batch_size)
         tokens = batch["prompt_ids"].shape[1] + self.max_completion_length
         itemsize = 2 if (self.args.bf16 or self.args.fp16) else 4
         kept = one_backward.kept_bytes(self.model, 1, tokens, itemsize)
-        budget = one_backward.chunk_budget(self.model, rows, tokens, self.max_completion_length, itemsize)
+        budget = one_backward.chunk_budget(self.model, rows, tokens, self.max_completion_length, itemsize,
+                                           one_backward.process_peak_bytes(self.accelerator.device))
         chunk = one_backward.chunk_rows(rows, self.num_generations, kept, budget)
         chunk = int(self.accelerator.gather(torch.tensor([chunk], device=self.accelerator.device)).min())
         if self._one_backward is None:
@@ -207,8 +208,8 @@ class OBLRPOTrainer(GRPOTrainer):
         logger.info(
             f"OBLR-PO (one_backward={self.args.one_backward}, gradient checkpointing on): one_backward keeps "
             f"~{rows * kept / 2**30:.2f} GiB per micro-batch of {rows} x {tokens} tokens against a budget of "
-            f"~{budget / 2**30:.2f} GiB (what GRPO's checkpointed pass holds, plus a tenth of it and of the training "
-            f"state): " + how
+            f"~{budget / 2**30:.2f} GiB (what GRPO's checkpointed pass holds, plus a tenth of a lower bound on GRPO's "
+            f"peak memory): " + how
         )
 
     @property

@@ -198,7 +198,7 @@ def test_chunk_rows_table():
     assert chunk_rows(12, 8, 10, 100) == 0  # a group spans ranks: no whole groups to chunk by
 
 
-def test_chunk_budget_is_the_checkpointed_pass_plus_a_tenth():
+def test_chunk_budget_is_the_checkpointed_pass_plus_a_tenth_of_a_lower_bound_on_grpos_peak():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from oblr_trl.one_backward import checkpointed_bytes, chunk_budget, training_state_bytes
@@ -214,6 +214,16 @@ def test_chunk_budget_is_the_checkpointed_pass_plus_a_tenth():
     assert training_state_bytes(model) == 4 * (frozen + 4 * (params - frozen))
     held = checkpointed_bytes(model, rows, tokens, completion, 2)
     assert chunk_budget(model, rows, tokens, completion, 2) == held + (held + training_state_bytes(model)) // 10
+    # a process that already peaked higher (generation, data) allows a tenth of that peak instead
+    assert chunk_budget(model, rows, tokens, completion, 2, process_peak=10**9) == held + 10**8
+
+
+def test_process_peak_bytes_is_at_least_what_was_just_allocated():
+    from oblr_trl.one_backward import process_peak_bytes
+
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert process_peak_bytes(torch.device("cpu")) >= block.numel() * 4
+    assert process_peak_bytes(torch.device("meta")) == 0
 
 
 def test_kept_bytes_counts_each_trainable_layer_once():
@@ -227,6 +237,20 @@ def test_kept_bytes_counts_each_trainable_layer_once():
     assert kept_bytes(model, rows, tokens, itemsize=4) == 3 * (200 + 200) * 4
     # long sequences: per-sample gradients are smaller than the activations
     assert kept_bytes(model, rows, 1000, itemsize=2) == 3 * (256 + 256) * 2
+
+
+def test_kept_bytes_counts_the_lm_head_by_its_input():
+    """The head's output gradient (vocabulary-wide) is formed again in chunks, never kept: only its input counts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oblr_trl.one_backward import kept_bytes
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=500))
+    rows, tokens = 2, 5
+    layer = sum(min(tokens * sum(m.weight.shape), m.weight.numel()) for m in model.model.layers[0].modules()
+                if isinstance(m, torch.nn.Linear))
+    assert kept_bytes(model, rows, tokens, itemsize=4) == rows * (layer + tokens * 16) * 4
 
 
 def test_one_backward_option_parses_as_a_three_way_flag():
