@@ -105,3 +105,20 @@ def test_bad_cells_are_refused():
     with pytest.raises(SystemExit, match="METHOD:LR"):
         module().parse_cells(["PPO:1e-3"])
     assert module().parse_cells(["GRPO:1e-4,3e-3", "RLOO:auto"]) == [("GRPO", "1e-4"), ("GRPO", "3e-3"), ("RLOO", "auto")]
+
+
+def test_a_run_in_flight_is_recognised_by_its_output_dir(tmp_path):
+    rc = module()
+    out = tmp_path / "OBLR-PO_lr0.001" / "seed0"
+    assert rc.is_running(out, [str(out), ""])
+    assert not rc.is_running(out, [str(tmp_path / "OBLR-PO_lr0.001" / "seed1"), ""])
+    assert "OBLR-PO-per_step" in rc.METHODS and rc.METHODS["OBLR-PO-per_step"] == ["--snr_estimator", "per_step"]
+
+
+def test_step_cost_compares_each_kind_with_grpo_of_its_checkpointing_setting():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    step_cost = importlib.import_module("step_cost")
+    assert step_cost.grpo_of("default") == step_cost.grpo_of("one_backward") == "grpo"
+    assert step_cost.grpo_of("one_backward_no_ckpt") == step_cost.grpo_of("default_no_ckpt") == "grpo_no_ckpt"
+    assert set(step_cost.STEP_MODE) == set(step_cost.STEP_KINDS) - {"grpo", "grpo_no_ckpt"}
