@@ -391,7 +391,8 @@ def main():
         f"step, constant lr, format reward 0.2) for **{args.max_steps} steps** (the demo's default is 15: cut to fit "
         "the session), scored on the same 100 held-out problems: greedy, and 4 samples each at T=1. GRPO: "
         "trl.GRPOTrainer with scale_rewards='group'; RLOO: `--baseline mean --snr_lr false`; OPO: "
-        "`--grad_norm_estimator length --snr_lr false` (both with OBLR-PO's leave-one-out; no std scaling). "
+        "`--grad_norm_estimator length --snr_lr false` (both with OBLR-PO's leave-one-out; no std scaling); "
+        "OBLR-PO-per_step: `--snr_estimator per_step` (the paper's per-step SNR; the default is ema_soft). "
         + (f"RLOO and OPO run at OBLR-PO's mean applied lr at eta_max {args.default_lr:g} ({auto:.3g}): the same "
            "average step without the SNR factor. " if auto else "")
         + "The lr is eta_max for OBLR-PO; 'mean applied lr' is the lr the optimizer used, averaged over steps.",

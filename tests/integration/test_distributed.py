@@ -69,6 +69,16 @@ def test_one_backward_with_accumulation_on_two_ddp_processes_matches_one_process
     assert_one_backward_matches_one_process(one, two)
 
 
+def test_one_backward_in_chunks_on_two_ddp_and_fsdp2_processes_matches_one_process(tmp_path):
+    """one_backward under checkpointing in chunks of one group (4 rows of a rank's 8): each chunk's gradients added,
+    all-reduced (DDP) or reduce-scattered (FSDP2) as unchunked; the same step as one process with two passes."""
+    one = run(tmp_path, 1, 16, "fp32")
+    for mode in ("fp32+one_backward+chunk", "fsdp2+fp32+one_backward+chunk"):
+        two = run(tmp_path, 2, 8, mode)
+        assert two["gradient_checkpointing"] and two["chunk_rows"] == 4, mode
+        assert_one_backward_matches_one_process(one, two)
+
+
 def assert_one_backward_matches_one_process(one, two):
     """``two`` (2 processes, one_backward) took the same first step as ``one`` (1 process, two passes)."""
     assert two["one_backward"] and not one["one_backward"] and two["world_size"] == 2

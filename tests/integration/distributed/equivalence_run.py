@@ -112,7 +112,11 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 7}"}]} for i in range(64)])
     global DEGENERATE_FROM, NAN_FOR_EMPTY
     flags = set(mode.split("+"))
-    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2"}, mode
+    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk"}, mode
+    if "chunk" in flags:  # no budget: one_backward under checkpointing (on here) runs one group at a time
+        import oblr_trl.one_backward
+
+        oblr_trl.one_backward.chunk_budget = lambda *a: 0
     extra = {"bf16": False} if "fp32" in flags else {}
     if "ga2" in flags:  # two micro-batches per optimizer step, one generation batch for both
         extra["gradient_accumulation_steps"] = 2
@@ -173,6 +177,8 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
                 "applied_lrs": lrs_per_rank,  # per rank, per optimizer step, per param group
                 "fsdp": facts_per_rank,
                 "one_backward": bool(trainer.uses_one_backward),
+                "chunk_rows": trainer._oblr_chunk_rows,
+                "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
                 "param_abs_sum": param_sum,
             }, f)
 
