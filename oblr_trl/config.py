@@ -34,7 +34,7 @@ class OBLRPOConfig(GRPOConfig):
       scheduled learning rate and `SNR_t` is estimated from the step's own samples.
 
     `learning_rate` is eta_max, the largest step: the learning rate OBLR-PO would use if every sample's gradient agreed.
-    Each step uses `learning_rate x N SNR / (1 + N SNR)`, a fraction of it (0.07-0.12 on the tiny demo, 0.17-0.37 on
+    Each step uses `learning_rate x N SNR / (1 + N SNR)`, a fraction of it (0.07-0.12 on the tiny demo, 0.13-0.37 on
     SmolLM2-135M with LoRA), so the default is 1e-5, ten times GRPO's 1e-6: set it 3-10x the learning rate you would
     give GRPO. The SNR factor does not rescue a far larger one (on SmolLM2 both collapsed at 30x their best lr).
 
@@ -193,7 +193,7 @@ class OBLRPOConfig(GRPOConfig):
         metadata={
             "help": "eta_max, the largest step OBLR-PO takes: the learning rate it would use if every sample's "
             "gradient agreed. Each step uses learning_rate x N*SNR/(1+N*SNR), measured at 0.07-0.12 of it on the "
-            "tiny demo and 0.17-0.37 on SmolLM2-135M with LoRA (benchmarks/README.md), so the default 1e-5 (10x "
+            "tiny demo and 0.13-0.37 on SmolLM2-135M with LoRA (benchmarks/README.md), so the default 1e-5 (10x "
             "GRPO's 1e-6) lands at 1-4x GRPO's default; set it 3-10x the lr you would give GRPO (the SNR factor does "
             "not rescue a much larger one: at 30x its best lr OBLR-PO collapsed as GRPO did). oblr/lr_mean logs the "
             "mean applied lr."
