@@ -91,8 +91,8 @@ class OBLRPOConfig(GRPOConfig):
             into whole groups). Memory: it keeps each layer's input and output gradient (or, where smaller, its
             per-sample gradients) until the update is formed, as a backward without gradient checkpointing does.
             Under gradient checkpointing (TRL's default) it therefore runs each micro-batch in chunks of whole groups,
-            each keeping at most what GRPO's checkpointed loss pass holds for the whole micro-batch plus a tenth of
-            that and of the training state (estimated at the first generation from the batch's shape; same result,
+            each keeping at most what GRPO's checkpointed loss pass holds for the whole micro-batch plus a tenth of a
+            lower bound on GRPO's peak memory (estimated at the first generation from the batch's shape; same result,
             tested). The automatic choice follows the measurements (`benchmarks/README.md`): on a CPU, where it is
             faster, it takes it without gradient checkpointing, and with checkpointing where at least one group fits
             that budget (else the two-pass path, keeping checkpointing's savings); on a GPU, where it was measured no

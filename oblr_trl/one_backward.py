@@ -142,8 +142,7 @@ def kept_bytes(model: torch.nn.Module, rows: int, tokens: int, itemsize: int) ->
     formed again in vocabulary chunks, never held (:mod:`.grad_norms.engine`). ``itemsize``: the activations' bytes
     per element (2 under bf16 autocast, 4 in fp32).
     """
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = output_head(model)
     total = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -159,6 +158,12 @@ def kept_bytes(model: torch.nn.Module, rows: int, tokens: int, itemsize: int) ->
     return total * itemsize
 
 
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's LM head (``get_output_embeddings()``), or None where it has none."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if callable(get_head) else None
+
+
 def checkpointed_bytes(model: torch.nn.Module, rows: int, tokens: int, completion_tokens: int, itemsize: int) -> int:
     """What a loss pass under gradient checkpointing (GRPO's) holds for a micro-batch of ``rows x tokens``: each
     checkpointed layer's input (``rows * tokens * hidden``, ``itemsize`` bytes) and the float32 logits of the
@@ -166,10 +171,9 @@ def checkpointed_bytes(model: torch.nn.Module, rows: int, tokens: int, completio
     states once. An estimate of the same kind as :func:`kept_bytes`, for the budget of :func:`chunk_budget`."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    embeddings = model.get_input_embeddings()
-    vocab, hidden = embeddings.weight.shape
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and getattr(head, "weight", None) is not None:
+    vocab, hidden = model.get_input_embeddings().weight.shape
+    head = output_head(model)
+    if getattr(head, "weight", None) is not None:
         vocab = head.weight.shape[0]
     layers = max(1, sum(isinstance(m, GradientCheckpointingLayer) for m in model.modules()))
     return rows * (tokens * layers * hidden * itemsize + completion_tokens * vocab * 4)

@@ -185,8 +185,9 @@ class OBLRPOTrainer(GRPOTrainer):
     def _decide_one_backward(self, batch: dict) -> None:
         """Under gradient checkpointing, ``one_backward``'s chunks: whole groups keeping at most what GRPO's
         checkpointed loss pass holds for the micro-batch, plus a tenth of a lower bound on GRPO's peak memory (the
-        margin the memory goal allows; :func:`one_backward.chunk_budget`), the same on every rank. The automatic choice takes the two-pass path
-        where not even one group fits; ``one_backward=True`` then runs one group at a time. Logged once."""
+        margin the memory goal allows; :func:`one_backward.chunk_budget`), the same on every rank. The automatic
+        choice takes the two-pass path where not even one group fits; ``one_backward=True`` then runs one group at a
+        time. Logged once."""
         rows = min(batch["prompt_ids"].shape[0], self.args.per_device_train_batch_size)
         tokens = batch["prompt_ids"].shape[1] + self.max_completion_length
         itemsize = 2 if (self.args.bf16 or self.args.fp16) else 4
@@ -404,18 +405,18 @@ class OBLRPOTrainer(GRPOTrainer):
         loss value as a leaf: its backward is a no-op.
         """
         n = batch["oblr_row"].shape[0]
-        order = torch.argsort(batch["oblr_row"])  # undo TRL's shuffle: a group's rows are consecutive again
-        batch = {k: v[order] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v for k, v in batch.items()}
+
+        def rows(batch: dict, index) -> dict:  # the batch's per-row tensors at ``index``, the rest as they are
+            return {k: v[index] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v
+                    for k, v in batch.items()}
+
+        batch = rows(batch, torch.argsort(batch["oblr_row"]))  # undo TRL's shuffle: a group's rows are consecutive
         unit = self._unit(n)
         coefficients = self._loss_coefficients(batch)  # of the whole micro-batch (a token-mean spans it)
         chunk = self._oblr_chunk_rows or n  # whole groups (see _decide_one_backward), the same on every rank
         metrics_of = []
         loss = sum(
-            self._one_backward_chunk(
-                {k: v[s : s + chunk] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v
-                 for k, v in batch.items()},
-                coefficients[s : s + chunk], unit, metrics_of,
-            )
+            self._one_backward_chunk(rows(batch, slice(s, s + chunk)), coefficients[s : s + chunk], unit, metrics_of)
             for s in range(0, n, chunk)
         )
         rewards, baseline, weights, num_fallback, num_clipped = zip(*metrics_of)
