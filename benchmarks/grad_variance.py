@@ -54,6 +54,7 @@ sys.path.insert(0, HERE)
 from harness import host, host_id, utc_now  # noqa: E402
 
 from oblr_trl import gradient_weighted_baseline, mean_baseline  # noqa: E402
+from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs  # noqa: E402
 from oblr_trl.tasks import make_dataset, make_reward_func  # noqa: E402
 from oblr_trl.tiny import load_or_build_warm_model  # noqa: E402
 
@@ -65,7 +66,7 @@ TASKS = {
 # kwargs passed to load_or_build_warm_model (its cache key): chain_sum's are oblr_trl.tasks' defaults, passed
 # implicitly so that the demo's cached warm model is the one measured.
 WARM_KWARGS = {"chain_sum": {}, "basic_arithmetic": TASKS["basic_arithmetic"]}
-METHODS = ["reinforce", "grpo", "dr_grpo", "rloo", "opo", "opo_loo", "oblr", "oblr_loo", "oracle"]
+METHODS = ["reinforce", "grpo", "dr_grpo", "rloo", "opo", "opo_loo", "logit", "logit_loo", "oblr", "oblr_loo", "oracle"]
 LABELS = {
     "reinforce": "REINFORCE (no baseline)",
     "grpo": "GRPO (mean, /std)",
@@ -73,14 +74,19 @@ LABELS = {
     "rloo": "RLOO (leave-one-out mean)",
     "opo": "OPO (w=|o|, plain)",
     "opo_loo": "OPO (w=|o|, leave-one-out)",
+    "logit": "logit proxy (w=sum_t(1-2pi_t+sum pi^2), plain)",
+    "logit_loo": "logit proxy (leave-one-out)",
     "oblr": "OBLR-PO (w=||s||^2, plain)",
     "oblr_loo": "OBLR-PO (w=||s||^2, leave-one-out; default)",
     "oracle": "oracle optimal baseline (E[wr]/E[w] from all samples)",
 }
 
 
-def advantages(method: str, r: torch.Tensor, w: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Advantages ``(K, G)`` of ``method`` for K groups of G rewards ``r``; ``w`` = ||s||^2, ``lengths`` = |o|."""
+def advantages(
+    method: str, r: torch.Tensor, w: torch.Tensor, lengths: torch.Tensor, proxy: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Advantages ``(K, G)`` of ``method`` for K groups of G rewards ``r``; ``w`` = ||s||^2, ``lengths`` = |o|,
+    ``proxy`` = the forward-only logit proxy of ||s||^2 (``oblr_trl.estimators.logit_proxy_weights``)."""
     K, G = r.shape
     flat = r.reshape(-1)
     if method == "reinforce":
@@ -93,6 +99,8 @@ def advantages(method: str, r: torch.Tensor, w: torch.Tensor, lengths: torch.Ten
         return r - mean_baseline(flat, None, G, True)[0].view(K, G)
     if method in ("opo", "opo_loo"):
         return r - gradient_weighted_baseline(flat, lengths.reshape(-1), G, method == "opo_loo")[0].view(K, G)
+    if method in ("logit", "logit_loo"):
+        return r - gradient_weighted_baseline(flat, proxy.reshape(-1), G, method == "logit_loo")[0].view(K, G)
     if method in ("oblr", "oblr_loo"):
         return r - gradient_weighted_baseline(flat, w.reshape(-1), G, method == "oblr_loo")[0].view(K, G)
     if method == "oracle":
@@ -101,13 +109,16 @@ def advantages(method: str, r: torch.Tensor, w: torch.Tensor, lengths: torch.Ten
     raise ValueError(method)
 
 
-def completion_score(model, params, prompt_ids: list[int], completion: list[int]) -> torch.Tensor:
-    """Flattened grad_theta of sum_t log pi(o_t | q, o_<t) for one completion (float64)."""
+def completion_score(model, params, prompt_ids: list[int], completion: list[int]) -> tuple[torch.Tensor, float]:
+    """Flattened grad_theta of sum_t log pi(o_t | q, o_<t) for one completion (float64), and the forward-only logit
+    proxy of its squared norm from the same forward (what ``grad_norm_estimator="logit"`` uses)."""
     ids = torch.tensor([prompt_ids + completion])
     logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids) :, None]).sum()
-    grads = torch.autograd.grad(logp, params, allow_unused=True)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]).double()
+    token_logps = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids) :, None])[:, 0]
+    proxy = logit_proxy_weights(token_logps[None].detach(), token_log_sum_sq_probs(logits.detach())[None], torch.ones(1, len(completion)))
+    grads = torch.autograd.grad(token_logps.sum(), params, allow_unused=True)
+    score = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]).double()
+    return score, float(proxy[0])
 
 
 def sample_prompt(model, tokenizer, prompt, n: int, max_new_tokens: int) -> tuple[list[int], list[list[int]], list[str]]:
@@ -140,6 +151,26 @@ def sample_prompt(model, tokenizer, prompt, n: int, max_new_tokens: int) -> tupl
     return prompt_ids, completions, texts
 
 
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Spearman rank correlation of two 1-D tensors (average ranks for ties); None below 3 points or for a constant."""
+    if a.numel() < 3:
+        return None
+
+    def ranks(x):
+        order = torch.argsort(x)
+        r = torch.empty_like(x, dtype=torch.float64)
+        r[order] = torch.arange(len(x), dtype=torch.float64)
+        for v in torch.unique(x):  # ties share their mean rank
+            tie = x == v
+            r[tie] = r[tie].mean()
+        return r
+
+    ra, rb = ranks(a.double()), ranks(b.double())
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = (ra.norm() * rb.norm()).item()
+    return float((ra @ rb) / denom) if denom > 0 else None
+
+
 def gram_stats(gram: torch.Tensor, idx: torch.Tensor | None = None) -> tuple[float, float]:
     """(tr Cov, ||mean||^2) of K vectors from their Gram matrix (optionally a resample ``idx`` of them)."""
     if idx is not None:
@@ -170,26 +201,33 @@ def run_task(task: str, args, generator: torch.Generator) -> dict:
         r = torch.tensor(rewards, dtype=torch.float64).view(K, G)
         # distinct completions -> exact score vectors U (n_unique, D); sample i is row index[i] of U
         cache: dict[tuple, int] = {}
-        unique, index = [], []
+        unique, proxies, index = [], [], []
         for c in completions:
             key = tuple(c)
             if key not in cache:
                 cache[key] = len(unique)
-                unique.append(completion_score(model, params, prompt_ids, c))
+                score, proxy = completion_score(model, params, prompt_ids, c)
+                unique.append(score)
+                proxies.append(proxy)
             index.append(cache[key])
         U = torch.stack(unique)  # float64
         UU = U @ U.T
         index = torch.tensor(index)
         w = torch.diagonal(UU)[index].view(K, G)
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64).view(K, G)
+        proxy = torch.tensor(proxies, dtype=torch.float64)[index].view(K, G)
         # g_k = sum_i (A_ki / G) s_ki = C_k U with C (K, n_unique): Grams and means without materialising g
         coeffs = {}
         for m in METHODS:
-            A = advantages(m, r, w, lengths)  # (K, G)
+            A = advantages(m, r, w, lengths, proxy)  # (K, G)
             C = torch.zeros(K, len(unique), dtype=torch.float64)
             C.scatter_add_(1, index.view(K, G), A / G)
             coeffs[m] = C
+        exact_unique = torch.diagonal(UU)
+        lengths_unique = torch.tensor([float(len(c)) for c in cache], dtype=torch.float64)
         entry = {
+            "spearman_logit": spearman(torch.tensor(proxies, dtype=torch.float64), exact_unique),
+            "spearman_length": spearman(lengths_unique, exact_unique),
             "mean_reward": float(r.mean()),
             "mixed_groups": float(((r.max(1).values - r.min(1).values) > 0).double().mean()),
             "distinct_completions": len(cache),
@@ -229,6 +267,9 @@ def summarize(task, per_prompt, args, generator, seconds, dim) -> dict:
     ww = [e["w_mean_wrong"] for e in per_prompt if e["w_mean_wrong"] is not None]
     result["w_mean_correct"] = sum(wc) / len(wc) if wc else None
     result["w_mean_wrong"] = sum(ww) / len(ww) if ww else None
+    for key in ("spearman_logit", "spearman_length"):
+        vals = [e[key] for e in per_prompt if e[key] is not None]
+        result[key] = sum(vals) / len(vals) if vals else None
     if not informative:
         result["note"] = "all-zero (or all-equal) rewards on every prompt: no gradient signal, task dropped"
         return result
@@ -327,7 +368,9 @@ def write_markdown(results, args, path, command, seconds):
             "",
             f"Mean reward {res['mean_reward']:.3f}; groups with mixed rewards {res['mixed_group_fraction']:.2f}; "
             f"prompts with any signal {res['prompts_with_signal']}/{res['prompts']}; mean ||s||^2 of correct "
-            f"completions {fmt(res['w_mean_correct'])}, of wrong ones {fmt(res['w_mean_wrong'])}; {res['seconds']:.0f} s.",
+            f"completions {fmt(res['w_mean_correct'])}, of wrong ones {fmt(res['w_mean_wrong'])}; Spearman rank "
+            f"correlation with the exact ||s||^2 over a prompt's distinct completions (mean over prompts): logit proxy "
+            f"{fmt(res.get('spearman_logit'), 2)}, length {fmt(res.get('spearman_length'), 2)}; {res['seconds']:.0f} s.",
             "",
         ]
         if not res["methods"]:

@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from grad_variance import gram_stats  # noqa: E402
+from grad_variance import gram_stats, spearman  # noqa: E402
 
 from oblr_trl import gradient_weighted_baseline, mean_baseline  # noqa: E402
 from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs  # noqa: E402
@@ -79,13 +79,6 @@ def advantages(method: str, r: torch.Tensor, weights: dict[str, torch.Tensor]) -
         return r - mean_baseline(flat, None, G, True)[0].view(K, G)
     source, loo = method.removesuffix("_loo"), method.endswith("_loo")
     return r - gradient_weighted_baseline(flat, weights[source].reshape(-1), G, loo)[0].view(K, G)
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra = a.argsort().argsort().double()
-    rb = b.argsort().argsort().double()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm() + 1e-30))
 
 
 def score_and_proxy(model, params, prompt_ids: list[int], completion: list[int]) -> tuple[torch.Tensor, float, float]:

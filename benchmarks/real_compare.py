@@ -13,6 +13,7 @@ Methods (the lr is GRPO's / RLOO's / OPO's learning rate, OBLR-PO's eta_max):
   RLOO     --baseline mean --snr_lr false
   OPO      --grad_norm_estimator length --snr_lr false
   OBLR-PO-per_step  --snr_estimator per_step (the paper's per-step SNR estimate; the default is ema_soft)
+  OBLR-PO-logit     --grad_norm_estimator logit (forward-only logit-proxy weights instead of the exact norms)
 An lr of ``auto`` is OBLR-PO's measured mean applied lr at its default eta_max (``--default_lr``), read from those
 runs' summary.json once all their seeds have finished: the same average step, without the SNR factor.
 
@@ -49,6 +50,7 @@ METHODS = {
     "RLOO": ["--baseline", "mean", "--snr_lr", "false"],
     "OPO": ["--grad_norm_estimator", "length", "--snr_lr", "false"],
     "OBLR-PO-per_step": ["--snr_estimator", "per_step"],  # the paper's per-step SNR instead of the default ema_soft
+    "OBLR-PO-logit": ["--grad_norm_estimator", "logit"],  # verl's forward-only proxy weights instead of exact norms
 }
 WITHIN_PTS = 2.0
 
@@ -392,7 +394,8 @@ def main():
         "the session), scored on the same 100 held-out problems: greedy, and 4 samples each at T=1. GRPO: "
         "trl.GRPOTrainer with scale_rewards='group'; RLOO: `--baseline mean --snr_lr false`; OPO: "
         "`--grad_norm_estimator length --snr_lr false` (both with OBLR-PO's leave-one-out; no std scaling); "
-        "OBLR-PO-per_step: `--snr_estimator per_step` (the paper's per-step SNR; the default is ema_soft). "
+        "OBLR-PO-per_step: `--snr_estimator per_step` (the paper's per-step SNR; the default is ema_soft); "
+        "OBLR-PO-logit: `--grad_norm_estimator logit` (the forward-only logit-proxy weights; the default is exact). "
         + (f"RLOO and OPO run at OBLR-PO's mean applied lr at eta_max {args.default_lr:g} ({auto:.3g}): the same "
            "average step without the SNR factor. " if auto else "")
         + "The lr is eta_max for OBLR-PO; 'mean applied lr' is the lr the optimizer used, averaged over steps.",

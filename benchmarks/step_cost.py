@@ -721,7 +721,7 @@ def parse_args(argv=None):
     if args.step_configs is None:
         args.step_configs = ["tiny:256", "small:256"] if quick else ["tiny:64", "tiny:256", "tiny:1024", "small:64",
                                                                      "small:256"]
-    args.step_kinds = args.step_kinds or (["grpo", "two_pass", "one_backward"] if quick else list(STEP_KINDS))
+    args.step_kinds = args.step_kinds or (["grpo", "two_pass", "one_backward", "default"] if quick else list(STEP_KINDS))
     args.tag = args.tag or ("step_cost" if quick or args.out_dir != HERE / "results" else "step_cost_full")
     if args.threads is None:
         cpus = len(os.sched_getaffinity(0))
