@@ -201,7 +201,8 @@ def plot(table: dict, path: Path, title: str) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4.5), layout="constrained")
-    colors = dict(zip(METHODS, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")))
+    palette = ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive")
+    colors = {method: palette[i % len(palette)] for i, method in enumerate(METHODS)}
     for ax, label in zip(fig.subplots(1, 2), ("greedy", "sampled")):
         for method in METHODS:
             mine = [c for c in table["cells"] if c["method"] == method]

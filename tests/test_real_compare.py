@@ -101,6 +101,15 @@ def test_no_run_mode_reads_summaries_lists_missing_cells_and_plots(tmp_path, mon
     assert json.loads(out.with_suffix(".json").read_text())["answers"]["greedy"]["verdict"] == "loses to"
 
 
+def test_every_method_is_plotted(tmp_path):
+    rc = module()
+    cells = [dict(method=m, lr=lr, greedy=dict(mean=10.0 + i, min=9.0, max=12.0 + i),
+                  sampled=dict(mean=5.0 + i, min=4.0, max=6.0 + i), mean_applied_lr=lr / 5)
+             for i, m in enumerate(rc.METHODS) for lr in (1e-4, 1e-3)]
+    rc.plot({"cells": cells, "before": dict(greedy=6.5, sampled=1.6)}, tmp_path / "all.png", "every method")
+    assert (tmp_path / "all.png").stat().st_size > 10_000
+
+
 def test_bad_cells_are_refused():
     with pytest.raises(SystemExit, match="METHOD:LR"):
         module().parse_cells(["PPO:1e-3"])
