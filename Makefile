@@ -52,10 +52,11 @@ test-floors:
 	$(FLOORS_VENV)/bin/python -m pytest -q tests/test_loss_terms.py tests/test_trainer.py tests/integration/test_drop_in.py tests/test_one_backward.py
 
 # Quick modes, about 15 minutes on 2 CPU cores in all; drop --quick for the full runs (see benchmarks/README.md).
+# compare.py trains afresh into outputs/ (the committed run folder also holds the 5-seed table's runs).
 bench: install
 	$(PY) benchmarks/step_cost.py --quick
 	$(PY) benchmarks/grad_variance.py --quick
-	$(PY) benchmarks/compare.py --quick
+	$(PY) benchmarks/compare.py --quick --fresh --run_dir outputs/bench_compare_runs_quick
 	$(PY) benchmarks/update_readme.py
 
 clean:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -370,6 +371,8 @@ def main(argv=None):
     os.makedirs(args.run_dir, exist_ok=True)
     src = os.path.join(args.run_dir, "_src")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    if args.fresh and not args.no_run and os.path.isdir(src):  # fresh runs measure today's code, not the snapshot's
+        shutil.rmtree(src)
     if not os.path.isdir(os.path.join(src, "oblr_trl")):
         os.makedirs(src, exist_ok=True)
         archive = subprocess.run(["git", "archive", "HEAD", "oblr_trl"], cwd=ROOT, capture_output=True, check=True).stdout
