@@ -35,8 +35,9 @@ class OBLRPOConfig(GRPOConfig):
 
     `learning_rate` is eta_max, the largest step: the learning rate OBLR-PO would use if every sample's gradient agreed.
     Each step uses `learning_rate x N SNR / (1 + N SNR)`, a fraction of it (0.07-0.12 on the tiny demo, 0.13-0.37 on
-    SmolLM2-135M with LoRA), so the default is 1e-5, ten times GRPO's 1e-6: set it 3-10x the learning rate you would
-    give GRPO. The SNR factor does not rescue a far larger one (on SmolLM2 both collapsed at 30x their best lr).
+    SmolLM2-135M with LoRA, at 8 prompts per step). Set it about twice the learning rate you would give GRPO: on
+    SmolLM2 the best eta_max was 1.8x GRPO's best lr, and 10x did not learn; the default is 2e-6, twice GRPO's 1e-6.
+    The SNR factor does not rescue a far larger one (on SmolLM2 both collapsed at 5-30x their best lr).
 
     Defaults differ from `GRPOConfig` where the paper's theory requires it: `scale_rewards="none"` (std scaling biases
     the gradient), `beta=0.0` and `num_iterations=1` (on-policy, unbiased updates).
@@ -189,14 +190,14 @@ class OBLRPOConfig(GRPOConfig):
 
     # ---- issue 18: eta_max ----
     learning_rate: float = field(
-        default=1e-5,
+        default=2e-6,
         metadata={
             "help": "eta_max, the largest step OBLR-PO takes: the learning rate it would use if every sample's "
             "gradient agreed. Each step uses learning_rate x N*SNR/(1+N*SNR), measured at 0.07-0.12 of it on the "
-            "tiny demo and 0.13-0.37 on SmolLM2-135M with LoRA (benchmarks/README.md), so the default 1e-5 (10x "
-            "GRPO's 1e-6) lands at 1-4x GRPO's default; set it 3-10x the lr you would give GRPO (the SNR factor does "
-            "not rescue a much larger one: at 30x its best lr OBLR-PO collapsed as GRPO did). oblr/lr_mean logs the "
-            "mean applied lr."
+            "tiny demo and 0.13-0.37 on SmolLM2-135M with LoRA at 8 prompts per step (benchmarks/README.md). Set it "
+            "about twice the lr you would give GRPO (on SmolLM2 the best eta_max was 1.8x GRPO's best lr; 10x did not "
+            "learn, and the SNR factor does not rescue a far larger one); the default 2e-6 is twice GRPO's 1e-6. "
+            "oblr/lr_mean logs the mean applied lr."
         },
     )
     # ---- end issue 18 ----

@@ -52,3 +52,10 @@ def test_upgrade_keeps_every_grpo_option():
     assert upgrade_config(oblr) is oblr
     with pytest.warns(UserWarning, match="scale_rewards='none'"):
         assert upgrade_config(GRPOConfig(**common_args())).scale_rewards == "none"
+
+
+def test_default_eta_max_is_twice_grpos_default_lr():
+    """issue 18: eta_max defaults to about twice the lr a GRPO user would use (SmolLM2's best ratio was 1.8x)."""
+    default = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}["learning_rate"]
+    grpo_default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["learning_rate"]
+    assert default == pytest.approx(2 * grpo_default) and default == pytest.approx(2e-6)
