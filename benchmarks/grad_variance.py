@@ -115,10 +115,12 @@ def completion_score(model, params, prompt_ids: list[int], completion: list[int]
     ids = torch.tensor([prompt_ids + completion])
     logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float()
     token_logps = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids) :, None])[:, 0]
-    proxy = logit_proxy_weights(token_logps[None].detach(), token_log_sum_sq_probs(logits.detach())[None], torch.ones(1, len(completion)))
+    proxy = logit_proxy_weights(
+        token_logps[None].detach(), token_log_sum_sq_probs(logits.detach())[None], torch.ones(1, len(completion))
+    )
     grads = torch.autograd.grad(token_logps.sum(), params, allow_unused=True)
-    score = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]).double()
-    return score, float(proxy[0])
+    score = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)])
+    return score.double(), float(proxy[0])
 
 
 def sample_prompt(model, tokenizer, prompt, n: int, max_new_tokens: int) -> tuple[list[int], list[list[int]], list[str]]:
