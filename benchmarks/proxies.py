@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from grad_variance import gram_stats, spearman  # noqa: E402
+from grad_variance import completion_score, gram_stats, spearman  # noqa: E402
 
 from oblr_trl import gradient_weighted_baseline, mean_baseline  # noqa: E402
 from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs  # noqa: E402
@@ -81,23 +81,9 @@ def advantages(method: str, r: torch.Tensor, weights: dict[str, torch.Tensor]) -
     return r - gradient_weighted_baseline(flat, weights[source].reshape(-1), G, loo)[0].view(K, G)
 
 
-def score_and_proxy(model, params, prompt_ids: list[int], completion: list[int]) -> tuple[torch.Tensor, float, float]:
-    """(LoRA-space score vector s_i (float32), logit proxy, seconds of the forward) for one completion."""
-    ids = torch.tensor([prompt_ids + completion])
-    t0 = time.perf_counter()
-    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float()
-    logps = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids):, None])[:, 0]
-    with torch.no_grad():
-        proxy = logit_proxy_weights(logps[None].detach(), token_log_sum_sq_probs(logits.detach())[None],
-                                    torch.ones(1, len(completion)))
-    forward_s = time.perf_counter() - t0
-    grads = torch.autograd.grad(logps.sum(), params)
-    return torch.cat([g.reshape(-1) for g in grads]).float(), float(proxy), forward_s
-
-
 def lora_b_modules(model) -> list[torch.nn.Module]:
     """The LoRA B linears of a peft model, in the order of ``named_parameters`` (so their flattened weight gradients
-    line up with :func:`score_and_proxy`'s ``params``)."""
+    line up with :func:`grad_variance.completion_score`'s ``params``)."""
     return [m for n, m in model.named_modules() if n.split(".")[-2:-1] == ["lora_B"] and hasattr(m, "weight")]
 
 
@@ -366,7 +352,7 @@ def main():
             errs, one_s = [], 0.0
             for u in order[: args.check]:
                 t0 = time.perf_counter()
-                s1, p1, _ = score_and_proxy(model, params, prompt_ids, list(unique[u]))
+                s1, p1 = completion_score(model, params, prompt_ids, list(unique[u]))
                 one_s += time.perf_counter() - t0
                 errs.append(max(float((U[u] - s1).norm() / s1.norm()), abs(float(proxy[u]) - p1) / abs(p1)))
             n = min(args.check, len(unique))

@@ -38,12 +38,12 @@ def test_batched_scores_equal_one_at_a_time_autograd():
     S, proxy, fwd, bwd = proxies.batched_scores(model, modules, prompt, completions)
     assert S.shape == (4, sum(p.numel() for p in params)) and fwd > 0 and bwd > 0
     for i, c in enumerate(completions):
-        s, p, _ = proxies.score_and_proxy(model, params, prompt, c)
+        s, p = proxies.completion_score(model, params, prompt, c)  # one at a time, plain autograd
         assert s.norm() > 0
         assert (S[i] - s).norm() <= 1e-4 * s.norm(), i
         assert abs(float(proxy[i]) - p) <= 1e-4 * abs(p), i
     # the per-sequence gradients sum to the batch gradient (a second, independent check of the hook bookkeeping)
-    total = sum(proxies.score_and_proxy(model, params, prompt, c)[0] for c in completions)
+    total = sum(proxies.completion_score(model, params, prompt, c)[0] for c in completions)
     assert (S.sum(0) - total).norm() <= 1e-4 * total.norm()
 
 
