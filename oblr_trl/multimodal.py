@@ -57,13 +57,13 @@ def dataset_has_images(dataset) -> bool:
 def refuse_trainable_vision(model, dataset) -> None:
     """At construction: a dataset with images and a trainable module outside the text decoder (a vision tower) is
     refused, naming the modules, with the advice (freeze the tower) that makes the norms exact."""
-    from .grad_norms.engine import unwrap_causal_lm
+    from .grad_norms.lm import output_head, unwrap_causal_lm
     from .grad_norms.support import refuse_outside_decoder
 
     if not dataset_has_images(dataset):
         return
     lm = unwrap_causal_lm(model)
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    head = output_head(lm)
     trainable = [m for m in getattr(lm, "base_model", lm).modules()
                  if m is not head and any(p.requires_grad for p in m.parameters(recurse=False))]
     refuse_outside_decoder(lm, trainable, {"pixel_values": None})

@@ -11,7 +11,8 @@ from .engine import (
     unwrap_causal_lm,
 )
 from .rules import GRAD_NORM_RULES, register_grad_norm_rule
-from .support import Unsupported, UnsupportedModulesError, validate
+from .coverage import validate
+from .support import Unsupported, UnsupportedModulesError
 
 __all__ = [
     "GRAD_NORM_RULES",

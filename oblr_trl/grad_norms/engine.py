@@ -33,19 +33,12 @@ from .factors import (
 from . import factors, generic
 from .experts import call_usages, routed_forwards
 from .rules import find_rule
-from .support import _text_config, refuse_outside_decoder, validate
+from .coverage import check_once, functional_owners
+from .lm import output_head, text_config as _text_config, unwrap_causal_lm
+from .support import UnsupportedModulesError, coverage_plan, refuse_outside_decoder
 
 
 Slot = tuple[nn.Module, str]  # a parameter, as (owning module, attribute name)
-
-
-def unwrap_causal_lm(model: nn.Module) -> nn.Module:
-    """The ``*ForCausalLM`` module under DDP/Accelerate and PEFT wrappers."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "get_base_model"):
-        model = model.module  # DistributedDataParallel
-    if hasattr(model, "get_base_model"):  # peft.PeftModel
-        model = model.get_base_model()
-    return model
 
 
 def _logit_scale(lm: nn.Module) -> float:
@@ -230,23 +223,22 @@ def _capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed_la
         )
 
 
-def _hooked_modules(backbone: nn.Module, skip: nn.Module | None, lm: nn.Module | None = None
-                    ) -> tuple[list[nn.Module], set[nn.Module]]:
-    """The trainable modules to hook, and those of them taken by the per-row path (:mod:`.generic`). Refuses, listing
-    every unsupported module at once (:func:`~.support.validate`)."""
-    from .support import how_handled
+def _hooked_modules(lm: nn.Module) -> tuple[list[nn.Module], set[nn.Module], dict[nn.Module, tuple[str, ...]]]:
+    """The trainable modules of ``lm``'s backbone to hook, those of them whose whole call is recorded (per-row and
+    routed paths), and the parameters each borrows from descendants that use them functionally (dotted names). Refuses,
+    listing every unsupported module at once."""
+    covered, unsupported = coverage_plan(lm, functional_owners(lm))
+    if unsupported:
+        raise UnsupportedModulesError(unsupported)
+    modules = [c.module for c in covered]
+    whole_call = {c.module for c in covered if c.how in ("per-row", "routed")}
+    return modules, whole_call, {c.module: c.borrowed for c in covered if c.borrowed}
 
-    modules, per_row = [], set()
-    for module in backbone.modules():
-        if module is skip or not any(p.requires_grad for p in module.parameters(recurse=False)):
-            continue
-        how = how_handled(module)
-        if how is None:
-            validate(lm if lm is not None else backbone)  # raises, naming every unsupported module
-        if how in ("per-row", "routed"):  # the whole call recorded
-            per_row.add(module)
-        modules.append(module)
-    return modules, per_row
+
+def _slot(module: nn.Module, name: str) -> Slot:
+    """A parameter's slot from its name relative to ``module`` (dotted for a descendant's)."""
+    prefix, _, leaf = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), leaf
 
 
 def _plain(param: torch.Tensor, lm: nn.Module) -> torch.Tensor:
@@ -462,7 +454,8 @@ def per_sequence_grads(
     usages: dict[Slot, list[Usage]] = defaultdict(list)
     if batch == 0 or not any(p.requires_grad for p in lm.parameters()):
         return PerSequenceGradients(usages, batch, input_ids.device)
-    head = lm.get_output_embeddings()
+    check_once(model)  # every trainable parameter accounted for (a probe, once per model): else refused by name
+    head = output_head(lm)
     if not isinstance(head, nn.Linear):
         raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
     backbone = lm.base_model
@@ -472,7 +465,7 @@ def per_sequence_grads(
     half = torch.is_autocast_enabled(device_type) and device_type in factors.HALF_OPERAND_DEVICES
     head_dtype = torch.get_autocast_dtype(device_type) if half else None
     softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
-    hooked, per_row = _hooked_modules(backbone, skip=head, lm=lm)
+    hooked, per_row, borrowed = _hooked_modules(lm)
     if model_inputs:  # images: the modules that see them (a vision tower) have rows that are not the sequences
         refuse_outside_decoder(lm, hooked, model_inputs)
     checkpointed = _checkpointed_layers(backbone)
@@ -481,10 +474,9 @@ def per_sequence_grads(
     # embedding and head share one slot.
     slot_of: dict[Slot, Slot] = {}
     first_owner: dict[int, Slot] = {}
-    for module in hooked + [head]:
-        for name, p in module.named_parameters(recurse=False):
-            if p.requires_grad:
-                slot_of[(module, name)] = first_owner.setdefault(id(p), (module, name))
+    own = [(m, n) for m in hooked + [head] for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+    for slot in own + [_slot(m, n) for m, names in borrowed.items() for n in names]:
+        slot_of[slot] = first_owner.setdefault(id(getattr(*slot)), slot)
     owners = Counter(slot_of.values())
     sharing = {module for (module, _), slot in slot_of.items() if owners[slot] > 1}
     streamed, self_done = None, set()
@@ -568,9 +560,15 @@ def per_sequence_grads(
     for record in records:
         if isinstance(record.activation, generic.Call):
             if any(g is not None for g in record.output_grad):
-                for name, usage in call_usages(record.module, record.activation, record.output_grad,
-                                               batch).items():
-                    usages[slot_of[(record.module, name)]].append(usage)
+                module = record.module
+                if module in borrowed:  # its own parameters and those it uses functionally, row by row
+                    names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+                    found = generic.per_row_usages(module, record.activation, record.output_grad, batch,
+                                                   names + list(borrowed[module]))
+                else:
+                    found = call_usages(module, record.activation, record.output_grad, batch)
+                for name, usage in found.items():
+                    usages[slot_of[_slot(module, name)]].append(usage)
             continue
         if record.output_grad is None:  # streamed, a recomputation under gradient checkpointing, or an unused output
             continue

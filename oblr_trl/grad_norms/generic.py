@@ -87,10 +87,13 @@ def trainable_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
 
 
-def per_row_usages(module: nn.Module, call: Call, output_grads: list, batch: int) -> dict[str, Materialized]:
-    """``{name: Materialized((B, *shape))}``: each sequence's gradient of its own parameters, from a re-run per row."""
-    names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-    params = [getattr(module, n) for n in names]
+def per_row_usages(module: nn.Module, call: Call, output_grads: list, batch: int,
+                   names: list[str] | None = None) -> dict[str, Materialized]:
+    """``{name: Materialized((B, *shape))}``: each sequence's gradient of the module's own trainable parameters (or of
+    ``names``, relative to it, dotted for a descendant's parameter it uses functionally), from a re-run per row."""
+    if names is None:
+        names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    params = [module.get_parameter(n) for n in names]
     lead = call.outputs[0].shape[0] if call.outputs[0].dim() else 0
     flattened = lead != batch and call.outputs[0].dim() <= 2  # (B*T, d) token lists; never a 3-D (T, B, d)
     if lead == 0 or (lead != batch and not (flattened and lead % batch == 0)):

@@ -9,6 +9,8 @@ differentiates. A module that computes anything else gets no rule from here.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -33,7 +35,22 @@ def _eps(module: nn.Module) -> float | None:
     return None
 
 
+def _single_input(module: nn.Module) -> bool:
+    """Whether the forward takes one input and nothing else that could change its result (a gated norm's
+    ``forward(hidden_states, gate=None)`` computes ``norm(x * silu(gate))`` when given a gate, which a probe on ``x``
+    alone cannot see)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_POSITIONAL,
+             inspect.Parameter.KEYWORD_ONLY)
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return sum(p.kind in kinds for p in params) == 1
+
+
 def _norm_rule(module: nn.Module) -> Rule | None:
+    if not _single_input(module):
+        return None
     params = _own_trainable(module)
     weight = params.get("weight")
     if set(params) != {"weight"} or weight.dim() != 1 or any(True for _ in module.children()):

@@ -1,5 +1,5 @@
-"""Which trainable modules the exact per-sequence norms cover, and :func:`validate` (as Opacus's), which lists every
-one they do not, at once, with advice that works."""
+"""Which trainable modules the exact per-sequence norms cover, and how (:func:`coverage_plan`), by module type; the
+entries :func:`~.coverage.validate` lists for every one they do not, at once, with advice that works."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from . import generic
 from .experts import recognise_bank
 from .routers import recognise_router
+from .lm import output_head, unwrap_causal_lm
 from .rules import find_rule
 
 ADVICE = (
@@ -42,10 +43,13 @@ class UnsupportedModulesError(NotImplementedError):
         )
 
 
-def how_handled(module: nn.Module) -> str | None:
-    """'rule' (a per-layer rule), 'routed' (a fused MoE expert bank, by its routed tokens: :mod:`.experts`; a router, by its
-    logits: :mod:`.routers`),
-    'per-row' (:mod:`.generic`), or None (unsupported) for a module with trainable parameters of its own."""
+def how_handled(module: nn.Module, borrowed: int = 0) -> str | None:
+    """'rule' (a per-layer rule), 'routed' (a fused MoE expert bank, by its routed tokens: :mod:`.experts`; a router,
+    by its logits: :mod:`.routers`), 'per-row' (:mod:`.generic`), or None (unsupported) for a module with trainable
+    parameters of its own, or ``borrowed`` trainable elements of descendants it uses functionally (those always take
+    the per-row path, with the module's own parameters)."""
+    if borrowed:
+        return "per-row" if generic.trainable_numel(module) + borrowed <= generic.MAX_NUMEL else None
     if find_rule(module) is not None:
         return "rule"
     if recognise_bank(module) is not None or recognise_router(module):
@@ -55,51 +59,68 @@ def how_handled(module: nn.Module) -> str | None:
     return None
 
 
-def _text_config(lm: nn.Module):
-    config = getattr(lm, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    return config
+@dataclass(frozen=True)
+class Covered:
+    """One hooked module: how its per-sequence gradients are formed, and the dotted names (relative to it) of the
+    parameters of descendants it uses functionally and so takes on the per-row path with its own."""
+    module: nn.Module
+    how: str
+    borrowed: tuple[str, ...] = ()
 
 
-def unsupported_modules(model: nn.Module) -> list[Unsupported]:
-    """Every trainable module of ``model`` (a causal LM, possibly PEFT/DDP-wrapped) the exact norms do not cover."""
-    from .engine import unwrap_causal_lm
+def borrowed_names(owners: dict[nn.Module, nn.Module]) -> dict[nn.Module, list[str]]:
+    """``{ancestor: [dotted names, relative to it, of the trainable parameters it borrows]}`` from ``owners``
+    (``{module used functionally: the ancestor that borrows it}``)."""
+    out: dict[nn.Module, list[str]] = {}
+    for module, ancestor in owners.items():
+        prefix = next(n for n, m in ancestor.named_modules() if m is module)
+        out.setdefault(ancestor, []).extend(
+            f"{prefix}.{n}" for n, p in module.named_parameters(recurse=False) if p.requires_grad)
+    return out
 
+
+def coverage_plan(lm: nn.Module, owners: dict[nn.Module, nn.Module]) -> tuple[list[Covered], list[Unsupported]]:
+    """How each trainable module of ``lm``'s backbone is covered (the head is the engine's own), given ``owners``
+    (``{module used functionally: the ancestor that borrows it}``, :func:`~.coverage.functional_owners`), and every
+    module that is not."""
+    head = output_head(lm)
+    borrowing = borrowed_names(owners)
+    covered: list[Covered] = []
+    found: list[Unsupported] = []
+    backbone = getattr(lm, "base_model", lm)
+    for name, module in backbone.named_modules():
+        if module is head or module in owners:
+            continue
+        borrowed = tuple(borrowing.get(module, ()))
+        if not borrowed and not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        extra = sum(module.get_parameter(n).numel() for n in borrowed)
+        how = how_handled(module, extra)
+        if how is not None:
+            covered.append(Covered(module, how, borrowed))
+            continue
+        trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad] + list(borrowed)
+        found.append(Unsupported(
+            name, type(module).__name__,
+            ("no rule for its type, and its trainable parameters" if not borrowed else
+             "it uses the parameters of its descendants functionally (no hook sees those uses), and with its own the "
+             "per-row path would take") + f" {trainable} ({generic.trainable_numel(module) + extra:,} elements), "
+            f"more than the per-row path's limit ({generic.MAX_NUMEL:,})",
+        ))
+    return covered, found
+
+
+def unsupported_modules(model: nn.Module, owners: dict[nn.Module, nn.Module] | None = None) -> list[Unsupported]:
+    """Every trainable module of ``model`` (a causal LM, possibly PEFT/DDP-wrapped) the exact norms do not cover, by
+    type (the probe of :func:`~.coverage.validate` checks the rest by running them)."""
     lm = unwrap_causal_lm(model)
     if not any(p.requires_grad for p in lm.parameters()):
         return []
     found: list[Unsupported] = []
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    head = output_head(lm)
     if not isinstance(head, nn.Linear):
         found.append(Unsupported("lm_head", type(head).__name__, "the LM head must be an nn.Linear"))
-    backbone = getattr(lm, "base_model", lm)
-    for name, module in backbone.named_modules():
-        if module is head or not any(p.requires_grad for p in module.parameters(recurse=False)):
-            continue
-        if how_handled(module) is None:
-            trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-            found.append(Unsupported(
-                name, type(module).__name__,
-                f"no rule for its type, and its trainable parameters {trainable} "
-                f"({generic.trainable_numel(module):,} elements) exceed the per-row path's limit "
-                f"({generic.MAX_NUMEL:,})",
-            ))
-    return found
-
-
-def validate(model: nn.Module, *, strict: bool = True) -> list[Unsupported]:
-    """Check, before any training, that exact per-sequence gradient norms cover every trainable module of ``model``.
-
-    Returns the list of unsupported modules (empty when all are covered); with ``strict=True`` (the default) raises
-    :class:`UnsupportedModulesError` listing all of them at once, with advice that works. Layouts that only the data
-    reveal (an output whose leading dimension is not the batch) are checked during the pass itself, which stops
-    naming the module.
-    """
-    found = unsupported_modules(model)
-    if found and strict:
-        raise UnsupportedModulesError(found)
-    return found
+    return found + coverage_plan(lm, owners or {})[1]
 
 
 def refuse_outside_decoder(lm: nn.Module, hooked: list[nn.Module], model_inputs: dict) -> None:

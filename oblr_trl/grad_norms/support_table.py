@@ -17,7 +17,8 @@ import torch
 
 from .engine import per_sequence_grad_sq_norms, unwrap_causal_lm
 from .experts import recognise_bank
-from .support import how_handled, validate
+from .coverage import validate
+from .support import how_handled
 from .zoo import FAMILIES, VOCAB, build
 
 BEGIN, END = "<!-- support:begin -->", "<!-- support:end -->"

@@ -52,6 +52,37 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "GPT-OSS": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, head_dim=8, sliding_window=4, **_MOE)),
     "OPT": ("OPTConfig", "OPTForCausalLM",
             dict(ffn_dim=48, word_embed_proj_dim=32, intermediate_size=None, num_key_value_heads=None)),
+    # State-space and linear-attention mixers: their depthwise causal conv is used functionally (its weight passed to
+    # a functional conv, never through the Conv1d's forward), so the mixer borrows it onto the per-row path
+    # (coverage.py); the gated norms (norm(x * silu(gate))) take the per-row path too.
+    "Mamba": ("MambaConfig", "MambaForCausalLM", dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=4)),
+    "Mamba-2": ("Mamba2Config", "Mamba2ForCausalLM",
+                dict(num_heads=8, head_dim=8, state_size=8, n_groups=1, conv_kernel=4, chunk_size=4, expand=2)),
+    "NemotronH": ("NemotronHConfig", "NemotronHForCausalLM",
+                  dict(hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
+                       mamba_d_conv=4, chunk_size=4)),
+    "Bamba": ("BambaConfig", "BambaForCausalLM",
+              dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                   mamba_chunk_size=4, mamba_expand=2)),
+    "Granite-4.0-H": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                      dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                           mamba_n_groups=1, mamba_chunk_size=4, mamba_expand=2, num_local_experts=2,
+                           num_experts_per_tok=1)),
+    "Falcon-H1": ("FalconH1Config", "FalconH1ForCausalLM",
+                  dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1,
+                       mamba_chunk_size=4, head_dim=8)),
+    "Jamba": ("JambaConfig", "JambaForCausalLM",
+              dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                   num_experts=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)),
+    "Zamba2": ("Zamba2Config", "Zamba2ForCausalLM",
+               dict(mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, chunk_size=4, num_hidden_layers=3,
+                    hybrid_layer_ids=[1], layers_block_type=["mamba", "hybrid", "mamba"])),
+    "Qwen3-Next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
+                        num_experts_per_tok=1)),
+    "LFM2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention"], conv_L_cache=3)),
 }
 
 

@@ -327,7 +327,7 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
     layers = _checkpointed_layers(backbone)
     assert len(layers) == 2
     inside = {m for layer in layers for m in layer.modules()}
-    hooked, per_row = _hooked_modules(backbone, skip=model.lm_head)
+    hooked, per_row, _ = _hooked_modules(model)
     assert not per_row  # every Qwen3 layer has a rule
     with _capture(hooked, ids.shape[0], None, layers) as (records, targets):
         backbone(input_ids=ids, attention_mask=attention, use_cache=False)

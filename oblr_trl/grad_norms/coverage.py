@@ -1,0 +1,241 @@
+"""The coverage ledger: which trainable parameters the per-sequence gradients account for, and a probe that proves it.
+
+Hooks see a parameter only through its own module's forward. A model can reach a weight other ways: a mixer passes
+``self.conv1d.weight`` to a functional causal convolution (Mamba-2, NemotronH, Bamba, Zamba2, Granite-4.0-H, the
+gated delta-net), a parent's forward uses a child's weight, one weight is shared by two modules. Two mechanisms make
+"a share silently left out" impossible, whatever the path:
+
+1. **Discovery** (:func:`functional_owners`): one tiny forward records which modules run. A trainable module that
+   never runs, but whose parameters autograd reaches from the hidden states, is used functionally by an ancestor:
+   its parameters are *borrowed* by the nearest ancestor that runs, which takes them on the exact per-row path
+   (:mod:`.generic`: that ancestor's call re-run per sequence, one vector-Jacobian product each), and the borrowed
+   module gets no hooks of its own. Cost: one forward and one backward of a 2 x 8-token batch, once per model (and
+   per set of trainable parameters); then, in every pass, the per-row path's cost for each borrowing ancestor.
+2. **The probe** (:func:`probe`, run by :func:`validate` and so at ``OBLRPOTrainer`` construction): on a 2-sequence
+   batch (one left-padded), the sum over sequences of the per-sequence gradients the engine forms must equal
+   autograd's gradient of the batch's log-probability, parameter by parameter (relative error <= 1e-3 in float32,
+   3e-2 in half precision). A parameter where it does not, or a pass that fails, is refused by name before
+   training. This is the check that also covers ``one_backward``: its update is the same per-sequence gradients,
+   weighted. Cost: one engine pass and one forward+backward of that batch, and two gradient-sized buffers while it
+   runs (before any optimizer state exists).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .lm import output_head, unwrap_causal_lm
+from .support import Unsupported, UnsupportedModulesError, unsupported_modules
+
+PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
+RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}
+HALF_RTOL = 3e-2
+
+# lm -> (names of its trainable parameters, {borrowed module: borrowing ancestor})
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], dict]]" = weakref.WeakKeyDictionary()
+# lm -> names of the trainable parameters the probe passed with
+_PROBED: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_PROBING = [0]  # the probe's own engine pass is not probed again
+
+
+def _sharded(lm: nn.Module) -> bool:
+    """Parameters that are shards (FSDP2 DTensors, DeepSpeed ZeRO-3 partitions): no plain forward can run here."""
+    return any(hasattr(p, "device_mesh") or hasattr(p, "ds_id") for p in lm.parameters())
+
+
+def probe_batch(lm: nn.Module, batch: int = PROBE_BATCH, prompt: int = PROBE_PROMPT,
+                completion: int = PROBE_COMPLETION) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids``, ``attention_mask``, ``completion_mask`` of a small batch on the model's device: random token
+    ids (never the pad id 0), the first row's prompt left-padded by 2, the last row's completion ending early."""
+    vocab = lm.get_input_embeddings().num_embeddings
+    device = lm.get_input_embeddings().weight.device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, max(2, min(vocab, 1000)), (batch, prompt + completion), generator=g)
+    attention = torch.ones_like(ids)
+    completion_mask = torch.ones(batch, completion, dtype=torch.long)
+    ids[0, :2], attention[0, :2] = 0, 0
+    completion_mask[-1, completion - 1 :] = 0
+    attention[-1, -1] = 0
+    return ids.to(device), attention.to(device), completion_mask.to(device)
+
+
+def _trainable_names(lm: nn.Module) -> tuple[str, ...]:
+    return tuple(n for n, p in lm.named_parameters() if p.requires_grad)
+
+
+@contextmanager
+def _plain_mode(lm: nn.Module):
+    """Eval mode (no dropout, no gradient checkpointing) and no autocast, for discovery and the probe; the train/eval
+    mode is put back after."""
+    was_training = lm.training
+    device = lm.get_input_embeddings().weight.device
+    lm.eval()
+    try:
+        with torch.autocast(device_type=device.type, enabled=False):
+            yield
+    finally:
+        lm.train(was_training)
+
+
+def _discover(lm: nn.Module, backbone: nn.Module) -> dict[nn.Module, nn.Module]:
+    head = output_head(lm)
+    called: set[nn.Module] = set()
+    handles = [m.register_forward_pre_hook(lambda m, args: called.add(m)) for m in backbone.modules()]
+    ids, attention, _ = probe_batch(lm)
+    try:
+        with torch.enable_grad():
+            hidden = backbone(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = {m: n for n, m in backbone.named_modules()}
+    silent = [m for m in backbone.modules() if m not in called and m is not head
+              and any(p.requires_grad for p in m.parameters(recurse=False))]
+    params = [p for m in silent for p in m.parameters(recurse=False) if p.requires_grad]
+    if not silent or not hidden.requires_grad:
+        return {}
+    reached = torch.autograd.grad(hidden.float().sum(), params, allow_unused=True)
+    reached_ids = {id(p) for p, g in zip(params, reached) if g is not None}
+    owners = {}
+    for module in silent:
+        if not any(id(p) in reached_ids for p in module.parameters(recurse=False)):
+            continue  # not on this forward's path at all (a vision tower without images): nothing to borrow
+        name = names[module]
+        while name:  # the nearest ancestor that ran
+            name = name.rpartition(".")[0]
+            ancestor = backbone.get_submodule(name)
+            if ancestor in called:
+                owners[module] = ancestor
+                break
+    return owners
+
+
+def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
+    """``{module: ancestor}`` for every trainable module whose forward never runs while autograd reaches its
+    parameters (they are used functionally): the ancestor that takes them on the per-row path. Found once per model
+    and set of trainable parameters (a tiny forward and backward), then remembered. Models whose parameters are
+    already shards cannot run that forward: they keep what was found before sharding (``validate`` at trainer
+    construction finds it), or nothing."""
+    lm = unwrap_causal_lm(model)
+    names = _trainable_names(lm)
+    known = _OWNERS.get(lm)
+    if known is not None and (known[0] == names or _sharded(lm)):
+        return known[1]
+    if not names or _sharded(lm):
+        return {}
+    with _plain_mode(lm):
+        owners = _discover(lm, lm.base_model)
+    _OWNERS[lm] = (names, owners)
+    return owners
+
+
+def _logprob_sum(lm: nn.Module, ids, attention, completion_mask) -> torch.Tensor:
+    """``sum_i sum_t log pi(o_{i,t})`` of the batch from the model's own logits: what the engine differentiates."""
+    c = completion_mask.shape[1]
+    logits = lm(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, -c - 1 : -1].float()
+    logps = torch.log_softmax(logits, -1).gather(-1, ids[:, -c:, None]).squeeze(-1)
+    return (logps * completion_mask).sum()
+
+
+def _mismatches(lm: nn.Module, params: dict[str, nn.Parameter], ours: dict, reference: dict) -> list[Unsupported]:
+    total = sum(float(g.double().pow(2).sum()) for g in reference.values() if g is not None) ** 0.5
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for name, p in params.items():
+        ref, got = reference[name], ours[name]
+        rtol = RTOL.get(p.dtype, HALF_RTOL)
+        ref_d = torch.zeros_like(p, dtype=torch.float64) if ref is None else ref.double()
+        got_d = torch.zeros_like(p, dtype=torch.float64) if got is None else got.double()
+        err, size = float((got_d - ref_d).norm()), float(ref_d.norm())
+        if err > rtol * size + rtol * 1e-3 * total:
+            share = f"{float((got_d * ref_d).sum()) / max(size**2, 1e-30):.0%}" if size else "n/a"
+            by_module[name.rpartition(".")[0]].append(f"{name.rpartition('.')[2]} (relative error {err / max(size, 1e-30):.2g}, "
+                                                       f"projection on autograd's gradient {share})")
+    modules = dict(lm.named_modules())
+    return [Unsupported(m, type(modules[m]).__name__,
+                        "its per-sequence gradients do not sum to autograd's gradient of the batch (a use of its "
+                        f"weights no hook sees): {', '.join(found)}")
+            for m, found in by_module.items()]
+
+
+def probe(model: nn.Module) -> list[Unsupported]:
+    """Every trainable parameter whose per-sequence gradients, summed over a small batch, differ from autograd's
+    gradient of that batch (see the module docstring), as :class:`~.support.Unsupported` entries by module; a pass
+    that fails is one entry naming the model. Empty when every parameter is accounted for. Leaves ``.grad`` and the
+    train/eval mode as they were."""
+    lm = unwrap_causal_lm(model)
+    params = {n: p for n, p in lm.named_parameters() if p.requires_grad}
+    if not params or _sharded(lm):
+        return []
+    saved = {n: p.grad for n, p in params.items()}
+    _PROBING[0] += 1
+    try:
+        for p in params.values():
+            p.grad = None
+        with _plain_mode(lm):
+            return _probe(model, lm, params)
+    finally:
+        _PROBING[0] -= 1
+        for n, p in params.items():
+            p.grad = saved[n]
+
+
+def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter]) -> list[Unsupported]:
+    from .engine import per_sequence_grads
+
+    ids, attention, completion_mask = probe_batch(lm)
+    try:
+        grads = per_sequence_grads(model, ids, attention, completion_mask)
+        grads.accumulate_grad(torch.ones(ids.shape[0], device=ids.device))
+    except UnsupportedModulesError:
+        raise
+    except Exception as error:  # a layout no rule handles, found by running it: refused, naming what failed
+        return [Unsupported("", type(lm).__name__,
+                            f"the per-sequence gradient pass fails on it: {type(error).__name__}: {error}")]
+    ours = {n: p.grad for n, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    with torch.enable_grad():
+        found = torch.autograd.grad(_logprob_sum(lm, ids, attention, completion_mask), list(params.values()),
+                                    allow_unused=True)
+    return _mismatches(lm, params, ours, dict(zip(params, found)))
+
+
+def check_once(model: nn.Module) -> None:
+    """:func:`validate` with the probe, once per model and set of trainable parameters (the engine calls this at
+    every pass; the trainer's construction has usually done it already). Raises naming every uncovered module."""
+    lm = unwrap_causal_lm(model)
+    if _PROBING[0] or _sharded(lm) or _PROBED.get(lm) == _trainable_names(lm):
+        return
+    validate(model)
+
+
+def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -> list[Unsupported]:
+    """Check, before any training, that exact per-sequence gradient norms cover every trainable parameter of
+    ``model`` (a causal LM, possibly PEFT/DDP-wrapped), as Opacus's ``validate``.
+
+    First by module type (every trainable module has a rule, a routed path or fits the per-row path; parameters used
+    functionally are borrowed by the ancestor that uses them), then, with ``run_probe`` (the default), by the probe:
+    on a 2-sequence batch the per-sequence gradients must sum to autograd's gradient, parameter by parameter (cost:
+    one forward and backward of that batch, twice). Returns every unsupported module (empty when all are covered);
+    with ``strict=True`` raises :class:`~.support.UnsupportedModulesError` listing all of them at once, with advice
+    that works.
+    """
+    try:
+        found = unsupported_modules(model, functional_owners(model))
+    except UnsupportedModulesError:
+        raise
+    except Exception as error:  # discovery's forward fails: refused, naming the model, never a bare error later
+        found = [Unsupported("", type(unwrap_causal_lm(model)).__name__,
+                             f"a forward of its backbone fails: {type(error).__name__}: {error}")]
+    if not found and run_probe:
+        found = probe(model)
+        if not found:
+            _PROBED[unwrap_causal_lm(model)] = _trainable_names(unwrap_causal_lm(model))
+    if found and strict:
+        raise UnsupportedModulesError(found)
+    return found

@@ -1,0 +1,36 @@
+"""The parts of a causal LM the per-sequence gradients need: the ``*ForCausalLM`` under its wrappers, its LM head and
+its text config. No rule, hook or formula here: every other module of :mod:`oblr_trl.grad_norms` may import it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` module under DDP/Accelerate and PEFT wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "get_base_model"):
+        model = model.module  # DistributedDataParallel
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    return model
+
+
+def output_head(lm: nn.Module) -> nn.Module | None:
+    """The LM head that computes the logits: ``get_output_embeddings()``, or, under PEFT's ``modules_to_save``
+    (``ModulesToSaveWrapper``), the trainable copy its forward runs (the original stays frozen). None where the model
+    has no head."""
+    get_head = getattr(lm, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    copies = getattr(head, "modules_to_save", None)
+    if isinstance(copies, nn.ModuleDict) and not getattr(head, "disable_adapters", False):
+        active = list(getattr(head, "active_adapters", None) or [])
+        if active and active[0] in copies:
+            return copies[active[0]]
+    return head
+
+
+def text_config(lm: nn.Module):
+    config = getattr(lm, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return config
