@@ -11,13 +11,14 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
    (:mod:`.generic`: that ancestor's call re-run per sequence, one vector-Jacobian product each), and the borrowed
    module gets no hooks of its own. Cost: one forward and one backward of a 2 x 8-token batch, once per model (and
    per set of trainable parameters); then, in every pass, the per-row path's cost for each borrowing ancestor.
-2. **The probe** (:func:`probe`, run by :func:`validate` and so at ``OBLRPOTrainer`` construction): on a 2-sequence
-   batch (one left-padded), the sum over sequences of the per-sequence gradients the engine forms must equal
-   autograd's gradient of the batch's log-probability, parameter by parameter (relative error <= 1e-3 in float32,
-   3e-2 in half precision). A parameter where it does not, or a pass that fails, is refused by name before
-   training. This is the check that also covers ``one_backward``: its update is the same per-sequence gradients,
-   weighted. Cost: one engine pass and one forward+backward of that batch, and two gradient-sized buffers while it
-   runs (before any optimizer state exists).
+2. **The probe** (:func:`probe`, run by :func:`validate`, so at ``OBLRPOTrainer`` construction, and by the engine
+   once per model and set of trainable parameters): on a 2-sequence batch (one left-padded, one ending early), each
+   sequence's gradient as the engine forms it must equal autograd's gradient of that sequence's log-probability run
+   alone, parameter by parameter (relative error <= 1e-3 in float32, 3e-2 in half precision). A parameter where it
+   does not (a share no hook sees, rows paired with the wrong sequence), or a pass that fails, is refused by name
+   before training. This check also covers ``one_backward``: its update is the same per-sequence gradients,
+   weighted. Cost: one engine pass of that batch and one forward+backward per sequence, and three gradient-sized
+   buffers while it runs (before any optimizer state exists).
 """
 
 from __future__ import annotations
@@ -142,23 +143,32 @@ def _logprob_sum(lm: nn.Module, ids, attention, completion_mask) -> torch.Tensor
     return (logps * completion_mask).sum()
 
 
-def _mismatches(lm: nn.Module, params: dict[str, nn.Parameter], ours: dict, reference: dict) -> list[Unsupported]:
-    total = sum(float(g.double().pow(2).sum()) for g in reference.values() if g is not None) ** 0.5
+def _mismatches(lm: nn.Module, params: dict[str, nn.Parameter], ours: list[dict], reference: list[dict]
+                ) -> list[Unsupported]:
+    """Parameters whose per-sequence gradients (``ours[i][name]``) differ from autograd's (``reference[i][name]``),
+    over all sequences ``i``, by more than the dtype's tolerance (relative to the parameter's own gradient, plus a
+    floor relative to the whole gradient), as one entry per module."""
+    def stacked(found: list[dict], name: str) -> torch.Tensor:
+        p = params[name]
+        return torch.stack([torch.zeros_like(p, dtype=torch.float64) if f[name] is None else f[name].double()
+                            for f in found])
+
+    reference_d = {name: stacked(reference, name) for name in params}
+    total = sum(float(g.pow(2).sum()) for g in reference_d.values()) ** 0.5
     by_module: dict[str, list[str]] = defaultdict(list)
     for name, p in params.items():
-        ref, got = reference[name], ours[name]
+        ref, got = reference_d[name], stacked(ours, name)
         rtol = RTOL.get(p.dtype, HALF_RTOL)
-        ref_d = torch.zeros_like(p, dtype=torch.float64) if ref is None else ref.double()
-        got_d = torch.zeros_like(p, dtype=torch.float64) if got is None else got.double()
-        err, size = float((got_d - ref_d).norm()), float(ref_d.norm())
+        err, size = float((got - ref).norm()), float(ref.norm())
         if err > rtol * size + rtol * 1e-3 * total:
-            share = f"{float((got_d * ref_d).sum()) / max(size**2, 1e-30):.0%}" if size else "n/a"
-            by_module[name.rpartition(".")[0]].append(f"{name.rpartition('.')[2]} (relative error {err / max(size, 1e-30):.2g}, "
-                                                       f"projection on autograd's gradient {share})")
+            share = f"{float((got * ref).sum()) / size**2:.0%}" if size else "n/a"
+            module, _, leaf = name.rpartition(".")
+            by_module[module].append(f"{leaf} (relative error {err / max(size, 1e-30):.2g}, projection on "
+                                     f"autograd's per-sequence gradients {share})")
     modules = dict(lm.named_modules())
     return [Unsupported(m, type(modules[m]).__name__,
-                        "its per-sequence gradients do not sum to autograd's gradient of the batch (a use of its "
-                        f"weights no hook sees): {', '.join(found)}")
+                        "its per-sequence gradients differ from autograd's, sequence by sequence (a use of its "
+                        f"weights no hook sees, or rows paired with the wrong sequences): {', '.join(found)}")
             for m, found in by_module.items()]
 
 
@@ -188,21 +198,32 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter]) -> 
     from .engine import per_sequence_grads
 
     ids, attention, completion_mask = probe_batch(lm)
+    rows = range(ids.shape[0])
+
+    def take() -> dict[str, torch.Tensor | None]:
+        found = {n: p.grad for n, p in params.items()}
+        for p in params.values():
+            p.grad = None
+        return found
+
     try:
         grads = per_sequence_grads(model, ids, attention, completion_mask)
-        grads.accumulate_grad(torch.ones(ids.shape[0], device=ids.device))
+        ours = []
+        for i in rows:  # each sequence's own gradient: its row of the per-sequence gradients, weighted 1
+            grads.accumulate_grad(torch.eye(ids.shape[0], device=ids.device)[i])
+            ours.append(take())
     except UnsupportedModulesError:
         raise
     except Exception as error:  # a layout no rule handles, found by running it: refused, naming what failed
+        take()
         return [Unsupported("", type(lm).__name__,
                             f"the per-sequence gradient pass fails on it: {type(error).__name__}: {error}")]
-    ours = {n: p.grad for n, p in params.items()}
-    for p in params.values():
-        p.grad = None
+    reference = []
     with torch.enable_grad():
-        found = torch.autograd.grad(_logprob_sum(lm, ids, attention, completion_mask), list(params.values()),
-                                    allow_unused=True)
-    return _mismatches(lm, params, ours, dict(zip(params, found)))
+        for i in rows:  # the sequence alone through the model: autograd's gradient of its log-probability
+            total = _logprob_sum(lm, ids[i : i + 1], attention[i : i + 1], completion_mask[i : i + 1])
+            reference.append(dict(zip(params, torch.autograd.grad(total, list(params.values()), allow_unused=True))))
+    return _mismatches(lm, params, ours, reference)
 
 
 def check_once(model: nn.Module) -> None:

@@ -1,0 +1,187 @@
+"""The coverage ledger (oblr_trl/grad_norms/coverage.py): a parameter reached other than through its module's forward
+is either borrowed onto the exact per-row path or refused by name, never silently left out."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oblr_trl import per_sequence_grad_sq_norms, validate
+from oblr_trl.grad_norms import UnsupportedModulesError, coverage
+from oblr_trl.grad_norms.zoo import VOCAB, build
+from reference import padded_batch, per_sample_sq_norms
+
+
+class FunctionalConv(nn.Module):
+    """A Mamba-style mixer in miniature: a depthwise causal conv whose child ``conv``'s weight and bias go to
+    ``F.conv1d`` directly; ``conv.forward`` never runs, so no hook on it ever fires."""
+
+    def __init__(self, d, kernel=3):
+        super().__init__()
+        self.conv = nn.Conv1d(d, d, kernel, groups=d, padding=kernel - 1)
+        self.gain = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        t = x.shape[1]
+        y = F.conv1d(x.transpose(1, 2), self.conv.weight, self.conv.bias, padding=self.conv.padding[0],
+                     groups=self.conv.groups)[..., :t]
+        return x * self.gain + y.transpose(1, 2)
+
+
+class DoubleUse(nn.Module):
+    """Calls its child (a hook sees that use) and also multiplies by the child's weight directly (none sees that)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(x) + x @ self.lin.weight
+
+
+class BatchCentred(nn.Module):
+    """Mixes the rows of the batch (subtracts the batch mean): per-sequence gradients do not exist row by row."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return (x - x.mean(0, keepdim=True)) * self.gain + x
+
+
+def _llama_with(make, tie=True, seed=0, vocab_size=VOCAB):
+    model = build("Llama", tie, seed=seed, vocab_size=vocab_size)
+    torch.manual_seed(seed + 1)
+    for layer in model.model.layers:
+        n = layer.mlp.up_proj.out_features
+        layer.mlp.act_fn = nn.Sequential(nn.SiLU(), make(n))
+        with torch.no_grad():
+            for p in layer.mlp.act_fn.parameters():
+                p.normal_(0, 0.5)
+    return model
+
+
+def _exact(model):
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    reference = per_sample_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_child_weight_used_functionally_is_borrowed_and_exact(tie):
+    model = _llama_with(FunctionalConv, tie)
+    owners = coverage.functional_owners(model)
+    mixers = [layer.mlp.act_fn[1] for layer in model.model.layers]
+    assert owners == {m.conv: m for m in mixers}
+    assert validate(model) == []
+    _exact(model)
+
+
+def test_without_borrowing_the_probe_refuses_the_functional_conv_by_name(monkeypatch):
+    """The probe alone (no discovery) finds the share no hook sees: conv.weight and conv.bias get no per-sequence
+    gradient at all, and are named."""
+    from oblr_trl.grad_norms import engine
+
+    model = _llama_with(FunctionalConv)
+    monkeypatch.setattr(coverage, "functional_owners", lambda model: {})
+    monkeypatch.setattr(engine, "functional_owners", lambda model: {})
+    found = validate(model, strict=False)
+    assert [m.name for m in found] == [f"model.layers.{i}.mlp.act_fn.1.conv" for i in range(2)]
+    assert all("weight" in m.reason and "bias" in m.reason and "projection on autograd's per-sequence gradients 0%" in m.reason
+               for m in found)
+
+
+def test_a_weight_used_by_its_module_and_functionally_is_refused_and_the_advice_works():
+    model = _llama_with(DoubleUse)
+    with pytest.raises(UnsupportedModulesError) as refused:
+        validate(model)
+    assert [m.name for m in refused.value.modules] == [f"model.layers.{i}.mlp.act_fn.1.lin" for i in range(2)]
+    assert "requires_grad_(False)" in str(refused.value)
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    with pytest.raises(UnsupportedModulesError):  # the engine itself refuses too, before computing anything
+        per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    for layer in model.model.layers:  # the advice: freeze them
+        layer.mlp.act_fn[1].lin.requires_grad_(False)
+    assert validate(model) == []
+    _exact(model)
+
+
+def test_a_pass_that_fails_is_a_refusal_naming_the_model_and_the_module():
+    model = _llama_with(BatchCentred)
+    found = validate(model, strict=False)
+    assert len(found) == 1 and found[0].type == "LlamaForCausalLM"
+    assert "BatchCentred does not treat the sequences independently" in found[0].reason
+
+
+def test_the_probe_leaves_grads_and_mode_as_they_were():
+    model = _llama_with(FunctionalConv).train()
+    marker = {n: torch.full_like(p, 7.0) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = marker[n].clone()
+    assert coverage.probe(model) == []
+    assert model.training
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, marker[n])
+
+
+def test_the_engine_probes_once_per_set_of_trainable_parameters(monkeypatch):
+    model = _llama_with(FunctionalConv)
+    calls = []
+    real = coverage.probe
+    monkeypatch.setattr(coverage, "probe", lambda m: calls.append(1) or real(m))
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    assert len(calls) == 1
+    model.model.embed_tokens.requires_grad_(False)  # another set of trainable parameters: probed again
+    per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    assert len(calls) == 2
+
+
+def test_gated_norms_take_the_per_row_path_not_the_plain_rms_rule():
+    """MambaRMSNormGated(x, gate) normalises x * silu(gate): the RMSNorm rule, fed x alone, was wrong by 1.3-19x."""
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    from oblr_trl.grad_norms.support import how_handled
+
+    assert how_handled(MambaRMSNormGated(8, group_size=8)) == "per-row"
+
+
+@pytest.mark.parametrize("target", [dict(use_dora=True), dict(modules_to_save=["lm_head"])], ids=["dora", "head"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_peft_dora_and_a_trained_head_copy_are_exact(target, tie):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build("Llama", tie), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False, **target))
+    assert validate(model) == []
+    _exact(model)
+
+
+# ------------------------------------------------------------------ the trainer: every parameter trained, as GRPO does
+def _spread(completions, **kwargs):  # rewards that differ within a group
+    return [float(sum(map(ord, c[0]["content"])) % 5) for c in completions]
+
+
+@pytest.mark.parametrize("one_backward", [False, True], ids=["two_passes", "one_backward"])
+@pytest.mark.parametrize("family", ["NemotronH", "functional-conv"])
+def test_the_trainer_changes_every_parameter(family, one_backward):
+    """TRL's own check on its subclasses (test_train: every parameter changed after training), on the family where
+    conv1d stayed frozen under one_backward, and on the miniature mixer."""
+    from test_zoo import _trainer
+
+    from oblr_trl.tiny import build_tokenizer
+
+    vocab = len(build_tokenizer())
+    model = (build(family, tie=True, vocab_size=vocab) if family != "functional-conv"
+             else _llama_with(FunctionalConv, vocab_size=vocab))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = _trainer(model, one_backward=one_backward, bf16=False, learning_rate=0.1, max_completion_length=6,
+                       num_generations=4, per_device_train_batch_size=8, max_steps=2)
+    trainer.reward_funcs = [_spread]
+    trainer.train()
+    assert trainer.uses_one_backward is one_backward
+    assert any(h.get("oblr/lr_scale", 0) > 0 for h in trainer.state.log_history)
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p.detach(), before[n])]
+    assert unchanged == []
