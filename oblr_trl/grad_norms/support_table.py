@@ -17,8 +17,8 @@ import torch
 
 from .engine import per_sequence_grad_sq_norms, unwrap_causal_lm
 from .experts import recognise_bank
-from .coverage import validate
-from .support import how_handled
+from .coverage import functional_owners, validate
+from .support import coverage_plan
 from .zoo import FAMILIES, VOCAB, build
 
 BEGIN, END = "<!-- support:begin -->", "<!-- support:end -->"
@@ -56,14 +56,14 @@ def family_row(family: str) -> list[str]:
             status = "refused: " + "; ".join(sorted({m.reason.split(" (")[0] for m in refused}))
             continue
         lm = unwrap_causal_lm(model)
-        head = lm.get_output_embeddings()
-        for module in lm.base_model.modules():
-            if module is not head and any(p.requires_grad for p in module.parameters(recurse=False)):
-                how = how_handled(module)
-                name = type(module).__name__
-                if how == "routed":  # an expert bank by its routed tokens, or a router by its logits
-                    name += " (routed tokens)" if recognise_bank(module) is not None else " (logits)"
-                layers[how].add(name)
+        covered, _ = coverage_plan(lm, functional_owners(lm))
+        for c in covered:
+            name = type(c.module).__name__
+            if c.how == "routed":  # an expert bank by its routed tokens, or a router by its logits
+                name += " (routed tokens)" if recognise_bank(c.module) is not None else " (logits)"
+            if c.borrowed:  # parameters of descendants it uses functionally
+                name += f" (with {', '.join(sorted({n.rpartition('.')[0] for n in c.borrowed}))})"
+            layers[c.how].add(name)
         ids, attention, mask = _batch()
         ours = per_sequence_grad_sq_norms(model, ids, attention, mask).double()
         reference = _per_row_reference(model, ids, attention, mask)
