@@ -126,6 +126,23 @@ def test_the_probe_leaves_grads_and_mode_as_they_were():
         assert torch.equal(p.grad, marker[n])
 
 
+@pytest.mark.parametrize("borrow", [True, False], ids=["borrowed", "not-borrowed"])
+def test_a_bf16_model_is_probed_in_float32_and_put_back_bit_for_bit(monkeypatch, borrow):
+    """In bf16 the reference's own logits are too coarse (a real 49k-vocabulary model was refused everywhere before
+    the upcast); the verdict must be the float32 one, and the weights must come back unchanged."""
+    from oblr_trl.grad_norms import engine
+
+    model = _llama_with(FunctionalConv).to(torch.bfloat16)
+    if not borrow:
+        monkeypatch.setattr(coverage, "functional_owners", lambda model: {})
+        monkeypatch.setattr(engine, "functional_owners", lambda model: {})
+    before = {n: t.clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    found = validate(model, strict=False)
+    assert [m.name for m in found] == ([] if borrow else [f"model.layers.{i}.mlp.act_fn.1.conv" for i in range(2)])
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        assert t.dtype == before[n].dtype and torch.equal(t, before[n])
+
+
 def test_the_engine_probes_once_per_set_of_trainable_parameters(monkeypatch):
     model = _llama_with(FunctionalConv)
     calls = []
