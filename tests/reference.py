@@ -55,7 +55,7 @@ def module_sq_norms(module, x, seed=0, **kwargs):
     ``<module(x)_b, r_b>`` (``r``: a fixed random output weighting) w.r.t. the module's own trainable parameters.
     Ours: the capture hooks plus the module's rule (or the per-row path), as the whole-model pass uses them.
     Reference: one ``torch.autograd.grad`` per row, the module run on that row alone."""
-    from oblr_trl.grad_norms import engine, generic
+    from oblr_trl.grad_norms import engine, hooks
     from oblr_trl.grad_norms.experts import call_usages
     from oblr_trl.grad_norms.support import how_handled
 
@@ -65,12 +65,12 @@ def module_sq_norms(module, x, seed=0, **kwargs):
     out = module(x, **kwargs)
     r = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
     per_row = {module} if how in ("per-row", "routed") else set()
-    with engine._capture([module], batch, calls_of=per_row) as (records, _):
+    with hooks.capture([module], batch, calls_of=per_row) as (records, _):
         y = module(x, **kwargs)
         (y.float() * r).sum().backward(inputs=[p for p in module.parameters() if p.requires_grad])
     usages = {}
     for record in records:
-        if isinstance(record.activation, generic.Call):
+        if isinstance(record.activation, hooks.Call):
             found = call_usages(module, record.activation, record.output_grad, batch)
         else:
             found = engine.find_rule(module)(module, record.activation, record.output_grad)

@@ -1,17 +1,16 @@
-"""Exact per-sequence gradient norms: hooks and the LM head (:mod:`.engine`), one rule per module type
-(:mod:`.rules`), rules recognised by what a layer computes (:mod:`.recognise`), the exact per-row path for small
-parameters no rule covers (:mod:`.generic`), the ghost-norm algebra (:mod:`.factors`), and :func:`validate`
-(:mod:`.support`)."""
+"""Exact per-sequence gradient norms, read in the order a pass runs: :mod:`.hooks` record each trainable module's
+input and output gradient (or its whole call); :mod:`.rules` (one per module type; :mod:`.recognise` finds one by what
+a layer computes), :mod:`.experts` and :mod:`.routers` (MoE, by routed tokens and logits) and :mod:`.generic` (the
+exact per-row path) turn records into per-sequence gradients, factored by :mod:`.factors`; :mod:`.ledger` and
+:mod:`.support` say which module covers which parameter, :mod:`.coverage` proves it (the probe, :func:`validate`);
+:mod:`.head` handles the LM head; :mod:`.engine` wires one pass together into a :class:`PerSequenceGradients`
+(:mod:`.result`); :mod:`.api` is the public entry, the coverage check first."""
 
-from .engine import (
-    PerSequenceGradients,
-    per_sequence_grad_inner_products,
-    per_sequence_grad_sq_norms,
-    per_sequence_grads,
-    unwrap_causal_lm,
-)
-from .rules import GRAD_NORM_RULES, register_grad_norm_rule
+from .api import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, per_sequence_grads
 from .coverage import validate
+from .lm import unwrap_causal_lm
+from .result import PerSequenceGradients
+from .rules import GRAD_NORM_RULES, register_grad_norm_rule
 from .support import Unsupported, UnsupportedModulesError
 
 __all__ = [

@@ -31,43 +31,17 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .lm import output_head, unwrap_causal_lm
+from .engine import per_sequence_grads
+from .ledger import functional_owners, plain_mode, probe_batch, sharded, trainable_names
+from .lm import unwrap_causal_lm
 from .support import Unsupported, UnsupportedModulesError, unsupported_modules
 
-PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
 RTOL = 1e-3  # float32 (the probe runs a half-precision model upcast to float32, see _float32)
 NATIVE_HALF_RTOL = 0.2  # where it cannot be upcast (quantized weights): only what is missing or misattributed shows
 
-# lm -> (names of its trainable parameters, {borrowed module: borrowing ancestor})
-_OWNERS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], dict]]" = weakref.WeakKeyDictionary()
 # lm -> names of the trainable parameters the probe passed with
 _PROBED: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
 _PROBING = [0]  # the probe's own engine pass is not probed again
-
-
-def _sharded(lm: nn.Module) -> bool:
-    """Parameters that are shards (FSDP2 DTensors, DeepSpeed ZeRO-3 partitions): no plain forward can run here."""
-    return any(hasattr(p, "device_mesh") or hasattr(p, "ds_id") for p in lm.parameters())
-
-
-def probe_batch(lm: nn.Module, batch: int = PROBE_BATCH, prompt: int = PROBE_PROMPT,
-                completion: int = PROBE_COMPLETION) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``input_ids``, ``attention_mask``, ``completion_mask`` of a small batch on the model's device: random token
-    ids (never the pad id 0), the first row's prompt left-padded by 2, the last row's completion ending early."""
-    vocab = lm.get_input_embeddings().num_embeddings
-    device = lm.get_input_embeddings().weight.device
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, max(2, min(vocab, 1000)), (batch, prompt + completion), generator=g)
-    attention = torch.ones_like(ids)
-    completion_mask = torch.ones(batch, completion, dtype=torch.long)
-    ids[0, :2], attention[0, :2] = 0, 0
-    completion_mask[-1, completion - 1 :] = 0
-    attention[-1, -1] = 0
-    return ids.to(device), attention.to(device), completion_mask.to(device)
-
-
-def _trainable_names(lm: nn.Module) -> tuple[str, ...]:
-    return tuple(n for n, p in lm.named_parameters() if p.requires_grad)
 
 
 @contextmanager
@@ -92,72 +66,6 @@ def _float32(lm: nn.Module):
     finally:
         for t, dtype in dtypes:
             t.data = t.data.to(dtype)
-
-
-@contextmanager
-def _plain_mode(lm: nn.Module):
-    """Eval mode (no dropout, no gradient checkpointing) and no autocast, for discovery and the probe; the train/eval
-    mode is put back after."""
-    was_training = lm.training
-    device = lm.get_input_embeddings().weight.device
-    lm.eval()
-    try:
-        with torch.autocast(device_type=device.type, enabled=False):
-            yield
-    finally:
-        lm.train(was_training)
-
-
-def _discover(lm: nn.Module, backbone: nn.Module) -> dict[nn.Module, nn.Module]:
-    head = output_head(lm)
-    called: set[nn.Module] = set()
-    handles = [m.register_forward_pre_hook(lambda m, args: called.add(m)) for m in backbone.modules()]
-    ids, attention, _ = probe_batch(lm)
-    try:
-        with torch.enable_grad():
-            hidden = backbone(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
-    finally:
-        for handle in handles:
-            handle.remove()
-    names = {m: n for n, m in backbone.named_modules()}
-    silent = [m for m in backbone.modules() if m not in called and m is not head
-              and any(p.requires_grad for p in m.parameters(recurse=False))]
-    params = [p for m in silent for p in m.parameters(recurse=False) if p.requires_grad]
-    if not silent or not hidden.requires_grad:
-        return {}
-    reached = torch.autograd.grad(hidden.float().sum(), params, allow_unused=True)
-    reached_ids = {id(p) for p, g in zip(params, reached) if g is not None}
-    owners = {}
-    for module in silent:
-        if not any(id(p) in reached_ids for p in module.parameters(recurse=False)):
-            continue  # not on this forward's path at all (a vision tower without images): nothing to borrow
-        name = names[module]
-        while name:  # the nearest ancestor that ran
-            name = name.rpartition(".")[0]
-            ancestor = backbone.get_submodule(name)
-            if ancestor in called:
-                owners[module] = ancestor
-                break
-    return owners
-
-
-def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
-    """``{module: ancestor}`` for every trainable module whose forward never runs while autograd reaches its
-    parameters (they are used functionally): the ancestor that takes them on the per-row path. Found once per model
-    and set of trainable parameters (a tiny forward and backward), then remembered. Models whose parameters are
-    already shards cannot run that forward: they keep what was found before sharding (``validate`` at trainer
-    construction finds it), or nothing."""
-    lm = unwrap_causal_lm(model)
-    names = _trainable_names(lm)
-    known = _OWNERS.get(lm)
-    if known is not None and (known[0] == names or _sharded(lm)):
-        return known[1]
-    if not names or _sharded(lm):
-        return {}
-    with _plain_mode(lm):
-        owners = _discover(lm, lm.base_model)
-    _OWNERS[lm] = (names, owners)
-    return owners
 
 
 def _logprob_sum(lm: nn.Module, ids, attention, completion_mask) -> torch.Tensor:
@@ -207,14 +115,14 @@ def probe(model: nn.Module) -> list[Unsupported]:
     train/eval mode as they were."""
     lm = unwrap_causal_lm(model)
     params = {n: p for n, p in lm.named_parameters() if p.requires_grad}
-    if not params or _sharded(lm):
+    if not params or sharded(lm):
         return []
     saved = {n: p.grad for n, p in params.items()}
     _PROBING[0] += 1
     try:
         for p in params.values():
             p.grad = None
-        with _plain_mode(lm), _float32(lm) as rtol:
+        with plain_mode(lm), _float32(lm) as rtol:
             return _probe(model, lm, params, rtol)
     finally:
         _PROBING[0] -= 1
@@ -223,8 +131,6 @@ def probe(model: nn.Module) -> list[Unsupported]:
 
 
 def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], rtol: float) -> list[Unsupported]:
-    from .engine import per_sequence_grads
-
     ids, attention, completion_mask = probe_batch(lm)
     rows = range(ids.shape[0])
 
@@ -258,7 +164,7 @@ def check_once(model: nn.Module) -> None:
     """:func:`validate` with the probe, once per model and set of trainable parameters (the engine calls this at
     every pass; the trainer's construction has usually done it already). Raises naming every uncovered module."""
     lm = unwrap_causal_lm(model)
-    if _PROBING[0] or _sharded(lm) or _PROBED.get(lm) == _trainable_names(lm):
+    if _PROBING[0] or sharded(lm) or _PROBED.get(lm) == trainable_names(lm):
         return
     validate(model)
 
@@ -284,7 +190,7 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
     if not found and run_probe:
         found = probe(model)
         if not found:
-            _PROBED[unwrap_causal_lm(model)] = _trainable_names(unwrap_causal_lm(model))
+            _PROBED[unwrap_causal_lm(model)] = trainable_names(unwrap_causal_lm(model))
     if found and strict:
         raise UnsupportedModulesError(found)
     return found

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .factors import Dense, Factored, Materialized, block_inner_products, block_weighted_rows
-from . import generic
+from . import generic, hooks
 
 
 class PerExpert:
@@ -177,7 +177,7 @@ def _probe_matches(module: nn.Module, layout: dict) -> bool:
     x = torch.randn(n, d, generator=g).to(up_w.device, up_w.dtype)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(up_w.device)
     w = torch.rand(n, k, generator=g).to(up_w.device, up_w.dtype)
-    with torch.no_grad(), generic._replay():  # the capture hooks, if any, record nothing
+    with torch.no_grad(), hooks.replay():  # the capture hooks, if any, record nothing
         y = module(x, idx, w)
         expected = _mirror(module, layout, x, idx, w)
     if not torch.is_tensor(y) or y.shape != expected.shape or float(expected.abs().max()) == 0:
@@ -288,7 +288,7 @@ def _routed_forward(module: nn.Module, layout: dict):
         o = torch.cat([_linear(part, *_weights(module, layout, e, dtype=None)[2:], layout["transposed"])
                        for e, part in zip(hit, torch.split(h, sizes))])
         y = torch.zeros_like(flat).index_add(0, token, (o * w.reshape(-1)[order, None]).to(flat.dtype))
-        if torch.is_grad_enabled() and u.requires_grad and not generic.replaying() and not _in_backward():
+        if torch.is_grad_enabled() and u.requires_grad and not hooks.replaying() and not hooks.in_backward():
             entry = _Captured(x.detach(), order, token, expert, counts, xs.detach(), h.detach())
             _CAPTURED.setdefault(module, []).append(entry)
             u.register_hook(lambda grad: setattr(entry, "du", grad.detach()))
@@ -296,10 +296,6 @@ def _routed_forward(module: nn.Module, layout: dict):
         return y.reshape(x.shape)
 
     return forward
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 @contextmanager
@@ -327,7 +323,7 @@ def _take_capture(module: nn.Module, x: torch.Tensor) -> _Captured | None:
     return None
 
 
-def bank_usages(module: nn.Module, call: generic.Call, output_grads: list, batch: int) -> dict:
+def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int) -> dict:
     """``{name: usage}`` of a recognised expert bank from its recorded call and output gradient (and what
     :func:`_routed_forward` kept, if it ran; else the bank's matmuls are recomputed on the routed tokens)."""
     layout = recognise_bank(module)
@@ -398,7 +394,7 @@ def bank_usages(module: nn.Module, call: generic.Call, output_grads: list, batch
     return usages
 
 
-def call_usages(module: nn.Module, call: generic.Call, output_grads: list, batch: int) -> dict:
+def call_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int) -> dict:
     """The usages of a module whose whole call was recorded: an expert bank by its routed tokens, a router by its
     logits (:mod:`.routers`), anything else by the per-row path."""
     from .routers import recognise_router, router_usages

@@ -16,72 +16,13 @@ takes; larger modules need a rule (or freezing).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
 from .factors import Materialized
+from .hooks import Call, _map, output_tensors, replay
 
 MAX_NUMEL = 1 << 21  # trainable elements of one module's own parameters that the per-row path takes at most
-
-_REPLAY = [0]
-
-
-def replaying() -> bool:
-    """Whether a per-row re-run is under way (the capture hooks then record nothing)."""
-    return _REPLAY[0] > 0
-
-
-@contextmanager
-def _replay():
-    _REPLAY[0] += 1
-    try:
-        yield
-    finally:
-        _REPLAY[0] -= 1
-
-
-def _map(fn, x):
-    if torch.is_tensor(x):
-        return fn(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_map(fn, v) for v in x)
-    if isinstance(x, dict):
-        return {k: _map(fn, v) for k, v in x.items()}
-    return x
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    _map(lambda t: out.append(t) or t, x)
-    return out
-
-
-def output_tensors(output) -> list[torch.Tensor]:
-    """The outputs of a call that carry a gradient, in a fixed order."""
-    return [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
-
-
-def fresh_views(output):
-    """``output`` with every tensor that carries a gradient replaced by a view of itself."""
-    return _map(lambda t: t.view_as(t) if t.requires_grad and t.is_floating_point() else t, output)
-
-
-def input_tensors(args, kwargs) -> list[torch.Tensor]:
-    """The inputs of a call that carry a gradient (the backward must reach them, so that it reaches the outputs)."""
-    return [t for t in _tensors((args, kwargs)) if t.requires_grad]
-
-
-class Call:
-    """One recorded call: detached arguments and the outputs that carry a gradient."""
-
-    __slots__ = ("args", "kwargs", "outputs")
-
-    def __init__(self, args, kwargs, outputs: list[torch.Tensor]):
-        self.args, self.kwargs = _map(torch.Tensor.detach, args), _map(torch.Tensor.detach, kwargs)
-        self.outputs = outputs
-
 
 def trainable_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
@@ -112,7 +53,7 @@ def per_row_usages(module: nn.Module, call: Call, output_grads: list, batch: int
             return t[b : b + 1]
         return t
 
-    with _replay(), torch.enable_grad():
+    with replay(), torch.enable_grad():
         for b in range(batch):
             grad_outputs = [None if g is None else rows(g, b) for g in output_grads]
             if all(g is None for g in grad_outputs):

@@ -10,12 +10,23 @@ differentiates. A module that computes anything else gets no rule from here.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from .rules import Rule, centred_norm_rule, embedding_rule, linear_rule, rms_norm_rule, _embed_scale
+from .rules import (
+    GRAD_NORM_RULES,
+    _NAME_RULES,
+    Rule,
+    _embed_scale,
+    _original_class,
+    centred_norm_rule,
+    embedding_rule,
+    linear_rule,
+    rms_norm_rule,
+)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -106,3 +117,18 @@ def recognise(module: nn.Module) -> Rule | None:
         return _norm_rule(module)
     except Exception:  # a forward that will not run on a probe (other signature, sharded weights): no rule from here
         return None
+
+
+_RECOGNISED: "weakref.WeakKeyDictionary[nn.Module, Rule | None]" = weakref.WeakKeyDictionary()
+
+
+def find_rule(module: nn.Module) -> Rule | None:
+    """The module's rule: registered for its exact class (or class name), else recognised by what it computes
+    (:mod:`.recognise`: a norm, a scaled embedding, a linear map, each verified on a probe input), else None."""
+    cls = _original_class(type(module))
+    rule = GRAD_NORM_RULES.get(cls) or _NAME_RULES.get(cls.__name__)
+    if rule is not None:
+        return rule
+    if module not in _RECOGNISED:
+        _RECOGNISED[module] = recognise(module)
+    return _RECOGNISED[module]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import generic
+from . import generic, hooks
 from .factors import Dense, Factored, Materialized
 
 
@@ -34,7 +34,7 @@ class _LinearTap(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat = generic._tensors((args, kwargs))
+        flat = hooks._tensors((args, kwargs))
         uses = any(t is self.weight or (self.bias is not None and t is self.bias) for t in flat)
         if func is nn.functional.linear and uses:
             x, w = args[0], args[1]
@@ -60,7 +60,7 @@ class _LinearTap(TorchFunctionMode):
 def _run_tapped(module: nn.Module, args, kwargs):
     weight, bias = module.weight, getattr(module, "bias", None)
     tap = _LinearTap(weight, bias if isinstance(bias, torch.Tensor) else None)
-    with tap, generic._replay():
+    with tap, hooks.replay():
         out = module(*args, **kwargs)
     return tap, out
 
@@ -85,11 +85,11 @@ def _probe(module: nn.Module) -> bool:
         halves = [(rows, module(x[rows])) for rows in (slice(0, 3), slice(3, 6))]
     if len(tap.logits) != 1 or tap.other_uses or tap.logits[0].shape[0] != 6:
         return False
-    outs = generic._tensors(out)
+    outs = hooks._tensors(out)
     if not outs:
         return False
     for rows, half in halves:  # tokens independent: each half of the probe alone gives the same rows
-        parts = generic._tensors(half)
+        parts = hooks._tensors(half)
         if len(parts) != len(outs):
             return False
         for o, p in zip(outs, parts):
@@ -116,11 +116,11 @@ def recognise_router(module: nn.Module) -> bool:
     return _RECOGNISED[module]
 
 
-def router_usages(module: nn.Module, call: generic.Call, output_grads: list, batch: int) -> dict:
+def router_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int) -> dict:
     """``{"weight": Factored(dz, x), "bias": Materialized(sum_t dz_t)}`` from the recorded call and output gradients."""
     with torch.enable_grad(), torch.autocast(device_type=call.outputs[0].device.type, enabled=False):
         tap, out = _run_tapped(module, call.args, call.kwargs)
-        outs = generic.output_tensors(out)
+        outs = hooks.output_tensors(out)
         if len(tap.logits) != 1 or tap.other_uses or len(outs) != len(output_grads):
             return generic.per_row_usages(module, call, output_grads, batch)
         pairs = [(o, g) for o, g in zip(outs, output_grads) if g is not None]

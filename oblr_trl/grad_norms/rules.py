@@ -8,7 +8,6 @@ A rule maps ``(module, activation, output_grad)`` of one call of the module, bot
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import torch
@@ -43,23 +42,6 @@ def _original_class(cls: type) -> type:
     if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
         return bases[1]
     return cls
-
-
-_RECOGNISED: "weakref.WeakKeyDictionary[nn.Module, Rule | None]" = weakref.WeakKeyDictionary()
-
-
-def find_rule(module: nn.Module) -> Rule | None:
-    """The module's rule: registered for its exact class (or class name), else recognised by what it computes
-    (:mod:`.recognise`: a norm, a scaled embedding, a linear map, each verified on a probe input), else None."""
-    cls = _original_class(type(module))
-    rule = GRAD_NORM_RULES.get(cls) or _NAME_RULES.get(cls.__name__)
-    if rule is not None:
-        return rule
-    if module not in _RECOGNISED:
-        from .recognise import recognise
-
-        _RECOGNISED[module] = recognise(module)
-    return _RECOGNISED[module]
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:

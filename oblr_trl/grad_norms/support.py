@@ -11,7 +11,7 @@ from . import generic
 from .experts import recognise_bank
 from .routers import recognise_router
 from .lm import output_head, unwrap_causal_lm
-from .rules import find_rule
+from .recognise import find_rule
 
 ADVICE = (
     "Either freeze them (module.requires_grad_(False) for each), or train without exact norms: "

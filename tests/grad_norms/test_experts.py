@@ -4,7 +4,7 @@ per-sequence autograd: squared norms, within-group inner products and the weight
 import pytest
 import torch
 
-from oblr_trl.grad_norms import engine, experts
+from oblr_trl.grad_norms import engine, experts, hooks
 from oblr_trl.grad_norms.experts import PerExpert, call_usages, recognise_bank, routed_forwards
 from oblr_trl.grad_norms.support import how_handled
 
@@ -46,7 +46,7 @@ def _routing(experts: int, skewed: bool = False, seed: int = 1):
 def _ours(bank, x, idx, w, r, captured=True):
     """Captured: the bank's routed forward keeps its pairs' factors (as in the norms pass); else they are recomputed
     from the recorded call (as inside checkpointed layers)."""
-    with routed_forwards([bank] if captured else []), engine._capture([bank], B, calls_of={bank}) as (records, _):
+    with routed_forwards([bank] if captured else []), hooks.capture([bank], B, calls_of={bank}) as (records, _):
         y = bank(x, idx, w)
         (y * r).sum().backward(inputs=[p for p in bank.parameters() if p.requires_grad])
     bank.zero_grad(set_to_none=True)

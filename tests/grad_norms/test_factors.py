@@ -157,10 +157,10 @@ def test_both_layer_strategies_match_autograd(monkeypatch, materialize, tie):
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_vocabulary_chunking_is_exact(monkeypatch, tie):
     """The LM head is processed in vocabulary chunks (log-sum-exp, output gradient, Grams): chunks of 7 of 40."""
-    from oblr_trl.grad_norms import engine, factors
+    from oblr_trl.grad_norms import factors, head, result
 
-    monkeypatch.setattr(factors, "VOCAB_CHUNK", 7)
-    monkeypatch.setattr(engine, "VOCAB_CHUNK", 7)
+    for module in (factors, head, result):
+        monkeypatch.setattr(module, "VOCAB_CHUNK", 7)
     monkeypatch.setattr(factors, "_head_materialize_cheaper", lambda u, k: False)
     model = qwen3(tie=tie)
     ids, attention, completion_mask = padded_batch()
@@ -186,7 +186,6 @@ def test_bf16_autocast_materialized_layers_are_held_in_bf16_and_accurate_to_bf16
     gradients are there), formed and summed in fp32; norms, weighted gradient and group norms agree with per-sample
     autograd under the same autocast to bf16's precision (measured: 1.7e-3, 6e-4 and 3.7e-3 relative, the same as
     with the factors kept in bf16)."""
-    from reference import completion_logprob_sums
 
     from oblr_trl.grad_norms import per_sequence_grads
     from oblr_trl.grad_norms.factors import Materialized
@@ -317,7 +316,8 @@ def test_a_module_called_twice_is_not_streamed():
 def test_checkpointed_layers_keep_no_input_from_the_forward():
     """The memory property behind the recomputation pairing: after the forward, no module inside a checkpointed layer
     holds its input (checkpointing keeps only the layers' inputs); the embedding and final norm outside them do."""
-    from oblr_trl.grad_norms.engine import _capture, _checkpointed_layers, _hooked_modules
+    from oblr_trl.grad_norms.engine import _hooked_modules
+    from oblr_trl.grad_norms.hooks import capture as _capture, checkpointed_layers as _checkpointed_layers
 
     model = qwen3(tie=False)
     model.train()
@@ -403,7 +403,6 @@ def test_half_precision_operands_as_on_a_gpu_are_accurate_to_bf16(monkeypatch):
     linear's float32 input cast as autocast casts it, the head in bf16) with float32 sums. Norms, group products,
     the weighted gradient and the group norms agree with per-sample autograd under the same autocast to bf16's
     precision; off that policy (the CPU's default) the numbers are the float32-operand ones."""
-    from reference import completion_logprob_sums
 
     from oblr_trl.grad_norms import factors, per_sequence_grads
 

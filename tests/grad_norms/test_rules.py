@@ -129,12 +129,12 @@ def test_an_input_shared_by_the_batch_is_expanded_per_row():
         def forward(self, x):
             return x + self.wpe(shared)
 
-    from oblr_trl.grad_norms import engine
+    from oblr_trl.grad_norms import hooks
 
     x = _hidden()
     r = torch.randn(B, T, D)
     model = Positions()
-    with engine._capture([emb], B) as (records, _):
+    with hooks.capture([emb], B) as (records, _):
         (model(x) * r).sum().backward(inputs=[emb.weight])
     (record,) = records
     assert record.activation.shape == (B, T) and record.output_grad.shape == (B, T, D)
@@ -150,12 +150,12 @@ def test_a_leading_dimension_that_is_not_the_batch_is_refused_by_name():
         def forward(self, x):
             return self.lin(x.reshape(-1, 3, D))  # B*T = 20 rows regrouped by 3: no per-sequence layout
 
-    from oblr_trl.grad_norms import engine
+    from oblr_trl.grad_norms import hooks
 
     model = Odd()
     x = torch.randn(3, 4, D)  # a batch of 3 sequences of 4 tokens regrouped as 4 rows of 3: 4 is no multiple of 3
     with pytest.raises(NotImplementedError, match="Linear's input has leading dimension 4"):
-        with engine._capture([model.lin], 3) as _:
+        with hooks.capture([model.lin], 3) as _:
             model(x)
 
 
@@ -172,9 +172,9 @@ def test_registering_a_rule_twice_raises():
 
 def test_a_sequence_first_layout_is_refused_not_mistaken_for_flattened_tokens():
     """(T, B, d) with T a multiple of B must not be reshaped to (B, T/B*..., d): that would pair the wrong tokens."""
-    from oblr_trl.grad_norms import engine
+    from oblr_trl.grad_norms import hooks
 
     lin = nn.Linear(D, D)
     with pytest.raises(NotImplementedError, match="Linear's input has leading dimension 8"):
-        with engine._capture([lin], 4) as _:
+        with hooks.capture([lin], 4) as _:
             lin(torch.randn(8, 4, D))  # sequence-first: 8 tokens of a batch of 4

@@ -1,0 +1,241 @@
+"""The capture hooks: each hooked module's input activation and output gradient, or its whole call, recorded during
+one forward/backward (checkpointed layers' inputs taken from their recomputation). They know no rule and no formula:
+what a record turns into is :mod:`.rules`' and :mod:`.generic`'s business, and :mod:`.engine` wires the two."""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+_REPLAY = [0]
+
+
+def replaying() -> bool:
+    """Whether a per-row re-run is under way (the capture hooks then record nothing)."""
+    return _REPLAY[0] > 0
+
+
+@contextmanager
+def replay():
+    _REPLAY[0] += 1
+    try:
+        yield
+    finally:
+        _REPLAY[0] -= 1
+
+
+def _map(fn, x):
+    if torch.is_tensor(x):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(fn, v) for v in x)
+    if isinstance(x, dict):
+        return {k: _map(fn, v) for k, v in x.items()}
+    return x
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _map(lambda t: out.append(t) or t, x)
+    return out
+
+
+def output_tensors(output) -> list[torch.Tensor]:
+    """The outputs of a call that carry a gradient, in a fixed order."""
+    return [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+
+
+def fresh_views(output):
+    """``output`` with every tensor that carries a gradient replaced by a view of itself."""
+    return _map(lambda t: t.view_as(t) if t.requires_grad and t.is_floating_point() else t, output)
+
+
+def input_tensors(args, kwargs) -> list[torch.Tensor]:
+    """The inputs of a call that carry a gradient (the backward must reach them, so that it reaches the outputs)."""
+    return [t for t in _tensors((args, kwargs)) if t.requires_grad]
+
+
+class Call:
+    """One recorded call: detached arguments and the outputs that carry a gradient."""
+
+    __slots__ = ("args", "kwargs", "outputs")
+
+    def __init__(self, args, kwargs, outputs: list[torch.Tensor]):
+        self.args, self.kwargs = _map(torch.Tensor.detach, args), _map(torch.Tensor.detach, kwargs)
+        self.outputs = outputs
+
+
+class Record:
+    __slots__ = ("module", "activation", "output_grad", "input_has_grad")
+
+    def __init__(self, module: nn.Module, activation):
+        self.module, self.activation, self.output_grad, self.input_has_grad = module, activation, None, True
+
+
+def batch_rows(t: torch.Tensor, batch: int, module: nn.Module, what: str) -> torch.Tensor:
+    """``t`` with the batch as its leading axis: as is, expanded from a leading 1 (an input shared by every row, such
+    as GPT-Neo's ``(1, T)`` position ids: each row's gradient then comes from its own output gradient), or a flattened
+    ``(B * T, d)`` (OPT's MLP; at most 2-D, so a sequence-first ``(T, B, d)`` is not mistaken for it) reshaped to
+    ``(B, T, d)``. Anything else is refused, naming the module: pairing
+    such rows with the batch's sequences would be wrong."""
+    lead = t.shape[0] if t.dim() else 0
+    if lead == batch:
+        return t
+    if lead == 1:
+        return t.expand(batch, *t.shape[1:])
+    if lead and lead % batch == 0 and t.dim() <= 2:  # tokens flattened to (B*T, d) or (B*T,); a 3-D (T, B, d) is not
+        return t.reshape(batch, lead // batch, *t.shape[1:])
+    raise NotImplementedError(
+        f"{type(module).__name__}'s {what} has leading dimension {lead} (shape {tuple(t.shape)}), which is neither the "
+        f"batch ({batch}), 1, nor a multiple of the batch: its rows cannot be paired with the sequences. Freeze its "
+        "parameters (module.requires_grad_(False)) or use OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
+    )
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (where checkpointed layers recompute their forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def checkpointed_layers(backbone: nn.Module) -> list[nn.Module]:
+    """Layers that transformers will run under (non-reentrant) gradient checkpointing in this forward."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - older transformers
+        return []
+    return [
+        m for m in backbone.modules()
+        if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and m.training
+    ]
+
+
+@contextmanager
+def capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed: list[nn.Module] = (),
+             calls_of: set[nn.Module] = frozenset()):
+    """Record (activation, output gradient) of every call of ``modules`` during the forward/backward inside.
+
+    ``on_grad(record, calls)``, if given, runs as soon as a record has both halves (``calls``: how many times each
+    module ran in the forward, recomputations not counted); it may consume the record.
+
+    Inside a checkpointed layer a module's input is not kept from the forward: the backward recomputes the layer, and
+    the input is taken from that recomputation, just before (or just after) the module's output gradient arrives. So
+    the pass keeps what checkpointing keeps, plus one layer's factors at a time when ``on_grad`` consumes them.
+
+    An output whose leading dimension is 1 while the batch is ``batch`` (computed once, broadcast to every row) is
+    replaced by its expansion to the batch, so that its gradient arrives per row instead of summed over the rows.
+    Modules in ``calls_of`` (handled by :mod:`.generic`) have their whole call recorded: arguments, keyword arguments
+    and every output that carries a gradient.
+    """
+    records: list[Record] = []
+    calls: dict[nn.Module, int] = defaultdict(int)
+    in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
+    waiting: dict[nn.Module, deque] = defaultdict(deque)  # forward records awaiting their recomputed input
+    # Tensors the backward is taken with respect to, so that it reaches every hooked output without computing (and
+    # discarding) the parameters' gradients: inputs of hooked modules outside checkpointed layers, and the inputs of
+    # the checkpointed layers (which checkpointing keeps anyway).
+    inputs_with_grad: list[torch.Tensor] = []
+
+    def ready(record: Record) -> None:
+        if on_grad is not None:
+            on_grad(record, calls)
+
+    def layer_pre_hook(layer, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not in_backward() and torch.is_tensor(hidden) and hidden.requires_grad:
+            inputs_with_grad.append(hidden)
+
+    def recompute_pre_hook(module, args):
+        # A checkpointed layer's recomputation: the input, now. A pre-hook, because the recomputation stops early
+        # (torch's checkpoint early stop) right after the last saved tensor it needs, possibly inside this module.
+        if not (in_backward() and waiting[module]) or not args or not torch.is_tensor(args[0]):
+            return
+        if calls[module] != 1:
+            raise NotImplementedError(
+                f"{type(module).__name__} runs {calls[module]} times in one forward inside a checkpointed layer; "
+                "per-sequence norms cannot pair its recomputed inputs. Disable gradient checkpointing."
+            )
+        record = waiting[module].popleft()
+        record.activation = batch_rows(args[0].detach(), batch, module, "input")
+        if record.output_grad is not None:
+            ready(record)
+
+    def call_hook(module, args, kwargs, output):
+        if replaying() or (in_backward() and calls[module]):
+            return None
+        if batch > 1 and torch.is_tensor(output) and output.dim() and output.shape[0] == 1 and output.requires_grad:
+            output = output.expand(batch, *output.shape[1:])  # shared by every row: gradient per row
+        # Each output that carries a gradient is replaced by a fresh view of itself, so that its hook sees only the
+        # gradient from outside the module (an output the module itself used further, such as eager attention's
+        # probabilities, would otherwise also carry the gradient of the outputs computed from it).
+        output = returned = fresh_views(output)
+        outputs = output_tensors(output)
+        if not outputs:
+            return None
+        if batch > 1 and any(o.dim() == 0 or o.shape[0] == 1 for o in outputs):
+            raise NotImplementedError(
+                f"{type(module).__name__} returns an output shared by the whole batch inside a tuple: its per-sequence "
+                "gradients cannot be told apart. Freeze its parameters (module.requires_grad_(False)) or use "
+                "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
+            )
+        calls[module] += 1
+        record = Record(module, Call(args, kwargs, [o.detach() for o in outputs]))
+        record.output_grad = [None] * len(outputs)
+        records.append(record)
+        live_inputs = input_tensors(args, kwargs)
+        inputs_with_grad.extend(live_inputs)
+        record.input_has_grad = bool(live_inputs)
+        for i, o in enumerate(outputs):
+            o.register_hook(lambda grad, record=record, i=i: record.output_grad.__setitem__(i, grad.detach()))
+        return returned
+
+    def forward_hook(module, args, output):
+        if replaying():
+            return None
+        if not args or not torch.is_tensor(args[0]) or not torch.is_tensor(output) or not output.requires_grad:
+            return None
+        if batch > 1 and output.dim() and output.shape[0] == 1:
+            output = output.expand(batch, *output.shape[1:])  # shared by every row: expanded, its gradient is per row
+            returned = output
+        else:
+            returned = None
+        if in_backward() and module in in_checkpointed and calls[module]:
+            return returned  # the recomputation of a module that ran in the forward: paired by the pre-hook
+        deferred = module in in_checkpointed and not in_backward()
+        record = Record(module, None if deferred else batch_rows(args[0].detach(), batch, module, "input"))
+        records.append(record)
+        if not in_backward():
+            calls[module] += 1
+        if deferred:
+            waiting[module].append(record)
+        if not args[0].requires_grad:
+            record.input_has_grad = False
+        elif not deferred:
+            inputs_with_grad.append(args[0])
+
+        def grad_hook(grad, record=record):
+            record.output_grad = batch_rows(grad.detach(), batch, record.module, "output gradient")
+            if record.activation is not None:
+                ready(record)
+
+        output.register_hook(grad_hook)
+        return returned
+
+    handles = [m.register_forward_hook(forward_hook) for m in modules if m not in calls_of]
+    handles += [m.register_forward_hook(call_hook, with_kwargs=True) for m in calls_of]
+    handles += [m.register_forward_pre_hook(recompute_pre_hook) for m in modules if m in in_checkpointed]
+    handles += [m.register_forward_pre_hook(layer_pre_hook, with_kwargs=True) for m in checkpointed]
+    try:
+        yield records, inputs_with_grad
+    finally:
+        for handle in handles:
+            handle.remove()
+    unpaired = [r for queue in waiting.values() for r in queue if r.output_grad is not None]
+    if unpaired:
+        raise RuntimeError(
+            f"{len(unpaired)} output gradient(s) of checkpointed modules never met their recomputed inputs "
+            f"(first: {type(unpaired[0].module).__name__}); the per-sequence norms would be incomplete."
+        )

@@ -1,0 +1,107 @@
+"""Discovery for the coverage ledger: which trainable modules a model uses functionally (their forward never runs
+while autograd reaches their parameters), and the ancestor that borrows them onto the exact per-row path. See
+:mod:`.coverage` for the whole mechanism and its costs. No engine, no rule: :mod:`.engine` and :mod:`.support` read it."""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .lm import output_head, unwrap_causal_lm
+
+PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
+
+# lm -> (names of its trainable parameters, {borrowed module: borrowing ancestor})
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], dict]]" = weakref.WeakKeyDictionary()
+def sharded(lm: nn.Module) -> bool:
+    """Parameters that are shards (FSDP2 DTensors, DeepSpeed ZeRO-3 partitions): no plain forward can run here."""
+    return any(hasattr(p, "device_mesh") or hasattr(p, "ds_id") for p in lm.parameters())
+
+
+def probe_batch(lm: nn.Module, batch: int = PROBE_BATCH, prompt: int = PROBE_PROMPT,
+                completion: int = PROBE_COMPLETION) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids``, ``attention_mask``, ``completion_mask`` of a small batch on the model's device: random token
+    ids (never the pad id 0), the first row's prompt left-padded by 2, the last row's completion ending early."""
+    vocab = lm.get_input_embeddings().num_embeddings
+    device = lm.get_input_embeddings().weight.device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, max(2, min(vocab, 1000)), (batch, prompt + completion), generator=g)
+    attention = torch.ones_like(ids)
+    completion_mask = torch.ones(batch, completion, dtype=torch.long)
+    ids[0, :2], attention[0, :2] = 0, 0
+    completion_mask[-1, completion - 1 :] = 0
+    attention[-1, -1] = 0
+    return ids.to(device), attention.to(device), completion_mask.to(device)
+
+
+def trainable_names(lm: nn.Module) -> tuple[str, ...]:
+    return tuple(n for n, p in lm.named_parameters() if p.requires_grad)
+
+
+@contextmanager
+def plain_mode(lm: nn.Module):
+    """Eval mode (no dropout, no gradient checkpointing) and no autocast, for discovery and the probe; the train/eval
+    mode is put back after."""
+    was_training = lm.training
+    device = lm.get_input_embeddings().weight.device
+    lm.eval()
+    try:
+        with torch.autocast(device_type=device.type, enabled=False):
+            yield
+    finally:
+        lm.train(was_training)
+
+
+def _discover(lm: nn.Module, backbone: nn.Module) -> dict[nn.Module, nn.Module]:
+    head = output_head(lm)
+    called: set[nn.Module] = set()
+    handles = [m.register_forward_pre_hook(lambda m, args: called.add(m)) for m in backbone.modules()]
+    ids, attention, _ = probe_batch(lm)
+    try:
+        with torch.enable_grad():
+            hidden = backbone(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = {m: n for n, m in backbone.named_modules()}
+    silent = [m for m in backbone.modules() if m not in called and m is not head
+              and any(p.requires_grad for p in m.parameters(recurse=False))]
+    params = [p for m in silent for p in m.parameters(recurse=False) if p.requires_grad]
+    if not silent or not hidden.requires_grad:
+        return {}
+    reached = torch.autograd.grad(hidden.float().sum(), params, allow_unused=True)
+    reached_ids = {id(p) for p, g in zip(params, reached) if g is not None}
+    owners = {}
+    for module in silent:
+        if not any(id(p) in reached_ids for p in module.parameters(recurse=False)):
+            continue  # not on this forward's path at all (a vision tower without images): nothing to borrow
+        name = names[module]
+        while name:  # the nearest ancestor that ran
+            name = name.rpartition(".")[0]
+            ancestor = backbone.get_submodule(name)
+            if ancestor in called:
+                owners[module] = ancestor
+                break
+    return owners
+
+
+def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
+    """``{module: ancestor}`` for every trainable module whose forward never runs while autograd reaches its
+    parameters (they are used functionally): the ancestor that takes them on the per-row path. Found once per model
+    and set of trainable parameters (a tiny forward and backward), then remembered. Models whose parameters are
+    already shards cannot run that forward: they keep what was found before sharding (``validate`` at trainer
+    construction finds it), or nothing."""
+    lm = unwrap_causal_lm(model)
+    names = trainable_names(lm)
+    known = _OWNERS.get(lm)
+    if known is not None and (known[0] == names or sharded(lm)):
+        return known[1]
+    if not names or sharded(lm):
+        return {}
+    with plain_mode(lm):
+        owners = _discover(lm, lm.base_model)
+    _OWNERS[lm] = (names, owners)
+    return owners

@@ -1,0 +1,131 @@
+"""The per-sequence gradients of one pass (:class:`PerSequenceGradients`): their inner products (the weights of
+Theorem 7 and the SNR terms) and their weighted sum (the policy gradient, ``one_backward``'s update)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .factors import VOCAB_CHUNK, Factored, Materialized, SoftmaxDelta, Usage, block_inner_products, block_weighted_rows
+
+Slot = tuple[nn.Module, str]  # a parameter, as (owning module, attribute name)
+
+
+def _reduce_scatter_like(grad: torch.Tensor, param) -> torch.Tensor:
+    """A full-size gradient from this rank's samples -> the sum over ranks, sharded like the DTensor ``param``."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(grad, param.device_mesh, [Partial()] * param.device_mesh.ndim, run_check=False)
+    return partial.redistribute(param.device_mesh, param.placements)
+
+
+def _fp32(device: torch.device):
+    """Autocast off: the Grams, the head's softmax terms and the weighted sums are accumulated in float32 even when
+    the forward runs under bf16/fp16 autocast (which would otherwise run these matmuls in half precision)."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+class PerSequenceGradients:
+    """The per-sequence gradients ``u_i`` of one forward/backward, held per parameter: factored, or materialized
+    where that takes no more memory (``materialize=True``; never for a large matrix over short sequences).
+
+    Their inner products give the weights of Theorem 7 and the SNR terms (:meth:`inner_products`); their weighted
+    sum ``sum_i s_i u_i`` is the policy gradient once the advantages are known (:meth:`accumulate_grad`), which is how
+    ``OBLRPOConfig(one_backward=True)`` gets the norms and the update from a single backward.
+    """
+
+    def __init__(self, usages: dict[Slot, list[Usage]], batch: int, device, streamed: torch.Tensor | None = None,
+                 slots: list[Slot] = (), self_done: set[int] = frozenset()):
+        self.usages, self.batch, self.device = usages, batch, device
+        # ids of usages whose products with themselves are already in ``streamed`` (the LM head's, formed with its
+        # output gradient)
+        self.self_done = set(self_done)
+        # inner products already summed during the backward (layers whose factors were consumed as they arrived)
+        self.streamed = streamed
+        self.slots = list(slots) or list(usages)  # every trainable parameter, in module order
+
+    @property
+    def params(self) -> dict[Slot, nn.Parameter]:
+        """The parameters with per-sample gradients, as registered now (FSDP2 swaps the objects as it (un)shards)."""
+        return {slot: getattr(*slot) for slot in self.usages}
+
+    def inner_products(self, group_size: int = 1) -> torch.Tensor:
+        """``<u_i, u_j>`` within blocks of ``group_size`` consecutive rows: ``(B / group_size, k, k)``, float32."""
+        if self.batch % group_size:
+            raise ValueError(f"group_size={group_size} must divide the batch size {self.batch}.")
+        if self.streamed is not None and self.streamed.shape[1] != group_size:
+            raise ValueError(f"These gradients were streamed for group_size={self.streamed.shape[1]}.")
+        out = torch.zeros(self.batch // group_size, group_size, group_size, device=self.device)
+        if self.streamed is not None:
+            out += self.streamed
+        with _fp32(self.device):
+            self._add_inner_products(out, group_size)
+        return out
+
+    def _add_inner_products(self, out: torch.Tensor, group_size: int) -> None:
+        for param_usages in self.usages.values():
+            if any(isinstance(u, Materialized) for u in param_usages):
+                param_usages = [
+                    u if isinstance(u, Materialized) else Materialized(u.materialize().flatten(1)) for u in param_usages
+                ]
+            blocked = [u.blocked(group_size) for u in param_usages]
+            for a in range(len(blocked)):
+                if id(param_usages[a]) not in self.self_done:
+                    out += block_inner_products(blocked[a], blocked[a], group_size)
+                for b in range(a + 1, len(blocked)):
+                    cross = block_inner_products(blocked[a], blocked[b], group_size)
+                    out += cross + cross.transpose(1, 2)
+
+    ROW_BUDGET = 1 << 24  # float32 elements of one (blocks, rows, columns) buffer of accumulate_grad
+
+    @torch.no_grad()
+    def accumulate_grad(self, scale: torch.Tensor, group_size: int | None = None) -> torch.Tensor | None:
+        """Add ``sum_i scale_i u_i`` to each trainable parameter's ``.grad`` (created if absent), as a backward of
+        ``sum_i scale_i sum_t log pi(o_{i,t})`` would. An FSDP2-sharded parameter gets its shard of the gradient
+        summed over ranks (a reduce-scatter, as FSDP2's own backward does; every rank must call this).
+
+        With ``group_size=k``, also returns ``||sum_{i in q} scale_i u_i||^2`` for each block ``q`` of ``k``
+        consecutive rows, ``(B / k,)``: a group's gradient ``H_q``, whose squared norm is one sample of the SNR's noise
+        estimate. It comes nearly free: each block's part of a weight gradient is formed anyway (a parameter's rows
+        are formed in slices of at most ``ROW_BUDGET`` elements over all blocks). Summed in float64 (float32 on MPS,
+        which has no float64): the SNR subtracts the sum of these from a close number.
+        """
+        if scale.shape != (self.batch,):
+            raise ValueError(f"scale must have shape ({self.batch},), got {tuple(scale.shape)}.")
+        if self.streamed is not None:
+            raise ValueError("Streamed gradients kept no factors to form a weighted sum from (stream_group_size).")
+        k = self.batch if group_size is None else group_size
+        if self.batch % k:
+            raise ValueError(f"group_size={k} must divide the batch size {self.batch}.")
+        nb = self.batch // k
+        sq_dtype = torch.float32 if torch.device(self.device).type == "mps" else torch.float64
+        sq = torch.zeros(nb, device=self.device, dtype=sq_dtype)
+        for slot in self.slots:
+            param, param_usages = getattr(*slot), self.usages.get(slot, [])
+            sharded = hasattr(param, "device_mesh")  # an FSDP2 DTensor: every rank reduces every parameter, in order
+            if not param_usages and not sharded:
+                continue
+            rows = param.shape[0] if param.dim() else 1
+            cols = param.numel() // max(rows, 1)
+            step = max(1, min(rows, self.ROW_BUDGET // max(1, nb * cols)))
+            for u in param_usages:  # the LM head's (B, T, rows) softmax slice is a buffer too
+                if isinstance(u, Factored) and isinstance(u.left, SoftmaxDelta):
+                    step = min(step, VOCAB_CHUNK, max(1, self.ROW_BUDGET // (self.batch * u.right.t.shape[1])))
+            grad = torch.zeros(rows, cols, device=self.device)
+            with _fp32(self.device):
+                for start in range(0, rows, step):
+                    end = min(start + step, rows)
+                    if not param_usages:
+                        continue
+                    part = sum(block_weighted_rows(u, scale, k, start, end) for u in param_usages)
+                    if group_size is not None:
+                        sq += part.pow(2).sum(dim=(1, 2), dtype=sq_dtype)
+                    grad[start:end] = part.sum(0)
+            grad = grad.reshape(param.shape).to(param.dtype)
+            if sharded:  # this rank's full gradient: summed over ranks and sharded as the parameter is
+                grad = _reduce_scatter_like(grad, param)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
+        return sq if group_size is not None else None
