@@ -31,8 +31,9 @@ from . import factors, generic, hooks
 from .head import lm_head_terms, logit_scale
 from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Slot, _fp32
-from .experts import call_usages, routed_forwards
+from .experts import routed_forwards
 from .recognise import find_rule
+from .rules import call_usages
 from .ledger import functional_owners
 from .lm import output_head, text_config as _text_config, unwrap_causal_lm
 from .support import UnsupportedModulesError, coverage_plan, refuse_outside_decoder
@@ -84,6 +85,146 @@ def _fsdp_root_unsharded(lm: nn.Module):
         lm.reshard()
 
 
+def _slots(hooked: list[nn.Module], head: nn.Module, borrowed: dict[nn.Module, tuple[str, ...]]
+           ) -> tuple[dict[Slot, Slot], list[Slot], set[nn.Module]]:
+    """Each trainable parameter's slot, ``(module, name)`` of its first owner, for every ``(module, name)`` that
+    reaches it; the slots in module order; the modules whose parameters have several owners (a tied embedding and
+    head share one slot). Found by the parameters' identity now and kept as modules, because FSDP2 swaps the parameter
+    objects when it unshards them inside the pass."""
+    slot_of: dict[Slot, Slot] = {}
+    first_owner: dict[int, Slot] = {}
+    own = [(m, n) for m in hooked + [head] for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+    for slot in own + [_slot(m, n) for m, names in borrowed.items() for n in names]:
+        slot_of[slot] = first_owner.setdefault(id(getattr(*slot)), slot)
+    owners = Counter(slot_of.values())
+    sharing = {module for (module, _), slot in slot_of.items() if owners[slot] > 1}
+    return slot_of, list(owners), sharing
+
+
+class _Pass:
+    """What one pass builds: each parameter's per-sequence gradients (usages), and, streamed, the within-block inner
+    products of the layers consumed as their output gradients arrived."""
+
+    def __init__(self, lm: nn.Module, batch: int, device: torch.device, stream_group_size: int | None,
+                 materialize: bool):
+        self.head = output_head(lm)
+        if not isinstance(self.head, nn.Linear):
+            raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(self.head).__name__}.")
+        self.hooked, self.whole_call, self.borrowed = _hooked_modules(lm)
+        self.slot_of, self.slots, self.sharing = _slots(self.hooked, self.head, self.borrowed)
+        self.batch, self.device, self.k, self.materialize = batch, device, stream_group_size, materialize
+        self.usages: dict[Slot, list[Usage]] = defaultdict(list)
+        self.cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
+        self.parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
+        self.self_done: set[int] = set()
+        self.streamed = None
+        if stream_group_size is not None:
+            if batch % stream_group_size:
+                raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
+            self.streamed = torch.zeros(batch // stream_group_size, stream_group_size, stream_group_size,
+                                        device=device)
+
+    @property
+    def on_grad_hook(self):
+        return self.on_grad if self.streamed is not None or self.materialize else None
+
+    def keep(self, record: Record, materialize_now: bool) -> None:
+        """The record's per-sample gradients, by parameter: factored, or materialized where that saves memory."""
+        for name, usage in find_rule(record.module)(record.module, record.activation, record.output_grad).items():
+            usage = autocast_operands(usage, self.cast_cache)
+            if materialize_now and materializing_saves_memory(usage):
+                with _fp32(self.device):
+                    usage = Materialized(usage.materialize().to(per_sample_dtype(usage)))
+            self.usages[self.slot_of[(record.module, name)]].append(usage)
+
+    def on_grad(self, record: Record, calls: dict) -> None:
+        """A record complete during the backward: streamed (its products now), materialized, or kept for the end."""
+        module = record.module
+        if self.streamed is not None and calls[module] == 1 and module not in self.sharing:
+            with _fp32(self.device):
+                for usage in find_rule(module)(module, record.activation, record.output_grad).values():
+                    blocked = autocast_operands(usage, self.cast_cache).blocked(self.k)
+                    self.parts.append(block_inner_products(blocked, blocked, self.k))
+        elif self.materialize:
+            self.keep(record, materialize_now=True)
+        else:
+            return  # several usages of one parameter: their cross terms need them all, at the end
+        record.activation, record.output_grad = None, None  # consumed
+
+    def take_call(self, record: Record) -> None:
+        """A whole call's usages: its own parameters and those it borrows row by row, or its call rule's."""
+        module = record.module
+        if not any(g is not None for g in record.output_grad):
+            return
+        if module in self.borrowed:
+            names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            found = generic.per_row_usages(module, record.activation, record.output_grad, self.batch,
+                                           names + list(self.borrowed[module]))
+        else:
+            found = call_usages(module, record.activation, record.output_grad, self.batch)
+        for name, usage in found.items():
+            self.usages[self.slot_of[_slot(module, name)]].append(usage)
+
+    def collect(self, records: list[Record]) -> None:
+        """After the backward: every record not consumed on the way."""
+        self.cast_cache.clear()
+        if self.parts:
+            self.streamed += torch.stack(self.parts).sum(0)
+            self.parts.clear()
+        for record in records:
+            if isinstance(record.activation, hooks.Call):
+                self.take_call(record)
+            elif record.output_grad is not None:  # else streamed, a recomputation, or an unused output
+                self.keep(record, materialize_now=False)
+
+    def add_head(self, delta: SoftmaxDelta, h: torch.Tensor, self_products_done: bool) -> None:
+        head = self.head
+        if head.weight.requires_grad:
+            usage = Factored(delta, Dense(h))
+            self.usages[self.slot_of[(head, "weight")]].append(usage)
+            if self_products_done:
+                self.self_done.add(id(usage))
+        if head.bias is not None and head.bias.requires_grad:
+            with _fp32(self.device):
+                self.usages[self.slot_of[(head, "bias")]].append(Materialized(delta.cols(0, delta.width).sum(1)))
+
+    def result(self) -> PerSequenceGradients:
+        return PerSequenceGradients(self.usages, self.batch, self.device, self.streamed, slots=self.slots,
+                                   self_done=self.self_done)
+
+
+def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
+                       inputs_with_grad: list[torch.Tensor], backbone: nn.Module) -> None:
+    """The backward of ``<hidden, grad>`` to the hooked modules' inputs (their output gradients are all the rules
+    need) plus the trainable parameters of modules whose input carries no gradient (the input embedding): no other
+    parameter's gradient is computed, and no ``.grad`` is touched."""
+    first_layer_params = [
+        p for r in records if not r.input_has_grad for p in r.module.parameters(recurse=False) if p.requires_grad
+    ]
+    targets = inputs_with_grad + first_layer_params or [p for p in backbone.parameters() if p.requires_grad]
+    try:
+        torch.autograd.grad(hidden, targets, grad_outputs=grad, allow_unused=True)
+    except RuntimeError as error:
+        if "use_reentrant=True" not in str(error):
+            raise
+        raise RuntimeError(
+            "Per-sequence gradient norms need non-reentrant gradient checkpointing: set "
+            "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default)."
+        ) from error
+
+
+def _head_operands(lm: nn.Module, head: nn.Linear, hidden: torch.Tensor, span: slice, device_type: str):
+    """The head's input rows (the positions that predict completion tokens) and weight, detached and, when the pass
+    runs under autocast, in the autocast dtype, as the fused head's products run."""
+    half = torch.is_autocast_enabled(device_type) and device_type in factors.HALF_OPERAND_DEVICES
+    head_dtype = torch.get_autocast_dtype(device_type) if half else None
+    h = hidden[:, span].detach()
+    weight, bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
+    if head_dtype is not None:
+        h, weight = h.to(head_dtype), weight.to(head_dtype)
+    return h, weight, bias
+
+
 def per_sequence_grads(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -108,144 +249,44 @@ def per_sequence_grads(
     gradient), and keeps them instead of the factors (in bf16 under bf16 autocast, as autograd's own weight gradients
     are there; sums over them in fp32). Its inner products and its weighted sum are then nearly free, where the
     factors would cost a token Gram or a materialization now and a contraction again for the update.
-    See :func:`per_sequence_grad_sq_norms` for the other arguments.
+    See :func:`~.api.per_sequence_grad_sq_norms` for the other arguments.
     """
     batch, length = input_ids.shape
     completion_length = completion_mask.shape[1]
     if completion_length >= length:
         raise ValueError("completion_mask must cover fewer positions than input_ids (a prompt token is needed).")
     lm = unwrap_causal_lm(model)
-    usages: dict[Slot, list[Usage]] = defaultdict(list)
     if batch == 0 or not any(p.requires_grad for p in lm.parameters()):
-        return PerSequenceGradients(usages, batch, input_ids.device)
-    head = output_head(lm)
-    if not isinstance(head, nn.Linear):
-        raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(head).__name__}.")
-    backbone = lm.base_model
-    alpha = logit_scale(lm) / temperature
-    # The head's products run in the autocast dtype when the pass runs under autocast, as the fused head's do.
-    device_type = input_ids.device.type
-    half = torch.is_autocast_enabled(device_type) and device_type in factors.HALF_OPERAND_DEVICES
-    head_dtype = torch.get_autocast_dtype(device_type) if half else None
-    softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
-    hooked, per_row, borrowed = _hooked_modules(lm)
+        return PerSequenceGradients(defaultdict(list), batch, input_ids.device)
+    run = _Pass(lm, batch, input_ids.device, stream_group_size, materialize)
     if model_inputs:  # images: the modules that see them (a vision tower) have rows that are not the sequences
-        refuse_outside_decoder(lm, hooked, model_inputs)
+        refuse_outside_decoder(lm, run.hooked, model_inputs)
+    backbone, head = lm.base_model, run.head
     checkpointed = checkpointed_layers(backbone)
-    # Each trainable parameter's slot, (module, name) of its first owner: found now, by the parameters' identity, and
-    # kept as modules, because FSDP2 swaps the parameter objects when it unshards them inside the pass. A tied
-    # embedding and head share one slot.
-    slot_of: dict[Slot, Slot] = {}
-    first_owner: dict[int, Slot] = {}
-    own = [(m, n) for m in hooked + [head] for n, p in m.named_parameters(recurse=False) if p.requires_grad]
-    for slot in own + [_slot(m, n) for m, names in borrowed.items() for n in names]:
-        slot_of[slot] = first_owner.setdefault(id(getattr(*slot)), slot)
-    owners = Counter(slot_of.values())
-    sharing = {module for (module, _), slot in slot_of.items() if owners[slot] > 1}
-    streamed, self_done = None, set()
-    streamed_parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
-    cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
-    if stream_group_size is not None:
-        if batch % stream_group_size:
-            raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
-        streamed = torch.zeros(batch // stream_group_size, stream_group_size, stream_group_size, device=input_ids.device)
-
-    def keep(record: Record, materialize_now: bool) -> None:
-        """The record's per-sample gradients, by parameter: factored, or materialized where that saves memory."""
-        for name, usage in find_rule(record.module)(record.module, record.activation, record.output_grad).items():
-            usage = autocast_operands(usage, cast_cache)
-            if materialize_now and materializing_saves_memory(usage):
-                with _fp32(input_ids.device):
-                    usage = Materialized(usage.materialize().to(per_sample_dtype(usage)))
-            usages[slot_of[(record.module, name)]].append(usage)
-
-    def on_grad(record: Record, calls: dict) -> None:
-        module = record.module
-        if streamed is not None and calls[module] == 1 and module not in sharing:
-            k = stream_group_size
-            with _fp32(input_ids.device):
-                for usage in find_rule(module)(module, record.activation, record.output_grad).values():
-                    blocked = autocast_operands(usage, cast_cache).blocked(k)
-                    streamed_parts.append(block_inner_products(blocked, blocked, k))
-        elif materialize:
-            keep(record, materialize_now=True)
-        else:
-            return  # several usages of one parameter: their cross terms need them all, at the end
-        record.activation, record.output_grad = None, None  # consumed
-
-    on_grad_hook = on_grad if streamed is not None or materialize else None
+    alpha = logit_scale(lm) / temperature
+    softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
+    span = slice(length - completion_length - 1, length - 1)  # the positions that predict completion tokens
+    labels, mask = input_ids[:, length - completion_length :], completion_mask.to(torch.float32)
     # expert banks outside checkpointed layers keep their routed pairs' factors from the forward (experts.py)
     in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
-    banks = [m for m in per_row if m not in in_checkpointed]
+    banks = [m for m in run.whole_call if m not in in_checkpointed]
     with _fsdp_root_unsharded(lm), routed_forwards(banks), \
-            capture(hooked, batch, on_grad_hook, checkpointed, per_row) as (records, inputs_with_grad):
+            capture(run.hooked, batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                           **(model_inputs or {})).last_hidden_state
-        h = hidden[:, length - completion_length - 1 : length - 1]
-        h_op = h.detach() if head_dtype is None else h.detach().to(head_dtype)
-        labels = input_ids[:, length - completion_length :]
-        mask = completion_mask.to(torch.float32)
-        head_weight, head_bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
-        if head_dtype is not None:
-            head_weight = head_weight.to(head_dtype)
+        h, head_weight, head_bias = _head_operands(lm, head, hidden, span, input_ids.device.type)
         # Streamed, the head weight's own products come with its output gradient, from the same softmax chunks.
-        head_self_k = stream_group_size if streamed is not None and head.weight.requires_grad else None
+        head_self_k = stream_group_size if run.streamed is not None and head.weight.requires_grad else None
         with _fp32(input_ids.device):
-            lse, grad_h, head_self = lm_head_terms(h_op, labels, mask, head_weight, head_bias, alpha, softcap,
-                                                    head_self_k)
+            lse, grad_h, head_self = lm_head_terms(h, labels, mask, head_weight, head_bias, alpha, softcap, head_self_k)
         if head_self is not None:
-            streamed_parts.append(head_self)
+            run.parts.append(head_self)
         if hidden.requires_grad:
             full_grad = torch.zeros_like(hidden)
-            full_grad[:, length - completion_length - 1 : length - 1] = grad_h.to(hidden.dtype)
-            # Backward to the hooked modules' inputs (their output gradients are all we need) plus the trainable
-            # parameters of modules whose input carries no gradient (the input embedding).
-            first_layer_params = [
-                p for r in records if not r.input_has_grad for p in r.module.parameters(recurse=False) if p.requires_grad
-            ]
-            targets = inputs_with_grad + first_layer_params
-            if not targets:
-                targets = [p for p in backbone.parameters() if p.requires_grad]
-            try:
-                torch.autograd.grad(hidden, targets, grad_outputs=full_grad, allow_unused=True)
-            except RuntimeError as error:
-                if "use_reentrant=True" not in str(error):
-                    raise
-                raise RuntimeError(
-                    "Per-sequence gradient norms need non-reentrant gradient checkpointing: set "
-                    "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default)."
-                ) from error
-
-    cast_cache.clear()
-    if streamed_parts:
-        streamed += torch.stack(streamed_parts).sum(0)
-        streamed_parts.clear()
-    for record in records:
-        if isinstance(record.activation, hooks.Call):
-            if any(g is not None for g in record.output_grad):
-                module = record.module
-                if module in borrowed:  # its own parameters and those it uses functionally, row by row
-                    names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-                    found = generic.per_row_usages(module, record.activation, record.output_grad, batch,
-                                                   names + list(borrowed[module]))
-                else:
-                    found = call_usages(module, record.activation, record.output_grad, batch)
-                for name, usage in found.items():
-                    usages[slot_of[_slot(module, name)]].append(usage)
-            continue
-        if record.output_grad is None:  # streamed, a recomputation under gradient checkpointing, or an unused output
-            continue
-        keep(record, materialize_now=False)
+            full_grad[:, span] = grad_h.to(hidden.dtype)
+            _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone)
+    run.collect(records)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        delta = SoftmaxDelta(h_op, head_weight, head_bias, alpha, lse, labels, mask, softcap)
-        if head.weight.requires_grad:
-            head_usage = Factored(delta, Dense(h_op))
-            usages[slot_of[(head, "weight")]].append(head_usage)
-            if head_self is not None:
-                self_done.add(id(head_usage))
-        if head.bias is not None and head.bias.requires_grad:
-            with _fp32(input_ids.device):
-                usages[slot_of[(head, "bias")]].append(Materialized(delta.cols(0, delta.width).sum(1)))
-    return PerSequenceGradients(usages, batch, input_ids.device, streamed, slots=list(owners), self_done=self_done)
-
-
+        run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, softcap), h,
+                     head_self is not None)
+    return run.result()

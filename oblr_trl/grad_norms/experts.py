@@ -34,6 +34,7 @@ from torch import nn
 
 from .factors import Dense, Factored, Materialized, block_inner_products, block_weighted_rows
 from . import generic, hooks
+from .rules import register_call_rule
 
 
 class PerExpert:
@@ -323,6 +324,7 @@ def _take_capture(module: nn.Module, x: torch.Tensor) -> _Captured | None:
     return None
 
 
+@register_call_rule("expert_bank", lambda module: recognise_bank(module) is not None)
 def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int) -> dict:
     """``{name: usage}`` of a recognised expert bank from its recorded call and output gradient (and what
     :func:`_routed_forward` kept, if it ran; else the bank's matmuls are recomputed on the routed tokens)."""
@@ -392,15 +394,3 @@ def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: 
                         total[:, ex] = part.sum(1).reshape(len(ex), batch, width).transpose(0, 1)
                     usages[name] = Materialized(total)
     return usages
-
-
-def call_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int) -> dict:
-    """The usages of a module whose whole call was recorded: an expert bank by its routed tokens, a router by its
-    logits (:mod:`.routers`), anything else by the per-row path."""
-    from .routers import recognise_router, router_usages
-
-    if recognise_bank(module) is not None:
-        return bank_usages(module, call, output_grads, batch)
-    if recognise_router(module):
-        return router_usages(module, call, output_grads, batch)
-    return generic.per_row_usages(module, call, output_grads, batch)

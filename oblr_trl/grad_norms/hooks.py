@@ -113,58 +113,48 @@ def checkpointed_layers(backbone: nn.Module) -> list[nn.Module]:
     ]
 
 
-@contextmanager
-def capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed: list[nn.Module] = (),
-             calls_of: set[nn.Module] = frozenset()):
-    """Record (activation, output gradient) of every call of ``modules`` during the forward/backward inside.
+class _Capture:
+    """The hooks of one :func:`capture` and what they recorded (see there)."""
 
-    ``on_grad(record, calls)``, if given, runs as soon as a record has both halves (``calls``: how many times each
-    module ran in the forward, recomputations not counted); it may consume the record.
+    def __init__(self, batch: int, on_grad, checkpointed: list[nn.Module]):
+        self.batch, self.on_grad = batch, on_grad
+        self.records: list[Record] = []
+        self.calls: dict[nn.Module, int] = defaultdict(int)
+        self.in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
+        self.waiting: dict[nn.Module, deque] = defaultdict(deque)  # forward records awaiting their recomputed input
+        # Tensors the backward is taken with respect to, so that it reaches every hooked output without computing
+        # (and discarding) the parameters' gradients: inputs of hooked modules outside checkpointed layers, and the
+        # inputs of the checkpointed layers (which checkpointing keeps anyway).
+        self.inputs_with_grad: list[torch.Tensor] = []
 
-    Inside a checkpointed layer a module's input is not kept from the forward: the backward recomputes the layer, and
-    the input is taken from that recomputation, just before (or just after) the module's output gradient arrives. So
-    the pass keeps what checkpointing keeps, plus one layer's factors at a time when ``on_grad`` consumes them.
+    def ready(self, record: Record) -> None:
+        if self.on_grad is not None:
+            self.on_grad(record, self.calls)
 
-    An output whose leading dimension is 1 while the batch is ``batch`` (computed once, broadcast to every row) is
-    replaced by its expansion to the batch, so that its gradient arrives per row instead of summed over the rows.
-    Modules in ``calls_of`` (handled by :mod:`.generic`) have their whole call recorded: arguments, keyword arguments
-    and every output that carries a gradient.
-    """
-    records: list[Record] = []
-    calls: dict[nn.Module, int] = defaultdict(int)
-    in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
-    waiting: dict[nn.Module, deque] = defaultdict(deque)  # forward records awaiting their recomputed input
-    # Tensors the backward is taken with respect to, so that it reaches every hooked output without computing (and
-    # discarding) the parameters' gradients: inputs of hooked modules outside checkpointed layers, and the inputs of
-    # the checkpointed layers (which checkpointing keeps anyway).
-    inputs_with_grad: list[torch.Tensor] = []
-
-    def ready(record: Record) -> None:
-        if on_grad is not None:
-            on_grad(record, calls)
-
-    def layer_pre_hook(layer, args, kwargs):
+    def layer_pre_hook(self, layer, args, kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not in_backward() and torch.is_tensor(hidden) and hidden.requires_grad:
-            inputs_with_grad.append(hidden)
+            self.inputs_with_grad.append(hidden)
 
-    def recompute_pre_hook(module, args):
-        # A checkpointed layer's recomputation: the input, now. A pre-hook, because the recomputation stops early
-        # (torch's checkpoint early stop) right after the last saved tensor it needs, possibly inside this module.
-        if not (in_backward() and waiting[module]) or not args or not torch.is_tensor(args[0]):
+    def recompute_pre_hook(self, module, args):
+        """A checkpointed layer's recomputation: the input, now. A pre-hook, because the recomputation stops early
+        (torch's checkpoint early stop) right after the last saved tensor it needs, possibly inside this module."""
+        if not (in_backward() and self.waiting[module]) or not args or not torch.is_tensor(args[0]):
             return
-        if calls[module] != 1:
+        if self.calls[module] != 1:
             raise NotImplementedError(
-                f"{type(module).__name__} runs {calls[module]} times in one forward inside a checkpointed layer; "
+                f"{type(module).__name__} runs {self.calls[module]} times in one forward inside a checkpointed layer; "
                 "per-sequence norms cannot pair its recomputed inputs. Disable gradient checkpointing."
             )
-        record = waiting[module].popleft()
-        record.activation = batch_rows(args[0].detach(), batch, module, "input")
+        record = self.waiting[module].popleft()
+        record.activation = batch_rows(args[0].detach(), self.batch, module, "input")
         if record.output_grad is not None:
-            ready(record)
+            self.ready(record)
 
-    def call_hook(module, args, kwargs, output):
-        if replaying() or (in_backward() and calls[module]):
+    def call_hook(self, module, args, kwargs, output):
+        """A whole call: arguments, keyword arguments and every output that carries a gradient."""
+        batch = self.batch
+        if replaying() or (in_backward() and self.calls[module]):
             return None
         if batch > 1 and torch.is_tensor(output) and output.dim() and output.shape[0] == 1 and output.requires_grad:
             output = output.expand(batch, *output.shape[1:])  # shared by every row: gradient per row
@@ -181,61 +171,84 @@ def capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed: li
                 "gradients cannot be told apart. Freeze its parameters (module.requires_grad_(False)) or use "
                 "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
             )
-        calls[module] += 1
+        self.calls[module] += 1
         record = Record(module, Call(args, kwargs, [o.detach() for o in outputs]))
         record.output_grad = [None] * len(outputs)
-        records.append(record)
+        self.records.append(record)
         live_inputs = input_tensors(args, kwargs)
-        inputs_with_grad.extend(live_inputs)
+        self.inputs_with_grad.extend(live_inputs)
         record.input_has_grad = bool(live_inputs)
         for i, o in enumerate(outputs):
             o.register_hook(lambda grad, record=record, i=i: record.output_grad.__setitem__(i, grad.detach()))
         return returned
 
-    def forward_hook(module, args, output):
+    def forward_hook(self, module, args, output):
+        """A layer's input activation now (or, inside a checkpointed layer, from its recomputation) and its output
+        gradient when the backward reaches it."""
         if replaying():
             return None
         if not args or not torch.is_tensor(args[0]) or not torch.is_tensor(output) or not output.requires_grad:
             return None
-        if batch > 1 and output.dim() and output.shape[0] == 1:
-            output = output.expand(batch, *output.shape[1:])  # shared by every row: expanded, its gradient is per row
-            returned = output
-        else:
-            returned = None
-        if in_backward() and module in in_checkpointed and calls[module]:
+        returned = None
+        if self.batch > 1 and output.dim() and output.shape[0] == 1:
+            output = returned = output.expand(self.batch, *output.shape[1:])  # shared by every row: gradient per row
+        if in_backward() and module in self.in_checkpointed and self.calls[module]:
             return returned  # the recomputation of a module that ran in the forward: paired by the pre-hook
-        deferred = module in in_checkpointed and not in_backward()
-        record = Record(module, None if deferred else batch_rows(args[0].detach(), batch, module, "input"))
-        records.append(record)
+        deferred = module in self.in_checkpointed and not in_backward()
+        record = Record(module, None if deferred else batch_rows(args[0].detach(), self.batch, module, "input"))
+        self.records.append(record)
         if not in_backward():
-            calls[module] += 1
+            self.calls[module] += 1
         if deferred:
-            waiting[module].append(record)
+            self.waiting[module].append(record)
         if not args[0].requires_grad:
             record.input_has_grad = False
         elif not deferred:
-            inputs_with_grad.append(args[0])
+            self.inputs_with_grad.append(args[0])
 
         def grad_hook(grad, record=record):
-            record.output_grad = batch_rows(grad.detach(), batch, record.module, "output gradient")
+            record.output_grad = batch_rows(grad.detach(), self.batch, record.module, "output gradient")
             if record.activation is not None:
-                ready(record)
+                self.ready(record)
 
         output.register_hook(grad_hook)
         return returned
 
-    handles = [m.register_forward_hook(forward_hook) for m in modules if m not in calls_of]
-    handles += [m.register_forward_hook(call_hook, with_kwargs=True) for m in calls_of]
-    handles += [m.register_forward_pre_hook(recompute_pre_hook) for m in modules if m in in_checkpointed]
-    handles += [m.register_forward_pre_hook(layer_pre_hook, with_kwargs=True) for m in checkpointed]
+    def check_paired(self) -> None:
+        unpaired = [r for queue in self.waiting.values() for r in queue if r.output_grad is not None]
+        if unpaired:
+            raise RuntimeError(
+                f"{len(unpaired)} output gradient(s) of checkpointed modules never met their recomputed inputs "
+                f"(first: {type(unpaired[0].module).__name__}); the per-sequence norms would be incomplete."
+            )
+
+
+@contextmanager
+def capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed: list[nn.Module] = (),
+            calls_of: set[nn.Module] = frozenset()):
+    """Record (activation, output gradient) of every call of ``modules`` during the forward/backward inside; yields
+    the records and the tensors the backward must reach (so that it reaches every hooked output).
+
+    ``on_grad(record, calls)``, if given, runs as soon as a record has both halves (``calls``: how many times each
+    module ran in the forward, recomputations not counted); it may consume the record.
+
+    Inside a checkpointed layer a module's input is not kept from the forward: the backward recomputes the layer, and
+    the input is taken from that recomputation, just before (or just after) the module's output gradient arrives. So
+    the pass keeps what checkpointing keeps, plus one layer's factors at a time when ``on_grad`` consumes them.
+
+    An output whose leading dimension is 1 while the batch is ``batch`` (computed once, broadcast to every row) is
+    replaced by its expansion to the batch, so that its gradient arrives per row instead of summed over the rows.
+    Modules in ``calls_of`` (per-row and routed paths) have their whole call recorded: arguments, keyword arguments
+    and every output that carries a gradient.
+    """
+    state = _Capture(batch, on_grad, checkpointed)
+    handles = [m.register_forward_hook(state.forward_hook) for m in modules if m not in calls_of]
+    handles += [m.register_forward_hook(state.call_hook, with_kwargs=True) for m in calls_of]
+    handles += [m.register_forward_pre_hook(state.recompute_pre_hook) for m in modules if m in state.in_checkpointed]
+    handles += [m.register_forward_pre_hook(state.layer_pre_hook, with_kwargs=True) for m in checkpointed]
     try:
-        yield records, inputs_with_grad
+        yield state.records, state.inputs_with_grad
     finally:
         for handle in handles:
             handle.remove()
-    unpaired = [r for queue in waiting.values() for r in queue if r.output_grad is not None]
-    if unpaired:
-        raise RuntimeError(
-            f"{len(unpaired)} output gradient(s) of checkpointed modules never met their recomputed inputs "
-            f"(first: {type(unpaired[0].module).__name__}); the per-sequence norms would be incomplete."
-        )
+    state.check_paired()

@@ -22,6 +22,7 @@ from .rules import (
     Rule,
     _embed_scale,
     _original_class,
+    is_on,
     centred_norm_rule,
     embedding_rule,
     linear_rule,
@@ -127,8 +128,9 @@ def find_rule(module: nn.Module) -> Rule | None:
     (:mod:`.recognise`: a norm, a scaled embedding, a linear map, each verified on a probe input), else None."""
     cls = _original_class(type(module))
     rule = GRAD_NORM_RULES.get(cls) or _NAME_RULES.get(cls.__name__)
-    if rule is not None:
+    if rule is not None and is_on(rule):
         return rule
     if module not in _RECOGNISED:
         _RECOGNISED[module] = recognise(module)
-    return _RECOGNISED[module]
+    rule = _RECOGNISED[module]
+    return rule if rule is not None and is_on(rule) else None

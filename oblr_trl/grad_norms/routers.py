@@ -20,6 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import generic, hooks
+from .rules import register_call_rule
 from .factors import Dense, Factored, Materialized
 
 
@@ -116,6 +117,7 @@ def recognise_router(module: nn.Module) -> bool:
     return _RECOGNISED[module]
 
 
+@register_call_rule("router", recognise_router)
 def router_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int) -> dict:
     """``{"weight": Factored(dz, x), "bias": Materialized(sum_t dz_t)}`` from the recorded call and output gradients."""
     with torch.enable_grad(), torch.autocast(device_type=call.outputs[0].device.type, enabled=False):

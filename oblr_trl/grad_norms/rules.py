@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from . import generic
 from .factors import Dense, Factored, Materialized, OneHot, Usage
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, Usage]]
@@ -42,6 +46,70 @@ def _original_class(cls: type) -> type:
     if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
         return bases[1]
     return cls
+
+
+@dataclass(frozen=True)
+class CallRule:
+    """A rule for a module whose whole call is recorded (its arguments and outputs; see :mod:`.hooks`): ``recognise``
+    says whether it takes a module (each verifies that on a probe), ``usages(module, call, output_grads, batch)`` forms
+    the module's per-sequence gradients, ``{parameter name: usage}``."""
+
+    name: str
+    recognise: Callable[[nn.Module], bool]
+    usages: Callable[..., dict[str, Usage]]
+
+
+CALL_RULES: dict[str, CallRule] = {}  # in the order they are tried
+_SWITCHED_OFF: set[str] = set()
+
+
+def register_call_rule(name: str, recognise: Callable[[nn.Module], bool]):
+    """Register ``usages`` (the decorated function) as the call rule ``name``; a name is taken once."""
+
+    def decorator(usages):
+        if name in CALL_RULES:
+            raise ValueError(f"A call rule named {name!r} is already registered: {CALL_RULES[name]}.")
+        CALL_RULES[name] = CallRule(name, recognise, usages)
+        return usages
+
+    return decorator
+
+
+@contextmanager
+def switched_off(*names: str):
+    """Inside, the rules named (call rules by name, tensor rules by function name, e.g. ``"linear_rule"``) are not
+    used: their modules fall back to what comes next (a recognised rule, the per-row path, or a refusal)."""
+    unknown = set(names) - set(CALL_RULES) - {rule.__name__ for rule in _all_tensor_rules()}
+    if unknown:
+        raise ValueError(f"No rule named {sorted(unknown)}; call rules: {list(CALL_RULES)}.")
+    added = set(names) - _SWITCHED_OFF
+    _SWITCHED_OFF.update(added)
+    try:
+        yield
+    finally:
+        _SWITCHED_OFF.difference_update(added)
+
+
+def is_on(rule) -> bool:
+    return getattr(rule, "name", getattr(rule, "__name__", None)) not in _SWITCHED_OFF
+
+
+def _all_tensor_rules() -> list[Rule]:
+    return list(GRAD_NORM_RULES.values()) + list(_NAME_RULES.values()) + [centred_norm_rule]
+
+
+def find_call_rule(module: nn.Module) -> CallRule | None:
+    """The first registered call rule (switched on) that takes ``module``, or None."""
+    return next((rule for rule in CALL_RULES.values() if is_on(rule) and rule.recognise(module)), None)
+
+
+def call_usages(module: nn.Module, call, output_grads: list, batch: int) -> dict[str, Usage]:
+    """The usages of a module whose whole call was recorded: its call rule's (an expert bank by its routed tokens,
+    :mod:`.experts`; a router by its logits, :mod:`.routers`), else the exact per-row path's (:mod:`.generic`)."""
+    rule = find_call_rule(module)
+    if rule is not None:
+        return rule.usages(module, call, output_grads, batch)
+    return generic.per_row_usages(module, call, output_grads, batch)
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from . import generic
-from .experts import recognise_bank
-from .routers import recognise_router
+from . import experts, routers  # noqa: F401 (their call rules register on import)
 from .lm import output_head, unwrap_causal_lm
 from .recognise import find_rule
+from .rules import find_call_rule
 
 ADVICE = (
     "Either freeze them (module.requires_grad_(False) for each), or train without exact norms: "
@@ -52,7 +52,7 @@ def how_handled(module: nn.Module, borrowed: int = 0) -> str | None:
         return "per-row" if generic.trainable_numel(module) + borrowed <= generic.MAX_NUMEL else None
     if find_rule(module) is not None:
         return "rule"
-    if recognise_bank(module) is not None or recognise_router(module):
+    if find_call_rule(module) is not None:
         return "routed"
     if generic.trainable_numel(module) <= generic.MAX_NUMEL:
         return "per-row"

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from .engine import per_sequence_grad_sq_norms, unwrap_causal_lm
-from .experts import recognise_bank
 from .coverage import functional_owners, validate
+from .rules import find_call_rule
 from .support import coverage_plan
 from .zoo import FAMILIES, VOCAB, build
 
@@ -60,7 +60,7 @@ def family_row(family: str) -> list[str]:
         for c in covered:
             name = type(c.module).__name__
             if c.how == "routed":  # an expert bank by its routed tokens, or a router by its logits
-                name += " (routed tokens)" if recognise_bank(c.module) is not None else " (logits)"
+                name += " (routed tokens)" if find_call_rule(c.module).name == "expert_bank" else " (logits)"
             if c.borrowed:  # parameters of descendants it uses functionally
                 name += f" (with {', '.join(sorted({n.rpartition('.')[0] for n in c.borrowed}))})"
             layers[c.how].add(name)

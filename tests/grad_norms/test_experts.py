@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from oblr_trl.grad_norms import engine, experts, hooks
-from oblr_trl.grad_norms.experts import PerExpert, call_usages, recognise_bank, routed_forwards
+from oblr_trl.grad_norms.experts import PerExpert, recognise_bank, routed_forwards
+from oblr_trl.grad_norms.rules import call_usages
 from oblr_trl.grad_norms.support import how_handled
 
 B, T, D, K = 4, 6, 12, 2

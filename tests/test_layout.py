@@ -1,0 +1,69 @@
+"""The house's shape, checked: no import cycle in oblr_trl/, and no long function in grad_norms/ (a long one is a
+mechanism that wants its own object)."""
+
+import ast
+import collections
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "oblr_trl"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        name = ".".join(f.relative_to(PACKAGE.parent).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = f
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (at the top or inside a function: a lazy import is still a cycle)."""
+    mods, graph = _modules(), collections.defaultdict(set)
+    for name, f in mods.items():
+        package = name if f.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                subs = {f"{base}.{a.name}" for a in node.names} & set(mods)
+                graph[name] |= (subs or ({base} & set(mods))) - {name}
+            elif isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names} & set(mods)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, done = [], set()
+
+    def visit(node, path):
+        if node in path:
+            found.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        done.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycle_in_the_package():
+    assert cycles(import_graph()) == []
+
+
+def test_no_function_in_grad_norms_over_70_lines():
+    long = []
+    for f in sorted((PACKAGE / "grad_norms").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 70:
+                long.append(f"{f.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []
