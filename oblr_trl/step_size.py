@@ -22,7 +22,15 @@ more samples than one step, and divide only then:
 * ``"per_step"``: the paper's, this step only.
 
 Every estimator returns the same :class:`SNRDecision`; the state (:class:`SNRState`) is plain floats, carried from
-step to step by the trainer and saved with each checkpoint (``to_dict`` / ``from_dict``).
+step to step by the trainer and saved with each checkpoint (``to_dict`` / ``from_dict``). The estimators are
+registered by name in ``SNR_ESTIMATORS`` (:func:`register_snr_estimator`; ``OBLRPOConfig.snr_estimator`` selects
+one, and :func:`snr_step_size` calls it from there).
+
+The formulas exist once, here: :func:`step_signal_noise` (the unbiased per-step estimates) and
+:func:`scale_from_signal_noise` (the SNR and Theorem 4's factor), which the trainer's :func:`snr_step_size` runs.
+The public :func:`gradient_signal_noise`, :func:`gradient_snr`, :func:`snr_lr_scale` and
+:func:`step_scale_from_contributions` (re-exported by :mod:`oblr_trl.estimators` and :mod:`oblr_trl`) write them in
+the paper's parameterization and call them, so their Monte Carlo tests test the trainer's code.
 
 The per-step estimates are in the units of the single-sample estimator ``g_q = N H_q`` (``||grad J||^2`` and
 ``tr Sigma_g``). Under TRL's losses (a mean over the batch) ``H_q`` scales as ``1/N``, so these are the same
@@ -137,8 +145,9 @@ def scale_from_signal_noise(signal, noise, n: int):
     """``(N SNR / (1 + N SNR), SNR)`` with ``SNR = max(signal, 0) / max(noise, 0)``, elementwise in float64.
 
     Written as ``N s / (N s + v)`` so it is 1 when only the noise is 0 (and for an infinite signal) and 0, with SNR
-    0, when the signal is <= 0; the SNR is ``inf`` when only the noise is 0, and both are NaN for a NaN input. Floats give floats (the trainer's
-    step), tensors float64 tensors (:func:`gradient_snr`, :func:`snr_lr_scale`, :func:`step_scale_from_contributions`).
+    0, when the signal is <= 0; the SNR is ``inf`` when only the noise is 0, and both are NaN for a NaN input.
+    Floats give floats (the trainer's step), tensors float64 tensors (:func:`gradient_snr`, :func:`snr_lr_scale`,
+    :func:`step_scale_from_contributions`).
     """
     s, v = torch.broadcast_tensors(torch.as_tensor(signal, dtype=torch.float64).clamp(min=0),
                                    torch.as_tensor(noise, dtype=torch.float64).clamp(min=0))
