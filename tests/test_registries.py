@@ -57,12 +57,15 @@ def _signal_noise_cases(seed: int = 0):
 
 
 def test_scale_from_signal_noise_gives_the_old_floats_bit_for_bit():
-    """The factor and SNR of every step the trainer sizes: the same floats as the code it ran before."""
+    """The factor and SNR of every step the trainer sizes (finite inputs: `snr_step_size` refuses others): the same
+    floats as the code it ran before. An infinite signal, where that code gave a NaN factor, now gives 1."""
     for signal, noise in _signal_noise_cases():
         for n in (2, 3, 8, 64, 1000):
             new = step_size.scale_from_signal_noise(signal, noise, n)
             assert type(new[0]) is float and type(new[1]) is float
             assert new == _old_scale_from_signal_noise(signal, noise, n), (signal, noise, n)
+    assert math.isnan(_old_scale_from_signal_noise(math.inf, 1.0, 8)[0])
+    assert step_size.scale_from_signal_noise(math.inf, 1.0, 8) == (1.0, math.inf)
 
 
 @pytest.mark.parametrize("estimator", ["per_step", "ema", "ema_soft", "window"])
@@ -134,16 +137,18 @@ def _spy(calls: list, fn):
 
 def test_the_public_snr_names_run_the_trainers_formulas(monkeypatch):
     """`gradient_snr` & co. compute through `step_signal_noise` and `scale_from_signal_noise`, the functions of the
-    trainer's step: patch those, and the public results follow."""
+    trainer's step (the latter once per element): patch those, and the public results follow."""
     signal_noise, scales = [], []
     monkeypatch.setattr(step_size, "step_signal_noise", _spy(signal_noise, step_size.step_signal_noise))
     monkeypatch.setattr(step_size, "scale_from_signal_noise", _spy(scales, step_size.scale_from_signal_noise))
-    snr = oblr_trl.gradient_snr(torch.tensor([6.0, 1.0]), torch.tensor([1.0, 1.0]), 4)
-    assert len(signal_noise) == 1 and len(scales) == 1 and scales[0][1] is snr
+    snr = oblr_trl.gradient_snr(torch.tensor([6.0, 1.0, 4.0]), torch.tensor([1.0, 1.0, 0.5]), 4)
+    assert len(signal_noise) == 1 and snr.tolist() == [s for _, s in scales] and len(scales) == 3
     scale = oblr_trl.step_scale_from_contributions(1.5, 1.0, 4)
-    assert len(signal_noise) == 2 and scales[1][0] is scale
-    assert oblr_trl.snr_lr_scale(snr, 4) is scales[2][0]
+    assert len(signal_noise) == 2 and len(scales) == 4 and float(scale) == scales[3][0]
+    assert oblr_trl.snr_lr_scale(snr, 4).tolist() == [s for s, _ in scales[4:]]
     assert oblr_trl.gradient_signal_noise(6.0, 1.0, 4) is signal_noise[2]
+    monkeypatch.setattr(step_size, "scale_from_signal_noise", lambda signal, noise, n: (0.25, 7.0))
+    assert oblr_trl.gradient_snr(6.0, 1.0, 4).item() == 7.0 and oblr_trl.snr_lr_scale(3.0, 4).item() == 0.25
 
 
 def test_the_trainer_calls_the_registered_snr_estimator_and_formulas(monkeypatch):
