@@ -21,6 +21,15 @@ def _check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"OBLRPOConfig.{name}={value!r} is not allowed; allowed values: {list(allowed)}.")
 
 
+def _check_registered(registry, value) -> None:
+    """``value`` against the names in ``registry`` (:class:`oblr_trl.registry.Registry`) at the time of the call, so
+    a name a user registered is accepted; the error names the option and the allowed values."""
+    try:
+        registry.check(value)
+    except ValueError as e:
+        raise ValueError(f"OBLRPOConfig.{e}") from None
+
+
 @dataclass
 class OBLRPOConfig(GRPOConfig):
     r"""
@@ -213,8 +222,8 @@ class OBLRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_choice("baseline", self.baseline, sorted(BASELINES))
-        _check_choice("grad_norm_estimator", self.grad_norm_estimator, GRAD_NORM_ESTIMATORS)
+        _check_registered(BASELINES, self.baseline)
+        _check_registered(GRAD_NORM_ESTIMATORS, self.grad_norm_estimator)
         _check_choice("snr_sample_unit", self.snr_sample_unit, SNR_SAMPLE_UNITS)
         _check_choice("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
         if not 0.0 <= self.lr_scale_min <= 1.0:

@@ -1,50 +1,52 @@
 """OBLR-PO's estimators as pure tensor functions (no trainer state).
 
-Each formula of the paper lives here, once:
+The baseline's formulas and the per-batch pieces the trainer moves its data through:
 
 * :func:`gradient_weighted_baseline`: the variance-optimal baseline (Theorem 7),
   ``b(q) = sum_i w_i r_i / sum_i w_i`` with ``w_i = ||grad log pi(o_i|q)||^2``.
 * :func:`mean_baseline`: the uniform baseline of GRPO (group mean) and RLOO (leave-one-out mean), for ablations.
-* :func:`gradient_snr`: the SNR of the single-sample gradient estimator from per-sample norms and the batch norm
-  (McCandlish et al. 2018, App. A).
-* :func:`snr_lr_scale`: the step-size factor of Theorem 4, ``N*SNR / (1 + N*SNR)``.
-* :func:`step_scale_from_contributions`: the same factor written directly in the per-sample contributions ``h_i``
-  whose sum is the step's gradient.
 * :func:`baseline_weights`: ``w_i`` from per-sequence squared norms (or a proxy), as each score enters the loss.
 * :func:`unit_sq_norms`: each SNR sample's ``||H_q||^2 = ||sum_{i in q} a_i u_i||^2`` from within-sample Gram rows.
-* the step-size decision across steps (the SNR estimator and its state) is :mod:`oblr_trl.step_size`.
+* :func:`logit_proxy_weights`: verl's forward-only proxy of the squared norms.
 
-Baselines are registered by name (as verl's ``core_algos`` does) so that ``OBLRPOConfig.baseline`` selects one.
+The SNR and Theorem 4's step-size factor are :mod:`oblr_trl.step_size`'s, written once there, where the trainer runs
+them; :func:`gradient_signal_noise`, :func:`gradient_snr`, :func:`snr_lr_scale` and
+:func:`step_scale_from_contributions` (the paper's parameterization: per-sample norms and the batch norm) are that
+module's functions, re-exported here under their public names.
+
+Baselines (``BASELINES``, :func:`register_baseline`) and weight estimators (``GRAD_NORM_ESTIMATORS``,
+:func:`register_weight_estimator`) are registered by name (:class:`oblr_trl.registry.Registry`, as verl's
+``core_algos`` does) so that ``OBLRPOConfig.baseline`` and ``grad_norm_estimator`` select one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .loss_terms import sequence_shape
+from .registry import Registry
+from .step_size import (  # the SNR formulas, once, where the trainer runs them; re-exported here as before
+    gradient_signal_noise,
+    gradient_snr,
+    snr_from_signal_noise,
+    snr_lr_scale,
+    step_scale_from_contributions,
+)
 
 BaselineFn = Callable[..., tuple[torch.Tensor, int]]
-BASELINES: dict[str, BaselineFn] = {}
+BASELINES = Registry("baseline", "baseline")  # name -> BaselineFn, selected by OBLRPOConfig.baseline
 
 
 def register_baseline(name: str) -> Callable[[BaselineFn], BaselineFn]:
     """Register a baseline estimator under ``name`` (selected by ``OBLRPOConfig.baseline``); a taken name raises."""
-
-    def decorator(fn: BaselineFn) -> BaselineFn:
-        if name in BASELINES:
-            raise ValueError(f"A baseline named {name!r} is already registered ({BASELINES[name].__qualname__}).")
-        BASELINES[name] = fn
-        return fn
-
-    return decorator
+    return BASELINES.register(name)
 
 
 def get_baseline(name: str) -> BaselineFn:
-    if name not in BASELINES:
-        raise ValueError(f"Unknown baseline {name!r}; allowed values: {sorted(BASELINES)}.")
-    return BASELINES[name]
+    return BASELINES.select(name)
 
 
 def _grouped_weighted_mean(
@@ -145,78 +147,52 @@ def clip_weights(weights: torch.Tensor, group_size: int, max_ratio: float) -> tu
     return clipped.reshape(weights.shape), int(over.sum())
 
 
-def gradient_signal_noise(
-    mean_sample_sq_norm: torch.Tensor | float, batch_sq_norm: torch.Tensor | float, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unbiased estimates of ``||grad J||^2`` and ``tr(Sigma)`` (McCandlish et al. 2018, App. A), not clipped.
-
-    From ``m = mean_i ||g_i||^2`` over ``n`` i.i.d. single-sample estimates ``g_i`` and the squared norm of their
-    mean ``||gbar||^2``: ``||grad J||^2 ~ (n ||gbar||^2 - m) / (n - 1)`` and ``tr Sigma ~ n (m - ||gbar||^2) / (n - 1)``.
-    """
-    if n < 2:
-        raise ValueError(f"gradient_snr needs n >= 2 samples, got n={n}.")
-    m = torch.as_tensor(mean_sample_sq_norm, dtype=torch.float64)
-    g2 = torch.as_tensor(batch_sq_norm, dtype=torch.float64)
-    return (n * g2 - m) / (n - 1), n * (m - g2) / (n - 1)
-
-
-def snr_from_signal_noise(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """``max(signal, 0) / max(noise, 0)``; ``inf`` when only the noise is 0, 0 when both are."""
-    signal, noise = signal.clamp(min=0), noise.clamp(min=0)
-    return torch.where(
-        noise > 0,
-        signal / torch.where(noise > 0, noise, torch.ones_like(noise)),
-        torch.where(signal > 0, torch.full_like(signal, float("inf")), torch.zeros_like(signal)),
-    )
-
-
-def gradient_snr(
-    mean_sample_sq_norm: torch.Tensor | float, batch_sq_norm: torch.Tensor | float, n: int
-) -> torch.Tensor:
-    """SNR of the single-sample gradient estimator, ``SNR_t = ||grad J||^2 / tr(Sigma)`` (Theorem 4).
-
-    Both parts from :func:`gradient_signal_noise` (``m = mean_i ||g_i||^2`` over ``n`` samples, ``||gbar||^2`` the
-    squared norm of their mean), each clipped at 0. Returns ``inf`` when the noise estimate is 0 and the signal is
-    positive, 0 when both are 0.
-    """
-    return snr_from_signal_noise(*gradient_signal_noise(mean_sample_sq_norm, batch_sq_norm, n))
-
-
-def snr_lr_scale(snr: torch.Tensor | float, n: int) -> torch.Tensor:
-    """Step-size factor of Theorem 4: ``eta_t / eta_max = N SNR_t / (1 + N SNR_t)`` (1 for an infinite SNR)."""
-    snr = torch.as_tensor(snr, dtype=torch.float64)
-    if torch.any(snr < 0) or torch.any(torch.isnan(snr)):
-        raise ValueError(f"snr must be >= 0 and not NaN, got {snr}.")
-    x = n * snr
-    return torch.where(torch.isinf(x), torch.ones_like(x), x / (1 + torch.where(torch.isinf(x), torch.zeros_like(x), x)))
-
-
-def step_scale_from_contributions(
-    sum_sq_contributions: torch.Tensor | float, total_sq_norm: torch.Tensor | float, n: int
-) -> torch.Tensor:
-    """Theorem 4's factor from the step's per-sample contributions ``h_i`` (``G = sum_i h_i``).
-
-    With single-sample estimators ``g_i = n h_i`` and ``gbar = G``, ``snr_lr_scale(gradient_snr(m, ||G||^2, n), n)``
-    simplifies to ``n / (n - 1) * (1 - sum_i ||h_i||^2 / ||G||^2)``, clipped to ``[0, 1]``: 1 when all ``h_i`` point
-    the same way, 0 when they are orthogonal noise. ``G = 0`` gives 0 (no signal).
-    """
-    if n < 2:
-        raise ValueError(f"step_scale_from_contributions needs n >= 2 samples, got n={n}.")
-    s = torch.as_tensor(sum_sq_contributions, dtype=torch.float64)
-    g2 = torch.as_tensor(total_sq_norm, dtype=torch.float64)
-    ratio = s / torch.where(g2 > 0, g2, torch.ones_like(g2))
-    scale = (n / (n - 1) * (1 - ratio)).clamp(0.0, 1.0)
-    return torch.where(g2 > 0, scale, torch.zeros_like(scale))
-
-
 # ------------------------------------------------------------------------------------------ baseline weights
-GRAD_NORM_ESTIMATORS = ("exact", "length", "logit")
+@dataclass(frozen=True)
+class WeightEstimator:
+    """A source of the baseline weights ``w_i`` (``OBLRPOConfig.grad_norm_estimator``).
+
+    ``weights(loss_type, lengths, sq_norms)``: the weights of one batch; ``needs``: what the trainer computes for
+    ``sq_norms`` first: ``"norms"`` (the exact per-sequence squared norms, a norms pass or ``one_backward``),
+    ``"logit_proxy"`` (:func:`logit_proxy_weights`, one forward without backward) or ``None`` (nothing).
+    """
+
+    weights: Callable[[str, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    needs: str | None
+
+
+def _score_weights(loss_type: str, lengths: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
+    """``shape_i^2 sq_norms_i``: the squared norm of each score as it enters ``loss_type``'s gradient."""
+    return sq_norms.float() * sequence_shape(loss_type, lengths).to(sq_norms.device) ** 2
+
+
+def _length_weights(loss_type: str, lengths: torch.Tensor, sq_norms: torch.Tensor | None) -> torch.Tensor:
+    return lengths.float()
+
+
+GRAD_NORM_ESTIMATORS = Registry("grad_norm_estimator", "weight estimator")  # name -> WeightEstimator
+GRAD_NORM_ESTIMATORS.add("exact", WeightEstimator(_score_weights, needs="norms"))
+GRAD_NORM_ESTIMATORS.add("length", WeightEstimator(_length_weights, needs=None))
+GRAD_NORM_ESTIMATORS.add("logit", WeightEstimator(_score_weights, needs="logit_proxy"))
+
+
+def register_weight_estimator(name: str, weights: Callable, needs: str | None) -> WeightEstimator:
+    """Register a source of the baseline weights under ``name`` (selected by ``OBLRPOConfig.grad_norm_estimator``);
+    ``needs`` as in :class:`WeightEstimator`. A taken name raises."""
+    if needs not in (None, "norms", "logit_proxy"):
+        raise ValueError(f"needs={needs!r}; allowed values: [None, 'norms', 'logit_proxy'].")
+    return GRAD_NORM_ESTIMATORS.add(name, WeightEstimator(weights, needs))
+
+
+def weight_estimator(name: str) -> WeightEstimator:
+    """The registered :class:`WeightEstimator` ``name`` (an unknown one raises, naming the allowed values)."""
+    return GRAD_NORM_ESTIMATORS.select(name)
 
 
 def baseline_weights(
     estimator: str, loss_type: str, lengths: torch.Tensor, sq_norms: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The baseline weights ``w_i`` of Theorem 7 for one batch of completions.
+    """The baseline weights ``w_i`` of Theorem 7 for one batch of completions, from the registered ``estimator``.
 
     ``"exact"``: the squared norm of each completion's score as it enters ``loss_type``'s gradient,
     ``shape_i^2 ||u_i||^2`` (``shape_i = 1/|o_i|`` for the losses that average each sequence, see
@@ -224,13 +200,10 @@ def baseline_weights(
     ``"logit"``: the same with ``sq_norms`` the forward-only proxy of :func:`logit_proxy_weights`.
     ``"length"``: verl OPO's proxy ``w_i = |o_i|`` (no norms needed).
     """
-    if estimator == "length":
-        return lengths.float()
-    if estimator not in GRAD_NORM_ESTIMATORS:
-        raise ValueError(f"grad_norm_estimator={estimator!r}; allowed values: {list(GRAD_NORM_ESTIMATORS)}.")
-    if sq_norms is None:
+    entry = weight_estimator(estimator)
+    if entry.needs is not None and sq_norms is None:
         raise ValueError(f"grad_norm_estimator={estimator!r} needs the per-sequence squared norms (or their proxy).")
-    return sq_norms.float() * sequence_shape(loss_type, lengths).to(sq_norms.device) ** 2
+    return entry.weights(loss_type, lengths, sq_norms)
 
 
 def max_weight_ratio(weights: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -22,7 +22,15 @@ more samples than one step, and divide only then:
 * ``"per_step"``: the paper's, this step only.
 
 Every estimator returns the same :class:`SNRDecision`; the state (:class:`SNRState`) is plain floats, carried from
-step to step by the trainer and saved with each checkpoint (``to_dict`` / ``from_dict``).
+step to step by the trainer and saved with each checkpoint (``to_dict`` / ``from_dict``). The estimators are
+registered by name in ``SNR_ESTIMATORS`` (:func:`register_snr_estimator`; ``OBLRPOConfig.snr_estimator`` selects
+one, and :func:`snr_step_size` calls it from there).
+
+The formulas exist once, here: :func:`step_signal_noise` (the unbiased per-step estimates) and
+:func:`scale_from_signal_noise` (the SNR and Theorem 4's factor), which the trainer's :func:`snr_step_size` runs.
+The public :func:`gradient_signal_noise`, :func:`gradient_snr`, :func:`snr_lr_scale` and
+:func:`step_scale_from_contributions` (re-exported by :mod:`oblr_trl.estimators` and :mod:`oblr_trl`) write them in
+the paper's parameterization and call them, so their Monte Carlo tests test the trainer's code.
 
 The per-step estimates are in the units of the single-sample estimator ``g_q = N H_q`` (``||grad J||^2`` and
 ``tr Sigma_g``). Under TRL's losses (a mean over the batch) ``H_q`` scales as ``1/N``, so these are the same
@@ -35,7 +43,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-SNR_ESTIMATORS = ("ema", "ema_soft", "window", "per_step")
+import torch
+
+from .registry import Registry
+
+# name -> ``(signal, noise, state, *, beta, window) -> (signal, noise, new_state)``: this step's estimates averaged
+# over steps as the estimator does (selected by ``OBLRPOConfig.snr_estimator``; :func:`register_snr_estimator`)
+SNR_ESTIMATORS = Registry("snr_estimator", "SNR estimator")
+register_snr_estimator = SNR_ESTIMATORS.register
 
 
 @dataclass(frozen=True)
@@ -113,12 +128,13 @@ class SNRDecision:
     status: str
 
 
-def step_signal_noise(sum_sq: float, grad_sq_norm: float, n: int) -> tuple[float, float]:
+def step_signal_noise(sum_sq, grad_sq_norm, n: int):
     """Unbiased estimates of ``||grad J||^2`` and ``tr Sigma`` from one step (McCandlish et al. 2018, App. A).
 
     ``sum_sq = sum_q ||H_q||^2`` over the step's ``n >= 2`` samples, ``grad_sq_norm = ||G||^2``, ``G = sum_q H_q``.
     With ``g_q = n H_q`` (mean ``G``, ``mean_q ||g_q||^2 = n sum_sq``): signal ``n (||G||^2 - sum_sq) / (n - 1)``,
     noise ``n (n sum_sq - ||G||^2) / (n - 1)``. Not clipped: the signal is negative on steps where noise dominates.
+    Plain arithmetic: floats give floats (the trainer), tensors elementwise tensors (:func:`gradient_signal_noise`).
     """
     if n < 2:
         raise ValueError(f"step_signal_noise needs n >= 2 samples, got n={n}.")
@@ -127,19 +143,92 @@ def step_signal_noise(sum_sq: float, grad_sq_norm: float, n: int) -> tuple[float
 
 def scale_from_signal_noise(signal: float, noise: float, n: int) -> tuple[float, float]:
     """``(N SNR / (1 + N SNR), SNR)`` with ``SNR = max(signal, 0) / max(noise, 0)``; written as
-    ``N s / (N s + v)`` so it is 1 when only the noise is 0 and 0 (with SNR 0) when the signal is <= 0."""
+    ``N s / (N s + v)`` so it is 1 when only the noise is 0 (or the signal is infinite) and 0 (with SNR 0) when the
+    signal is <= 0. Floats (the trainer's step); :func:`elementwise_scale` maps it over tensors."""
     s, v = max(signal, 0.0), max(noise, 0.0)
     if s == 0.0:
         return 0.0, 0.0
     snr = s / v if v > 0 else math.inf
+    if s == math.inf:
+        return 1.0, snr
     return n * s / (n * s + v), snr
 
 
+def elementwise_scale(signal, noise, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`scale_from_signal_noise` at every element of the broadcast ``signal`` and ``noise`` (numbers or
+    tensors): ``(scale, snr)`` as float64 tensors of their shape, on their device: the same floats as the trainer's
+    step, one element at a time (about a microsecond each; a step has one, a Monte Carlo test 20,000)."""
+    s, v = torch.broadcast_tensors(torch.as_tensor(signal, dtype=torch.float64),
+                                   torch.as_tensor(noise, dtype=torch.float64))
+    pairs = [scale_from_signal_noise(a, b, n) for a, b in zip(s.reshape(-1).tolist(), v.reshape(-1).tolist())]
+    out = torch.tensor(pairs, dtype=torch.float64).reshape(*s.shape, 2).to(s.device)
+    return out[..., 0], out[..., 1]
+
+
+# ----------------------------------------------------- the same formulas in the batch parameterization (public)
+# ``m = mean_i ||g_i||^2`` over ``n`` single-sample estimates and ``||gbar||^2`` (the batch's squared norm), as the
+# paper writes them. ``m = n sum_sq`` and ``gbar = G`` turn them into the step's quantities above, which these call:
+# the formulas exist once, and the Monte Carlo tests (``tests/test_estimators_montecarlo.py``) test the code the
+# trainer runs. Re-exported by :mod:`oblr_trl.estimators` and :mod:`oblr_trl` as the same function objects.
+def gradient_signal_noise(mean_sample_sq_norm, batch_sq_norm, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unbiased estimates of ``||grad J||^2`` and ``tr(Sigma)`` (McCandlish et al. 2018, App. A), not clipped.
+
+    From ``m = mean_i ||g_i||^2`` over ``n`` i.i.d. single-sample estimates ``g_i`` and the squared norm of their
+    mean ``||gbar||^2``: ``||grad J||^2 ~ (n ||gbar||^2 - m) / (n - 1)`` and ``tr Sigma ~ n (m - ||gbar||^2) / (n - 1)``
+    (float64 tensors; :func:`step_signal_noise` at ``sum_sq = m / n``).
+    """
+    if n < 2:
+        raise ValueError(f"gradient_snr needs n >= 2 samples, got n={n}.")
+    m = torch.as_tensor(mean_sample_sq_norm, dtype=torch.float64)
+    return step_signal_noise(m / n, torch.as_tensor(batch_sq_norm, dtype=torch.float64), n)
+
+
+def snr_from_signal_noise(signal, noise) -> torch.Tensor:
+    """``max(signal, 0) / max(noise, 0)``; ``inf`` when only the noise is 0, 0 when the signal is <= 0: the SNR of
+    :func:`scale_from_signal_noise` (which does not depend on ``n``)."""
+    return elementwise_scale(signal, noise, 2)[1]
+
+
+def gradient_snr(mean_sample_sq_norm, batch_sq_norm, n: int) -> torch.Tensor:
+    """SNR of the single-sample gradient estimator, ``SNR_t = ||grad J||^2 / tr(Sigma)`` (Theorem 4).
+
+    Both parts from :func:`gradient_signal_noise` (``m = mean_i ||g_i||^2`` over ``n`` samples, ``||gbar||^2`` the
+    squared norm of their mean), each clipped at 0. Returns ``inf`` when the noise estimate is 0 and the signal is
+    positive, 0 when the signal is <= 0.
+    """
+    return elementwise_scale(*gradient_signal_noise(mean_sample_sq_norm, batch_sq_norm, n), n)[1]
+
+
+def snr_lr_scale(snr, n: int) -> torch.Tensor:
+    """Step-size factor of Theorem 4: ``eta_t / eta_max = N SNR_t / (1 + N SNR_t)`` (1 for an infinite SNR): the
+    factor of :func:`scale_from_signal_noise` with signal ``SNR_t`` and noise 1 (float64 tensors)."""
+    snr = torch.as_tensor(snr, dtype=torch.float64)
+    if torch.any(snr < 0) or torch.any(torch.isnan(snr)):
+        raise ValueError(f"snr must be >= 0 and not NaN, got {snr}.")
+    return elementwise_scale(snr, 1.0, n)[0]
+
+
+def step_scale_from_contributions(sum_sq_contributions, total_sq_norm, n: int) -> torch.Tensor:
+    """Theorem 4's factor from the step's per-sample contributions ``h_i`` (``G = sum_i h_i``), with the SNR of
+    this step only (``snr_estimator="per_step"``).
+
+    With single-sample estimators ``g_i = n h_i`` and ``gbar = G``, ``snr_lr_scale(gradient_snr(m, ||G||^2, n), n)``
+    simplifies to ``n / (n - 1) * (1 - sum_i ||h_i||^2 / ||G||^2)``, clipped to ``[0, 1]``: 1 when all ``h_i`` point
+    the same way, 0 when they are orthogonal noise. ``G = 0`` gives 0 (no signal). Float64 tensors.
+    """
+    if n < 2:
+        raise ValueError(f"step_scale_from_contributions needs n >= 2 samples, got n={n}.")
+    s = torch.as_tensor(sum_sq_contributions, dtype=torch.float64)
+    return elementwise_scale(*step_signal_noise(s, torch.as_tensor(total_sq_norm, dtype=torch.float64), n), n)[0]
+
+
 # ---------------------------------------------------------------------------------------------- estimators
+@register_snr_estimator("per_step")
 def _per_step(signal: float, noise: float, state: SNRState, **_) -> tuple[float, float, SNRState]:
     return signal, noise, replace(state, steps=state.steps + 1)
 
 
+@register_snr_estimator("ema")
 def _ema(signal: float, noise: float, state: SNRState, *, beta: float, **_) -> tuple[float, float, SNRState]:
     t = state.steps + 1
     s = beta * state.signal + (1 - beta) * signal
@@ -158,6 +247,7 @@ def expected_positive_part(mean: float, se: float) -> float:
     return mean * 0.5 * math.erfc(-z / math.sqrt(2)) + se * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
 
 
+@register_snr_estimator("ema_soft")
 def _ema_soft(signal: float, noise: float, state: SNRState, *, beta: float, **_) -> tuple[float, float, SNRState]:
     s_hat, v_hat, state = _ema(signal, noise, state, beta=beta)
     t, correction = state.steps, 1 - beta**state.steps
@@ -167,19 +257,16 @@ def _ema_soft(signal: float, noise: float, state: SNRState, *, beta: float, **_)
     return expected_positive_part(s_hat, se), v_hat, state
 
 
+@register_snr_estimator("window")
 def _window(signal: float, noise: float, state: SNRState, *, window: int, **_) -> tuple[float, float, SNRState]:
     recent = (state.recent + ((signal, noise),))[-window:]
     return (sum(x[0] for x in recent) / len(recent), sum(x[1] for x in recent) / len(recent),
             replace(state, steps=state.steps + 1, recent=recent))
 
 
-_ESTIMATORS = {"per_step": _per_step, "ema": _ema, "ema_soft": _ema_soft, "window": _window}
-
-
 def check_estimator(estimator: str, beta: float = 0.9, window: int = 10) -> None:
     """Raise a ``ValueError`` naming the option for an unknown estimator or an out-of-range parameter."""
-    if estimator not in _ESTIMATORS:
-        raise ValueError(f"snr_estimator={estimator!r} is not allowed; allowed values: {list(SNR_ESTIMATORS)}.")
+    SNR_ESTIMATORS.check(estimator)
     if estimator.startswith("ema") and not 0.0 <= beta < 1.0:
         raise ValueError(f"snr_ema={beta} must lie in [0, 1) for snr_estimator={estimator!r}.")
     if estimator == "window" and not (isinstance(window, int) and window >= 1):
@@ -210,7 +297,7 @@ def snr_step_size(
     if not (math.isfinite(grad_sq_norm) and math.isfinite(sum_sq)):
         return SNRDecision(lr_scale_min, nan, n, nan, nan, nan, nan, "nonfinite_grad"), state
     step_s, step_v = step_signal_noise(float(sum_sq), float(grad_sq_norm), n)
-    signal, noise, state = _ESTIMATORS[estimator](step_s, step_v, state, beta=beta, window=window)
+    signal, noise, state = SNR_ESTIMATORS[estimator](step_s, step_v, state, beta=beta, window=window)
     scale, snr = scale_from_signal_noise(signal, noise, n)
     status = "zero_snr" if scale == 0.0 else "ok"
     return SNRDecision(max(scale, lr_scale_min), snr, n, signal, noise, step_s, step_v, status), state

@@ -45,6 +45,7 @@ from .estimators import (
     token_log_sum_sq_probs,
     max_weight_ratio,
     unit_sq_norms,
+    weight_estimator,
 )
 from .grad_norms import per_sequence_grad_inner_products, per_sequence_grads, validate
 from .loss_terms import loss_coefficients
@@ -216,7 +217,8 @@ class OBLRPOTrainer(GRPOTrainer):
     @property
     def _needs_norms(self) -> bool:
         a = self.args
-        return a.snr_lr or (a.baseline == "gradient_weighted" and a.grad_norm_estimator == "exact")
+        weighted = a.baseline == "gradient_weighted"
+        return a.snr_lr or (weighted and weight_estimator(a.grad_norm_estimator).needs == "norms")
 
     def _warn_once(self, key: str, **fmt) -> None:
         if key not in self._oblr_warned:
@@ -318,7 +320,8 @@ class OBLRPOTrainer(GRPOTrainer):
             self._one_backward = False
         if self._one_backward is not False and self._oblr_chunk_rows is None:
             self._decide_one_backward(output)
-        if self.args.grad_norm_estimator == "logit" and self.args.baseline == "gradient_weighted":
+        needs = weight_estimator(self.args.grad_norm_estimator).needs
+        if needs == "logit_proxy" and self.args.baseline == "gradient_weighted":
             output["oblr_proxy"] = self._logit_proxy(output)
         if self._one_backward:  # norms, advantages and update all come from the training backward (compute_loss)
             output["oblr_reward"] = rewards[rank_slice]
@@ -343,9 +346,10 @@ class OBLRPOTrainer(GRPOTrainer):
         if products is not None:
             rewards = torch.where(gather(bad), torch.full_like(rewards, float("nan")), rewards)
             sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
-        if args.grad_norm_estimator == "logit" and "oblr_proxy" in batch:
+        needs = weight_estimator(args.grad_norm_estimator).needs  # what the weights are formed from (registry)
+        if needs == "logit_proxy" and "oblr_proxy" in batch:
             sq_norms = batch["oblr_proxy"]
-        if sq_norms is None and args.grad_norm_estimator != "length":  # no norms needed (mean baseline, no SNR)
+        if sq_norms is None and needs is not None:  # no norms needed (mean baseline, no SNR)
             sq_norms = torch.zeros(mask.shape[0], device=mask.device)
         weights = gather(baseline_weights(args.grad_norm_estimator, self.loss_type, mask.sum(-1), sq_norms))
         if args.weight_clip is None and args.baseline == "gradient_weighted":

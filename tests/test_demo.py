@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_demo_tiny_quick_output_and_rescore(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "OBLR_TRL_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "demo"
@@ -52,6 +53,7 @@ def _demo(tmp_path, out, *flags):
     )
 
 
+@pytest.mark.slow
 def test_demo_grpo_trainer_reused_before_accuracy_and_pass_through_flags(tmp_path):
     # --trainer grpo: TRL's GRPOTrainer on the same setting; its first step sees the same samples as OBLR-PO's
     grpo = _demo(tmp_path, tmp_path / "grpo", "--trainer", "grpo")

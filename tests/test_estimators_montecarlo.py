@@ -1,5 +1,9 @@
 """`oblr_trl.estimators` against independent references: exact enumeration, Monte Carlo, and plain loops.
 
+The SNR functions tested here by their public names (`gradient_snr`, `snr_lr_scale`, `gradient_signal_noise`,
+`step_scale_from_contributions`) are `oblr_trl.step_size`'s, which compute through the trainer's own
+`step_signal_noise` and `scale_from_signal_noise` (`tests/test_registries.py` checks that they do).
+
 The references never reuse the module's code:
 
 * toy softmax policies (``toy_policy``) give the policy gradient, the scores and the variance-optimal baseline in closed
@@ -19,14 +23,15 @@ import math
 import pytest
 import torch
 
-from oblr_trl import estimators
 from oblr_trl.estimators import (
+    gradient_signal_noise,
     gradient_snr,
     gradient_weighted_baseline,
     mean_baseline,
     snr_lr_scale,
     step_scale_from_contributions,
 )
+from oblr_trl.step_size import snr_step_size, step_signal_noise
 
 import toy_policy as tp  # tests/ is on sys.path (conftest.py)
 
@@ -245,11 +250,9 @@ def test_gradient_snr_estimators_are_unbiased():
 
 
 def test_unclipped_signal_noise_estimates_are_unbiased_at_low_signal():
-    """``gradient_signal_noise`` (the unclipped parts, where the module exposes them) is unbiased even where the
-    signal estimate is negative half the time (clipping would bias it up)."""
-    signal_noise = getattr(estimators, "gradient_signal_noise", None)
-    if signal_noise is None:
-        pytest.skip("oblr_trl.estimators exposes no gradient_signal_noise")
+    """``gradient_signal_noise`` (the unclipped parts) is unbiased even where the signal estimate is negative half
+    the time (clipping would bias it up). Imported, not looked up: a renamed function fails this module, never skips."""
+    signal_noise = gradient_signal_noise
     gen = torch.Generator().manual_seed(10)
     d, n, trials = 6, 8, 20_000
     cov = _random_cov(d, 3.0, gen)
@@ -259,6 +262,28 @@ def test_unclipped_signal_noise_estimates_are_unbiased_at_low_signal():
     assert 0.2 < (signal < 0).double().mean() < 0.8
     _assert_within_se(signal.to(F64)[:, None], mu.pow(2).sum()[None], "unclipped ||grad J||^2 estimate")
     _assert_within_se(noise.to(F64)[:, None], cov.trace()[None], "unclipped tr Sigma estimate")
+
+
+def test_the_trainers_step_estimates_are_unbiased_and_size_its_step():
+    """The functions the trainer runs (`oblr_trl.step_size`), in its own terms: a step's contributions
+    ``H_q = g_q / N``, ``sum_q ||H_q||^2`` and ``||G||^2``. `step_signal_noise` is unbiased for ``||grad J||^2`` and
+    ``tr Sigma`` of ``g_q`` where the signal estimate is negative half the time, and the ``"per_step"`` factor
+    `snr_step_size` applies is ``snr_lr_scale(gradient_snr(m, ||gbar||^2, N))`` of the same samples."""
+    gen = torch.Generator().manual_seed(11)
+    d, n, trials = 6, 8, 20_000
+    cov = _random_cov(d, 3.0, gen)
+    mu = torch.full((d,), 0.1, dtype=F64)
+    m, g2, x = _gaussian_trials(mu, cov, n, trials, gen)
+    h = x / n
+    sum_sq, total_sq = h.pow(2).sum((1, 2)), h.sum(1).pow(2).sum(-1)
+    signal, noise = step_signal_noise(sum_sq, total_sq, n)
+    assert 0.2 < (signal < 0).double().mean() < 0.8
+    _assert_within_se(signal[:, None], mu.pow(2).sum()[None], "the trainer's ||grad J||^2 estimate")
+    _assert_within_se(noise[:, None], cov.trace()[None], "the trainer's tr Sigma estimate")
+    expected = snr_lr_scale(gradient_snr(m[:300], g2[:300], n), n)
+    applied = [snr_step_size("per_step", float(a), float(b), n)[0].scale for a, b in zip(sum_sq[:300], total_sq[:300])]
+    torch.testing.assert_close(torch.tensor(applied, dtype=F64), expected, rtol=1e-9, atol=1e-12)
+    assert (expected == 0).any() and (expected > 0).any()
 
 
 def test_gradient_snr_is_the_clipped_ratio_of_the_unbiased_estimates():

@@ -36,6 +36,7 @@ def trained_dir(tmp_path_factory):
     return out, stdout
 
 
+@pytest.mark.slow
 def test_script_trains_a_step_and_writes_a_pushable_folder(trained_dir):
     out, _ = trained_dir
     files = {p.name for p in out.iterdir()}
@@ -45,6 +46,7 @@ def test_script_trains_a_step_and_writes_a_pushable_folder(trained_dir):
     assert (out / "training_curves.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_model_card_names_oblr_po_cites_the_paper_and_shows_the_run(trained_dir):
     out, _ = trained_dir
     card = (out / "README.md").read_text()
@@ -59,6 +61,7 @@ def test_model_card_names_oblr_po_cites_the_paper_and_shows_the_run(trained_dir)
     assert "![training_curves.png](training_curves.png)" in card
 
 
+@pytest.mark.slow
 def test_evaluate_scores_the_saved_checkpoint(trained_dir, tmp_path):
     out, _ = trained_dir
     table = tmp_path / "eval.md"
@@ -90,6 +93,8 @@ def test_prompt_template_with_a_hub_dataset_is_refused_before_any_loading(tmp_pa
 
 
 # ------------------------------------------------------------------ the script's default model: SmolLM2, offline
+@pytest.mark.slow
+@pytest.mark.real_model
 @pytest.mark.skipif(os.environ.get("OBLR_TRL_REAL_MODEL_TEST") == "0",
                     reason="OBLR_TRL_REAL_MODEL_TEST=0: skips the real SmolLM2-135M-Instruct load (and its download)")
 def test_script_trains_smollm2_by_default_and_saves_the_adapter_with_its_card(tmp_path):

@@ -62,6 +62,7 @@ def test_committed_notebook_holds_the_builders_cells():
     assert [(c.cell_type, c.source) for c in committed.cells] == [(c.cell_type, c.source) for c in built.cells]
 
 
+@pytest.mark.slow
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient", reason="the notebook test needs nbclient (the dev extra)")
     pytest.importorskip("ipykernel", reason="the notebook test needs a Python kernel (the dev extra)")

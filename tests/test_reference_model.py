@@ -228,6 +228,8 @@ def test_paths_and_unknown_names(tmp_path):
         resolve_model_path("smollm3")
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 @pytest.mark.skipif(os.environ.get("OBLR_TRL_REAL_MODEL_TEST") == "0",
                     reason="OBLR_TRL_REAL_MODEL_TEST=0: skips the real download (93 MB) and conversion (~1 min)")
 def test_real_smollm2_loads_and_answers():

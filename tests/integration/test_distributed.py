@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "equivalence_run.py")
 
 

@@ -137,7 +137,7 @@ def test_every_reward_none_survives_checkpoint_and_card(tmp_path):
 
 # ------------------------------------------------------------------------------ PEFT, callbacks, eval, resume
 def test_peft_config_argument():
-    peft = pytest.importorskip("peft")
+    import peft  # an install requirement (setup.cfg): missing is a failure, not a skip
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     grpo, oblr = side_by_side(common_args(), peft_config=lora)
     assert_trained(oblr, 2)
