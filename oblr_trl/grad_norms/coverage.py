@@ -153,10 +153,15 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], rto
         return [Unsupported("", type(lm).__name__,
                             f"the per-sequence gradient pass fails on it: {type(error).__name__}: {error}")]
     reference = []
-    with torch.enable_grad():
-        for i in rows:  # the sequence alone through the model: autograd's gradient of its log-probability
-            total = _logprob_sum(lm, ids[i : i + 1], attention[i : i + 1], completion_mask[i : i + 1])
-            reference.append(dict(zip(params, torch.autograd.grad(total, list(params.values()), allow_unused=True))))
+    try:
+        with torch.enable_grad():
+            for i in rows:  # the sequence alone through the model: autograd's gradient of its log-probability
+                total = _logprob_sum(lm, ids[i : i + 1], attention[i : i + 1], completion_mask[i : i + 1])
+                reference.append(dict(zip(params, torch.autograd.grad(total, list(params.values()),
+                                                                      allow_unused=True))))
+    except Exception as error:  # its own logits cannot score the sequences: nothing to check against
+        return [Unsupported("", type(lm).__name__, f"its own forward cannot score a completion's log-probability: "
+                            f"{type(error).__name__}: {error}")]
     return _mismatches(lm, params, ours, reference, rtol)
 
 

@@ -26,6 +26,9 @@ def probe_batch(lm: nn.Module, batch: int = PROBE_BATCH, prompt: int = PROBE_PRO
     """``input_ids``, ``attention_mask``, ``completion_mask`` of a small batch on the model's device: random token
     ids (never the pad id 0), the first row's prompt left-padded by 2, the last row's completion ending early."""
     vocab = lm.get_input_embeddings().num_embeddings
+    head = output_head(lm)
+    if isinstance(head, nn.Linear):  # ids the head can score too (CPM-Ant's embedding is wider than its vocabulary)
+        vocab = min(vocab, head.out_features)
     device = lm.get_input_embeddings().weight.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, max(2, min(vocab, 1000)), (batch, prompt + completion), generator=g)
