@@ -35,7 +35,7 @@ from .experts import routed_forwards
 from .recognise import find_rule
 from .rules import call_usages
 from .ledger import functional_owners
-from .lm import output_head, text_config as _text_config, unwrap_causal_lm
+from .lm import backbone_of, output_head, text_config as _text_config, unwrap_causal_lm
 from .support import UnsupportedModulesError, coverage_plan, refuse_outside_decoder
 
 
@@ -261,7 +261,7 @@ def per_sequence_grads(
     run = _Pass(lm, batch, input_ids.device, stream_group_size, materialize)
     if model_inputs:  # images: the modules that see them (a vision tower) have rows that are not the sequences
         refuse_outside_decoder(lm, run.hooked, model_inputs)
-    backbone, head = lm.base_model, run.head
+    backbone, head = backbone_of(lm), run.head
     checkpointed = checkpointed_layers(backbone)
     alpha = logit_scale(lm) / temperature
     softcap = getattr(_text_config(lm), "final_logit_softcapping", None)

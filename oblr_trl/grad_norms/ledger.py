@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .lm import output_head, unwrap_causal_lm
+from .lm import backbone_of, output_head, unwrap_causal_lm
 
 PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
 
@@ -105,6 +105,6 @@ def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
     if not names or sharded(lm):
         return {}
     with plain_mode(lm):
-        owners = _discover(lm, lm.base_model)
+        owners = _discover(lm, backbone_of(lm))
     _OWNERS[lm] = (names, owners)
     return owners

@@ -34,3 +34,16 @@ def text_config(lm: nn.Module):
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     return config
+
+
+def backbone_of(lm: nn.Module) -> nn.Module:
+    """The module under the head whose forward returns ``last_hidden_state``: ``base_model``, or, where that is the
+    ``*ForCausalLM`` itself (Llama 4's and Mllama's text models name their prefix after a wrapper they lack), its
+    decoder or ``model``."""
+    base = getattr(lm, "base_model", lm)
+    if base is not lm:
+        return base
+    for candidate in (lm.get_decoder() if hasattr(lm, "get_decoder") else None, getattr(lm, "model", None)):
+        if isinstance(candidate, nn.Module) and candidate is not lm:
+            return candidate
+    return base

@@ -9,7 +9,7 @@ from torch import nn
 
 from . import generic
 from . import experts, routers  # noqa: F401 (their call rules register on import)
-from .lm import output_head, unwrap_causal_lm
+from .lm import backbone_of, output_head, unwrap_causal_lm
 from .recognise import find_rule
 from .rules import find_call_rule
 
@@ -87,7 +87,7 @@ def coverage_plan(lm: nn.Module, owners: dict[nn.Module, nn.Module]) -> tuple[li
     borrowing = borrowed_names(owners)
     covered: list[Covered] = []
     found: list[Unsupported] = []
-    backbone = getattr(lm, "base_model", lm)
+    backbone = backbone_of(lm)
     for name, module in backbone.named_modules():
         if module is head or module in owners:
             continue
