@@ -86,6 +86,27 @@ def enable_accelerate_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = __init__
 
 
+def zero3_gathered(params, stage):
+    """ZeRO-3's partitioned parameters gathered whole for reading (a no-op otherwise)."""
+    if stage != 3:
+        import contextlib
+
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def deepspeed_config(stage: int) -> dict:
+    """A DeepSpeed config as examples/accelerate_configs/deepspeed_zero*.yaml produce, with "auto" filled from the
+    Trainer's arguments."""
+    return {
+        "zero_optimization": {"stage": stage},
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    }
+
+
 class RecordLR(TrainerCallback):
     """The learning rate each optimizer step is taken with, on this rank (right before ``optimizer.step()``)."""
 
@@ -98,6 +119,18 @@ class RecordLR(TrainerCallback):
 
 class Recorder(OBLRPOTrainer):
     records = []
+    ds_applied_lrs = []  # under DeepSpeed: per optimizer step, the lr of each group the ZeRO optimizer stepped with
+
+    def _install_deepspeed_sizer(self):
+        super()._install_deepspeed_sizer()
+        sizer = self._oblr_ds_sizer  # registered after the sizer's hook: sees the lr the update is taken with
+
+        def record(optimizer, args, kwargs):
+            if sizer.steps > len(self.ds_applied_lrs):
+                self.ds_applied_lrs.append([])
+            self.ds_applied_lrs[-1].extend(group["lr"] for group in optimizer.param_groups)
+
+        sizer.base.register_step_pre_hook(record)
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -112,7 +145,8 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 7}"}]} for i in range(64)])
     global DEGENERATE_FROM, NAN_FOR_EMPTY
     flags = set(mode.split("+"))
-    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk"}, mode
+    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk", "zero1", "zero2",
+                     "zero3"}, mode
     if "chunk" in flags:  # no budget: one_backward under checkpointing (on here) runs one group at a time
         import oblr_trl.one_backward
 
@@ -130,6 +164,9 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         # as a user asks for it; Accelerate shards each decoder layer (the model's _no_split_modules), the tied
         # embedding with the final norm and the LM head as one unit, then the root
         extra.update(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True})
+    stage = next((int(f[-1]) for f in flags if f.startswith("zero")), None)
+    if stage is not None:  # DeepSpeed ZeRO through the Trainer's own `deepspeed` argument ("auto": from the args)
+        extra["deepspeed"] = deepspeed_config(stage)
     args = OBLRPOConfig(
         output_dir="/tmp/oblr-equivalence", per_device_train_batch_size=per_device, num_generations=GROUP,
         max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", use_cpu=True, learning_rate=1e-2,
@@ -148,6 +185,8 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
 
     fsdp_facts = {  # what actually ran, on this rank
         "distributed_type": str(trainer.accelerator.distributed_type),
+        "zero_stage": getattr(trainer.model_wrapped, "zero_optimization_stage", lambda: None)(),
+        "zero_optimizer": type(getattr(trainer.model_wrapped, "optimizer", None)).__name__,
         "is_fsdp2": bool(trainer.accelerator.is_fsdp2),
         "trainer_is_fsdp_enabled": bool(trainer.is_fsdp_enabled),
         "fsdp_modules": sum(isinstance(m, FSDPModule) for m in trainer.model_wrapped.modules()),
@@ -155,12 +194,12 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         "all_params_dtensor": all(isinstance(p, DTensor) for p in trainer.model_wrapped.parameters()),
         "optimizer_params_dtensor": all(isinstance(p, DTensor) for g in trainer.optimizer.param_groups for p in g["params"]),
     }
-    lrs_per_rank = gather_object([lr_recorder.lrs])
+    lrs_per_rank = gather_object([trainer.ds_applied_lrs if stage is not None else lr_recorder.lrs])
     # the trained parameters, summed (gathered first where sharded): the updates of both layouts must agree
-    param_sum = sum(
-        float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().abs().sum())
-        for p in trainer.model_wrapped.parameters()
-    )
+    params = list(trainer.model_wrapped.parameters())
+    with zero3_gathered(params, stage):
+        param_sum = sum(float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().abs().sum())
+                        for p in params)
     facts_per_rank = gather_object([fsdp_facts])
     if trainer.accelerator.is_main_process:
         logs = [h for h in trainer.state.log_history if "oblr/lr_scale" in h]
