@@ -97,11 +97,12 @@ def zero3_gathered(params, stage):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-def deepspeed_config(stage: int) -> dict:
+def deepspeed_config(stage: int, offload_param: bool = False) -> dict:
     """A DeepSpeed config as examples/accelerate_configs/deepspeed_zero*.yaml produce, with "auto" filled from the
-    Trainer's arguments."""
+    Trainer's arguments; ``offload_param``: ZeRO-3 keeps the parameters on the CPU (refused with exact norms)."""
+    zero = {"stage": stage, **({"offload_param": {"device": "cpu"}} if offload_param else {})}
     return {
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
     }
@@ -146,7 +147,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     global DEGENERATE_FROM, NAN_FOR_EMPTY
     flags = set(mode.split("+"))
     assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk", "zero1", "zero2",
-                     "zero3"}, mode
+                     "zero3", "offload", "save", "resume", "ema"}, mode
     if "chunk" in flags:  # no budget: one_backward under checkpointing (on here) runs one group at a time
         import oblr_trl.one_backward
 
@@ -166,11 +167,18 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         extra.update(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True})
     stage = next((int(f[-1]) for f in flags if f.startswith("zero")), None)
     if stage is not None:  # DeepSpeed ZeRO through the Trainer's own `deepspeed` argument ("auto": from the args)
-        extra["deepspeed"] = deepspeed_config(stage)
+        extra["deepspeed"] = deepspeed_config(stage, offload_param="offload" in flags)
+    output_dir = "/tmp/oblr-equivalence"
+    if flags & {"save", "resume"}:  # a checkpoint after each step, beside OUT.json (DeepSpeed's own format with zero*)
+        output_dir = os.path.join(os.path.dirname(os.path.abspath(out_path)), "checkpoints")
+        extra.update(save_strategy="steps", save_steps=1)
+    if "ema" in flags:  # step 2's scale depends on step 1's SNR state: a resume must carry it over
+        extra["snr_ema"] = 0.5
+    extra.setdefault("save_strategy", "no")
     args = OBLRPOConfig(
-        output_dir="/tmp/oblr-equivalence", per_device_train_batch_size=per_device, num_generations=GROUP,
+        output_dir=output_dir, per_device_train_batch_size=per_device, num_generations=GROUP,
         max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", use_cpu=True, learning_rate=1e-2,
-        save_strategy="no", seed=0, data_seed=0, disable_tqdm=True, **extra,
+        seed=0, data_seed=0, disable_tqdm=True, **extra,
     )
     torch.manual_seed(0)
     trainer = Recorder(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[ones_reward], args=args,
@@ -179,7 +187,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         trainer.ALL_REDUCE_BUCKET = 4096  # many small all-reduce buckets, as a large model would have
     lr_recorder = RecordLR()
     trainer.add_callback(lr_recorder)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-1") if "resume" in flags else None)
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -202,7 +210,8 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
                         for p in params)
     facts_per_rank = gather_object([fsdp_facts])
     if trainer.accelerator.is_main_process:
-        logs = [h for h in trainer.state.log_history if "oblr/lr_scale" in h]
+        by_step = {h["step"]: h for h in trainer.state.log_history if "oblr/lr_scale" in h}  # a resumed run: its own
+        logs = [by_step[step] for step in sorted(by_step)]
         with open(out_path, "w") as f:
             json.dump({
                 "world_size": trainer.accelerator.num_processes,
