@@ -22,36 +22,20 @@ from typing import Callable
 
 import torch
 
-OFFLOAD_PARAM_REFUSAL = (
-    "OBLRPOTrainer computes exact per-sequence norms under ZeRO-3 without parameter offload only: with "
-    "offload_param_device={device!r} the norms pass would run on parameters ZeRO keeps on the {device}. Set "
-    "offload_param_device: none (offload_optimizer_device may stay), or use grad_norm_estimator='length' with "
-    "snr_lr=False."
-)
-
-
 def zero_stage(ds_config: dict) -> int:
     """The ZeRO stage of a (filled-in) DeepSpeed config; 0 where ZeRO is off."""
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0) or 0)
 
 
-def offloaded_params_device(ds_config: dict) -> str | None:
-    """Where ZeRO-3 offloads the parameters (``"cpu"``, ``"nvme"``), or ``None``."""
-    device = ((ds_config.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
-    return None if device in (None, "none") else str(device)
-
-
-def config_refusal(ds_config: dict, needs_norms: bool) -> str | None:
+def config_refusal(ds_config: dict) -> str | None:
     """Why OBLR-PO cannot run with this DeepSpeed config (a message naming the option and the alternative), or
-    ``None``. Stage 0 (no ZeRO) has no ZeRO optimizer to hook; parameter offload moves the weights the norms pass
-    reads."""
+    ``None``. Without ZeRO (stage 0) there is no ZeRO optimizer step to hook. Parameter and optimizer offload are fine:
+    ZeRO-3's module hooks fetch offloaded parameters for the norms pass as for any forward, and the head is gathered
+    with ``deepspeed.zero.GatheredParameters``."""
     stage = zero_stage(ds_config)
     if stage not in (1, 2, 3):
         return (f"OBLRPOTrainer supports DeepSpeed with ZeRO stages 1, 2 and 3 (zero_optimization.stage); got stage "
                 f"{stage}. Set zero_stage: 1, 2 or 3, or use DDP (accelerate launch --multi_gpu).")
-    device = offloaded_params_device(ds_config)
-    if needs_norms and device is not None:
-        return OFFLOAD_PARAM_REFUSAL.format(device=device)
     return None
 
 

@@ -133,8 +133,7 @@ class OBLRPOTrainer(GRPOTrainer):
         super().__init__(*bound.args[1:], **bound.kwargs)
         self._oblr_ds_sizer = None  # under DeepSpeed: the hook that sizes each ZeRO step (deepspeed_step.StepSizer)
         if self.is_deepspeed_enabled:
-            refusal = deepspeed_step.config_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config,
-                                                    self._needs_norms)
+            refusal = deepspeed_step.config_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
             if refusal:
                 raise NotImplementedError(refusal)
         fsdp1 = self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False)

@@ -87,17 +87,14 @@ def test_grad_sq_norm():
         deepspeed_step.grad_sq_norm(None)
 
 
-def test_config_refusals_name_the_option_and_the_alternative():
-    assert deepspeed_step.config_refusal({"zero_optimization": {"stage": 2}}, needs_norms=True) is None
-    assert deepspeed_step.config_refusal({"zero_optimization": {"stage": 3}}, needs_norms=True) is None
-    for stage0 in ({}, {"zero_optimization": {"stage": 0}}):
-        assert "zero_stage: 1, 2 or 3" in deepspeed_step.config_refusal(stage0, needs_norms=False)
+def test_config_refusal_names_the_option_and_the_alternative():
+    for stage in (1, 2, 3):
+        assert deepspeed_step.config_refusal({"zero_optimization": {"stage": stage}}) is None
     offload = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
-    message = deepspeed_step.config_refusal(offload, needs_norms=True)
-    assert "offload_param_device='cpu'" in message and "offload_param_device: none" in message
-    assert deepspeed_step.config_refusal(offload, needs_norms=False) is None  # no norms pass: nothing to refuse
-    none = {"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}}
-    assert deepspeed_step.config_refusal(none, needs_norms=True) is None
+    assert deepspeed_step.config_refusal(offload) is None  # runs, and matches a plain run (test_deepspeed.py)
+    for stage0 in ({}, {"zero_optimization": {"stage": 0}}):
+        message = deepspeed_step.config_refusal(stage0)
+        assert "zero_optimization.stage" in message and "zero_stage: 1, 2 or 3" in message and "DDP" in message
 
 
 def test_zero_optimizer_refuses_what_is_not_zero():

@@ -146,8 +146,8 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 7}"}]} for i in range(64)])
     global DEGENERATE_FROM, NAN_FOR_EMPTY
     flags = set(mode.split("+"))
-    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk", "zero1", "zero2",
-                     "zero3", "offload", "save", "resume", "ema"}, mode
+    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk", "zero0", "zero1",
+                     "zero2", "zero3", "offload", "save", "resume", "ema"}, mode
     if "chunk" in flags:  # no budget: one_backward under checkpointing (on here) runs one group at a time
         import oblr_trl.one_backward
 
@@ -202,7 +202,9 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         "all_params_dtensor": all(isinstance(p, DTensor) for p in trainer.model_wrapped.parameters()),
         "optimizer_params_dtensor": all(isinstance(p, DTensor) for g in trainer.optimizer.param_groups for p in g["params"]),
     }
-    lrs_per_rank = gather_object([trainer.ds_applied_lrs if stage is not None else lr_recorder.lrs])
+    if trainer.is_deepspeed_enabled:  # from the config (zero*) or from `accelerate launch`'s DeepSpeed plugin
+        stage = trainer.model_wrapped.zero_optimization_stage()
+    lrs_per_rank = gather_object([trainer.ds_applied_lrs if trainer.is_deepspeed_enabled else lr_recorder.lrs])
     # the trained parameters, summed (gathered first where sharded): the updates of both layouts must agree
     params = list(trainer.model_wrapped.parameters())
     with zero3_gathered(params, stage):
@@ -222,6 +224,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
                 "num_samples": [h["oblr/num_samples"] for h in logs],
                 "unscorable": [h["oblr/unscorable"] for h in logs],
                 "lr": [h["oblr/lr"] for h in logs],
+                "learning_rate": [h["learning_rate"] for h in logs],  # the scheduled lr TRL logs for the step
                 "applied_lrs": lrs_per_rank,  # per rank, per optimizer step, per param group
                 "fsdp": facts_per_rank,
                 "one_backward": bool(trainer.uses_one_backward),
