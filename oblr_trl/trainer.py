@@ -4,7 +4,7 @@ Every formula is a pure function elsewhere (:mod:`.estimators`, :mod:`.loss_term
 :mod:`.grad_norms`); the overrides only move TRL's data to them and back:
 
 * ``__init__``: builds or upgrades the config (no ``args``, or a ``GRPOConfig``), refuses what cannot work
-  (DeepSpeed, FSDP1 with exact norms), and picks ``one_backward`` where it is valid.
+  (DeepSpeed without ZeRO, FSDP1 with exact norms), and picks ``one_backward`` where it is valid.
 * ``_calculate_rewards``: keeps the all-rank rewards TRL computes.
 * ``_generate_and_score_completions``: after TRL, gives each row an id and replaces ``advantages`` with ``r_i - b_i``
   (Theorem 7), the weights from a norms pass (two-pass path) — or leaves that to the loss (``one_backward``).
@@ -12,7 +12,8 @@ Every formula is a pure function elsewhere (:mod:`.estimators`, :mod:`.loss_term
 * ``compute_loss``: records each micro-batch's SNR terms (two passes), or runs ``one_backward``'s pass.
 * ``training_step``: after the step's last micro-batch, sets ``lr = scheduled lr x N SNR / (1 + N SNR)`` (Theorem 4);
   a callback restores the scheduled lr after the optimizer step, and an optimizer pre-step hook refuses any step whose
-  size was not set, so the SNR step can never be skipped silently.
+  size was not set, so the SNR step can never be skipped silently. Under DeepSpeed the engine steps inside the
+  backward: the step is sized there instead, by a hook in ZeRO's optimizer step (:mod:`.deepspeed_step`).
 * ``create_model_card``, ``_save_checkpoint``, ``_load_optimizer_and_scheduler``: the card section, the SNR state.
 """
 
@@ -71,6 +72,8 @@ WARNINGS = {
     "one completion's weight (see oblr/weight_spread).",
     "few_samples": "An optimizer step saw {n} sample(s); the SNR needs 2: lr left unscaled.",
     "nonfinite_grad": "Non-finite gradient norm: lr scaled to lr_scale_min for this step.",
+    "deepspeed_skipped": "DeepSpeed skipped an optimizer step (gradient overflow): its SNR samples were dropped with "
+    "it; the next step is sized from its own samples.",
     "zero_snr": "SNR estimate is 0 (noise dominates): the step size collapses to lr_scale_min. If this persists, raise "
     "the batch (more prompts per step), set lr_scale_min, or pool steps with snr_estimator='ema' or 'window'.",
 }
@@ -469,7 +472,7 @@ class OBLRPOTrainer(GRPOTrainer):
     def _drop_step_samples(self) -> None:
         """DeepSpeed skipped the optimizer step (an overflow): its SNR samples go with it (on every rank alike)."""
         self._oblr_samples.reduce_all_ranks()
-        self._warn_once("nonfinite_grad")
+        self._warn_once("deepspeed_skipped")
 
     def _grad_sq_norm(self) -> float:
         """``||G||^2`` of the step's (all-reduced, pre-clip) gradient, on every rank."""
