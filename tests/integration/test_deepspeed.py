@@ -16,6 +16,8 @@ import pytest
 
 from test_distributed import SCRIPT, run
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test here runs torchrun (one or two processes)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LR, MAX_STEPS = 1e-2, 2  # the harness's learning_rate and max_steps: linear decay to 0
 
@@ -123,8 +125,7 @@ def test_zero_stage_0_is_refused_at_construction(tmp_path):
     assert "zero_optimization.stage" in proc.stderr and "got stage 0" in proc.stderr
 
 
-# ------------------------------------------------------------------ two processes (slow: ~15-30 s each on 2 cores)
-@pytest.mark.slow
+# ------------------------------------------------------------------ two processes (~15-30 s each on 2 cores)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_zero_processes_match_one_plain_process(plain, tmp_path, stage):
     """2 ZeRO processes x 8 rows = 1 plain process x 16 (torchrun, the Trainer's `deepspeed` argument): every
@@ -135,7 +136,6 @@ def test_two_zero_processes_match_one_plain_process(plain, tmp_path, stage):
     assert_applied_is_scheduled_times_scale(zero)
 
 
-@pytest.mark.slow
 def test_accelerate_launch_with_the_example_zero3_config_on_two_processes(plain, tmp_path):
     """`accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml --num_processes 2`: the
     DeepSpeed plugin comes from the launcher (no `deepspeed` argument), its "auto" batch sizes are filled from the
