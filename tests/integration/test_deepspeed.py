@@ -71,6 +71,9 @@ def test_one_zero_process_matches_the_plain_run(plain, tmp_path, stage):
     zero = run(tmp_path, 1, 16, f"zero{stage}+fp32" + ("+one_backward" if stage == 2 else ""))
     assert_ran_zero(zero, stage)
     assert not zero["one_backward"]
+    if stage == 2:  # one_backward=True switched off once, saying why
+        (why,) = [w for w in zero["warnings"] if "one_backward" in w]
+        assert "two passes" in why and "DeepSpeed (ZeRO owns the gradient buffers" in why
     assert_same_training(plain, zero)
     assert_applied_is_scheduled_times_scale(zero)
 

@@ -19,6 +19,7 @@ pass, the baseline, the SNR step size) runs for real.
 
 import hashlib
 import json
+import logging
 import os
 import sys
 
@@ -180,6 +181,10 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", use_cpu=True, learning_rate=1e-2,
         seed=0, data_seed=0, disable_tqdm=True, **extra,
     )
+    warnings = []  # OBLR-PO's warnings on this rank (e.g. one_backward switched off under DeepSpeed)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("oblr_trl.trainer").addHandler(handler)
     torch.manual_seed(0)
     trainer = Recorder(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[ones_reward], args=args,
                        train_dataset=dataset, rollout_func=deterministic_rollout)
@@ -228,6 +233,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
                 "applied_lrs": lrs_per_rank,  # per rank, per optimizer step, per param group
                 "fsdp": facts_per_rank,
                 "one_backward": bool(trainer.uses_one_backward),
+                "warnings": warnings,
                 "chunk_rows": trainer._oblr_chunk_rows,
                 "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
                 "param_abs_sum": param_sum,
