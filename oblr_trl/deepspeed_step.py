@@ -29,9 +29,9 @@ def zero_stage(ds_config: dict) -> int:
 
 def config_refusal(ds_config: dict) -> str | None:
     """Why OBLR-PO cannot run with this DeepSpeed config (a message naming the option and the alternative), or
-    ``None``. Without ZeRO (stage 0) there is no ZeRO optimizer step to hook. Parameter and optimizer offload are fine:
-    ZeRO-3's module hooks fetch offloaded parameters for the norms pass as for any forward, and the head is gathered
-    with ``deepspeed.zero.GatheredParameters``."""
+    ``None``. Without ZeRO (stage 0) there is no ZeRO optimizer step to hook. ZeRO-3 parameter offload is not refused: ZeRO-3's
+    module hooks fetch offloaded parameters for the norms pass as for any forward, and the head is gathered with
+    ``deepspeed.zero.GatheredParameters`` (tested against a plain run)."""
     stage = zero_stage(ds_config)
     if stage not in (1, 2, 3):
         return (f"OBLRPOTrainer supports DeepSpeed with ZeRO stages 1, 2 and 3 (zero_optimization.stage); got stage "
