@@ -66,10 +66,11 @@ def plain(tmp_path_factory):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_one_zero_process_matches_the_plain_run(plain, tmp_path, stage):
     """ZeRO-2 / ZeRO-3 in one process: the same advantages, gradient norm (DeepSpeed's pre-clip global norm), lr
-    scale and trained parameters as the plain run; every update taken with scheduled lr x logged scale. ZeRO-2 is
+    scale and trained parameters (clipped the same way) as the plain run; every update taken with scheduled lr x logged scale. ZeRO-2 is
     asked for one_backward, which DeepSpeed switches off (two passes, same result)."""
     zero = run(tmp_path, 1, 16, f"zero{stage}+fp32" + ("+one_backward" if stage == 2 else ""))
     assert_ran_zero(zero, stage)
+    assert plain["grad_norm"][0] > 1.0  # above max_grad_norm (1.0): both runs clip (TRL's clip, DeepSpeed's clip)
     assert not zero["one_backward"]
     if stage == 2:  # one_backward=True switched off once, saying why
         (why,) = [w for w in zero["warnings"] if "one_backward" in w]
