@@ -452,7 +452,10 @@ class OBLRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------ step size (Thm 4)
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.is_deepspeed_enabled:  # the engine steps inside the backward: the step is sized there
-            if self.args.snr_lr and self._oblr_ds_sizer is None:
+            sizer = self._oblr_ds_sizer
+            if self.args.snr_lr and (sizer is None or sizer.zero is not self.model_wrapped.optimizer):
+                if sizer is not None:  # a new engine (train() again): the old one's hook goes
+                    sizer.remove()
                 self._install_deepspeed_sizer()
             return super().training_step(model, inputs, num_items_in_batch)
         loss = super().training_step(model, inputs, num_items_in_batch)
