@@ -19,7 +19,7 @@ from trl.trainer.utils import split_tensor_dict
 ALL_REDUCE_BUCKET = 1 << 25  # elements per all-reduce (DDP's default bucket is 25 MiB)
 
 
-def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False) -> list[str]:
+def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False, deepspeed: bool = False) -> list[str]:
     """Why ``one_backward`` cannot be used with ``args`` (an ``OBLRPOConfig``); empty: it can.
 
     ``one_backward`` forms the gradient of the policy term at ratio 1 only, so anything else TRL's loss would add
@@ -55,6 +55,9 @@ def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False) -> list[str]:
         reasons.append("the model's router auxiliary loss (router_aux_loss_coef != 0)")
     if fsdp1:
         reasons.append("FSDP1 (use FSDP2: fsdp_version 2)")
+    if deepspeed:
+        reasons.append("DeepSpeed (ZeRO owns the gradient buffers and reduces them in its backward hooks; "
+                       "one_backward writes .grad outside autograd, which ZeRO would never see)")
     return reasons
 
 

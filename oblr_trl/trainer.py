@@ -4,7 +4,7 @@ Every formula is a pure function elsewhere (:mod:`.estimators`, :mod:`.loss_term
 :mod:`.grad_norms`); the overrides only move TRL's data to them and back:
 
 * ``__init__``: builds or upgrades the config (no ``args``, or a ``GRPOConfig``), refuses what cannot work
-  (DeepSpeed, FSDP1 with exact norms), and picks ``one_backward`` where it is valid.
+  (DeepSpeed without ZeRO, FSDP1 with exact norms), and picks ``one_backward`` where it is valid.
 * ``_calculate_rewards``: keeps the all-rank rewards TRL computes.
 * ``_generate_and_score_completions``: after TRL, gives each row an id and replaces ``advantages`` with ``r_i - b_i``
   (Theorem 7), the weights from a norms pass (two-pass path) — or leaves that to the loss (``one_backward``).
@@ -12,7 +12,8 @@ Every formula is a pure function elsewhere (:mod:`.estimators`, :mod:`.loss_term
 * ``compute_loss``: records each micro-batch's SNR terms (two passes), or runs ``one_backward``'s pass.
 * ``training_step``: after the step's last micro-batch, sets ``lr = scheduled lr x N SNR / (1 + N SNR)`` (Theorem 4);
   a callback restores the scheduled lr after the optimizer step, and an optimizer pre-step hook refuses any step whose
-  size was not set, so the SNR step can never be skipped silently.
+  size was not set, so the SNR step can never be skipped silently. Under DeepSpeed the engine steps inside the
+  backward: the step is sized there instead, by a hook in ZeRO's optimizer step (:mod:`.deepspeed_step`).
 * ``create_model_card``, ``_save_checkpoint``, ``_load_optimizer_and_scheduler``: the card section, the SNR state.
 """
 
@@ -31,7 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trl import GRPOTrainer
 
-from . import multimodal, one_backward
+from . import deepspeed_step, multimodal, one_backward
 from .card import PAPER, append_oblr_section
 from .config import OBLRPOConfig, upgrade_config
 from .estimators import (
@@ -71,6 +72,8 @@ WARNINGS = {
     "one completion's weight (see oblr/weight_spread).",
     "few_samples": "An optimizer step saw {n} sample(s); the SNR needs 2: lr left unscaled.",
     "nonfinite_grad": "Non-finite gradient norm: lr scaled to lr_scale_min for this step.",
+    "deepspeed_skipped": "DeepSpeed skipped an optimizer step (gradient overflow): its SNR samples were dropped with "
+    "it; the next step is sized from its own samples.",
     "zero_snr": "SNR estimate is 0 (noise dominates): the step size collapses to lr_scale_min. If this persists, raise "
     "the batch (more prompts per step), set lr_scale_min, or pool steps with snr_estimator='ema' or 'window'.",
 }
@@ -122,11 +125,6 @@ class OBLRPOTrainer(GRPOTrainer):
     _name = "OBLR-PO"
     _paper = PAPER  # title, arXiv id and BibTeX (with authors) for the model card
 
-    _DEEPSPEED_REFUSAL = (
-        "OBLRPOTrainer does not support DeepSpeed: DeepSpeed steps the optimizer inside the last backward, before the "
-        "SNR step size of this step can be applied. Use DDP (accelerate launch --multi_gpu) or FSDP2 instead."
-    )
-
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
         config = bound.arguments.get("args")
@@ -135,11 +133,12 @@ class OBLRPOTrainer(GRPOTrainer):
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             config = OBLRPOConfig(f"{name.rstrip('/').split('/')[-1]}-OBLR-PO")
         bound.arguments["args"] = config = upgrade_config(config)
-        if config.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-            raise NotImplementedError(self._DEEPSPEED_REFUSAL)  # before any model or optimizer is set up
         super().__init__(*bound.args[1:], **bound.kwargs)
+        self._oblr_ds_sizer = None  # under DeepSpeed: the hook that sizes each ZeRO step (deepspeed_step.StepSizer)
         if self.is_deepspeed_enabled:
-            raise NotImplementedError(self._DEEPSPEED_REFUSAL)
+            refusal = deepspeed_step.config_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+            if refusal:
+                raise NotImplementedError(refusal)
         fsdp1 = self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False)
         if fsdp1 and self._needs_norms:
             raise NotImplementedError(
@@ -158,6 +157,7 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_samples = StepSamples()
         self._oblr_rows_generated = 0  # completions generated for training so far, all ranks: the next row id
         self._oblr_saved_lrs: list[float] | None = None
+        self._oblr_lr_groups: list[dict] = []  # the param groups whose lr was scaled (restored after the step)
         # the SNR estimator's state and the running step-size statistics (both checkpointed)
         self._oblr_snr_state = SNRState()
         self._oblr_lr_stats = LrStats()
@@ -168,12 +168,14 @@ class OBLRPOTrainer(GRPOTrainer):
         self._one_backward: bool | None = False
         self._oblr_chunk_rows: int | None = None if self.args.gradient_checkpointing else 0
         if self.args.one_backward is not False and self._needs_norms:
-            reasons = one_backward.blockers(self.args, fsdp1=fsdp1, aux_loss=self.aux_loss_enabled)
+            reasons = one_backward.blockers(self.args, fsdp1=fsdp1, aux_loss=self.aux_loss_enabled,
+                                            deepspeed=self.is_deepspeed_enabled)
             self._one_backward, why = one_backward.initial_choice(
                 self.args.one_backward, reasons, self.accelerator.device.type, self.args.gradient_checkpointing
             )
-            if why:
-                logger.log(logging.WARNING if reasons and self.args.one_backward else logging.INFO, why)
+            if why:  # DeepSpeed switches off even the automatic choice: said once, as a warning
+                loud = reasons and (self.args.one_backward or self.is_deepspeed_enabled)
+                logger.log(logging.WARNING if loud else logging.INFO, why)
         self.add_callback(_RestoreScheduledLR(self))
         install_all_none_reward_filter()  # TRL's data-row dump for all-None rewards: shown once, not every step
 
@@ -449,10 +451,31 @@ class OBLRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------ step size (Thm 4)
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.is_deepspeed_enabled:  # the engine steps inside the backward: the step is sized there
+            sizer = self._oblr_ds_sizer
+            if self.args.snr_lr and (sizer is None or sizer.zero is not self.model_wrapped.optimizer):
+                if sizer is not None:  # a new engine (train() again): the old one's hook goes
+                    sizer.remove()
+                self._install_deepspeed_sizer()
+            return super().training_step(model, inputs, num_items_in_batch)
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.snr_lr and self.accelerator.sync_gradients:  # the step's gradient is complete: size the step
             self._apply_snr_step_size(self._grad_sq_norm())
         return loss
+
+    def _install_deepspeed_sizer(self) -> None:
+        """Under DeepSpeed: size each step inside the ZeRO optimizer's step, after the gradients are reduced and
+        DeepSpeed's global (pre-clip) norm is taken, before the parameters move (:mod:`.deepspeed_step`)."""
+        zero, base = deepspeed_step.zero_optimizer(self.model_wrapped)
+        self._oblr_ds_sizer = deepspeed_step.StepSizer(
+            zero, base, size=lambda sq: self._apply_snr_step_size(sq, groups=self._oblr_ds_sizer.groups),
+            restore=self._restore_scheduled_lr, skipped=self._drop_step_samples,
+        )
+
+    def _drop_step_samples(self) -> None:
+        """DeepSpeed skipped the optimizer step (an overflow): its SNR samples go with it (on every rank alike)."""
+        self._oblr_samples.reduce_all_ranks()
+        self._warn_once("deepspeed_skipped")
 
     def _grad_sq_norm(self) -> float:
         """``||G||^2`` of the step's (all-reduced, pre-clip) gradient, on every rank."""
@@ -467,7 +490,9 @@ class OBLRPOTrainer(GRPOTrainer):
             norm = norm / scaler.get_scale()
         return float(norm) ** 2
 
-    def _apply_snr_step_size(self, grad_sq_norm: float) -> None:
+    def _apply_snr_step_size(self, grad_sq_norm: float, groups: list[dict] | None = None) -> None:
+        """Scales the lr of ``groups`` (default: the optimizer's param groups) by this step's SNR factor."""
+        groups = self.optimizer.param_groups if groups is None else groups
         sum_sq, n = self._oblr_samples.reduce_all_ranks()
         # the SNR estimator (oblr_trl/step_size.py) and running statistics of the applied lr
         a = self.args
@@ -477,15 +502,17 @@ class OBLRPOTrainer(GRPOTrainer):
         )
         if step.status != "ok":
             self._warn_once(step.status, n=n)
-        self._oblr_saved_lrs = [group["lr"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
+        self._oblr_saved_lrs = [group["lr"] for group in groups]
+        self._oblr_lr_groups = groups
+        for group in groups:
             group["lr"] = group["lr"] * step.scale
-        applied = self.optimizer.param_groups[0]["lr"]
+        applied = groups[0]["lr"]
         self._oblr_lr_stats = self._oblr_lr_stats.record(step.scale, applied)
         self._log({"lr_scale": step.scale, "num_samples": float(n), "lr": applied, **self._oblr_lr_stats.metrics()})
         if step.snr == step.snr:  # undefined (fewer than 2 samples, non-finite gradient): not logged, warned
             self._log({"snr": step.snr})
-        self._check_precision(applied)
+        if not self.is_deepspeed_enabled:  # DeepSpeed's optimizer steps fp32 master weights, not the model's
+            self._check_precision(applied)
 
     def _check_precision(self, lr: float) -> None:
         """Warn once if updates of the applied lr round away for most low-precision trainable weights."""
@@ -503,13 +530,14 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _restore_scheduled_lr(self) -> None:
         if self._oblr_saved_lrs is not None:
-            for group, lr in zip(self.optimizer.param_groups, self._oblr_saved_lrs):
+            for group, lr in zip(self._oblr_lr_groups, self._oblr_saved_lrs):
                 group["lr"] = lr
             self._oblr_saved_lrs = None
 
     def create_optimizer(self, *args, **kwargs):
         optimizer = super().create_optimizer(*args, **kwargs)
-        if self.args.snr_lr and not getattr(optimizer, "_oblr_guarded", False):
+        # under DeepSpeed the StepSizer's pre-hook on this optimizer sizes every step itself (training_step)
+        if self.args.snr_lr and not self.is_deepspeed_enabled and not getattr(optimizer, "_oblr_guarded", False):
             optimizer.register_step_pre_hook(self._refuse_unsized_step)
             optimizer._oblr_guarded = True
         return optimizer

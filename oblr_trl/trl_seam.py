@@ -51,7 +51,8 @@ GRPO = "trl.trainer.grpo_trainer.GRPOTrainer"
 SEAMS: tuple[Seam, ...] = (
     Seam("__init__", f"{GRPO}.__init__", "08b825a073b699ff",
          "overridden: bound to its signature (args by name or position), builds or upgrades the config before it",
-         "the signature and the position of `args`; that DeepSpeed is still set up inside it (refused before)"),
+         "the signature and the position of `args`; that DeepSpeed is still set up inside it (its ZeRO stage is "
+         "checked right after it: oblr_trl/deepspeed_step.py)"),
     Seam("_calculate_rewards", f"{GRPO}._calculate_rewards", "5017fb893c0ca9dd",
          "overridden: keeps the all-rank rewards_per_func it returns; trl_logs filters its all-None warning",
          "its return value is still every rank's (n, functions) rewards with NaN for None; the warning's wording "
@@ -79,8 +80,10 @@ SEAMS: tuple[Seam, ...] = (
          "inputs per row as this does (oblr_trl/multimodal.py)",
          "the temperature scaling, the model inputs it passes, multimodal.py's fields and row slicing"),
     Seam("training_step", f"{GRPO}.training_step", "15ea836c392b6976",
-         "overridden: after the step's last micro-batch (accelerator.sync_gradients) sets lr x SNR factor",
-         "that the gradient is complete after the super call at sync_gradients, and _step bookkeeping"),
+         "overridden: after the step's last micro-batch (accelerator.sync_gradients) sets lr x SNR factor; under "
+         "DeepSpeed, installs the hook in ZeRO's optimizer step that sets it there (oblr_trl/deepspeed_step.py)",
+         "that the gradient is complete after the super call at sync_gradients, and _step bookkeeping; that "
+         "Accelerate's DeepSpeed backward still calls engine.step() at the boundary"),
     Seam("create_model_card", "trl.trainer.base_trainer._BaseTrainer.create_model_card", "868cba276e080ec4",
          "overridden: appends the OBLR-PO section; oblr_trl/card.py fixes what its template writes for local models",
          "card.py's fix_trl_card patterns against the card it writes; _tag_names/_name/_paper still used"),

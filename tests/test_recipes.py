@@ -22,7 +22,7 @@ RECIPES = sorted((EXAMPLES / "recipes").glob("*.yaml"))
 RECIPES_README = (EXAMPLES / "recipes" / "README.md").read_text()
 FULL_FINETUNING = {"qwen3_4b_base_math.yaml": "Qwen/Qwen3-4B-Base", "qwen3_8b_base_math.yaml": "Qwen/Qwen3-8B-Base"}
 ONE_GPU = "qwen3_4b_base_math_1gpu.yaml"
-CPU_RECIPES = ("tiny_cpu.yaml", "smollm2_cpu.yaml")
+CPU_RECIPES = ("tiny_cpu.yaml", "smollm2_cpu.yaml", "tiny_cpu_zero2.yaml")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
 # "# Prompts per step: 4 training GPUs x per_device_train_batch_size 16 x gradient_accumulation_steps 16
@@ -141,6 +141,9 @@ def test_accelerate_configs_load():
     fsdp = load_config_from_file(str(EXAMPLES / "accelerate_configs" / "fsdp2.yaml"))
     assert ddp.distributed_type == "MULTI_GPU"
     assert fsdp.distributed_type == "FSDP" and fsdp.fsdp_config["fsdp_version"] == 2
+    for stage in (2, 3):
+        zero = load_config_from_file(str(EXAMPLES / "accelerate_configs" / f"deepspeed_zero{stage}.yaml"))
+        assert zero.distributed_type == "DEEPSPEED" and zero.deepspeed_config["zero_stage"] == stage
 
 
 def shell_commands(text):
@@ -196,7 +199,7 @@ def test_recipes_readme_flags_are_real():
     known = {f.name for cls in (SCRIPT.OBLRPOScriptArguments, OBLRPOConfig, ModelConfig, VLLMServeArguments)
              for f in dataclasses.fields(cls)}
     known |= {a.dest for a in load_script("evaluate").make_parser()._actions}
-    known |= {"config", "config_file", "num_processes"}
+    known |= {"config", "config_file", "num_processes", "mixed_precision"}
     flags = set(re.findall(r"(?<![\w-])--([a-z][a-z0-9_]*)", RECIPES_README))
     assert flags and flags <= known, f"unknown flags in examples/recipes/README.md: {sorted(flags - known)}"
 

@@ -79,14 +79,6 @@ def test_mean_baseline_without_snr_reproduces_grpo(scale_rewards):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
-def test_trainer_refuses_deepspeed_with_the_reason(monkeypatch):
-    config = OBLRPOConfig(**common_args())
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` with a DeepSpeed config sets
-    with pytest.raises(NotImplementedError, match="optimizer inside the last backward.*DDP"):
-        OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[length_reward],
-                      args=config, train_dataset=DATASET)
-
-
 # ------------------------------------------------------------------------------------------ degenerate data
 def test_none_and_nan_rewards(caplog):
     calls = {"n": 0}

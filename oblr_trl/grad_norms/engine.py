@@ -67,6 +67,25 @@ def _plain(param: torch.Tensor, lm: nn.Module) -> torch.Tensor:
     return value.clone() if hasattr(lm, "reshard") else value
 
 
+def _zero3_partitioned(params) -> list[torch.Tensor]:
+    """The DeepSpeed ZeRO-3 partitioned parameters among ``params`` (ZeRO-3 gives each a ``ds_id``)."""
+    return [p for p in params if p is not None and hasattr(p, "ds_id")]
+
+
+def _head_params(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Under DeepSpeed ZeRO-3: detached full copies of the head's weight and bias, gathered from their partitions
+    before the pass (the pass reads the head directly, where no ZeRO-3 hook gathers it; a tied head shares the input
+    embedding, which ZeRO-3 releases after the embedding's forward). ``None`` when the head is not partitioned: it
+    is read in place then. The backbone's layers are gathered by ZeRO-3's own module hooks, forward and backward."""
+    partitioned = _zero3_partitioned([head.weight, head.bias])
+    if not partitioned:
+        return None
+    import deepspeed  # present: the parameters are ZeRO-3's
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        return head.weight.detach().clone(), None if head.bias is None else head.bias.detach().clone()
+
+
 @contextmanager
 def _fsdp_root_unsharded(lm: nn.Module):
     """Under FSDP2 the root's own parameters (embeddings, final norm, LM head) are gathered by the root's forward hook,
@@ -213,13 +232,18 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
         ) from error
 
 
-def _head_operands(lm: nn.Module, head: nn.Linear, hidden: torch.Tensor, span: slice, device_type: str):
+def _head_operands(lm: nn.Module, head: nn.Linear, hidden: torch.Tensor, span: slice, device_type: str,
+                   gathered: tuple[torch.Tensor, torch.Tensor | None] | None = None):
     """The head's input rows (the positions that predict completion tokens) and weight, detached and, when the pass
-    runs under autocast, in the autocast dtype, as the fused head's products run."""
+    runs under autocast, in the autocast dtype, as the fused head's products run. ``gathered``: the head's weight and
+    bias gathered before the pass (DeepSpeed ZeRO-3, :func:`_head_params`)."""
     half = torch.is_autocast_enabled(device_type) and device_type in factors.HALF_OPERAND_DEVICES
     head_dtype = torch.get_autocast_dtype(device_type) if half else None
     h = hidden[:, span].detach()
-    weight, bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
+    if gathered is not None:
+        weight, bias = gathered
+    else:
+        weight, bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
     if head_dtype is not None:
         h, weight = h.to(head_dtype), weight.to(head_dtype)
     return h, weight, bias
@@ -270,11 +294,12 @@ def per_sequence_grads(
     # expert banks outside checkpointed layers keep their routed pairs' factors from the forward (experts.py)
     in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
     banks = [m for m in run.whole_call if m not in in_checkpointed]
+    zero3_head = _head_params(head)  # DeepSpeed ZeRO-3: the head gathered whole, before the pass
     with _fsdp_root_unsharded(lm), routed_forwards(banks), \
             capture(run.hooked, batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                           **(model_inputs or {})).last_hidden_state
-        h, head_weight, head_bias = _head_operands(lm, head, hidden, span, input_ids.device.type)
+        h, head_weight, head_bias = _head_operands(lm, head, hidden, span, input_ids.device.type, zero3_head)
         # Streamed, the head weight's own products come with its output gradient, from the same softmax chunks.
         head_self_k = stream_group_size if run.streamed is not None and head.weight.requires_grad else None
         with _fp32(input_ids.device):

@@ -19,6 +19,7 @@ pass, the baseline, the SNR step size) runs for real.
 
 import hashlib
 import json
+import logging
 import os
 import sys
 
@@ -86,6 +87,28 @@ def enable_accelerate_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = __init__
 
 
+def zero3_gathered(params, stage):
+    """ZeRO-3's partitioned parameters gathered whole for reading (a no-op otherwise)."""
+    if stage != 3:
+        import contextlib
+
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def deepspeed_config(stage: int, offload_param: bool = False) -> dict:
+    """A DeepSpeed config as examples/accelerate_configs/deepspeed_zero*.yaml produce, with "auto" filled from the
+    Trainer's arguments; ``offload_param``: ZeRO-3 keeps the parameters on the CPU (refused with exact norms)."""
+    zero = {"stage": stage, **({"offload_param": {"device": "cpu"}} if offload_param else {})}
+    return {
+        "zero_optimization": zero,
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    }
+
+
 class RecordLR(TrainerCallback):
     """The learning rate each optimizer step is taken with, on this rank (right before ``optimizer.step()``)."""
 
@@ -98,6 +121,18 @@ class RecordLR(TrainerCallback):
 
 class Recorder(OBLRPOTrainer):
     records = []
+    ds_applied_lrs = []  # under DeepSpeed: per optimizer step, the lr of each group the ZeRO optimizer stepped with
+
+    def _install_deepspeed_sizer(self):
+        super()._install_deepspeed_sizer()
+        sizer = self._oblr_ds_sizer  # registered after the sizer's hook: sees the lr the update is taken with
+
+        def record(optimizer, args, kwargs):
+            if sizer.steps > len(self.ds_applied_lrs):
+                self.ds_applied_lrs.append([])
+            self.ds_applied_lrs[-1].extend(group["lr"] for group in optimizer.param_groups)
+
+        sizer.base.register_step_pre_hook(record)
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -112,7 +147,8 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 7}"}]} for i in range(64)])
     global DEGENERATE_FROM, NAN_FOR_EMPTY
     flags = set(mode.split("+"))
-    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk"}, mode
+    assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk", "zero0", "zero1",
+                     "zero2", "zero3", "offload", "save", "resume", "ema"}, mode
     if "chunk" in flags:  # no budget: one_backward under checkpointing (on here) runs one group at a time
         import oblr_trl.one_backward
 
@@ -130,11 +166,25 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         # as a user asks for it; Accelerate shards each decoder layer (the model's _no_split_modules), the tied
         # embedding with the final norm and the LM head as one unit, then the root
         extra.update(fsdp="full_shard", fsdp_config={"version": 2, "reshard_after_forward": True})
+    stage = next((int(f[-1]) for f in flags if f.startswith("zero")), None)
+    if stage is not None:  # DeepSpeed ZeRO through the Trainer's own `deepspeed` argument ("auto": from the args)
+        extra["deepspeed"] = deepspeed_config(stage, offload_param="offload" in flags)
+    output_dir = "/tmp/oblr-equivalence"
+    if flags & {"save", "resume"}:  # a checkpoint after each step, beside OUT.json (DeepSpeed's own format with zero*)
+        output_dir = os.path.join(os.path.dirname(os.path.abspath(out_path)), "checkpoints")
+        extra.update(save_strategy="steps", save_steps=1)
+    if "ema" in flags:  # step 2's scale depends on step 1's SNR state: a resume must carry it over
+        extra["snr_ema"] = 0.5
+    extra.setdefault("save_strategy", "no")
     args = OBLRPOConfig(
-        output_dir="/tmp/oblr-equivalence", per_device_train_batch_size=per_device, num_generations=GROUP,
+        output_dir=output_dir, per_device_train_batch_size=per_device, num_generations=GROUP,
         max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", use_cpu=True, learning_rate=1e-2,
-        save_strategy="no", seed=0, data_seed=0, disable_tqdm=True, **extra,
+        seed=0, data_seed=0, disable_tqdm=True, **extra,
     )
+    warnings = []  # OBLR-PO's warnings on this rank (e.g. one_backward switched off under DeepSpeed)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("oblr_trl.trainer").addHandler(handler)
     torch.manual_seed(0)
     trainer = Recorder(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[ones_reward], args=args,
                        train_dataset=dataset, rollout_func=deterministic_rollout)
@@ -142,12 +192,14 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         trainer.ALL_REDUCE_BUCKET = 4096  # many small all-reduce buckets, as a large model would have
     lr_recorder = RecordLR()
     trainer.add_callback(lr_recorder)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-1") if "resume" in flags else None)
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     fsdp_facts = {  # what actually ran, on this rank
         "distributed_type": str(trainer.accelerator.distributed_type),
+        "zero_stage": getattr(trainer.model_wrapped, "zero_optimization_stage", lambda: None)(),
+        "zero_optimizer": type(getattr(trainer.model_wrapped, "optimizer", None)).__name__,
         "is_fsdp2": bool(trainer.accelerator.is_fsdp2),
         "trainer_is_fsdp_enabled": bool(trainer.is_fsdp_enabled),
         "fsdp_modules": sum(isinstance(m, FSDPModule) for m in trainer.model_wrapped.modules()),
@@ -155,15 +207,18 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         "all_params_dtensor": all(isinstance(p, DTensor) for p in trainer.model_wrapped.parameters()),
         "optimizer_params_dtensor": all(isinstance(p, DTensor) for g in trainer.optimizer.param_groups for p in g["params"]),
     }
-    lrs_per_rank = gather_object([lr_recorder.lrs])
+    if trainer.is_deepspeed_enabled:  # from the config (zero*) or from `accelerate launch`'s DeepSpeed plugin
+        stage = trainer.model_wrapped.zero_optimization_stage()
+    lrs_per_rank = gather_object([trainer.ds_applied_lrs if trainer.is_deepspeed_enabled else lr_recorder.lrs])
     # the trained parameters, summed (gathered first where sharded): the updates of both layouts must agree
-    param_sum = sum(
-        float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().abs().sum())
-        for p in trainer.model_wrapped.parameters()
-    )
+    params = list(trainer.model_wrapped.parameters())
+    with zero3_gathered(params, stage):
+        param_sum = sum(float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().abs().sum())
+                        for p in params)
     facts_per_rank = gather_object([fsdp_facts])
     if trainer.accelerator.is_main_process:
-        logs = [h for h in trainer.state.log_history if "oblr/lr_scale" in h]
+        by_step = {h["step"]: h for h in trainer.state.log_history if "oblr/lr_scale" in h}  # a resumed run: its own
+        logs = [by_step[step] for step in sorted(by_step)]
         with open(out_path, "w") as f:
             json.dump({
                 "world_size": trainer.accelerator.num_processes,
@@ -174,9 +229,11 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
                 "num_samples": [h["oblr/num_samples"] for h in logs],
                 "unscorable": [h["oblr/unscorable"] for h in logs],
                 "lr": [h["oblr/lr"] for h in logs],
+                "learning_rate": [h["learning_rate"] for h in logs],  # the scheduled lr TRL logs for the step
                 "applied_lrs": lrs_per_rank,  # per rank, per optimizer step, per param group
                 "fsdp": facts_per_rank,
                 "one_backward": bool(trainer.uses_one_backward),
+                "warnings": warnings,
                 "chunk_rows": trainer._oblr_chunk_rows,
                 "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
                 "param_abs_sum": param_sum,
