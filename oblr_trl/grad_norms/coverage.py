@@ -24,6 +24,7 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import defaultdict
 from contextlib import contextmanager
@@ -36,11 +37,14 @@ from .ledger import functional_owners, plain_mode, probe_batch, sharded, trainab
 from .lm import unwrap_causal_lm
 from .support import Unsupported, UnsupportedModulesError, unsupported_modules
 
+logger = logging.getLogger(__name__)
+
 RTOL = 1e-3  # float32 (the probe runs a half-precision model upcast to float32, see _float32)
 NATIVE_HALF_RTOL = 0.2  # where it cannot be upcast (quantized weights): only what is missing or misattributed shows
 
 # lm -> names of the trainable parameters the probe passed with
 _PROBED: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_UNCHECKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # sharded before any check: warned once
 _PROBING = [0]  # the probe's own engine pass is not probed again
 
 
@@ -169,7 +173,16 @@ def check_once(model: nn.Module) -> None:
     """:func:`validate` with the probe, once per model and set of trainable parameters (the engine calls this at
     every pass; the trainer's construction has usually done it already). Raises naming every uncovered module."""
     lm = unwrap_causal_lm(model)
-    if _PROBING[0] or sharded(lm) or _PROBED.get(lm) == trainable_names(lm):
+    if _PROBING[0] or _PROBED.get(lm) == trainable_names(lm):
+        return
+    if sharded(lm):  # no plain forward can run on shards: what was checked before sharding stands
+        if lm not in _PROBED and lm not in _UNCHECKED:
+            _UNCHECKED.add(lm)
+            logger.warning(
+                "The per-sequence gradients of %s were not checked: its parameters were already sharded (FSDP2, "
+                "ZeRO-3) when first seen, so parameters it uses outside their modules' forward cannot be found. Call "
+                "oblr_trl.validate(model) before sharding (OBLRPOTrainer does, at construction, on a model not "
+                "loaded under ZeRO-3's zero.Init).", type(lm).__name__)
         return
     validate(model)
 

@@ -225,3 +225,21 @@ def test_call_rules_are_registered_once_and_can_be_switched_off():
         assert how_handled(bank) == "per-row" and how_handled(lin) == "per-row"
         _exact(model)  # the per-row path stands in, exactly
     assert how_handled(bank) == "routed" and how_handled(lin) == "rule"
+
+
+def test_a_model_first_seen_sharded_is_not_passed_silently(caplog):
+    """Shards cannot run the probe's plain forward: a model first seen already sharded gets one warning naming the
+    fix (validate before sharding), never a silent pass; one validated before sharding gets none."""
+    import logging
+
+    fresh, checked = _llama_with(FunctionalConv), _llama_with(FunctionalConv)
+    coverage.check_once(checked)  # validated while plain
+    for model in (fresh, checked):
+        for p in model.parameters():
+            p.ds_id = 0  # what ZeRO-3 marks a partitioned parameter with
+    with caplog.at_level(logging.WARNING, logger="oblr_trl.grad_norms.coverage"):
+        coverage.check_once(fresh)
+        coverage.check_once(fresh)
+        coverage.check_once(checked)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "LlamaForCausalLM" in warned[0] and "validate(model) before sharding" in warned[0]
