@@ -136,9 +136,13 @@ def test_empty_completions_and_zero_gradients(caplog):
 
 
 def test_a_step_with_one_sample_leaves_the_lr_unscaled(caplog):
-    """One group per step: the SNR is undefined (N < 2). The lr is left as scheduled, warned, and no NaN is logged."""
+    """One group per step: the SNR is undefined (N < 2). The lr is left as scheduled, warned, and no NaN is logged.
+    (`OBLRPOConfig` refuses snr_sample_unit='group' with one prompt per step at construction; the trainer's guard is
+    for a config changed afterwards.)"""
+    config = OBLRPOConfig(**common_args(max_steps=2, per_device_train_batch_size=4), snr_sample_unit="completion")
+    config.snr_sample_unit = "group"  # past the construction-time check
     with caplog.at_level(logging.WARNING):
-        trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2, per_device_train_batch_size=4)))
+        trainer, probe = train(Recorder, config)
     assert logged(trainer, "oblr/num_samples") == [1.0, 1.0]
     assert logged(trainer, "oblr/lr_scale") == [1.0, 1.0]
     assert logged(trainer, "oblr/snr") == []
