@@ -107,6 +107,30 @@ def test_none_and_nan_rewards(caplog):
     assert "no reward" in caplog.text and "inf" in caplog.text
 
 
+def test_a_reward_none_for_every_sample_is_named_not_blamed_on_noise(caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=2)),
+                           reward=lambda completions, **k: [None] * len(completions))
+    assert logged(trainer, "oblr/lr_scale") == [0.0, 0.0]  # no step moves
+    assert "each reward function returned None" in caplog.text and "check that the reward functions" in caplog.text
+    assert "noise dominates" not in caplog.text
+
+
+def test_a_dataset_without_prompt_column_fails_at_construction():
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="`prompt` column.*question"):
+        OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[length_reward],
+                      args=OBLRPOConfig(**common_args()), train_dataset=Dataset.from_list([{"question": "1 + 1"}] * 8))
+
+
+def test_a_missing_model_path_fails_naming_it(tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(ValueError, match=f"{missing} does not exist"):
+        OBLRPOTrainer(model=missing, reward_funcs=[length_reward], args=OBLRPOConfig(**common_args()),
+                      train_dataset=DATASET)
+
+
 def test_identical_rewards_give_zero_advantages_and_zero_step(caplog):
     with caplog.at_level(logging.WARNING):
         trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2)), reward=lambda completions, **k: [1.0] * len(completions))
