@@ -168,7 +168,7 @@ def load_held_out_results(output_dir: str | os.PathLike) -> list[str]:
         lines += ["| benchmark | accuracy (exact answers) | mean score | problems |", "|---|---|---|---|"]
         for row in data.get("results", []):
             if "skipped" in row:
-                lines.append(f"| {row['benchmark']} | {row['skipped']} | | 0 |")
+                lines.append(f"| {row['benchmark']} | {row['skipped']} |  | 0 |")
             else:
                 score = _number(row.get("mean_score"))
                 lines.append(f"| {row['benchmark']} | {float(row['accuracy']):.1%} | "
