@@ -494,9 +494,9 @@ def main(args):
         "seconds": round(time.time() - start, 1),
     }
     plots = plot_training(history, args.output_dir, title=f"{method} on {model_name}, {args.task}",
-                          accuracy={"greedy": (accuracy_before, accuracy_after),
-                                    f"sampled (T=1, {args.eval_samples} each)": (before["sampled_accuracy_before"],
-                                                                                 after["sampled_accuracy_after"])}
+                          accuracy={"accuracy (exact), greedy": (accuracy_before, accuracy_after),
+                                    f"accuracy (exact), sampled (T=1, {args.eval_samples} each)": (
+                                        before["sampled_accuracy_before"], after["sampled_accuracy_after"])}
                           if accuracy_before is not None else None)
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
