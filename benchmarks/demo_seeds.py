@@ -36,7 +36,7 @@ def load_seed(seed: int, out_root: Path) -> dict:
           f"{summary['sampled_accuracy_after']:.1%}; mean score greedy {summary['mean_score_before']:.3f} -> "
           f"{summary['mean_score_after']:.3f} "
           f"({summary['seconds']:.0f}s, {summary.get('seconds_per_step', float('nan'))} s/step)", flush=True)
-    return dict(seed=seed, **summary)
+    return {**summary, "seed": seed}
 
 
 def demo_command(seed: int, out: Path, extra: list[str]) -> tuple[list[str], dict]:
@@ -46,7 +46,11 @@ def demo_command(seed: int, out: Path, extra: list[str]) -> tuple[list[str], dic
     return cmd, env
 
 
-def run_seed(seed: int, out_root: Path, extra: list[str]) -> dict:
+def run_seed(seed: int, out_root: Path, extra: list[str], resume: bool = False) -> dict:
+    """One seed's demo run (or, with `resume`, its earlier run's summary.json where one exists)."""
+    if resume and (out_root / f"seed{seed}" / "summary.json").exists():
+        print(f"seed {seed}: reusing {out_root / f'seed{seed}' / 'summary.json'} (--resume)", flush=True)
+        return load_seed(seed, out_root)
     cmd, env = demo_command(seed, out_root / f"seed{seed}", extra)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -65,6 +69,9 @@ def main():
     parser.add_argument("--no_run", action="store_true",
                         help="tabulate the seeds whose run_dir/seedN/summary.json exists (from an earlier invocation) "
                         "instead of running; the wall clock is then the sum of their run times")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the seeds whose run_dir/seedN/summary.json exists (an interrupted invocation) and "
+                        "run the others; the wall clock then adds the reused runs' own times")
     parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
     args = parser.parse_args()
     if args.out is None:
@@ -80,10 +87,12 @@ def main():
         elapsed = sum(r["seconds"] for r in runs)
     else:
         # the first run alone: it fills the model cache (download + conversion, or the tiny model's warm-up) first
+        reused = [s for s in range(args.seeds) if args.resume and (args.run_dir / f"seed{s}" / "summary.json").exists()]
         with ThreadPoolExecutor(args.parallel) as pool:
-            first = run_seed(0, args.run_dir, args.demo_args)
-            runs = [first] + list(pool.map(lambda s: run_seed(s, args.run_dir, args.demo_args), range(1, args.seeds)))
-        elapsed = time.time() - start
+            first = run_seed(0, args.run_dir, args.demo_args, args.resume)
+            runs = [first] + list(pool.map(lambda s: run_seed(s, args.run_dir, args.demo_args, args.resume),
+                                           range(1, args.seeds)))
+        elapsed = time.time() - start + sum(r["seconds"] for r in runs if r["seed"] in reused)
 
     def stats(key):
         gains = [100 * (r[f"{key}_after"] - r[f"{key}_before"]) for r in runs]
@@ -96,7 +105,7 @@ def main():
         command=" ".join(["python", "benchmarks/demo_seeds.py", "--seeds", str(args.seeds), "--parallel",
                           str(args.parallel), "--run_dir", str(args.run_dir), "--out",
                           os.path.relpath(args.out.resolve(), HERE.parent)]
-                         + (["--no_run"] if args.no_run else [])
+                         + (["--no_run"] if args.no_run else []) + (["--resume"] if args.resume else [])
                          + (["--", *args.demo_args] if args.demo_args else [])),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         machine=f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPUs, {args.parallel} runs in parallel, "

@@ -207,9 +207,12 @@ def example_replies(before, after, count=6):
     [] when the before-RL replies were not measured in this run."""
     if before is None or after is None:
         return []
-    rows = [dict(question=q, answer=a, before=b, after=c, score_before=sb, score_after=sa)
-            for q, a, b, c, sb, sa in zip(before.questions, before.answers, before.replies, after.replies,
-                                          before.scores, after.scores)]
+    rows, seen = [], set()
+    for q, a, b, c, sb, sa in zip(before.questions, before.answers, before.replies, after.replies, before.scores,
+                                  after.scores):
+        if q not in seen:  # held-out problems repeat (chain_sum has 200 distinct ones): each question once
+            seen.add(q)
+            rows.append(dict(question=q, answer=a, before=b, after=c, score_before=sb, score_after=sa))
     changed = [r for r in rows if r["score_after"] != r["score_before"]]
     return (changed + [r for r in rows if r not in changed])[:count]
 
