@@ -1,22 +1,28 @@
-# Every target sets up its own environment: a virtualenv with torch installed first, then this package with its test
-# extras. On Linux x86-64 the package index's torch is the CUDA build (several GB); CI's machines serve the CPU build
-# for torch==2.13.0. Elsewhere pick the build with TORCH_INDEX, e.g.
-#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu      (CPU only)
-# and see README.md, "Install on a GPU machine", for CUDA.
+# Every target sets up its own environment: a virtualenv in .venv with torch installed first, then this package
+# (`make demo`: the package alone; `make test`/`make bench`: with its dev extras too).
+# torch is the CPU build by default, from PyTorch's CPU index (on Linux x86-64 PyPI's torch is the CUDA build, several
+# GB; where that index cannot be reached, pip goes on to your configured indexes). Pick another build with TORCH_INDEX,
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cu130   (CUDA 13.0; see README.md, "Install on a GPU machine")
+#   make test TORCH_INDEX=                                          (your pip's default index)
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
-TORCH_INDEX ?=
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install demo demo-real demo-tiny demo-seeds test test-floors bench clean
+.PHONY: install install-dev demo demo-real demo-tiny demo-seeds test test-floors bench clean
 
 install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(PY) -m pip install -q --retries 2 --timeout 30 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -37,7 +43,7 @@ demo-seeds: install
 	$(PY) benchmarks/demo_seeds.py --seeds 3 -- --model smollm2
 	$(PY) benchmarks/update_readme.py
 
-test: install
+test: install-dev
 	$(PY) -m pytest -q tests
 
 # The trainer tests on the lowest versions setup.cfg declares (.ci/floors.txt), in their own virtualenv.
@@ -53,7 +59,7 @@ test-floors:
 
 # Quick modes, 12 minutes on a quiet 2-core CPU (2026-11-23); drop --quick for the full runs (see benchmarks/README.md).
 # compare.py trains afresh into outputs/ (the committed run folder also holds the 5-seed table's runs).
-bench: install
+bench: install-dev
 	$(PY) benchmarks/step_cost.py --quick
 	$(PY) benchmarks/grad_variance.py --quick
 	$(PY) benchmarks/compare.py --quick --fresh --run_dir outputs/bench_compare_runs_quick

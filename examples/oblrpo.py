@@ -358,6 +358,31 @@ def organize_help(parser, script_type, config_type, model_type) -> None:
             action.default = argparse.SUPPRESS  # the --<flag> action sets the default; no misleading "(default: False)"
 
 
+def bool_or_auto(value: str) -> bool | None:
+    """A value of a `bool | None` option whose None means automatic (`--one_backward`): true/false (yes/no, 1/0) or
+    auto/none."""
+    lowered = value.lower()
+    if lowered in ("auto", "none", "null"):
+        return None
+    if lowered in ("true", "yes", "1", "t", "y"):
+        return True
+    if lowered in ("false", "no", "0", "f", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true, false or auto, got {value!r}")
+
+
+def float_or_none(value: str) -> float | None:
+    """A value of a `float | None` option whose None means off (`--weight_clip`): a number, or none."""
+    return None if value.lower() in ("none", "null") else float(value)
+
+
+def cpu_flags(argv: list[str], cuda_available: bool) -> list[str]:
+    """`argv`, plus `--use_cpu true` on a machine without CUDA unless `--use_cpu` is given: TRL's configs default to
+    bf16 on a GPU and otherwise end in "Your setup doesn't support bf16/gpu"."""
+    given = any(arg == "--use_cpu" or arg.startswith("--use_cpu=") for arg in argv)
+    return argv if cuda_available or given else [*argv, "--use_cpu", "true"]
+
+
 def make_parser():
     from trl import ModelConfig, TrlParser
 
@@ -365,10 +390,20 @@ def make_parser():
 
     parser = TrlParser((OBLRPOScriptArguments, OBLRPOConfig, ModelConfig), usage=USAGE)
     organize_help(parser, OBLRPOScriptArguments, OBLRPOConfig, ModelConfig)
+    for action in parser._actions:  # HfArgumentParser reads `bool | None` as a plain bool: None was unreachable
+        if action.dest == "one_backward":
+            action.type, action.metavar = bool_or_auto, "{true,false,auto}"
+        if action.dest == "weight_clip":
+            action.type, action.metavar = float_or_none, "{FLOAT,none}"
     return parser
 
 
 if __name__ == "__main__":
+    import torch
+
     parser = make_parser()
-    script_args, training_args, model_args = parser.parse_args_and_config()
+    argv = cpu_flags(sys.argv[1:], torch.cuda.is_available())
+    if len(argv) > len(sys.argv) - 1:
+        print("examples/oblrpo.py: no GPU found: training on the CPU (--use_cpu true).", flush=True)
+    script_args, training_args, model_args = parser.parse_args_and_config(argv)
     main(script_args, training_args, model_args)

@@ -12,9 +12,10 @@ BibTeX from `OBLRPOTrainer._tag_names/_name/_paper`. `append_oblr_section` then
   training plots; and held-out results when the folder has them (below).
 
 Held-out results: `eval_results.json` in the output folder (written by `examples/evaluate.py`), shaped as
-``{"model": str, "decoding": str, "results": [{"benchmark": str, "accuracy": float, "problems": int} or
-{"benchmark": str, "skipped": str}, ...]}``, and/or the demo's `summary.json` (`accuracy_before`/`accuracy_after`,
-`num_eval`, `task`). `write_held_out_results` writes the first and refreshes the card's section.
+``{"model": str, "decoding": str, "results": [{"benchmark": str, "accuracy": float, "mean_score": float (optional),
+"problems": int} or {"benchmark": str, "skipped": str}, ...]}`` (accuracy: the exact-answer rate; mean score: the mean
+verifier score), and/or the demo's `summary.json` (`accuracy_before`/`_after`, `sampled_accuracy_*`, `mean_score_*`,
+`sampled_mean_score_*`, `num_eval`, `task`). `write_held_out_results` writes the first and refreshes the card's section.
 
 The section sits between two HTML comments, so appending again (a later checkpoint, a push that rewrote the card)
 replaces it instead of stacking copies.
@@ -79,6 +80,8 @@ RUN_METRICS = (
     ("oblr/baseline_mean", "baseline mean"),
 )
 WINDOW = 10  # steps in the "first" and "last" columns
+METRIC_NOTE = ("Accuracy: the share of exact answers (the verifier's full credit for the reply's final number, "
+               "`oblr_trl.tasks.extract_answer`). Mean score: the verifier's mean score, partial credit included.")
 
 
 def oblr_option_names(config) -> list[str]:
@@ -162,25 +165,30 @@ def load_held_out_results(output_dir: str | os.PathLike) -> list[str]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         lines += [f"From `{HELD_OUT_FILE}` ({data.get('decoding', 'decoding not recorded')}):", ""]
-        lines += ["| benchmark | accuracy | problems |", "|---|---|---|"]
+        lines += ["| benchmark | accuracy (exact answers) | mean score | problems |", "|---|---|---|---|"]
         for row in data.get("results", []):
             if "skipped" in row:
-                lines.append(f"| {row['benchmark']} | {row['skipped']} | 0 |")
+                lines.append(f"| {row['benchmark']} | {row['skipped']} |  | 0 |")
             else:
-                lines.append(f"| {row['benchmark']} | {float(row['accuracy']):.1%} | {int(row['problems'])} |")
+                score = _number(row.get("mean_score"))
+                lines.append(f"| {row['benchmark']} | {float(row['accuracy']):.1%} | "
+                             f"{'' if score is None else f'{score:.3f}'} | {int(row['problems'])} |")
         lines.append("")
     path = os.path.join(output_dir, DEMO_SUMMARY_FILE)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        pairs = [("greedy accuracy", "accuracy_before", "accuracy_after"),
-                 ("sampled accuracy (temperature 1)", "sampled_accuracy_before", "sampled_accuracy_after")]
-        rows = [f"| {label} | {float(data[a]):.1%} | {float(data[b]):.1%} |" for label, a, b in pairs
-                if _number(data.get(a)) is not None and _number(data.get(b)) is not None]
+        pairs = [("accuracy (exact answers), greedy", "accuracy", "{:.1%}"),
+                 ("accuracy, sampled at temperature 1", "sampled_accuracy", "{:.1%}"),
+                 ("mean score, greedy", "mean_score", "{:.3f}"),
+                 ("mean score, sampled at temperature 1", "sampled_mean_score", "{:.3f}")]
+        rows = [f"| {label} | {fmt.format(float(data[k + '_before']))} | {fmt.format(float(data[k + '_after']))} |"
+                for label, k, fmt in pairs
+                if _number(data.get(k + "_before")) is not None and _number(data.get(k + "_after")) is not None]
         if rows:
             what = f"{data.get('num_eval', '?')} held-out {data.get('task', '')} problems".replace("  ", " ")
             lines += [f"From `{DEMO_SUMMARY_FILE}` ({what}):", "", "| metric | before RL | after RL |", "|---|---|---|",
-                      *rows, ""]
+                      *rows, "", METRIC_NOTE, ""]
     return lines
 
 
@@ -277,6 +285,16 @@ def append_oblr_section(
     return path
 
 
+def has_oblr_section(folder: str | os.PathLike) -> bool:
+    """Whether `folder`/README.md exists and holds the OBLR-PO section (what `write_held_out_results` updates)."""
+    path = os.path.join(folder, "README.md")
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        card = f.read()
+    return SECTION_START in card and SECTION_END in card
+
+
 def write_held_out_results(output_dir: str | os.PathLike, results: dict) -> str:
     """Write `results` (the `eval_results.json` shape above) into `output_dir` and show them on its card.
 
@@ -306,4 +324,40 @@ def write_held_out_results(output_dir: str | os.PathLike, results: dict) -> str:
             card = card[:start] + section + card[end:]
             with open(readme, "w", encoding="utf-8") as f:
                 f.write(card)
+    return path
+
+
+def write_model_card(folder: str | os.PathLike, config, log_history: list[dict], base_model: str, title: str,
+                     description: str = "", library: str = "transformers", plot_paths: list[str] | None = None) -> str:
+    """Write `folder`/README.md as this package's card, replacing any template there (PEFT's `save_pretrained` writes
+    a blank one): front matter naming `base_model` (a Hub id), `title`, `description`, how to load it, the OBLR-PO
+    section (settings, metrics over the run, held-out results of `folder`, plots) and the paper's citation.
+    Returns the README's path; `write_held_out_results` later refreshes its held-out block."""
+    tags = ["oblr-po", "trl", "reinforcement-learning"] + (["lora", "peft"] if library == "peft" else [])
+    on_hub = "/" in base_model and not os.path.exists(base_model)  # an `owner/name` Hub id, not a local path
+    header = [
+        "---",
+        *([f"base_model: {base_model}"] if on_hub else []),
+        f"library_name: {library}",
+        "tags:",
+        *[f"- {tag}" for tag in tags],
+        "---",
+        "",
+        f"# {title}",
+        "",
+        f"Fine-tuned from {f'[{base_model}](https://huggingface.co/{base_model})' if on_hub else base_model} with "
+        "[OBLR-PO](https://arxiv.org/abs/2511.23310) (oblr-trl's `OBLRPOTrainer`, a TRL `GRPOTrainer` subclass).",
+        "",
+    ]
+    if description:
+        header += [description.strip(), ""]
+    load = ("from peft import AutoPeftModelForCausalLM\n\nmodel = AutoPeftModelForCausalLM.from_pretrained(FOLDER)"
+            if library == "peft" else
+            "from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained(FOLDER)")
+    header += ["## Use", "", "```python", load.replace("FOLDER", json.dumps(os.fspath(folder))), "```", "", ""]
+    section = oblr_card_section(config, log_history, plot_paths, output_dir=folder)
+    citation = ["", "## Citation", "", "```bibtex", PAPER["citation"], "```", ""]
+    path = os.path.join(folder, "README.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(header) + section + "\n".join(citation))
     return path

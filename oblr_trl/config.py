@@ -13,7 +13,25 @@ from .loss_terms import LOSS_TYPES
 from .step_size import SNR_ESTIMATORS, check_estimator
 
 SUPPORTED_LOSS_TYPES = LOSS_TYPES  # every TRL 1.16 loss type
-SNR_SAMPLE_UNITS = ("group", "completion")
+SNR_SAMPLE_UNITS = ("auto", "group", "completion")
+
+
+def snr_samples_per_step(per_device_train_batch_size: int, gradient_accumulation_steps: int, num_processes: int,
+                         num_generations: int, unit: str) -> int:
+    """N, the samples an optimizer step gives the SNR estimate: its completions (`per_device_train_batch_size x
+    gradient_accumulation_steps x num_processes`), divided by `num_generations` when a sample is a whole group
+    (`unit="group"`: one prompt and its completions)."""
+    completions = per_device_train_batch_size * gradient_accumulation_steps * num_processes
+    return completions // num_generations if unit == "group" else completions
+
+
+def resolve_snr_sample_unit(unit: str, prompts_per_step: int) -> str:
+    """`"auto"` as `"group"` where an optimizer step holds at least 2 prompts (the paper's per-prompt estimate), else
+    `"completion"` (one prompt: its completions are the only samples there are); other units unchanged."""
+    if unit != "auto":
+        return unit
+    return "group" if prompts_per_step >= 2 else "completion"
+
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -65,10 +83,14 @@ class OBLRPOConfig(GRPOConfig):
             then change the baseline only, and save work only with `snr_lr=False`.
         snr_lr (`bool`, defaults to `True`):
             Scale each optimizer step's learning rate by `N SNR / (1 + N SNR)` (Theorem 4).
-        snr_sample_unit (`str`, defaults to `"group"`):
+        snr_sample_unit (`str`, defaults to `"auto"`):
             What counts as one i.i.d. sample in the SNR estimate: `"group"` (a prompt with its completions, which share
-            a leave-one-out baseline and are therefore correlated; `N` = number of prompts) or `"completion"` (`N` =
-            number of completions; cheaper, but misestimates the noise when completions are correlated).
+            a leave-one-out baseline and are therefore correlated; `N` = number of prompts per optimizer step, which
+            must be >= 2: a config with fewer is refused at construction) or `"completion"` (`N` = number of
+            completions; misestimates the noise when completions are correlated). `"auto"` is resolved at
+            construction (the field then holds the result): `"group"` where an optimizer step holds >= 2 prompts,
+            else `"completion"` with a warning naming the options that give more prompts. TRL's defaults
+            (`per_device_train_batch_size=8`, `num_generations=8`: one prompt per step) thus keep a sized step.
         lr_scale_min (`float`, defaults to `0.0`):
             Floor of the step-size factor, a guard against the step collapsing when the SNR is ~0 for many steps. The
             paper has no floor (0.0).
@@ -142,10 +164,12 @@ class OBLRPOConfig(GRPOConfig):
         },
     )
     snr_sample_unit: str = field(
-        default="group",
+        default="auto",
         metadata={
-            "help": "What the SNR estimate counts as one independent sample: 'group' (default; a prompt and its "
-            "completions, the paper's N = number of prompts) or 'completion' (cheaper, misestimates correlated noise).",
+            "help": "What the SNR estimate counts as one independent sample: 'group' (a prompt and its completions, "
+            "the paper's N = number of prompts; needs >= 2 prompts per optimizer step), 'completion' (misestimates "
+            "correlated noise) or 'auto' (default; resolved at construction: 'group' with >= 2 prompts per step, else "
+            "'completion', e.g. TRL's defaults of 8 completions, 8 per prompt).",
             "choices": list(SNR_SAMPLE_UNITS),
         },
     )
@@ -225,6 +249,10 @@ class OBLRPOConfig(GRPOConfig):
         _check_registered(BASELINES, self.baseline)
         _check_registered(GRAD_NORM_ESTIMATORS, self.grad_norm_estimator)
         _check_choice("snr_sample_unit", self.snr_sample_unit, SNR_SAMPLE_UNITS)
+        if not self.learning_rate >= 0:
+            raise ValueError(f"OBLRPOConfig.learning_rate={self.learning_rate} must be >= 0 (it is eta_max, the "
+                             "largest step).")
+        self._resolve_snr_sample_unit()
         _check_choice("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
         if not 0.0 <= self.lr_scale_min <= 1.0:
             raise ValueError(f"OBLRPOConfig.lr_scale_min={self.lr_scale_min} must lie in [0, 1].")
@@ -278,6 +306,32 @@ class OBLRPOConfig(GRPOConfig):
                 "the SNR estimate does not include (the paper's theory has none); the step size is approximate.",
                 stacklevel=2,
             )
+
+    def _resolve_snr_sample_unit(self) -> None:
+        """Resolve `snr_sample_unit="auto"`, and refuse a step the SNR cannot size (fewer than 2 samples)."""
+        if not self.snr_lr:
+            return
+        shape = (self.per_device_train_batch_size, self.gradient_accumulation_steps, self.world_size,
+                 self.num_generations)
+        prompts = snr_samples_per_step(*shape, "group")
+        how = (f"per_device_train_batch_size={shape[0]} x gradient_accumulation_steps={shape[1]} x {shape[2]} "
+               f"process(es) / num_generations={shape[3]}")
+        more = "raise per_device_train_batch_size or gradient_accumulation_steps, or lower num_generations"
+        unit = resolve_snr_sample_unit(self.snr_sample_unit, prompts)
+        if unit == "group" and prompts < 2:
+            raise ValueError(
+                f"OBLRPOConfig.snr_sample_unit='group' needs >= 2 prompts per optimizer step, got {prompts} ({how}): "
+                f"the SNR step size (snr_lr=True) cannot be sized. To size it, {more}; or set "
+                f"snr_sample_unit='completion' or 'auto' (allowed values: {list(SNR_SAMPLE_UNITS)}); or snr_lr=False."
+            )
+        if self.snr_sample_unit == "auto" and unit == "completion":
+            warnings.warn(
+                f"OBLRPOConfig: {prompts} prompt(s) per optimizer step ({how}), so the SNR step size counts each of its "
+                f"{snr_samples_per_step(*shape, 'completion')} completions as a sample (snr_sample_unit='auto' -> "
+                f"'completion'). For the paper's per-prompt estimate give each step >= 2 prompts: {more}.",
+                stacklevel=3,
+            )
+        self.snr_sample_unit = unit
 
 
 def upgrade_config(args: GRPOConfig) -> OBLRPOConfig:

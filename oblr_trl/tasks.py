@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,22 +81,40 @@ def without_questions_of(dataset: Dataset, held_out: Dataset) -> Dataset:
     return dataset.filter(lambda row: row["prompt"][-1]["content"] not in seen)
 
 
-def extract_answer(completion: str | list[dict[str, str]]) -> str:
-    """The answer in a completion: the text inside `<answer>...</answer>` if present, else the first line.
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+EXTRACTORS = ("final_number", "first_line")
+
+
+def extract_answer(completion: str | list[dict[str, str]], extractor: str = "final_number") -> str:
+    """The answer in a completion, as the verifier is given it.
+
+    The text inside `<answer>...</answer>` if present. Otherwise, with `extractor="final_number"` (the default, as
+    math RL setups score a reply): the last number in the reply (`-3`, `1,000`, `4.5`; a final period dropped), so
+    "6 + 1 = 7" answers 7 and "7 - 5 is 2." answers 2; a reply without a number gives its first line. Its known
+    weakness: a reply that only restates the question ("3 + 4") answers with its last operand. With
+    `extractor="first_line"` (the rule before the final-number default): the first line, whatever it holds.
 
     Accepts a plain string (standard prompts) or a list of messages (conversational prompts; the last
     message's content is used).
     """
+    if extractor not in EXTRACTORS:
+        raise ValueError(f"extract_answer: extractor={extractor!r} is not allowed; allowed values: {list(EXTRACTORS)}.")
     text = completion[-1]["content"] if isinstance(completion, list) else completion
     tagged = _ANSWER_TAG.search(text)
     if tagged:
         return tagged.group(1).strip()
     text = text.strip()
+    if extractor == "final_number":
+        numbers = _NUMBER.findall(text)
+        if numbers:
+            return numbers[-1]
     return text.splitlines()[0].strip() if text else ""
 
 
-def make_reward_func(task: str = "chain_sum", **task_kwargs):
+def make_reward_func(task: str = "chain_sum", extractor: str = "final_number", **task_kwargs):
     """A TRL reward function scoring each completion with the task's reasoning-gym verifier.
+
+    The verifier is given `extract_answer(completion, extractor)` (by default the reply's final number).
 
     Signature `f(prompts, completions, entry=None, answer=None, **kwargs) -> list[float]`; TRL passes the dataset's
     columns as keywords. The verifier scores against `entry` (JSON, from `make_dataset`), or, for datasets without
@@ -104,6 +123,8 @@ def make_reward_func(task: str = "chain_sum", **task_kwargs):
     """
     import reasoning_gym as rg
 
+    if extractor not in EXTRACTORS:
+        raise ValueError(f"make_reward_func: extractor={extractor!r} is not allowed; allowed values: {list(EXTRACTORS)}.")
     verifier = rg.create_dataset(task, size=1, seed=0, **_task_config(task, task_kwargs))
 
     def reward_func(prompts, completions, entry=None, answer=None, **kwargs) -> list[float]:
@@ -115,7 +136,7 @@ def make_reward_func(task: str = "chain_sum", **task_kwargs):
             raise ValueError(f"{task} reward needs an `entry` or `answer` column in the dataset.")
         rewards = []
         for completion, target in zip(completions, entries, strict=True):
-            predicted = extract_answer(completion)
+            predicted = extract_answer(completion, extractor)
             rewards.append(float(verifier.score_answer(predicted, target)) if predicted else 0.0)
         return rewards
 
@@ -146,8 +167,42 @@ def make_format_reward(weight: float = 0.2):
     return reward_func
 
 
+FULL_CREDIT = 1.0  # a verifier score this high is an exact answer
+
+
+def exact_answer_rate(scores: list[float]) -> float:
+    """Accuracy: the fraction of `scores` (verifier scores in [0, 1]) with full credit, i.e. exact answers. Partial
+    credit (reasoning-gym gives a reply containing the answer `len(answer) / len(reply)`) counts as wrong. NaN for
+    no scores."""
+    return sum(s >= FULL_CREDIT for s in scores) / len(scores) if scores else float("nan")
+
+
+def mean_score(scores: list[float]) -> float:
+    """Mean score: the mean verifier score, partial credit included (what the reward averages). NaN for no scores."""
+    return sum(scores) / len(scores) if scores else float("nan")
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Held-out results: `scores` and `replies` per completion (problem-major, `num_samples` each), `questions` per
+    problem, and the two summaries of the scores."""
+
+    scores: list[float]
+    replies: list[str]
+    questions: list[str]
+    answers: list[str]
+
+    @property
+    def accuracy(self) -> float:
+        return exact_answer_rate(self.scores)
+
+    @property
+    def mean_score(self) -> float:
+        return mean_score(self.scores)
+
+
 @torch.no_grad()
-def evaluate_accuracy(
+def evaluate_held_out(
     model,
     tokenizer,
     dataset: Dataset,
@@ -156,25 +211,27 @@ def evaluate_accuracy(
     task: str | None = None,
     temperature: float | None = None,
     num_samples: int = 1,
-) -> float:
-    """Held-out accuracy on `dataset`, scored by the same extraction and verifier as the reward.
+    extractor: str = "final_number",
+) -> HeldOut:
+    """Held-out replies and their verifier scores on `dataset`, with the same extraction and verifier as the reward.
 
-    Greedy decoding by default. With `temperature`, the mean score of `num_samples` completions sampled per problem
-    at that temperature (pure sampling, no top-k/top-p): the expected reward the policy itself earns, which is what
-    RL trains. `task` defaults to the entry's `metadata.source_dataset` (set by reasoning-gym).
+    Greedy decoding by default. With `temperature`, `num_samples` completions sampled per problem at that temperature
+    (pure sampling, no top-k/top-p): what the policy itself earns, which is what RL trains. `task` defaults to the
+    entry's `metadata.source_dataset` (set by reasoning-gym). `.accuracy` is the exact-answer rate, `.mean_score`
+    the mean verifier score.
     """
     if num_samples < 1 or (temperature is None and num_samples != 1):
         raise ValueError("num_samples must be >= 1, and 1 for greedy decoding (temperature=None).")
     if len(dataset) == 0:
-        return 0.0
+        return HeldOut([], [], [], [])
     if task is None:
         task = json.loads(dataset[0]["entry"])["metadata"]["source_dataset"]
-    reward_func = make_reward_func(task)
+    reward_func = make_reward_func(task, extractor=extractor)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    scores = []
+    scores, replies = [], []
     try:
         for start in range(0, len(dataset), batch_size):
             batch = dataset[start : start + batch_size]
@@ -200,7 +257,15 @@ def evaluate_accuracy(
             repeat = [x for x in batch["entry"] for _ in range(num_samples)]
             prompts = [x for x in batch["prompt"] for _ in range(num_samples)]
             scores += reward_func(prompts=prompts, completions=texts, entry=repeat)
+            replies += texts
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)
-    return sum(scores) / len(scores)
+    return HeldOut(scores, replies, [p[-1]["content"] for p in dataset["prompt"]], list(dataset["answer"]))
+
+
+def evaluate_accuracy(model, tokenizer, dataset: Dataset, **kwargs) -> float:
+    """Held-out accuracy: the exact-answer rate (verifier full credit) of `evaluate_held_out(...)` (same arguments);
+    0.0 for an empty dataset."""
+    result = evaluate_held_out(model, tokenizer, dataset, **kwargs)
+    return result.accuracy if result.scores else 0.0

@@ -67,6 +67,9 @@ WARNINGS = {
     "fallback": "Some groups' baseline weights summed to 0 (zero gradients or all-unscorable rewards); their baseline "
     "fell back to the plain mean of rewards. Counted in oblr/fallback_samples.",
     "unscorable": "Completions with no reward (None/NaN) get advantage 0 and enter no baseline.",
+    "no_rewards": "Every completion of a generation batch went unscored: each reward function returned None (or NaN) "
+    "for all of them, so their steps cannot move (advantage 0, lr scale 0). This is the reward, not noise: check that "
+    "the reward functions apply to this dataset (their names, the columns they read) and return floats.",
     "weight_spread": f"Gradient norms vary by more than {WEIGHT_RATIO_WARNING:.0f}x within a group: the "
     "gradient-weighted baseline follows one or two completions there. Set OBLRPOConfig(weight_clip=10) to bound any "
     "one completion's weight (see oblr/weight_spread).",
@@ -77,6 +80,25 @@ WARNINGS = {
     "zero_snr": "SNR estimate is 0 (noise dominates): the step size collapses to lr_scale_min. If this persists, raise "
     "the batch (more prompts per step), set lr_scale_min, or pool steps with snr_estimator='ema' or 'window'.",
 }
+
+
+def check_inputs(model, train_dataset) -> None:
+    """Refuse, before anything is loaded, what would otherwise fail late or misleadingly: a `model` path that does not
+    exist (TRL would say "Repo id must be in the form...") and a `train_dataset` without the `prompt` column (a bare
+    KeyError at the first step)."""
+    if isinstance(model, str) and not os.path.exists(model) and (
+        os.path.isabs(model) or model.startswith(".") or model.count("/") > 1 or os.sep + os.sep in model
+    ):
+        raise ValueError(f"OBLRPOTrainer: model {model} does not exist (a local folder was meant: a Hub id is "
+                         "`owner/name`).")
+    columns = getattr(train_dataset, "column_names", None)
+    if isinstance(columns, dict):  # a DatasetDict: the caller meant one split
+        raise ValueError(f"OBLRPOTrainer: train_dataset is a DatasetDict (splits {sorted(columns)}); pass one split, "
+                         "e.g. dataset['train'].")
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(f"OBLRPOTrainer: train_dataset needs a `prompt` column (a string, or a list of chat messages); "
+                         f"its columns are {list(columns)}. Rename the question column, e.g. "
+                         "dataset.rename_column('question', 'prompt').")
 
 
 @dataclass
@@ -133,6 +155,7 @@ class OBLRPOTrainer(GRPOTrainer):
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             config = OBLRPOConfig(f"{name.rstrip('/').split('/')[-1]}-OBLR-PO")
         bound.arguments["args"] = config = upgrade_config(config)
+        check_inputs(bound.arguments.get("model"), bound.arguments.get("train_dataset"))
         super().__init__(*bound.args[1:], **bound.kwargs)
         self._oblr_ds_sizer = None  # under DeepSpeed: the hook that sizes each ZeRO step (deepspeed_step.StepSizer)
         if self.is_deepspeed_enabled:
@@ -162,6 +185,7 @@ class OBLRPOTrainer(GRPOTrainer):
         self._oblr_snr_state = SNRState()
         self._oblr_lr_stats = LrStats()
         self._oblr_warned: set[str] = set()
+        self._oblr_unscored_batch = False  # the last generation batch had no reward at all (no_rewards)
         self._oblr_precision_checked_lr = float("inf")
         # one_backward: True / False once decided; None until the first generation decides it by memory (auto).
         # Its rows per chunk: 0 = the whole micro-batch; None = decided at the first generation (under checkpointing)
@@ -310,6 +334,9 @@ class OBLRPOTrainer(GRPOTrainer):
         rewards, num_infinite = aggregate_rewards(self._oblr_rewards_per_func, self.reward_weights)  # all ranks
         if num_infinite:
             self._warn_once("nonfinite_reward")
+        self._oblr_unscored_batch = bool(torch.isnan(rewards).all())
+        if self._oblr_unscored_batch:
+            self._warn_once("no_rewards")
         local_n = output["prompt_ids"].shape[0]
         rank_slice = slice(self.accelerator.process_index * local_n, (self.accelerator.process_index + 1) * local_n)
         # one id per row, unique over training (an optimizer step may span several generation batches)
@@ -500,8 +527,8 @@ class OBLRPOTrainer(GRPOTrainer):
             a.snr_estimator, sum_sq, grad_sq_norm, n, self._oblr_snr_state, beta=a.snr_ema, window=a.snr_window,
             lr_scale_min=a.lr_scale_min,
         )
-        if step.status != "ok":
-            self._warn_once(step.status, n=n)
+        if step.status != "ok" and not (step.status == "zero_snr" and self._oblr_unscored_batch):
+            self._warn_once(step.status, n=n)  # (an SNR of 0 from unscored rewards is no_rewards', not noise)
         self._oblr_saved_lrs = [group["lr"] for group in groups]
         self._oblr_lr_groups = groups
         for group in groups:

@@ -89,22 +89,46 @@ def test_held_out_results_join_the_card_and_are_replaced_not_stacked(tmp_path):
     write_held_out_results(tmp_path, {**EVAL, "results": EVAL["results"][:1]})
     card = (tmp_path / "README.md").read_text()
     assert card.count("### Held-out results") == 1
-    assert "| reasoning-gym chain_sum (seed 1) | 37.5% | 200 |" in card and "gsm8k" not in card
+    assert "| reasoning-gym chain_sum (seed 1) | 37.5% |  | 200 |" in card and "gsm8k" not in card
     assert card.index("### Held-out results") < card.index("### Training curves") < card.index(SECTION_END)
     # a later checkpoint's card keeps them: the section reads eval_results.json
     append_oblr_section(tmp_path, config(tmp_path), HISTORY)
-    assert "| reasoning-gym chain_sum (seed 1) | 37.5% | 200 |" in (tmp_path / "README.md").read_text()
+    assert "| reasoning-gym chain_sum (seed 1) | 37.5% |  | 200 |" in (tmp_path / "README.md").read_text()
     assert json.loads((tmp_path / "eval_results.json").read_text())["results"][0]["problems"] == 200
 
 
 def test_demo_summary_is_shown_as_before_and_after(tmp_path):
     summary = {"task": "chain_sum", "num_eval": 1000, "accuracy_before": 0.342, "accuracy_after": 0.445,
-               "sampled_accuracy_before": 0.194, "sampled_accuracy_after": 0.266}
+               "sampled_accuracy_before": 0.194, "sampled_accuracy_after": 0.266, "mean_score_before": 0.4,
+               "mean_score_after": 0.5}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     card = Path(append_oblr_section(tmp_path, config(tmp_path), HISTORY)).read_text()
     assert "1000 held-out chain_sum problems" in card
-    assert "| greedy accuracy | 34.2% | 44.5% |" in card
-    assert "| sampled accuracy (temperature 1) | 19.4% | 26.6% |" in card
+    assert "| accuracy (exact answers), greedy | 34.2% | 44.5% |" in card
+    assert "| accuracy, sampled at temperature 1 | 19.4% | 26.6% |" in card
+    assert "| mean score, greedy | 0.400 | 0.500 |" in card and "mean score, sampled" not in card  # not recorded
+
+
+def test_write_model_card_replaces_a_template_and_names_the_hub_base_model(tmp_path):
+    from oblr_trl.card import has_oblr_section, write_model_card
+
+    (tmp_path / "README.md").write_text("# Model Card for Model ID\n[More Information Needed]\n")  # PEFT's template
+    assert not has_oblr_section(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"task": "chain_sum", "num_eval": 100, "accuracy_before": 0.5,
+                                                        "accuracy_after": 0.6}))
+    write_model_card(tmp_path, config(tmp_path), HISTORY, base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                     title="SmolLM2 + OBLR-PO", library="peft")
+    card = (tmp_path / "README.md").read_text()
+    assert card.startswith("---\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\nlibrary_name: peft\n")
+    assert "More Information Needed" not in card and "Model ID" not in card
+    assert has_oblr_section(tmp_path) and "| accuracy (exact answers), greedy | 50.0% | 60.0% |" in card
+    assert "AutoPeftModelForCausalLM" in card and PAPER["citation"] in card
+    # re-scoring updates it
+    write_held_out_results(tmp_path, {**EVAL, "results": [{**EVAL["results"][0], "mean_score": 0.4}]})
+    assert "| reasoning-gym chain_sum (seed 1) | 37.5% | 0.400 | 200 |" in (tmp_path / "README.md").read_text()
+    # a local path is not a Hub id: no base_model entry
+    write_model_card(tmp_path, config(tmp_path), HISTORY, base_model=str(tmp_path), title="local")
+    assert "base_model:" not in (tmp_path / "README.md").read_text()
 
 
 # ------------------------------------------------------------------ TRL's card of a local model, and a run with None

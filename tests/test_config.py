@@ -59,3 +59,39 @@ def test_default_eta_max_is_twice_grpos_default_lr():
     default = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}["learning_rate"]
     grpo_default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["learning_rate"]
     assert default == pytest.approx(2 * grpo_default) and default == pytest.approx(2e-6)
+
+
+def test_trl_default_batch_sizes_the_snr_step_by_completion_with_a_warning():
+    """TRL's defaults (8 completions per step, 8 per prompt: one prompt) keep a sized step: 'auto' -> 'completion'."""
+    with pytest.warns(UserWarning, match="1 prompt.*per_device_train_batch_size.*num_generations"):
+        config = OBLRPOConfig(output_dir="/tmp/oblr-test", use_cpu=True, report_to="none")
+    assert (config.per_device_train_batch_size, config.num_generations) == (8, 8)  # TRL's, inherited
+    assert config.snr_sample_unit == "completion"
+    # the drop-in path: a GRPOConfig with TRL's defaults, upgraded by OBLRPOTrainer
+    with pytest.warns(UserWarning, match="1 prompt"):
+        assert upgrade_config(GRPOConfig(output_dir="/tmp/oblr-test", use_cpu=True, report_to="none")
+                              ).snr_sample_unit == "completion"
+
+
+def test_a_config_with_two_prompts_per_step_counts_prompts():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        config = OBLRPOConfig(**common_args(per_device_train_batch_size=2 * common_args()["num_generations"]))
+    assert config.snr_sample_unit == "group"
+    assert OBLRPOConfig(**common_args(gradient_accumulation_steps=2, per_device_train_batch_size=common_args()[
+        "num_generations"])).snr_sample_unit == "group"
+
+
+def test_a_step_the_snr_cannot_size_is_refused_at_construction():
+    one_prompt = common_args(per_device_train_batch_size=common_args()["num_generations"])
+    with pytest.raises(ValueError, match="snr_sample_unit='group' needs >= 2 prompts.*per_device_train_batch_size"):
+        OBLRPOConfig(**one_prompt, snr_sample_unit="group")
+    assert OBLRPOConfig(**one_prompt, snr_sample_unit="group", snr_lr=False).snr_sample_unit == "group"
+    assert OBLRPOConfig(**one_prompt, snr_sample_unit="completion").snr_sample_unit == "completion"
+
+
+def test_a_negative_learning_rate_is_refused_at_construction():
+    with pytest.raises(ValueError, match="learning_rate=-0.001 must be >= 0"):
+        OBLRPOConfig(**common_args(learning_rate=-1e-3))

@@ -28,21 +28,33 @@ def test_demo_tiny_quick_output_and_rescore(tmp_path):
     console = proc.stdout + proc.stderr
     assert "{'loss'" not in console and "'reward':" not in console, "a log dict was printed"
     assert re.search(r"OBLR-PO: 100%.*3/3.*reward=[\d.]+, lr scale=[\d.e-]+, SNR=[\d.e-]+", console)
-    assert re.search(r"greedy accuracy\s+[\d.]+%\s+[\d.]+%", proc.stdout)
+    assert re.search(r"accuracy \(exact answers\), greedy\s+[\d.]+%\s+[\d.]+%", proc.stdout)
+    assert re.search(r"mean score, greedy\s+[\d.]+\s+[\d.]+", proc.stdout)
+    assert "before -> after" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["model"] == "embedded tiny Qwen3"
     assert (out / "training_curves.png").exists() and (out / "model" / "config.json").exists()
     assert json.loads((out / "model" / "oblr_task.json").read_text())["task"] == "chain_sum"
+    assert summary["answer_extractor"] == "final_number"
+    assert 0 <= summary["accuracy_after"] <= summary["mean_score_after"] <= 1  # exact answers score 1
+    # the saved model's card is ours: the OBLR-PO section, held-out results, the citation; no template left
+    card = (out / "model" / "README.md").read_text()
+    assert "## OBLR-PO training" in card and "### Held-out results" in card and "huang2025oblrpo" in card
+    assert "accuracy (exact answers), greedy" in card and "[More Information Needed]" not in card
 
     # the printed command re-scores the saved model on the same held-out problems, with the same greedy accuracy
     command = proc.stdout.split("Re-score it:\n", 1)[1].splitlines()[0].strip()
     argv = shlex.split(command)
-    assert argv[:2] == ["python", "examples/evaluate.py"]
+    assert argv[0] in (sys.executable, os.path.relpath(sys.executable)) and argv[1] == "examples/evaluate.py"
     assert argv[argv.index("--prompt_template") + 1] == "{question}"  # asked in the demo's wording
     rescore = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=300)
     assert rescore.returncode == 0, rescore.stdout[-3000:] + rescore.stderr[-3000:]
-    assert f"| {summary['accuracy_after']:.1%} | {summary['num_eval']} |" in rescore.stdout
+    assert (f"| {summary['accuracy_after']:.1%} | {summary['mean_score_after']:.3f} | {summary['num_eval']} |"
+            in rescore.stdout)
+    # ... and puts its row into the card's held-out results
+    assert "From `eval_results.json`" in (out / "model" / "README.md").read_text()
+    assert "(its held-out results)" in rescore.stdout
 
 
 def _demo(tmp_path, out, *flags):
@@ -82,7 +94,7 @@ def test_demo_grpo_trainer_reused_before_accuracy_and_pass_through_flags(tmp_pat
     # --skip_before_eval: null before-RL entries, "n/a" in the table, and the run completes
     skip = _demo(tmp_path, tmp_path / "skip", "--skip_before_eval", "--max_steps", "1")
     assert skip.returncode == 0, skip.stdout[-3000:] + skip.stderr[-3000:]
-    assert re.search(r"greedy accuracy\s+n/a\s+[\d.]+%", skip.stdout)
+    assert re.search(r"accuracy \(exact answers\), greedy\s+n/a\s+[\d.]+%", skip.stdout)
     s = json.loads((tmp_path / "skip" / "summary.json").read_text())
     assert s["accuracy_before"] is None and s["sampled_accuracy_before"] is None and s["accuracy_after"] is not None
     assert not (tmp_path / "skip" / "before.json").exists()
@@ -94,7 +106,8 @@ def test_demo_refuses_oblr_options_with_grpo_and_a_mismatched_before_from(tmp_pa
     assert "--trainer oblrpo" in refused.stderr
     (tmp_path / "before.json").write_text(json.dumps(dict(
         seed=0, task="chain_sum", model="embedded tiny Qwen3", prompt_template=None, num_eval=99, eval_seed=12345,
-        eval_samples=2, max_completion_length=8, accuracy_before=0.5, sampled_accuracy_before=0.5)))
+        eval_samples=2, max_completion_length=8, answer_extractor="final_number", accuracy_before=0.5,
+        sampled_accuracy_before=0.5)))
     mismatch = _demo(tmp_path, tmp_path / "y", "--before_from", str(tmp_path / "before.json"), "--max_steps", "1")
     assert mismatch.returncode != 0 and "num_eval=99 (this run: 16)" in mismatch.stderr
     assert "Drop --before_from" in mismatch.stderr

@@ -111,7 +111,7 @@ def test_scores_a_peft_adapter_folder_and_records_the_results_on_it(tmp_path):
     args = evaluate.parse_args(["--model", str(adapter_dir), "--num_examples", "8", "--output",
                                 str(tmp_path / "eval.md")])
     rows = evaluate.main(args)
-    assert rows[0][0] == "reasoning-gym chain_sum (seed 1)" and rows[0][2] == "8"
+    assert rows[0][0] == "reasoning-gym chain_sum (seed 1)" and rows[0][3] == "8"
     results = json.loads((adapter_dir / "eval_results.json").read_text())
     assert results["results"][0]["problems"] == 8 and 0.0 <= results["results"][0]["accuracy"] <= 1.0
 
@@ -133,13 +133,13 @@ def test_prompt_template_asks_the_held_out_problems_in_that_wording(tmp_path, mo
     asked = []
     import oblr_trl.tasks as tasks
 
-    real = tasks.evaluate_accuracy
+    real = tasks.evaluate_held_out
 
     def spy(model, tok, dataset, **kwargs):
         asked.extend(row["prompt"][-1]["content"] for row in dataset)
         return real(model, tok, dataset, **kwargs)
 
-    monkeypatch.setattr(tasks, "evaluate_accuracy", spy)
+    monkeypatch.setattr(tasks, "evaluate_held_out", spy)
     for template, expected in ((None, "="), ("chain_sum", "Reply with only the number."), ("{expression} =", " =")):
         asked.clear()
         argv = ["--model", str(model_dir), "--num_examples", "4", "--output", str(tmp_path / "eval.md"),

@@ -68,12 +68,12 @@ def test_evaluate_scores_the_saved_checkpoint(trained_dir, tmp_path):
     stdout = run([str(EXAMPLES / "evaluate.py"), "--model", str(out), "--num_examples", "32", "--benchmarks",
                   "gsm8k", "--output", str(table)], timeout=600)
     text = table.read_text()
-    row = re.search(r"\| reasoning-gym chain_sum \(seed 1\) \| (\d+\.\d)% \| 32 \|", text)
+    row = re.search(r"\| reasoning-gym chain_sum \(seed 1\) \| (\d+\.\d)% \| (\d\.\d{3}) \| 32 \|", text)
     assert row and 0.0 <= float(row.group(1)) <= 100.0
     assert "| gsm8k | skipped:" in text  # offline: reported, not failed
     assert "skipped" in stdout
     card = (out / "README.md").read_text()  # the results join the model card (eval_results.json in the folder)
-    assert "### Held-out results" in card and f"| reasoning-gym chain_sum (seed 1) | {row.group(1)}% | 32 |" in card
+    assert "### Held-out results" in card and f"| reasoning-gym chain_sum (seed 1) | {row.group(1)}% | {row.group(2)} | 32 |" in card
 
 
 def test_prompt_template_with_a_hub_dataset_is_refused_before_any_loading(tmp_path):
@@ -130,5 +130,6 @@ def test_script_trains_smollm2_by_default_and_saves_the_adapter_with_its_card(tm
     assert card.count(SECTION_START) == 1 and "| `one_backward` | `True` |" in card
     assert "![training_curves.png](training_curves.png)" in card
     # both reward functions scored the training step, and the held-out problems were evaluated (TRL's logs)
-    assert "'rewards/chain_sum_accuracy/mean'" in output and "'rewards/bare_number_format/mean'" in output, output[-3000:]
+    assert "'rewards/chain_sum_accuracy/mean'" in output, output[-3000:]  # the verifier alone (format_reward: 0)
+    assert "'rewards/bare_number_format/mean'" not in output
     assert "'eval_rewards/chain_sum_accuracy/mean'" in output, output[-3000:]

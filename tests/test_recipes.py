@@ -254,3 +254,27 @@ def test_script_has_no_install_header_naming_an_unpublished_package():
     header = re.search(r"^# /// script\n(.*?)^# ///$", text, re.DOTALL | re.MULTILINE)
     assert header is None or "oblr-trl" not in header.group(1)
     assert "pip install -e ." in text
+
+
+# ------------------------------------------------------------------ the script's own flag handling
+def test_one_backward_and_weight_clip_can_be_set_back_to_their_none_from_the_command_line():
+    parser = SCRIPT.make_parser()
+    _, config, _ = parser.parse_args_and_config(["--use_cpu", "true", "--output_dir", "/tmp/oblr-test",
+                                                 "--one_backward", "auto", "--weight_clip", "none"])
+    assert config.one_backward is None and config.weight_clip is None
+    _, config, _ = parser.parse_args_and_config(["--use_cpu", "true", "--output_dir", "/tmp/oblr-test",
+                                                 "--one_backward", "false", "--weight_clip", "10"])
+    assert config.one_backward is False and config.weight_clip == 10.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--one_backward", "sometimes"])
+
+
+def test_the_script_trains_on_a_cpu_without_use_cpu():
+    assert SCRIPT.cpu_flags(["--model_name_or_path", "tiny"], cuda_available=False) == [
+        "--model_name_or_path", "tiny", "--use_cpu", "true"]
+    assert SCRIPT.cpu_flags(["--use_cpu", "false"], cuda_available=False) == ["--use_cpu", "false"]  # as given
+    assert SCRIPT.cpu_flags(["--model_name_or_path", "tiny"], cuda_available=True) == ["--model_name_or_path", "tiny"]
+    # and what it adds is enough for TRL's config on a machine without a GPU
+    _, config, _ = SCRIPT.make_parser().parse_args_and_config(
+        SCRIPT.cpu_flags(["--output_dir", "/tmp/oblr-test", "--model_name_or_path", "tiny"], cuda_available=False))
+    assert config.use_cpu

@@ -45,4 +45,4 @@ def test_format_reward_scores_the_form_only():
     replies = ["2", "3", "7 - 5 is 2."]
     scores = verifier(None, replies, entry=entry)
     total = [v + f for v, f in zip(scores, reward(None, replies), strict=True)]
-    assert total[:2] == [1.25, 0.25] and total[2] == scores[2] < 0.5  # (the verifier's small partial credit)
+    assert total == [1.25, 0.25, 1.0]  # the sentence's final number is right: full credit, no format part

@@ -1,6 +1,7 @@
 """Tests for the embedded tiny model/tokenizer, the reasoning-gym tasks and rewards, and the plots."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -96,6 +97,34 @@ def test_reward_scores_with_the_verifier_in_both_completion_formats(dataset):
     assert reward(None, ["", "banana", f"{answers[2]}\nmore"], entry=dataset["entry"][:3]) == [0.0, 0.0, 1.0]
     # Datasets without an `entry` column are scored against `answer`.
     assert reward(None, answers[:2], answer=answers[:2]) == [1.0, 1.0]
+
+
+def test_extract_answer_takes_the_final_number_of_a_reply():
+    assert extract_answer("6 + 1 = 7") == "7"
+    assert extract_answer("7 - 5 is 2.") == "2"
+    assert extract_answer("The answer is -12.") == "-12"
+    assert extract_answer("It is 1,000") == "1,000" and extract_answer("x = 4.5\nso 4.5") == "4.5"
+    assert extract_answer("no number here\nat all") == "no number here"  # no number: the first line
+    assert extract_answer("6 + 1 = 7", extractor="first_line") == "6 + 1 = 7"
+    with pytest.raises(ValueError, match="extractor='last'.*allowed values"):
+        extract_answer("7", extractor="last")
+
+
+def test_a_reply_with_the_sum_done_right_scores_full_credit():
+    reward = make_reward_func("chain_sum")
+    entry = json.dumps({"question": "", "answer": "7", "metadata": {}})
+    assert reward(None, ["6 + 1 = 7", "7", "6 + 1 = 8", "The answer is 6."], entry=[entry] * 4) == [1.0, 1.0, 0.0, 0.0]
+    first_line = make_reward_func("chain_sum", extractor="first_line")
+    assert first_line(None, ["6 + 1 = 7"], entry=[entry])[0] < 1.0  # partial credit only, the old rule
+
+
+def test_accuracy_counts_exact_answers_and_mean_score_averages():
+    from oblr_trl.tasks import exact_answer_rate, mean_score
+
+    scores = [1.0, 0.2, 0.11, 0.0]
+    assert exact_answer_rate(scores) == 0.25 and mean_score(scores) == pytest.approx(0.3275)
+    assert exact_answer_rate([0.11] * 48 + [0.2] * 22 + [0.0] * 30) == 0.0  # the issue's 9.9% "accuracy"
+    assert math.isnan(exact_answer_rate([])) and math.isnan(mean_score([]))
 
 
 def test_extract_answer_prefers_answer_tags():

@@ -99,6 +99,30 @@ def test_none_and_nan_rewards(caplog):
     assert "no reward" in caplog.text and "inf" in caplog.text
 
 
+def test_a_reward_none_for_every_sample_is_named_not_blamed_on_noise(caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=2)),
+                           reward=lambda completions, **k: [None] * len(completions))
+    assert logged(trainer, "oblr/lr_scale") == [0.0, 0.0]  # no step moves
+    assert "each reward function returned None" in caplog.text and "check that the reward functions" in caplog.text
+    assert "noise dominates" not in caplog.text
+
+
+def test_a_dataset_without_prompt_column_fails_at_construction():
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="`prompt` column.*question"):
+        OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[length_reward],
+                      args=OBLRPOConfig(**common_args()), train_dataset=Dataset.from_list([{"question": "1 + 1"}] * 8))
+
+
+def test_a_missing_model_path_fails_naming_it(tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(ValueError, match=f"{missing} does not exist"):
+        OBLRPOTrainer(model=missing, reward_funcs=[length_reward], args=OBLRPOConfig(**common_args()),
+                      train_dataset=DATASET)
+
+
 def test_identical_rewards_give_zero_advantages_and_zero_step(caplog):
     with caplog.at_level(logging.WARNING):
         trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2)), reward=lambda completions, **k: [1.0] * len(completions))
@@ -128,9 +152,13 @@ def test_empty_completions_and_zero_gradients(caplog):
 
 
 def test_a_step_with_one_sample_leaves_the_lr_unscaled(caplog):
-    """One group per step: the SNR is undefined (N < 2). The lr is left as scheduled, warned, and no NaN is logged."""
+    """One group per step: the SNR is undefined (N < 2). The lr is left as scheduled, warned, and no NaN is logged.
+    (`OBLRPOConfig` refuses snr_sample_unit='group' with one prompt per step at construction; the trainer's guard is
+    for a config changed afterwards.)"""
+    config = OBLRPOConfig(**common_args(max_steps=2, per_device_train_batch_size=4), snr_sample_unit="completion")
+    config.snr_sample_unit = "group"  # past the construction-time check
     with caplog.at_level(logging.WARNING):
-        trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=2, per_device_train_batch_size=4)))
+        trainer, probe = train(Recorder, config)
     assert logged(trainer, "oblr/num_samples") == [1.0, 1.0]
     assert logged(trainer, "oblr/lr_scale") == [1.0, 1.0]
     assert logged(trainer, "oblr/snr") == []
