@@ -249,8 +249,12 @@ format reward). What this does and does not show:
   which is what makes the verifier's reward reachable in the first place, and a bare number can be a wrong one. Read
   the replies below the figures, not only the reward curve.
 
-**What the committed run shows** (the outputs below: default size, seed 0, 2026-11-23). Held-out greedy accuracy
-went from 6.5% to 9.7% with OBLR-PO and to 10.0% with GRPO: both about +3 points, within one standard error of each
+**What the committed run shows** (the outputs below: default size, seed 0, 2026-11-23). **Read its figures as mean
+verifier scores, not exact answers:** they were produced before issue 30, when `evaluate_accuracy` returned the
+verifier's mean score on the reply's first line (partial credit; 0 of 100 answers were exact there). The code now
+returns the exact-answer rate of the reply's final number (what `make demo` reports: greedy 50% before RL); run
+`python notebooks/_build_walkthrough.py` (about 30 minutes on 2 cores) to refresh the outputs under it. Held-out mean
+score went from 6.5% to 9.7% with OBLR-PO and to 10.0% with GRPO: both about +3 points, within one standard error of each
 other. Here OBLR-PO loses on training reward: its SNR factor fell from 0.6 to 0.05 by step 8 (mean 0.21), so it
 took small steps, and its reward stayed near 0.1, while GRPO, at the full `lr_max` every step, reached 0.2-0.45. Much
 of GRPO's gain is the format bonus: on the example questions it now replies with a bare number that is the first
