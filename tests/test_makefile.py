@@ -1,6 +1,7 @@
 """The Makefile does what README's Quick start promises: `make demo` installs the CPU build of torch and the package
 without its dev extras; `make test` adds them. Checked with `make -n` (nothing is run); skipped without make."""
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,8 +13,10 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 
 def dry_run(target, tmp_path, *assignments):
-    proc = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}", *assignments], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    # run by `make test`, make's own variables would make this one print "Entering/Leaving directory" lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={tmp_path / 'venv'}", *assignments],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
