@@ -422,7 +422,6 @@ def main(argv=None):
                    "machine": host_id(),
                    "seconds": round(seconds, 1), "args": {k: v for k, v in vars(args).items() if k != "single"},
                    "table": table, "runs": runs}, f, indent=1)
-    import shutil
 
     shutil.rmtree(os.path.join(args.run_dir, "tmp"), ignore_errors=True)  # the trainers' (empty) output dirs
     print(open(stem + ".md").read())
