@@ -1,5 +1,5 @@
 # Every target sets up its own environment: a virtualenv in .venv with torch installed first, then this package
-# (`make demo`: the package alone; `make test`/`make bench`: with its dev extras too).
+# (`make demo`: the package with its demo extra; `make test`/`make bench`: with its dev extras too).
 # torch is the CPU build by default, from PyTorch's CPU index (on Linux x86-64 PyPI's torch is the CUDA build, several
 # GB; where that index cannot be reached, pip goes on to your configured indexes). Pick another build with TORCH_INDEX,
 #   make test TORCH_INDEX=https://download.pytorch.org/whl/cu130   (CUDA 13.0; see README.md, "Install on a GPU machine")
@@ -19,7 +19,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --retries 2 --timeout 30 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[demo]"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

@@ -57,6 +57,11 @@ def parse_args(argv=None):
     parser.add_argument("--output_dir", default=None, help="Where the model, plots and summary.json go (default outputs/demo for smollm2, outputs/demo_tiny for tiny, outputs/demo_hub for other models).")
     parser.add_argument("--task", default="chain_sum", help="reasoning-gym task name.")
     parser.add_argument(
+        "--task_config", type=json.loads, default={},
+        help="The reasoning-gym task's options as JSON, over oblr_trl.tasks.DEFAULT_TASK_KWARGS (e.g. "
+        "'{\"max_digits\": 2}' for chain_sum sums of one- and two-digit numbers); training and held-out problems alike.",
+    )
+    parser.add_argument(
         "--model", "--model_name_or_path", dest="model", default="smollm2",
         help="smollm2 (default: SmolLM2-135M-Instruct, offline via oblr_trl.load_reference_model; ~10 GB of memory), "
         "tiny (the embedded tiny Qwen3, built and warmed up offline), or a local folder / Hub id.",
@@ -102,6 +107,9 @@ def parse_args(argv=None):
                         help="OBLRPOConfig.grad_norm_estimator: exact (default), logit or length (OPO's |o_i|).")
     parser.add_argument("--leave_one_out", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="OBLRPOConfig.leave_one_out: true (default) or false.")
+    parser.add_argument("--scale_rewards", default=None,
+                        help="OBLRPOConfig.scale_rewards: none (default) or group/batch (only with --baseline mean "
+                        "--leave_one_out false: GRPO's advantages, e.g. under OBLR-PO's SNR step).")
     parser.add_argument("--snr_lr", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="OBLRPOConfig.snr_lr: true (default) or false.")
     parser.add_argument("--snr_estimator", default=None,
@@ -116,6 +124,10 @@ def parse_args(argv=None):
         "--eval_seed", type=int, default=12345,
         help="Seed of the held-out problems: fixed, so runs with different --seed are scored on the same problems.",
     )
+    parser.add_argument("--eval_every", type=int, default=0,
+                        help="Also measure the held-out accuracy every this many steps during training (summary.json's "
+                        "`curve`, with the before and after points); 0 = before and after only. The random state is "
+                        "restored after each, so the training run is the same with or without.")
     parser.add_argument("--max_completion_length", type=int, default=None, help="Completion budget in tokens.")
     parser.add_argument("--num_train", type=int, default=None, help="Generated training problems (before removing held-out questions).")
     parser.add_argument("--num_eval", type=int, default=None, help="Generated held-out problems.")
@@ -161,10 +173,10 @@ def parse_args(argv=None):
 
 
 # OBLRPOConfig options the demo passes through when given (the config's defaults otherwise).
-OBLR_OPTIONS = ("baseline", "leave_one_out", "grad_norm_estimator", "snr_lr", "snr_estimator", "snr_ema", "snr_window",
+OBLR_OPTIONS = ("baseline", "leave_one_out", "scale_rewards", "grad_norm_estimator", "snr_lr", "snr_estimator", "snr_ema", "snr_window",
                 "lr_scale_min", "weight_clip", "one_backward")
 # What a reused before-RL measurement must share with this run.
-BEFORE_KEYS = ("task", "model", "prompt_template", "num_eval", "eval_seed", "eval_samples", "max_completion_length")
+BEFORE_KEYS = ("task", "task_config", "model", "prompt_template", "num_eval", "eval_seed", "eval_samples", "max_completion_length")
 
 
 def before_record(args, model_name):
@@ -179,6 +191,7 @@ def load_before(path, args, model_name):
     with open(path) as f:
         saved = json.load(f)
     mine = dict(before_record(args, model_name), answer_extractor=ANSWER_EXTRACTOR)
+    saved.setdefault("task_config", {})  # written before --task_config existed: the task's defaults
     wrong = [f"{k}={saved.get(k)!r} (this run: {mine[k]!r})" for k in (*BEFORE_KEYS, "answer_extractor")
              if saved.get(k) != mine[k]]
     if wrong or saved.get("accuracy_before") is None:
@@ -251,6 +264,31 @@ def progress_callback(desc="OBLR-PO"):
                 self.bar.close()
 
     return ProgressBar()
+
+
+def held_out_callback(evaluate, every, curve):
+    """Appends {step, METRICS...} to `curve` every `every` optimizer steps before the last (the run's own after-RL
+    evaluation is the last point). `evaluate(model, step)` returns (greedy, sampled) HeldOut. The torch random state is
+    restored afterwards: sampling held-out replies does not change the training run's own samples."""
+    import torch
+    from transformers import TrainerCallback
+
+    class HeldOutCurve(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % every or state.global_step >= state.max_steps:
+                return
+            rng = torch.get_rng_state()
+            cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+            try:
+                greedy, sampled = evaluate(model, state.global_step)
+            finally:
+                torch.set_rng_state(rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
+            step_metrics = metrics(greedy, sampled, "at")
+            curve.append(dict(step=state.global_step, **{m: step_metrics[f"{m}_at"] for m in METRICS}))
+
+    return HeldOutCurve()
 
 
 def card_description(args, method, model_name, num_train, steps):
@@ -353,14 +391,16 @@ def main(args):
     print(f"Model: {model_name}, {n_params / 1e6:.1f}M parameters ({model_seconds:.0f}s)", flush=True)
 
     # 2. Data and reward: held-out problems from their own seed, and no held-out question among the training ones.
-    eval_dataset = make_dataset(args.task, size=args.num_eval, seed=args.eval_seed, prompt_template=args.prompt_template)
+    eval_dataset = make_dataset(args.task, size=args.num_eval, seed=args.eval_seed, prompt_template=args.prompt_template,
+                                **args.task_config)
     if args.dataset_name:
         train_dataset = load_dataset(args.dataset_name, split="train")
     else:
-        train_dataset = make_dataset(args.task, size=args.num_train, seed=args.seed, prompt_template=args.prompt_template)
+        train_dataset = make_dataset(args.task, size=args.num_train, seed=args.seed, prompt_template=args.prompt_template,
+                                     **args.task_config)
         if args.exclude_held_out:
             train_dataset = without_questions_of(train_dataset, eval_dataset)
-    reward_funcs = [make_reward_func(args.task)]
+    reward_funcs = [make_reward_func(args.task, **args.task_config)]
     if args.format_reward:
         reward_funcs.append(make_format_reward(args.format_reward))
     print(f"Task: {args.task}, e.g. {eval_dataset[0]['prompt'][-1]['content']!r} -> {eval_dataset[0]['answer']!r}; "
@@ -440,6 +480,9 @@ def main(args):
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(progress_callback(method))
+    curve = [dict(step=0, **{m: before[f"{m}_before"] for m in METRICS})]
+    if args.eval_every:
+        trainer.add_callback(held_out_callback(lambda m, step: held_out(m, f"at step {step}"), args.eval_every, curve))
     train_start = time.time()
     with logging_redirect_tqdm(loggers=[logging.getLogger("oblr_trl")]):  # OBLR-PO's advice printed above the bar
         trainer.train()
@@ -448,6 +491,7 @@ def main(args):
     # 5. Held-out accuracy after RL, save, summary, plots.
     greedy_after, sampled_after = held_out(trainer.model, f"after {method}")
     after = metrics(greedy_after, sampled_after, "after")
+    curve.append(dict(step=trainer.state.global_step, **{m: after[f"{m}_after"] for m in METRICS}))
     accuracy_before, accuracy_after = before["accuracy_before"], after["accuracy_after"]
     model_dir = os.path.join(args.output_dir, "model")
     trainer.save_model(model_dir)  # a LoRA adapter (adapter_config.json names the base model) or the full model
@@ -482,6 +526,8 @@ def main(args):
         "answer_extractor": ANSWER_EXTRACTOR,
         **before,
         **after,
+        "task_config": args.task_config,
+        "curve": curve,
         "examples": example_replies(greedy_before, greedy_after),
         "reward_first_steps": mean(rewards[:window]),
         "reward_last_steps": mean(rewards[-window:]),

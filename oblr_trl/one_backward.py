@@ -1,6 +1,9 @@
 """The machinery of ``one_backward``: norms, advantages and the policy update from one forward and one backward.
 
-No trainer state: the trainer calls these with what it holds.
+No trainer state: the trainer calls these with what it holds, and they return what they found.
+
+* :class:`Plan`: whether it runs, and in chunks of how many rows (decided at construction or the first generation).
+* :func:`loss_and_grads`: one micro-batch's norms, advantages, gradient and SNR terms, chunk by chunk.
 
 * :func:`blockers`: why a configuration cannot use it (then the two-pass path runs, and says why).
 * :func:`whole_group_micro_batches`: TRL's shuffled micro-batches re-split so each holds whole groups.
@@ -15,6 +18,10 @@ from __future__ import annotations
 
 import torch
 from trl.trainer.utils import split_tensor_dict
+
+from .estimators import mask_nonfinite_products
+from .grad_norms import per_sequence_grads
+from .trl_seam import sequence_inputs
 
 ALL_REDUCE_BUCKET = 1 << 25  # elements per all-reduce (DDP's default bucket is 25 MiB)
 
@@ -230,3 +237,98 @@ def chunk_rows(rows: int, group_size: int, kept_per_row: int, budget: int) -> in
     groups, fit = rows // group_size, budget // (group_size * kept_per_row)
     chunks = -(-groups // fit)
     return -(-groups // chunks) * group_size
+
+
+class Plan:
+    """Whether ``one_backward`` runs, and in chunks of how many rows (0: the whole micro-batch).
+
+    Set at construction from :func:`initial_choice`; under gradient checkpointing the chunks (and, for the automatic
+    choice, whether it runs at all) are decided at the first generation by :meth:`decide`, from the batch's shape."""
+
+    def __init__(self, enabled: bool | None, gradient_checkpointing: bool):
+        self.enabled = enabled  # None: the automatic choice, until decide()
+        self.chunk_rows = 0
+        self.decided = not (enabled is not False and gradient_checkpointing)
+
+    @classmethod
+    def for_trainer(cls, args, *, needs_norms: bool, fsdp1: bool, aux_loss: bool, deepspeed: bool,
+                    device_type: str) -> tuple["Plan", str, bool]:
+        """The plan at construction, the message saying why (``""``: nothing to say) and whether it is a warning
+        (asked for, or under DeepSpeed, and refused)."""
+        if args.one_backward is False or not needs_norms:
+            return cls(False, args.gradient_checkpointing), "", False
+        reasons = blockers(args, fsdp1=fsdp1, aux_loss=aux_loss, deepspeed=deepspeed)
+        enabled, why = initial_choice(args.one_backward, reasons, device_type, args.gradient_checkpointing)
+        return cls(enabled, args.gradient_checkpointing), why, bool(reasons and (args.one_backward or deepspeed))
+
+    @property
+    def on(self) -> bool:
+        return bool(self.enabled)
+
+    def switch_off(self) -> None:
+        self.enabled, self.chunk_rows, self.decided = False, 0, True
+
+    def decide(self, model, batch: dict, args, group_size: int, max_completion_length: int, device,
+               gather_min) -> str:
+        """Chunks of whole groups keeping at most what GRPO's checkpointed loss pass holds for the micro-batch, plus a
+        tenth of a lower bound on GRPO's peak memory (:func:`chunk_budget`), the same on every rank (``gather_min``:
+        the minimum over ranks of a 1-element tensor). The automatic choice takes the two-pass path where not even one
+        group fits; ``one_backward=True`` then runs one group at a time. Returns the message to log."""
+        rows = min(batch["prompt_ids"].shape[0], args.per_device_train_batch_size)
+        tokens = batch["prompt_ids"].shape[1] + max_completion_length
+        itemsize = 2 if (args.bf16 or args.fp16) else 4
+        kept = kept_bytes(model, 1, tokens, itemsize)
+        budget = chunk_budget(model, rows, tokens, max_completion_length, itemsize, process_peak_bytes(device))
+        chunk = int(gather_min(torch.tensor([chunk_rows(rows, group_size, kept, budget)], device=device)))
+        if self.enabled is None:
+            self.enabled = chunk > 0
+        elif chunk == 0:  # one_backward=True: as little at a time as whole groups allow
+            chunk = group_size if rows % group_size == 0 else rows
+        self.chunk_rows, self.decided = (chunk if self.enabled else 0), True
+        if self.enabled:
+            how = ("one forward/backward per micro-batch." if chunk >= rows else
+                   f"one forward/backward per chunk of {chunk} rows ({chunk // group_size} groups).")
+        else:
+            how = "two passes, keeping checkpointing's savings."
+        return (f"OBLR-PO (one_backward={args.one_backward}, gradient checkpointing on): one_backward keeps "
+                f"~{rows * kept / 2**30:.2f} GiB per micro-batch of {rows} x {tokens} tokens against a budget of "
+                f"~{budget / 2**30:.2f} GiB (what GRPO's checkpointed pass holds, plus a tenth of a lower bound on "
+                "GRPO's peak memory): " + how)
+
+
+def rows_of(batch: dict, index, n: int) -> dict:
+    """The batch's per-row tensors (first dimension ``n``) at ``index``, the rest as they are."""
+    return {k: v[index] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v for k, v in batch.items()}
+
+
+def loss_and_grads(model, batch: dict, coefficients: torch.Tensor, *, unit: int, chunk: int, temperature: float,
+                   autocast, advantages_of, snr: bool):
+    """Norms, advantages and the policy update of one micro-batch from one forward and one backward per chunk of
+    ``chunk`` rows (whole units, rows in generation order).
+
+    Each chunk's backward reaches every layer's output; its norms give the baseline weights, and
+    ``advantages_of(chunk_batch, sq_norms, unscorable)`` (an :class:`.advantages.AdvantageResult`) the advantages
+    ``A_i``; each weight's gradient ``-sum_i c_i A_i u_i`` (TRL's loss at importance ratio 1) is then added to
+    ``.grad``, with each SNR unit's ``||H_q||^2`` where ``snr``. Returns ``(loss, results, formed, warnings)``: the
+    loss value (no graph), each chunk's AdvantageResult, the ``(unit ids, ||H_q||^2)`` formed and warning keys.
+    """
+    n = batch["oblr_row"].shape[0]
+    loss, results, formed, warnings = 0.0, [], [], []
+    for s in range(0, n, chunk):
+        part = rows_of(batch, slice(s, s + chunk), n)
+        input_ids, attention_mask, mask = sequence_inputs(part)
+        with autocast():
+            grads = per_sequence_grads(model, input_ids, attention_mask, mask, temperature=temperature,
+                                       materialize=True)
+        products, bad = mask_nonfinite_products(grads.inner_products(1))  # the weights need ||u_i||^2 only
+        if bad.any():
+            warnings.append("nonfinite_norms")
+        result = advantages_of(part, products.reshape(-1), bad)
+        results.append(result)
+        a = coefficients[s : s + chunk] * result.values
+        # the gradient of TRL's loss at ratio 1, and each unit's ||H_q||^2 = ||sum_{i in q} a_i u_i||^2 with it
+        unit_sq = grads.accumulate_grad(-a, group_size=unit if snr else None)
+        if unit_sq is not None:
+            formed.append((part["oblr_row"][::unit] // unit, unit_sq))
+        loss = loss + (-(a * mask.sum(-1))).sum()
+    return loss, results, formed, warnings

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import os
 
+from .extras import require
+
 
 def _series(log_history: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) for every log entry whose `key` holds a number.
@@ -71,7 +73,7 @@ def plot_training(
     the first and last step, so training reward and held-out accuracy share the axis. Missing keys are skipped (the
     panel says "not logged"); `None` or non-finite values are gaps.
     """
-    from matplotlib.figure import Figure
+    Figure = require("matplotlib.figure", "matplotlib", "oblr_trl.plot_training").Figure
 
     os.makedirs(out_dir, exist_ok=True)
     fig = Figure(figsize=(14, 7.5), layout="constrained")

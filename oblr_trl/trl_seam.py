@@ -30,6 +30,7 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 
+import torch
 from trl import GRPOTrainer
 
 
@@ -106,6 +107,15 @@ SEAMS: tuple[Seam, ...] = (
          "called by the _save_checkpoint override for the checkpoint folder",
          "if TRL now overrides it: the folder _save_checkpoint writes to"),
 )
+
+
+def sequence_inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and the mask of completion tokens that enter the loss, from a batch of
+    ``GRPOTrainer._generate_and_score_completions`` (as its ``_compute_loss`` forms them)."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+    return input_ids, attention_mask, mask
 
 
 def source_hash(obj) -> str:

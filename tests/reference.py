@@ -2,27 +2,15 @@
 
 import torch
 
-
-def completion_logprob_sums(model, input_ids, attention_mask, completion_mask, temperature=1.0):
-    """``sum_t log pi(o_t | q, o_<t)`` per row, from the full logits (no fused head, no chunking)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    c = completion_mask.shape[1]
-    logits = logits[:, -c - 1 : -1].float() / temperature
-    logps = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, -c:, None]).squeeze(-1)
-    return (logps * completion_mask).sum(-1)
+from oblr_trl.grad_norms.oracle import completion_logprob_sums, per_row_grads  # noqa: F401 (re-exported for tests)
 
 
 def per_sample_grads(model, input_ids, attention_mask, completion_mask, temperature=1.0):
-    """List of per-row flattened gradients of ``sum_t log pi`` over the trainable parameters."""
+    """List of per-row flattened gradients of ``sum_t log pi`` over the trainable parameters (the package's oracle,
+    :func:`oblr_trl.grad_norms.oracle.per_row_grads`, flattened; zeros where a row does not reach a parameter)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = []
-    for i in range(input_ids.shape[0]):
-        total = completion_logprob_sums(
-            model, input_ids[i : i + 1], attention_mask[i : i + 1], completion_mask[i : i + 1], temperature
-        ).sum()
-        g = torch.autograd.grad(total, params, allow_unused=True)
-        grads.append(torch.cat([(gi if gi is not None else torch.zeros_like(p)).flatten() for gi, p in zip(g, params)]))
-    return grads
+    return [torch.cat([(gi if gi is not None else torch.zeros_like(p)).flatten() for gi, p in zip(row, params)])
+            for row in per_row_grads(model, input_ids, attention_mask, completion_mask, temperature, params)]
 
 
 def per_sample_sq_norms(*args, **kwargs):

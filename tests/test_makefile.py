@@ -25,7 +25,7 @@ def test_make_demo_installs_cpu_torch_and_no_dev_extras(tmp_path):
     lines = dry_run("demo", tmp_path)
     torch_line = next(line for line in lines if '"torch==' in line)
     assert "--index-url https://download.pytorch.org/whl/cpu" in torch_line
-    assert any(line.endswith("pip install -q -e .") for line in lines)
+    assert any(line.endswith('pip install -q -e ".[demo]"') for line in lines)
     assert not any("[dev]" in line for line in lines)
     assert lines[-1].endswith("examples/demo.py")
 

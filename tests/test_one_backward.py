@@ -155,7 +155,7 @@ def test_the_default_under_checkpointing_chunks_by_memory(budget_groups, chunk, 
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
         trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=2)))
     assert trainer.args.gradient_checkpointing  # TRL's default
-    assert trainer.uses_one_backward is (chunk > 0) and trainer._oblr_chunk_rows == chunk
+    assert trainer.uses_one_backward is (chunk > 0) and trainer.one_backward_plan.chunk_rows == chunk
     assert ("oblr_gram" in trainer.generations[0]) is (chunk == 0)  # the norms pass ran only on the two-pass path
     expected = {8: "one forward/backward per micro-batch.", 4: "per chunk of 4 rows (1 groups)",
                 0: "keeping checkpointing's savings"}[chunk]
@@ -168,7 +168,7 @@ def test_one_backward_true_under_checkpointing_runs_one_group_at_a_time_where_no
 
     monkeypatch.setattr(ob, "chunk_budget", lambda *a: 0)
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=True))
-    assert trainer.uses_one_backward and trainer._oblr_chunk_rows == GROUP
+    assert trainer.uses_one_backward and trainer.one_backward_plan.chunk_rows == GROUP
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo"])
@@ -181,7 +181,7 @@ def test_one_backward_in_chunks_matches_two_passes(loss_type, monkeypatch):
     kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
     two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
-    assert one._oblr_chunk_rows == GROUP < kwargs["per_device_train_batch_size"]
+    assert one.one_backward_plan.chunk_rows == GROUP < kwargs["per_device_train_batch_size"]
     for key in ("oblr/lr_scale", "oblr/snr", "oblr/baseline_mean", "grad_norm", "loss"):
         assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key
     for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):

@@ -18,7 +18,7 @@ import torch
 import oblr_trl
 from helpers import common_args, logged, train
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer, estimators, step_size
-from oblr_trl import trainer as trainer_module
+from oblr_trl import snr_step
 
 
 # ------------------------------------------------------------------------------------- the numbers are unchanged
@@ -124,7 +124,7 @@ def test_the_public_snr_names_are_the_step_size_functions():
         assert getattr(estimators, name) is getattr(step_size, name), name
     for name in ("gradient_signal_noise", "gradient_snr", "snr_lr_scale", "step_scale_from_contributions"):
         assert getattr(oblr_trl, name) is getattr(step_size, name), name
-    assert trainer_module.snr_step_size is step_size.snr_step_size
+    assert snr_step.snr_step_size is step_size.snr_step_size
 
 
 def _spy(calls: list, fn):
@@ -161,7 +161,7 @@ def test_the_trainer_calls_the_registered_snr_estimator_and_formulas(monkeypatch
     monkeypatch.setattr(step_size, "scale_from_signal_noise", _spy(scales, step_size.scale_from_signal_noise))
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), snr_estimator="ema_soft"))
     assert len(estimated) == len(signal_noise) == len(scales) == 1
-    assert estimated[0][2] == trainer._oblr_snr_state
+    assert estimated[0][2] == trainer.step_sizer.snr_state
     assert logged(trainer, "oblr/lr_scale") == [scales[0][0]]
     assert logged(trainer, "oblr/snr") == [scales[0][1]]
 

@@ -169,13 +169,11 @@ def test_a_step_with_one_sample_leaves_the_lr_unscaled(caplog):
 def test_logit_proxy_weights_the_baseline_from_one_forward(monkeypatch):
     """grad_norm_estimator='logit' with snr_lr=False: no norms pass; the baseline is weighted by verl's proxy,
     recomputed here from the model's logits one completion at a time."""
-    import oblr_trl.trainer as trainer_module
-
     def no_norms(*args, **kwargs):
         raise AssertionError("a norms pass ran")
 
-    monkeypatch.setattr(trainer_module, "per_sequence_grads", no_norms)
-    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", no_norms)
+    monkeypatch.setattr("oblr_trl.one_backward.per_sequence_grads", no_norms)
+    monkeypatch.setattr("oblr_trl.norm_passes.per_sequence_grad_inner_products", no_norms)
     model = build_model(TOKENIZER)
     reference_model = copy.deepcopy(model)
     trainer, _ = train(Recorder, OBLRPOConfig(**common_args(max_steps=1), grad_norm_estimator="logit", snr_lr=False),

@@ -34,6 +34,7 @@ from torch import nn
 
 from .engine import per_sequence_grads
 from .ledger import functional_owners, plain_mode, probe_batch, sharded, trainable_names
+from . import oracle
 from .lm import unwrap_causal_lm
 from .support import Unsupported, UnsupportedModulesError, unsupported_modules
 
@@ -70,14 +71,6 @@ def _float32(lm: nn.Module):
     finally:
         for t, dtype in dtypes:
             t.data = t.data.to(dtype)
-
-
-def _logprob_sum(lm: nn.Module, ids, attention, completion_mask) -> torch.Tensor:
-    """``sum_i sum_t log pi(o_{i,t})`` of the batch from the model's own logits: what the engine differentiates."""
-    c = completion_mask.shape[1]
-    logits = lm(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, -c - 1 : -1].float()
-    logps = torch.log_softmax(logits, -1).gather(-1, ids[:, -c:, None]).squeeze(-1)
-    return (logps * completion_mask).sum()
 
 
 def _mismatches(lm: nn.Module, params: dict[str, nn.Parameter], ours: list[dict], reference: list[dict],
@@ -156,13 +149,10 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], rto
         take()
         return [Unsupported("", type(lm).__name__,
                             f"the per-sequence gradient pass fails on it: {type(error).__name__}: {error}")]
-    reference = []
     try:
-        with torch.enable_grad():
-            for i in rows:  # the sequence alone through the model: autograd's gradient of its log-probability
-                total = _logprob_sum(lm, ids[i : i + 1], attention[i : i + 1], completion_mask[i : i + 1])
-                reference.append(dict(zip(params, torch.autograd.grad(total, list(params.values()),
-                                                                      allow_unused=True))))
+        # each sequence alone through the model: autograd's gradient of its log-probability (the oracle)
+        reference = [dict(zip(params, row)) for row in oracle.per_row_grads(
+            lm, ids, attention, completion_mask, params=list(params.values()))]
     except Exception as error:  # its own logits cannot score the sequences: nothing to check against
         return [Unsupported("", type(lm).__name__, f"its own forward cannot score a completion's log-probability: "
                             f"{type(error).__name__}: {error}")]

@@ -324,6 +324,30 @@ def _take_capture(module: nn.Module, x: torch.Tensor) -> _Captured | None:
     return None
 
 
+def _recompute_routed(module: nn.Module, layout: dict, x, grad, idx, w):
+    """The bank's routed (token, expert) pairs and, per pair, the input ``xs``, the gated hidden ``h``, the gradient
+    ``du`` at the up projection's output and ``gs`` at the down projection's output, recomputed from the call (None
+    when no token was routed)."""
+    num_experts, transposed = layout["num_experts"], layout["transposed"]
+    order, token, expert, counts = _pairs(idx, num_experts)
+    xs = x[token].float()
+    gs = grad[token].float() * w.reshape(-1)[order].float()[:, None]  # the gradient reaching down_e's output
+    us, dhs, start = [], [], 0
+    for e, count in enumerate(counts):
+        if count:
+            up_w, up_b, down_w, _ = _weights(module, layout, e)
+            us.append(_linear(xs[start : start + count], up_w, up_b, transposed))
+            dhs.append(gs[start : start + count] @ (down_w.T if transposed else down_w))
+            start += count
+    if not us:
+        return None
+    with torch.enable_grad():
+        u = torch.cat(us).requires_grad_(True)
+        h = _gate(module, layout, u)
+        (du,) = torch.autograd.grad(h, u, torch.cat(dhs))
+    return token, expert, xs, h.detach(), du, gs
+
+
 @register_call_rule("expert_bank", lambda module: recognise_bank(module) is not None)
 def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int) -> dict:
     """``{name: usage}`` of a recognised expert bank from its recorded call and output gradient (and what
@@ -354,23 +378,10 @@ def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: 
             token, expert = captured.token, captured.expert
             xs, h, du, gs = (t.float() for t in (captured.xs, captured.h, captured.du, captured.g))
         else:
-            order, token, expert, counts = _pairs(idx, num_experts)
-            xs = x[token].float()
-            gs = grad[token].float() * w.reshape(-1)[order].float()[:, None]  # the gradient reaching down_e's output
-            us, dhs, start = [], [], 0
-            for e, count in enumerate(counts):
-                if count:
-                    up_w, up_b, down_w, _ = _weights(module, layout, e)
-                    us.append(_linear(xs[start : start + count], up_w, up_b, transposed))
-                    dhs.append(gs[start : start + count] @ (down_w.T if transposed else down_w))
-                    start += count
-            if not us:
+            recomputed = _recompute_routed(module, layout, x, grad, idx, w)
+            if recomputed is None:
                 return {}
-            with torch.enable_grad():
-                u = torch.cat(us).requires_grad_(True)
-                h = _gate(module, layout, u)
-                (du,) = torch.autograd.grad(h, u, torch.cat(dhs))
-            h = h.detach()
+            token, expert, xs, h, du, gs = recomputed
         seq = token // (tokens // batch)
         usages: dict = {}
         up_shape, down_shape = tuple(getattr(module, up).shape[1:]), tuple(module.down_proj.shape[1:])

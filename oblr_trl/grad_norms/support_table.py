@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .engine import per_sequence_grad_sq_norms, unwrap_causal_lm
+from .oracle import per_row_sq_norms
 from .coverage import functional_owners, validate
 from .rules import find_call_rule
 from .support import coverage_plan
@@ -32,18 +33,6 @@ def _batch(batch: int = 4, prompt: int = 5, completion: int = 6):
     ids[0, :2], attention[0, :2] = 0, 0  # left padding
     mask[1, 3:], ids[1, prompt + 3 :], attention[1, prompt + 3 :] = 0, 0, 0  # right padding
     return ids, attention, mask
-
-
-def _per_row_reference(model, ids, attention, mask) -> torch.Tensor:
-    params = [p for p in model.parameters() if p.requires_grad]
-    out = []
-    for i in range(ids.shape[0]):
-        logits = model(input_ids=ids[i : i + 1], attention_mask=attention[i : i + 1], use_cache=False).logits
-        c = mask.shape[1]
-        logps = torch.log_softmax(logits[:, -c - 1 : -1].float(), -1).gather(-1, ids[i : i + 1, -c:, None])[..., 0]
-        grads = torch.autograd.grad((logps * mask[i : i + 1]).sum(), params, allow_unused=True)
-        out.append(sum(g.double().pow(2).sum() for g in grads if g is not None))
-    return torch.stack(out)
 
 
 def family_row(family: str) -> list[str]:
@@ -66,7 +55,7 @@ def family_row(family: str) -> list[str]:
             layers[c.how].add(name)
         ids, attention, mask = _batch()
         ours = per_sequence_grad_sq_norms(model, ids, attention, mask).double()
-        reference = _per_row_reference(model, ids, attention, mask)
+        reference = per_row_sq_norms(model, ids, attention, mask)
         errors.append(float(((ours - reference).abs() / reference).max()))
     error = f"{max(errors):.1e}" if errors else "—"
     by_rule = sorted(layers["rule"]) + sorted(layers["routed"])

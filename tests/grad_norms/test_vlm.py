@@ -215,21 +215,21 @@ def test_trainer_refuses_a_trainable_tower_with_image_prompts_at_construction():
 
 
 def test_trainer_on_image_prompts_with_the_tower_frozen_passes_the_images_and_is_exact(monkeypatch):
-    from oblr_trl import trainer as trainer_module
+    from oblr_trl import norm_passes
 
     model, processor, dataset = _vlm_trainer_parts()
     model.model.visual.requires_grad_(False)  # the advice
     calls = []
-    original = trainer_module.per_sequence_grad_inner_products
+    original = norm_passes.per_sequence_grad_inner_products
 
     def spy(model, ids, attention, mask, **kwargs):
         calls.append((ids, attention, mask, kwargs.get("model_inputs")))
         return original(model, ids, attention, mask, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", spy)
+    monkeypatch.setattr("oblr_trl.norm_passes.per_sequence_grad_inner_products", spy)
     trainer = _vlm_trainer(model, processor, dataset)
     trainer.train()
-    assert trainer.state.global_step == 2 and trainer._one_backward is False  # two passes with images
+    assert trainer.state.global_step == 2 and trainer.one_backward_plan.enabled is False  # two passes with images
     assert calls and all(sorted(inputs) == ["image_grid_thw", "mm_token_type_ids", "pixel_values"]
                          for *_, inputs in calls)
     ids, attention, mask, inputs = calls[-1]  # the trainer's last chunk, at the trained weights

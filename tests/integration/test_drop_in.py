@@ -187,8 +187,8 @@ def test_an_optimizer_step_without_its_step_size_is_refused():
     """If a training loop ever steps the optimizer without the SNR step size (e.g. a transformers version that calls
     no hook we override), the step is refused loudly instead of running at the unscaled lr."""
     class Skips(OBLRPOTrainer):
-        def _apply_snr_step_size(self, grad_sq_norm):  # simulate a loop where the step size never gets set
-            self._oblr_samples.reduce_all_ranks()
+        def _size_step(self, grad_sq_norm):  # simulate a loop where the step size never gets set
+            self.step_sizer.samples.reduce_all_ranks()
 
     with pytest.raises(RuntimeError, match="without its SNR step size"):
         train(Skips, OBLRPOConfig(**common_args()))
@@ -217,7 +217,7 @@ def test_the_precision_advice_works(caplog):
 def test_the_unsized_step_advice_works():
     """The refusal's advice, snr_lr=False: the same loop trains at the scheduled lr."""
     class Skips(OBLRPOTrainer):
-        def _apply_snr_step_size(self, grad_sq_norm):
+        def _size_step(self, grad_sq_norm):
             raise AssertionError("not called with snr_lr=False")
 
     trainer, probe = train(Skips, OBLRPOConfig(**common_args(snr_lr=False)))
@@ -227,13 +227,11 @@ def test_the_unsized_step_advice_works():
 def test_the_fsdp1_advice_needs_no_norms(monkeypatch):
     """FSDP1 is refused with exact norms; its advice (grad_norm_estimator='length', snr_lr=False) computes none, so
     nothing FSDP1 cannot shard is ever asked for (checked here by making every norms entry point fail)."""
-    import oblr_trl.trainer as trainer_module
-
     def no_norms(*args, **kwargs):
         raise AssertionError("a norms pass ran")
 
-    monkeypatch.setattr(trainer_module, "per_sequence_grads", no_norms)
-    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", no_norms)
+    monkeypatch.setattr("oblr_trl.one_backward.per_sequence_grads", no_norms)
+    monkeypatch.setattr("oblr_trl.norm_passes.per_sequence_grad_inner_products", no_norms)
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(grad_norm_estimator="length", snr_lr=False)))
     assert_trained(trainer, 2)
     assert logged(trainer, "oblr/weight_spread")  # the length-weighted baseline ran

@@ -23,7 +23,7 @@ import torch
 from helpers import DATASET, GROUP, TOKENIZER, assert_finite_everywhere, common_args, length_reward, logged
 from helpers import train as train_trainer
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer, clip_weights, gradient_weighted_baseline
-from oblr_trl import trainer as trainer_module
+from oblr_trl import norm_passes
 from oblr_trl.tiny import build_model
 
 digit_reward = length_reward  # the count of '1' and '2' digits
@@ -120,7 +120,7 @@ def test_dominant_weight_sets_the_baseline_pure_function():
 
 def _skew_norms(monkeypatch):
     """Completion 0 of every group gets a gradient 1e6x longer: its inner products are scaled accordingly."""
-    original = trainer_module.per_sequence_grad_inner_products
+    original = norm_passes.per_sequence_grad_inner_products
 
     def skewed(*args, **kwargs):
         products = original(*args, **kwargs)
@@ -128,7 +128,7 @@ def _skew_norms(monkeypatch):
         s[0] = 1e6
         return products * s[:, None] * s[None, :]
 
-    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", skewed)
+    monkeypatch.setattr("oblr_trl.norm_passes.per_sequence_grad_inner_products", skewed)
 
 
 def test_extreme_gradient_norm_spread_through_the_trainer(monkeypatch):
@@ -176,7 +176,7 @@ def test_clip_weights_pure_function():
 
 # ------------------------------------------------------------------------------------------- (c) non-finite norms
 def _break_norms(monkeypatch):
-    original = trainer_module.per_sequence_grad_inner_products
+    original = norm_passes.per_sequence_grad_inner_products
 
     def broken(*args, **kwargs):
         products = original(*args, **kwargs)
@@ -185,7 +185,7 @@ def _break_norms(monkeypatch):
         products[1, 2, 2] = float("nan")  # completion 6's norm: NaN
         return products
 
-    monkeypatch.setattr(trainer_module, "per_sequence_grad_inner_products", broken)
+    monkeypatch.setattr("oblr_trl.norm_passes.per_sequence_grad_inner_products", broken)
 
 
 def test_non_finite_per_sequence_norms_are_zeroed_and_warned(monkeypatch, caplog):

@@ -125,7 +125,7 @@ class Recorder(OBLRPOTrainer):
 
     def _install_deepspeed_sizer(self):
         super()._install_deepspeed_sizer()
-        sizer = self._oblr_ds_sizer  # registered after the sizer's hook: sees the lr the update is taken with
+        sizer = self._ds_sizer  # registered after the sizer's hook: sees the lr the update is taken with
 
         def record(optimizer, args, kwargs):
             if sizer.steps > len(self.ds_applied_lrs):
@@ -234,7 +234,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
                 "fsdp": facts_per_rank,
                 "one_backward": bool(trainer.uses_one_backward),
                 "warnings": warnings,
-                "chunk_rows": trainer._oblr_chunk_rows,
+                "chunk_rows": trainer.one_backward_plan.chunk_rows,
                 "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
                 "param_abs_sum": param_sum,
             }, f)

@@ -1,0 +1,392 @@
+"""Which half of OBLR-PO helps, if either? A paired ablation on the real model, with a stability window.
+
+Every run is ``examples/demo.py --model smollm2`` (SmolLM2-135M-Instruct, LoRA r=16, 8 prompts x 8 completions per
+step) on the task variant below, ``--max_steps`` steps, with held-out accuracy (greedy, and sampled at T=1) every
+``--eval_every`` steps. Arms differ only in how the update is made; a seed fixes the training problems, their order
+and the before-RL evaluation, so arm-vs-GRPO differences are taken **per seed** (paired) and reported with Student-t
+intervals and the power of the paired t-test (``paired_stats.py``).
+
+Arms (L = ``--grpo_lr``, GRPO's best lr; a user's eta_max = 2 L, the README's advice "about twice GRPO's lr"):
+
+  GRPO            trl.GRPOTrainer, scale_rewards='group', lr L
+  RLOO            leave-one-out mean baseline, no std scaling, no SNR step, lr L
+  baseline-only   OBLR-PO's gradient-weighted leave-one-out baseline, no SNR step (``--snr_lr false``), lr L
+  SNR-only        GRPO's advantages (group mean, std-scaled) under OBLR-PO's SNR step, eta_max 2 L
+  OBLR-PO         the default: both halves, eta_max 2 L
+  OBLR-PO-per_step  both halves with the paper's per-step SNR estimate instead of ema_soft, eta_max 2 L
+
+The stability window runs each arm at 3x and 10x its lr over ``--stability_seeds``. A run *collapses* when its
+greedy held-out accuracy after RL is below the starting model's by more than ``--collapse_pts`` points.
+
+Resumable and shareable like ``real_compare.py``: a run whose summary.json exists is never run again, a run in flight
+on this machine is not started twice, and at most ``--parallel`` real-model runs (1 torch thread each) run on the
+machine. Main-ablation runs go first, seed-major (every arm's seed 0, then every arm's seed 1, ...), then the
+stability runs.
+
+    python benchmarks/ablation.py                       # run what is missing, then tabulate
+    python benchmarks/ablation.py --no_run              # tabulate what exists under --run_dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from demo_seeds import demo_command
+from paired_stats import paired_difference, paired_power, seeds_for_power
+from real_compare import is_running, mem_available_gb, real_demo_outputs, uptime
+
+HERE = Path(__file__).resolve().parent
+# arm -> (examples/demo.py flags, lr as a multiple of GRPO's best lr)
+ARMS: dict[str, tuple[list[str], float]] = {
+    "GRPO": (["--trainer", "grpo"], 1.0),
+    "RLOO": (["--baseline", "mean", "--snr_lr", "false"], 1.0),
+    "baseline-only": (["--snr_lr", "false"], 1.0),
+    "SNR-only": (["--baseline", "mean", "--leave_one_out", "false", "--scale_rewards", "group"], 2.0),
+    "OBLR-PO": ([], 2.0),
+    "OBLR-PO-per_step": (["--snr_estimator", "per_step"], 2.0),
+}
+REFERENCE = "GRPO"
+# The task variant: chain_sum sums of two numbers of one or two digits. The demo's one-digit sums start at 50% greedy
+# and reach ~70% within 15 steps (benchmarks/results/demo_seeds_smollm2.md): no headroom over 40 steps. This one
+# starts at 22% greedy, 3% sampled on 100 problems (measured 2026-11-24), and a reply "37 + 58 = 95" needs ~10
+# tokens, hence 12. Its one-digit sums (a quarter of the problems) give a first reward to learn the reply's form from.
+TASK_ARGS = ["--task_config", '{"max_digits": 2}', "--max_completion_length", "12"]
+METRICS = {"greedy": "accuracy", "sampled": "sampled_accuracy"}
+
+
+def lr_of(arm: str, grpo_lr: float, multiple: float = 1.0) -> float:
+    return float(f"{ARMS[arm][1] * grpo_lr * multiple:.3g}")
+
+
+def run_dir_of(root: Path, arm: str, lr: float, seed: int) -> Path:
+    return root / f"{arm}_lr{lr:.3g}" / f"seed{seed}"
+
+
+def jobs(args) -> list[tuple[str, float, int, int, Path]]:
+    """(arm, lr, seed, steps, output folder) of every run, in launch order: the ablation seed-major, then the
+    stability window (3x before 10x, seed-major, ``--stability_steps`` each)."""
+    out = [(arm, lr_of(arm, args.grpo_lr), seed, args.max_steps) for seed in args.seeds for arm in args.arms]
+    out += [(arm, lr_of(arm, args.grpo_lr, m), seed, args.stability_steps) for m in args.stability_multiples
+            for seed in args.stability_seeds for arm in args.arms]
+    return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed)) for arm, lr, seed, steps in out]
+
+
+def demo_args(args, arm: str, lr: float, steps: int) -> list[str]:
+    return ["--model", "smollm2", "--learning_rate", repr(lr), "--max_steps", str(steps), "--eval_every",
+            str(args.eval_every), *ARMS[arm][0], *TASK_ARGS, *args.demo_args]
+
+
+def run_all(args, log) -> None:
+    pending = [j for j in jobs(args) if not (j[4] / "summary.json").exists()]
+    running: list[tuple[subprocess.Popen, str]] = []
+    deadline = None
+    if args.stop_launching:
+        hh, mm = map(int, args.stop_launching.split(":"))
+        deadline = datetime.now(timezone.utc).replace(hour=hh, minute=mm, second=0, microsecond=0)
+    while pending or running:
+        for item in list(running):
+            if item[0].poll() is not None:
+                running.remove(item)
+                log(f"finished {item[1]} rc={item[0].returncode}; {uptime()}")
+        if deadline and datetime.now(timezone.utc) >= deadline and pending:
+            log(f"stop time {args.stop_launching} UTC reached: not launching {len(pending)} runs")
+            pending = []
+        while pending and len(running) < args.parallel and len(real_demo_outputs()) < args.parallel \
+                and mem_available_gb() >= args.min_free_gb:
+            arm, lr, seed, steps, out = pending.pop(0)
+            if (out / "summary.json").exists() or is_running(out, real_demo_outputs()):
+                continue
+            extra = demo_args(args, arm, lr, steps)
+            before = sorted(args.run_dir.glob(f"*_lr*/seed{seed}/before.json"))
+            if before:  # the same model, problems and seed: its before-RL evaluation is this run's
+                extra += ["--before_from", str(before[0])]
+            cmd, env = demo_command(seed, out, extra)
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / "log.txt", "w") as f:
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+            name = f"{arm} lr={lr:.3g} seed={seed}"
+            running.append((proc, name))
+            log(f"launched {name} (pid {proc.pid}); {uptime()}")
+            time.sleep(5)
+        time.sleep(args.poll_s)
+
+
+def load_runs(root: Path) -> list[dict]:
+    """Every finished run under root (<arm>_lr<lr>/seed<s>/summary.json) with its arm, lr, seed and log history."""
+    runs = []
+    for path in sorted(root.glob("*_lr*/seed*/summary.json")):
+        arm, lr = path.parent.parent.name.rsplit("_lr", 1)
+        history = path.parent / "log_history.json"
+        runs.append(dict(json.loads(path.read_text()), arm=arm, lr=float(lr), seed=int(path.parent.name[4:]),
+                         history=json.loads(history.read_text()) if history.exists() else []))
+    return runs
+
+
+def by_seed(runs: list[dict], arm: str, lr: float, key: str) -> dict[int, float]:
+    """{seed: 100 * run[key]} of one (arm, lr) cell."""
+    return {r["seed"]: 100 * r[key] for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)
+            and r.get(key) is not None}
+
+
+def curve_at(run: dict, step: int, key: str) -> float | None:
+    """The held-out metric `key` of a run at `step` (its `curve`), or None."""
+    return next((100 * c[key] for c in run.get("curve", []) if c["step"] == step and c.get(key) is not None), None)
+
+
+def ablation_table(runs: list[dict], arms: list[str], grpo_lr: float, delta: float, seeds: list[int]) -> dict:
+    """Per arm at its lr and per metric: the seed mean, and the paired difference to GRPO (mean, sd, 95% interval,
+    the power to detect `delta` points at the observed sd and n, and the seeds that power 0.8 would need)."""
+    rows = []
+    ref_lr = lr_of(REFERENCE, grpo_lr)
+    for arm in arms:
+        lr = lr_of(arm, grpo_lr)
+        row = dict(arm=arm, lr=lr)
+        for label, key in METRICS.items():
+            mine = {s: v for s, v in by_seed(runs, arm, lr, f"{key}_after").items() if s in seeds}
+            ref = {s: v for s, v in by_seed(runs, REFERENCE, ref_lr, f"{key}_after").items() if s in seeds}
+            stat = dict(n=len(mine), mean=statistics.mean(mine.values()) if mine else math.nan,
+                        sd=statistics.stdev(mine.values()) if len(mine) > 1 else math.nan)
+            if arm != REFERENCE:
+                diff = paired_difference(mine, ref)
+                if diff["n"] >= 3 and diff["sd"] > 0:
+                    diff["power"] = paired_power(delta, diff["sd"], diff["n"])
+                    diff["seeds_for_80"] = seeds_for_power(delta, diff["sd"])
+                stat["vs_grpo"] = diff
+            row[label] = stat
+        rows.append(row)
+    return dict(rows=rows, delta=delta)
+
+
+def step_curves(runs: list[dict], arms: list[str], grpo_lr: float) -> dict:
+    """Per arm at its lr, the seed mean per step of the training reward and the lr scale (the SNR factor; 1 where the
+    arm has no SNR step), and of held-out greedy accuracy at each evaluated step."""
+    out = {}
+    for arm in arms:
+        lr = lr_of(arm, grpo_lr)
+        mine = [r for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)]
+        if not mine:
+            continue
+        per_step: dict[str, dict[int, list[float]]] = {"reward": {}, "lr_scale": {}}
+        for r in mine:
+            for e in r["history"]:
+                if "step" not in e:
+                    continue
+                if e.get("reward") is not None:
+                    per_step["reward"].setdefault(e["step"], []).append(e["reward"])
+                if e.get("oblr/lr_scale") is not None:
+                    per_step["lr_scale"].setdefault(e["step"], []).append(e["oblr/lr_scale"])
+        steps = sorted({c["step"] for r in mine for c in r.get("curve", [])})
+        held = {s: [v for r in mine if (v := curve_at(r, s, "accuracy")) is not None] for s in steps}
+        out[arm] = dict(
+            seeds=len(mine),
+            reward={s: statistics.mean(v) for s, v in sorted(per_step["reward"].items())},
+            lr_scale={s: statistics.mean(v) for s, v in sorted(per_step["lr_scale"].items())},
+            greedy={s: statistics.mean(v) for s, v in held.items() if v},
+        )
+    return out
+
+
+def stability_table(runs: list[dict], arms: list[str], grpo_lr: float, multiples: list[float], seeds: list[int],
+                    step: int, collapse_pts: float) -> list[dict]:
+    """Per arm and lr multiple (1 = its own lr): greedy held-out accuracy at `step` over `seeds` (mean, min; for the
+    arm's own lr, the 40-step run's evaluation at that step), the change from the arm's own lr in points, and the
+    runs that collapsed (accuracy at `step` below the starting model's by more than `collapse_pts`)."""
+    rows, base_mean = [], math.nan
+    for arm in arms:
+        for m in (1.0, *multiples):
+            lr = lr_of(arm, grpo_lr, m)
+            cell = [(r, curve_at(r, step, "accuracy")) for r in runs
+                    if r["arm"] == arm and math.isclose(r["lr"], lr) and r["seed"] in seeds]
+            cell = [(r, v) for r, v in cell if v is not None]
+            if not cell:
+                rows.append(dict(arm=arm, multiple=m, lr=lr, n=0))
+                continue
+            values = [v for _, v in cell]
+            if m == 1.0:
+                base_mean = statistics.mean(values)
+            collapsed = [r["seed"] for r, v in cell if 100 * r["accuracy_before"] - v > collapse_pts]
+            rows.append(dict(arm=arm, multiple=m, lr=lr, n=len(cell), mean=statistics.mean(values), min=min(values),
+                             change=statistics.mean(values) - base_mean if m != 1.0 else 0.0, collapsed=collapsed))
+        base_mean = math.nan
+    return rows
+
+
+def fmt(x: float, signed: bool = False, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:{'+' if signed else ''}.{digits}f}"
+
+
+def render(table: dict, stab: list[dict], curves: dict, header: list[str], missing: list[str], before: dict) -> str:
+    lines = header + ["", f"Before RL (every seed, the same model and held-out problems): greedy {fmt(before['greedy'])}%, "
+                      f"sampled {fmt(before['sampled'])}%.", "", "## Held-out accuracy after RL, and the paired "
+                      "difference to GRPO", "",
+                      "| arm | lr (eta_max) | seeds | greedy % | greedy - GRPO (pts) [95% CI] | power | sampled % "
+                      "| sampled - GRPO (pts) [95% CI] | power |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in table["rows"]:
+        cells = []
+        for label in METRICS:
+            st = row[label]
+            cells.append(f"{fmt(st['mean'])} +- {fmt(st['sd'])}")
+            d = st.get("vs_grpo")
+            if d is None:
+                cells += ["(reference)", "-"]
+            else:
+                ci = f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]" if d["ci"] else ""
+                cells.append(f"{fmt(d['mean'], True)}{ci}")
+                cells.append(f"{d['power']:.0%}" if "power" in d else "-")
+        lines.append(f"| {row['arm']} | {row['lr']:.3g} | {row['greedy']['n']} | " + " | ".join(cells) + " |")
+    lines += ["", f"Power: of a two-sided paired t-test at the 5% level to detect a true difference of "
+              f"{table['delta']:g} points, at the observed spread of the per-seed differences and the seeds run. "
+              "Per-seed differences:", ""]
+    for row in table["rows"]:
+        d = row["greedy"].get("vs_grpo")
+        if d and d["n"]:
+            need = d.get("seeds_for_80")
+            lines.append(f"- {row['arm']} (greedy): {', '.join(f'{x:+.1f}' for x in d['diffs'])} (seeds "
+                         f"{','.join(map(str, d['seeds']))})" + (f"; 80% power needs {need} seeds" if need else ""))
+    lines += ["", "## The step size over the run", "",
+              "| arm | seeds | lr scale, steps 1-5 | steps 16-20 | last 5 | reward, steps 1-5 | last 5 | greedy % at "
+              "each evaluation |", "|---|---|---|---|---|---|---|---|"]
+
+    def window(series: dict, lo: int, hi: int | None = None) -> float | None:
+        keys = sorted(series)
+        chosen = keys[-5:] if hi is None else [k for k in keys if lo <= k <= hi]
+        return statistics.mean(series[k] for k in chosen) if chosen else None
+
+    for arm, c in curves.items():
+        scale = [fmt(window(c["lr_scale"], 1, 5), digits=3), fmt(window(c["lr_scale"], 16, 20), digits=3),
+                 fmt(window(c["lr_scale"], 0), digits=3)] if c["lr_scale"] else ["1 (no SNR step)", "", ""]
+        greedy = ", ".join(f"{s}: {v:.1f}" for s, v in c["greedy"].items())
+        lines.append(f"| {arm} | {c['seeds']} | " + " | ".join(scale) + f" | {fmt(window(c['reward'], 1, 5), digits=3)} "
+                     f"| {fmt(window(c['reward'], 0), digits=3)} | {greedy} |")
+    lines += ["", "## Stability window", "", "Each arm at its lr and at 3x and 10x it; the 3x and 10x runs are "
+              "shorter (see the command), so they are compared on their final greedy accuracy.", "", "| arm | lr multiple | lr | seeds | greedy after % (mean, min) | change "
+              "from its own lr (pts) | collapsed |", "|---|---|---|---|---|---|---|"]
+    for r in stab:
+        if not r["n"]:
+            lines.append(f"| {r['arm']} | {r['multiple']:g}x | {r['lr']:.3g} | 0 | not run yet | | |")
+            continue
+        lines.append(f"| {r['arm']} | {r['multiple']:g}x | {r['lr']:.3g} | {r['n']} | {fmt(r['mean'])} ({fmt(r['min'])}) "
+                     f"| {fmt(r['change'], True)} | {len(r['collapsed'])}/{r['n']} |")
+    if missing:
+        lines += ["", f"Not finished when this table was made ({len(missing)} runs): " + "; ".join(missing) + "."]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(curves: dict, table: dict, path: Path, title: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2), layout="constrained")
+    axes = fig.subplots(1, 4)
+    palette = dict(zip(ARMS, ("tab:red", "tab:gray", "tab:green", "tab:orange", "tab:blue", "tab:purple")))
+    for arm, c in curves.items():
+        if c["lr_scale"]:
+            axes[0].plot(list(c["lr_scale"]), list(c["lr_scale"].values()), color=palette[arm], label=arm)
+        axes[1].plot(list(c["reward"]), list(c["reward"].values()), color=palette[arm], label=arm)
+        axes[2].plot(list(c["greedy"]), list(c["greedy"].values()), marker="o", color=palette[arm], label=arm)
+    axes[0].set(xlabel="optimizer step", ylabel="lr scale (SNR factor), seed mean", title="step size")
+    axes[1].set(xlabel="optimizer step", ylabel="training reward, seed mean", title="reward")
+    axes[2].set(xlabel="optimizer step", ylabel="held-out greedy accuracy (%), seed mean", title="held-out")
+    arms = [r for r in table["rows"] if r["greedy"].get("vs_grpo") and r["greedy"]["vs_grpo"]["n"]]
+    for i, row in enumerate(arms):
+        d = row["greedy"]["vs_grpo"]
+        axes[3].scatter([x for x in d["diffs"]], [i] * len(d["diffs"]), color=palette[row["arm"]], alpha=0.6)
+        if d["ci"]:
+            axes[3].errorbar([d["mean"]], [i], xerr=[[d["mean"] - d["ci"][0]], [d["ci"][1] - d["mean"]]],
+                             color="black", capsize=4, marker="|")
+    axes[3].axvline(0, color="gray", linestyle="--")
+    axes[3].set_yticks(range(len(arms)), [r["arm"] for r in arms])
+    axes[3].set(xlabel="greedy accuracy - GRPO's, same seed (pts)", title="paired differences, 95% CI")
+    for ax in axes[:3]:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[3].grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--grpo_lr", type=float, default=5e-4,
+                        help="GRPO's best lr (benchmarks/results/real_compare.md: best of 1e-4, 5.5e-4, 3e-3)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--max_steps", type=int, default=40)
+    parser.add_argument("--eval_every", type=int, default=10)
+    parser.add_argument("--stability_multiples", type=float, nargs="*", default=[3.0, 10.0])
+    parser.add_argument("--stability_seeds", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--stability_steps", type=int, default=20,
+                        help="steps of the stability runs (a collapse shows within them; half the ablation's cost)")
+    parser.add_argument("--collapse_pts", type=float, default=10.0)
+    parser.add_argument("--delta", type=float, default=5.0, help="the difference (points) the power is stated for")
+    parser.add_argument("--parallel", type=int, default=2, help="real-model runs at a time on this machine")
+    parser.add_argument("--min_free_gb", type=float, default=6.0)
+    parser.add_argument("--stop_launching", default=None, help="HH:MM UTC after which no run is launched")
+    parser.add_argument("--poll_s", type=float, default=30)
+    parser.add_argument("--run_dir", type=Path, default=Path("outputs/ablation"))
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "ablation")
+    parser.add_argument("--no_run", action="store_true", help="only tabulate the runs that exist under --run_dir")
+    parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
+    args = parser.parse_args()
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = args.run_dir / "runner.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else dict(log=[])
+
+    def log(message):
+        line = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC {message}"
+        print(line, flush=True)
+        state["log"].append(line)
+        state_path.write_text(json.dumps(state, indent=1))
+
+    if not args.no_run:
+        log(f"start: {len(jobs(args))} runs; {uptime()}")
+        run_all(args, log)
+        log(f"end; {uptime()}")
+    tabulate(args, state["log"])
+
+
+def tabulate(args, runner_log: list[str]) -> None:
+    runs = load_runs(args.run_dir)
+    if not runs:
+        raise SystemExit(f"no <arm>_lr<lr>/seed<s>/summary.json under {args.run_dir} yet")
+    missing = [f"{arm} lr {lr:.3g} seed {seed}" for arm, lr, seed, _, out in jobs(args)
+               if not (out / "summary.json").exists()]
+    before = {label: statistics.mean({r["seed"]: 100 * r[f"{key}_before"] for r in runs}.values())
+              for label, key in METRICS.items()}
+    table = ablation_table(runs, args.arms, args.grpo_lr, args.delta, args.seeds)
+    stab = stability_table(runs, args.arms, args.grpo_lr, args.stability_multiples, args.stability_seeds,
+                           args.stability_steps, args.collapse_pts)
+    curves = step_curves([r for r in runs if r["seed"] in args.seeds], args.arms, args.grpo_lr)
+    stamps = [line[:23] for line in runner_log if " finished " in line]
+    per_step = [r["seconds_per_step"] for r in runs]
+    header = [
+        "# Which half of OBLR-PO helps? A paired ablation on SmolLM2-135M-Instruct",
+        "",
+        f"Generated by `python benchmarks/ablation.py --no_run` from {len(runs)} runs under `{args.run_dir}` "
+        f"(finished {stamps[0] if stamps else '?'} .. {stamps[-1] if stamps else '?'}; 2-core CPU, "
+        f"{args.parallel} runs at a time, 1 torch thread each, median {statistics.median(per_step):.0f} s/step). "
+        f"Every run: `examples/demo.py --model smollm2 {' '.join(TASK_ARGS)}` (chain_sum with one- or two-digit "
+        f"terms, LoRA r=16, 8 prompts x 8 completions per step, constant lr), {args.max_steps} steps, held-out "
+        f"accuracy (exact answers; 100 problems; greedy, and 4 samples each at T=1) every {args.eval_every} steps. "
+        f"GRPO's lr L = {args.grpo_lr:g}; the SNR arms' eta_max is 2 L (the README's advice). Seeds "
+        f"{','.join(map(str, args.seeds))}; a seed fixes the problems' order, so differences are per seed.",
+    ]
+    text = render(table, stab, curves, header, missing, before)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
+    args.out.with_suffix(".json").write_text(json.dumps(dict(table=table, stability=stab, curves=curves,
+                                                             missing=missing, before=before, runner_log=runner_log),
+                                                        indent=1, default=str))
+    plot(curves, table, args.out.with_suffix(".png"), "SmolLM2-135M-Instruct, chain_sum (1-2 digits): the ablation")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""OBLR-PO's advantages ``r_i - b_i`` (Theorem 7) for a generated batch: a pure function of all ranks' rewards,
+completion lengths and squared gradient norms (or proxy weights), returning what it found instead of logging it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .advice import WEIGHT_RATIO_WARNING
+from .estimators import baseline_weights, clip_weights, get_baseline, max_weight_ratio, weight_estimator
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    """``values``: the local rows' advantages. ``parts``: the inputs of :func:`.estimators.baseline_metrics`
+    (rewards, baseline, weights, fallback count, clipped count), so that chunks of one micro-batch log once.
+    ``warnings``: keys of :data:`.advice.WARNINGS`."""
+
+    values: torch.Tensor
+    parts: tuple
+    warnings: tuple[str, ...]
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    sq_norms: torch.Tensor | None,
+    *,
+    args,
+    loss_type: str,
+    group_size: int,
+    local: slice,
+    unscorable: torch.Tensor | None = None,
+    trl_advantages: torch.Tensor | None = None,
+) -> AdvantageResult:
+    """The advantages of the rows ``local`` of an all-rank batch.
+
+    ``rewards`` (NaN: unscorable), ``lengths`` (completion tokens in the loss) and ``sq_norms`` (each completion's
+    ``||grad log pi||^2``, or the logit proxy's weight; ``None`` where no weight estimator needs them) cover every
+    rank's rows, groups of ``group_size`` consecutive. ``unscorable`` marks completions whose norm was not finite:
+    they are treated as unscorable too. ``args`` is the :class:`.OBLRPOConfig` (baseline, leave_one_out,
+    grad_norm_estimator, weight_clip, scale_rewards). With ``scale_rewards != "none"`` (plain GRPO, an ablation) TRL's
+    own ``trl_advantages`` stand and only the metrics are formed.
+    """
+    warnings = []
+    if unscorable is not None:
+        rewards = torch.where(unscorable, torch.full_like(rewards, float("nan")), rewards)
+    if sq_norms is None and weight_estimator(args.grad_norm_estimator).needs is not None:
+        sq_norms = torch.zeros_like(lengths, dtype=torch.float32)  # not formed: the baseline is the mean, no SNR
+    weights = baseline_weights(args.grad_norm_estimator, loss_type, lengths, sq_norms)
+    if args.weight_clip is None and args.baseline == "gradient_weighted":
+        if bool((max_weight_ratio(weights, group_size) > WEIGHT_RATIO_WARNING).any()):
+            warnings.append("weight_spread")
+    num_clipped = 0
+    if args.weight_clip is not None:
+        weights, num_clipped = clip_weights(weights, group_size, args.weight_clip)
+    if args.scale_rewards != "none":
+        baseline, num_fallback = get_baseline("mean")(rewards, weights, group_size, False)
+        values = trl_advantages
+    else:
+        baseline, num_fallback = get_baseline(args.baseline)(rewards, weights, group_size, args.leave_one_out)
+        values = torch.nan_to_num(rewards - baseline, nan=0.0)[local]
+    if num_fallback:
+        warnings.append("fallback")
+    if torch.isnan(rewards).any():
+        warnings.append("unscorable")
+    return AdvantageResult(values, (rewards, baseline, weights, num_fallback, num_clipped), tuple(warnings))

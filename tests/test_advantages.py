@@ -1,0 +1,91 @@
+"""`compute_advantages`: the trainer's r_i - b_i, against a per-completion loop written from Theorem 7's definition
+(leave-one-out weighted mean of the others' rewards, weights shape_i^2 ||u_i||^2), with unscorable completions,
+weight clipping, the local slice and GRPO's own advantages."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oblr_trl.advantages import compute_advantages
+
+G = 4
+
+
+def args(**kw):
+    base = dict(baseline="gradient_weighted", leave_one_out=True, grad_norm_estimator="exact", weight_clip=None,
+                scale_rewards="none")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def brute_force(rewards, weights, leave_one_out=True):
+    """b_i = sum_{j != i, scorable} w_j r_j / sum_{j != i, scorable} w_j within each group (plain mean if the weights
+    sum to 0); advantage 0 for an unscorable completion."""
+    out = []
+    for g in range(len(rewards) // G):
+        idx = range(g * G, (g + 1) * G)
+        for i in idx:
+            if math.isnan(rewards[i]):
+                out.append(0.0)
+                continue
+            others = [j for j in idx if (j != i or not leave_one_out) and not math.isnan(rewards[j])]
+            total = sum(weights[j] for j in others)
+            b = (sum(weights[j] * rewards[j] for j in others) / total if total > 0
+                 else sum(rewards[j] for j in others) / len(others))
+            out.append(rewards[i] - b)
+    return out
+
+
+def test_gradient_weighted_leave_one_out_by_hand():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(2 * G, generator=g, dtype=torch.float64).float()
+    lengths = torch.tensor([3, 5, 2, 7, 4, 4, 6, 1])
+    sq = torch.rand(2 * G, generator=g) * 10
+    result = compute_advantages(rewards, lengths, sq, args=args(), loss_type="dapo", group_size=G,
+                                local=slice(0, 2 * G))
+    weights = sq  # dapo sums tokens: shape 1, w_i = ||u_i||^2
+    assert result.values.tolist() == pytest.approx(brute_force(rewards.tolist(), weights.tolist()), abs=1e-6)
+    assert result.warnings == ()
+    # a per-sequence-mean loss weighs ||u_i||^2 / |o_i|^2
+    result = compute_advantages(rewards, lengths, sq, args=args(), loss_type="grpo", group_size=G,
+                                local=slice(0, 2 * G))
+    weights = (sq / lengths.float() ** 2).tolist()
+    assert result.values.tolist() == pytest.approx(brute_force(rewards.tolist(), weights), abs=1e-6)
+
+
+def test_the_local_slice_and_unscorable_completions():
+    rewards = torch.tensor([1.0, 0.0, float("nan"), 1.0, 0.0, 0.0, 1.0, 1.0])
+    sq = torch.tensor([1.0, 2.0, 3.0, 4.0, 1.0, 1.0, 1.0, 1.0])
+    bad = torch.tensor([False, False, False, False, False, True, False, False])  # non-finite norm: unscorable too
+    result = compute_advantages(rewards, torch.ones(8, dtype=torch.long), sq, args=args(), loss_type="dapo",
+                                group_size=G, local=slice(4, 8), unscorable=bad)
+    expected = brute_force([1.0, 0.0, math.nan, 1.0, 0.0, math.nan, 1.0, 1.0], sq.tolist())[4:]
+    assert result.values.tolist() == pytest.approx(expected) and result.values[1] == 0.0
+    assert "unscorable" in result.warnings
+
+
+def test_weight_clip_caps_a_dominant_weight_and_counts_it():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    sq = torch.tensor([1e6, 1.0, 1.0, 1.0])
+    unclipped = compute_advantages(rewards, torch.ones(4, dtype=torch.long), sq, args=args(), loss_type="dapo",
+                                   group_size=G, local=slice(0, 4))
+    assert "weight_spread" in unclipped.warnings
+    clipped = compute_advantages(rewards, torch.ones(4, dtype=torch.long), sq, args=args(weight_clip=10.0),
+                                 loss_type="dapo", group_size=G, local=slice(0, 4))
+    assert clipped.parts[4] == 1 and "weight_spread" not in clipped.warnings
+    assert clipped.values.tolist() == pytest.approx(brute_force(rewards.tolist(), [10.0, 1.0, 1.0, 1.0]))
+
+
+def test_mean_baseline_needs_no_norms_and_grpo_keeps_trls_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    rloo = compute_advantages(rewards, torch.ones(4, dtype=torch.long), None, args=args(baseline="mean"),
+                              loss_type="dapo", group_size=G, local=slice(0, 4))
+    assert rloo.values.tolist() == pytest.approx(brute_force(rewards.tolist(), [1.0] * 4))
+    trl = torch.tensor([0.9, -0.9, -0.9, 0.9])
+    grpo = compute_advantages(rewards, torch.ones(4, dtype=torch.long), None,
+                              args=args(baseline="mean", leave_one_out=False, scale_rewards="group"),
+                              loss_type="dapo", group_size=G, local=slice(0, 4), trl_advantages=trl)
+    assert grpo.values is trl and grpo.parts[1].tolist() == [0.5] * 4  # logged baseline: the group mean

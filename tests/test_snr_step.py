@@ -1,0 +1,71 @@
+"""`StepSizer`: scales exactly the step it was asked to, by `snr_step_size`'s factor computed from the recorded
+samples; restores the scheduled lr; its state survives save/load; warnings are returned, not logged."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oblr_trl.snr_step import STATE_NAME, StepSizer, grad_sq_norm
+from oblr_trl.step_size import snr_step_size
+
+
+def config(**kw):
+    return SimpleNamespace(**{**dict(snr_estimator="per_step", snr_ema=0.9, snr_window=10, lr_scale_min=0.0,
+                                     snr_lr=True), **kw})
+
+
+def record_units(sizer, unit_sq):
+    sizer.record_formed(torch.arange(len(unit_sq)), torch.tensor(unit_sq))
+
+
+def test_size_applies_snr_step_size_to_the_groups_and_restore_puts_the_lr_back():
+    sizer = StepSizer(config())
+    groups = [{"lr": 1e-3}, {"lr": 2e-3}]
+    record_units(sizer, [1.0, 2.0, 0.5, 1.5])
+    metrics, warnings = sizer.size(groups, grad_sq_norm=9.0)
+    decision, _ = snr_step_size("per_step", 5.0, 9.0, 4)
+    assert sizer.sized and warnings == []
+    assert [g["lr"] for g in groups] == pytest.approx([1e-3 * decision.scale, 2e-3 * decision.scale])
+    assert metrics["lr_scale"] == decision.scale and metrics["num_samples"] == 4.0 and metrics["snr"] == decision.snr
+    sizer.restore()
+    assert [g["lr"] for g in groups] == [1e-3, 2e-3] and not sizer.sized
+    assert sizer.samples.formed == []  # emptied by the step
+
+
+def test_degenerate_steps_return_their_warning_keys():
+    sizer = StepSizer(config())
+    record_units(sizer, [1.0])
+    metrics, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=1.0)
+    assert warnings == ["few_samples"] and "snr" not in metrics
+    sizer.restore()
+    record_units(sizer, [1.0, 1.0, 1.0, 1.0])  # mean sample norm 1, batch norm 0: no signal
+    _, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=0.0)
+    assert warnings == ["zero_snr"]
+    sizer.restore()
+    record_units(sizer, [1.0, 1.0, 1.0, 1.0])
+    _, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=0.0, unscored=True)  # no reward at all: not noise's fault
+    assert warnings == []
+
+
+def test_state_round_trips_through_a_checkpoint_folder(tmp_path):
+    sizer = StepSizer(config(snr_estimator="ema"))
+    record_units(sizer, [1.0, 2.0, 0.5, 1.5])
+    sizer.size([{"lr": 1.0}], grad_sq_norm=9.0)
+    sizer.save(str(tmp_path), global_step=7)
+    assert json.loads((tmp_path / STATE_NAME).read_text())["global_step"] == 7
+    other = StepSizer(config(snr_estimator="ema"))
+    assert other.load(str(tmp_path)) is None
+    assert other.snr_state == sizer.snr_state and other.lr_stats == sizer.lr_stats
+    missing = StepSizer(config(snr_estimator="ema")).load(str(tmp_path / "nothing"))
+    assert f"no {STATE_NAME}" in missing
+
+
+def test_grad_sq_norm_is_the_squared_total_norm_and_skips_parameters_without_grad():
+    a, b, c = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1))
+    a.grad, b.grad = torch.tensor([1.0, 2.0, 2.0]), torch.tensor([4.0, 0.0])
+    assert grad_sq_norm([a, b, c]) == pytest.approx(25.0)
+    assert grad_sq_norm([c]) == 0.0
