@@ -59,6 +59,18 @@ REFERENCE = "GRPO"
 # tokens, hence 12. Its one-digit sums (a quarter of the problems) give a first reward to learn the reply's form from.
 TASK_ARGS = ["--task_config", '{"max_digits": 2}', "--max_completion_length", "12"]
 METRICS = {"greedy": "accuracy", "sampled": "sampled_accuracy"}
+# (what it measures, arm, minus arm): every arm against GRPO, then each ingredient alone, the rest held fixed
+CONTRASTS = [
+    ("RLOO vs GRPO", "RLOO", "GRPO"),
+    ("baseline-only vs GRPO", "baseline-only", "GRPO"),
+    ("SNR-only vs GRPO", "SNR-only", "GRPO"),
+    ("OBLR-PO vs GRPO", "OBLR-PO", "GRPO"),
+    ("OBLR-PO-per_step vs GRPO", "OBLR-PO-per_step", "GRPO"),
+    ("the gradient-weighted baseline (baseline-only - RLOO: same lr, no SNR step)", "baseline-only", "RLOO"),
+    ("the SNR step on GRPO's advantages (SNR-only - GRPO)", "SNR-only", "GRPO"),
+    ("the SNR step on OBLR-PO's baseline (OBLR-PO - baseline-only)", "OBLR-PO", "baseline-only"),
+    ("the paper's per-step SNR instead of ema_soft (OBLR-PO-per_step - OBLR-PO)", "OBLR-PO-per_step", "OBLR-PO"),
+]
 
 
 def lr_of(arm: str, grpo_lr: float, multiple: float = 1.0) -> float:
@@ -140,28 +152,49 @@ def curve_at(run: dict, step: int, key: str) -> float | None:
     return next((100 * c[key] for c in run.get("curve", []) if c["step"] == step and c.get(key) is not None), None)
 
 
-def ablation_table(runs: list[dict], arms: list[str], grpo_lr: float, delta: float, seeds: list[int]) -> dict:
-    """Per arm at its lr and per metric: the seed mean, and the paired difference to GRPO (mean, sd, 95% interval,
-    the power to detect `delta` points at the observed sd and n, and the seeds that power 0.8 would need)."""
+def arm_table(runs: list[dict], arms: list[str], grpo_lr: float, seeds: list[int]) -> list[dict]:
+    """Per arm at its lr: seeds run, and per metric the mean and sd over them (points), and s/step."""
     rows = []
-    ref_lr = lr_of(REFERENCE, grpo_lr)
     for arm in arms:
         lr = lr_of(arm, grpo_lr)
         row = dict(arm=arm, lr=lr)
         for label, key in METRICS.items():
-            mine = {s: v for s, v in by_seed(runs, arm, lr, f"{key}_after").items() if s in seeds}
-            ref = {s: v for s, v in by_seed(runs, REFERENCE, ref_lr, f"{key}_after").items() if s in seeds}
-            stat = dict(n=len(mine), mean=statistics.mean(mine.values()) if mine else math.nan,
-                        sd=statistics.stdev(mine.values()) if len(mine) > 1 else math.nan)
-            if arm != REFERENCE:
-                diff = paired_difference(mine, ref)
-                if diff["n"] >= 3 and diff["sd"] > 0:
-                    diff["power"] = paired_power(delta, diff["sd"], diff["n"])
-                    diff["seeds_for_80"] = seeds_for_power(delta, diff["sd"])
-                stat["vs_grpo"] = diff
-            row[label] = stat
+            values = [v for s, v in by_seed(runs, arm, lr, f"{key}_after").items() if s in seeds]
+            row[label] = dict(n=len(values), mean=statistics.mean(values) if values else math.nan,
+                              sd=statistics.stdev(values) if len(values) > 1 else math.nan)
+        per_step = [r["seconds_per_step"] for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)
+                    and r["seed"] in seeds]
+        row["seconds_per_step"] = statistics.median(per_step) if per_step else math.nan
         rows.append(row)
-    return dict(rows=rows, delta=delta)
+    return rows
+
+
+def contrast_table(runs: list[dict], grpo_lr: float, seeds: list[int], delta: float,
+                   contrasts=CONTRASTS) -> list[dict]:
+    """Per contrast (a - b) and metric: the per-seed differences (points), their mean, sd, 95% interval, the power to
+    detect `delta` points at the observed sd and n, and the seeds power 0.8 would need."""
+    rows = []
+    for name, a, b in contrasts:
+        row = dict(name=name, a=a, b=b)
+        for label, key in METRICS.items():
+            mine = {s: v for s, v in by_seed(runs, a, lr_of(a, grpo_lr), f"{key}_after").items() if s in seeds}
+            ref = {s: v for s, v in by_seed(runs, b, lr_of(b, grpo_lr), f"{key}_after").items() if s in seeds}
+            diff = paired_difference(mine, ref)
+            if diff["n"] >= 3 and diff["sd"] > 0:
+                diff["power"] = paired_power(delta, diff["sd"], diff["n"])
+                diff["seeds_for_80"] = seeds_for_power(delta, diff["sd"])
+            diff["verdict"] = verdict(diff)
+            row[label] = diff
+        rows.append(row)
+    return rows
+
+
+def verdict(diff: dict) -> str:
+    """'better' / 'worse' when the 95% interval excludes 0, 'no difference detected', or 'too few seeds'."""
+    if diff["ci"] is None:
+        return f"too few seeds ({diff['n']})"
+    lo, hi = diff["ci"]
+    return "better" if lo > 0 else "worse" if hi < 0 else "no difference detected"
 
 
 def step_curves(runs: list[dict], arms: list[str], grpo_lr: float) -> dict:
@@ -222,52 +255,55 @@ def fmt(x: float, signed: bool = False, digits: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:{'+' if signed else ''}.{digits}f}"
 
 
-def render(table: dict, stab: list[dict], curves: dict, header: list[str], missing: list[str], before: dict) -> str:
+def _window(series: dict, lo: int, hi: int | None = None) -> float | None:
+    """Mean of `series` over steps lo..hi, or over its last 5 steps (hi None)."""
+    keys = sorted(series)
+    chosen = keys[-5:] if hi is None else [k for k in keys if lo <= k <= hi]
+    return statistics.mean(series[k] for k in chosen) if chosen else None
+
+
+def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: dict, header: list[str],
+           missing: list[str], before: dict, delta: float) -> str:
     lines = header + ["", f"Before RL (every seed, the same model and held-out problems): greedy {fmt(before['greedy'])}%, "
-                      f"sampled {fmt(before['sampled'])}%.", "", "## Held-out accuracy after RL, and the paired "
-                      "difference to GRPO", "",
-                      "| arm | lr (eta_max) | seeds | greedy % | greedy - GRPO (pts) [95% CI] | power | sampled % "
-                      "| sampled - GRPO (pts) [95% CI] | power |", "|---|---|---|---|---|---|---|---|---|"]
-    for row in table["rows"]:
+                      f"sampled {fmt(before['sampled'])}%.", "", "## Held-out accuracy after RL, per arm", "",
+                      "| arm | lr (eta_max) | seeds | greedy % | sampled % | s/step (median) |", "|---|---|---|---|---|---|"]
+    for r in arms:
+        lines.append(f"| {r['arm']} | {r['lr']:.3g} | {r['greedy']['n']} | {fmt(r['greedy']['mean'])} +- "
+                     f"{fmt(r['greedy']['sd'])} | {fmt(r['sampled']['mean'])} +- {fmt(r['sampled']['sd'])} "
+                     f"| {fmt(r['seconds_per_step'], digits=0)} |")
+    lines += ["", "## Paired differences (same seed: same problems, same order)", "",
+              "| contrast | seeds | greedy (pts) [95% CI] | verdict | power | sampled (pts) [95% CI] | verdict | power |",
+              "|---|---|---|---|---|---|---|---|"]
+    for c in contrasts:
         cells = []
         for label in METRICS:
-            st = row[label]
-            cells.append(f"{fmt(st['mean'])} +- {fmt(st['sd'])}")
-            d = st.get("vs_grpo")
-            if d is None:
-                cells += ["(reference)", "-"]
-            else:
-                ci = f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]" if d["ci"] else ""
-                cells.append(f"{fmt(d['mean'], True)}{ci}")
-                cells.append(f"{d['power']:.0%}" if "power" in d else "-")
-        lines.append(f"| {row['arm']} | {row['lr']:.3g} | {row['greedy']['n']} | " + " | ".join(cells) + " |")
-    lines += ["", f"Power: of a two-sided paired t-test at the 5% level to detect a true difference of "
-              f"{table['delta']:g} points, at the observed spread of the per-seed differences and the seeds run. "
-              "Per-seed differences:", ""]
-    for row in table["rows"]:
-        d = row["greedy"].get("vs_grpo")
-        if d and d["n"]:
+            d = c[label]
+            ci = f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]" if d["ci"] else ""
+            cells += [f"{fmt(d['mean'], True)}{ci}", d["verdict"], f"{d['power']:.0%}" if "power" in d else "-"]
+        lines.append(f"| {c['name']} | {c['greedy']['n']} | " + " | ".join(cells) + " |")
+    lines += ["", f"Power: of a two-sided paired t-test at the 5% level to detect a true difference of {delta:g} points, "
+              "at the observed spread of the per-seed differences and the seeds run ('verdict' is whether the 95% "
+              "interval excludes 0). Per-seed differences (greedy):", ""]
+    for c in contrasts:
+        d = c["greedy"]
+        if d["n"]:
             need = d.get("seeds_for_80")
-            lines.append(f"- {row['arm']} (greedy): {', '.join(f'{x:+.1f}' for x in d['diffs'])} (seeds "
-                         f"{','.join(map(str, d['seeds']))})" + (f"; 80% power needs {need} seeds" if need else ""))
+            lines.append(f"- {c['name']}: {', '.join(f'{x:+.1f}' for x in d['diffs'])} (seeds "
+                         f"{','.join(map(str, d['seeds']))})" + (f"; 80% power at this spread needs {need} seeds"
+                                                                  if need else ""))
     lines += ["", "## The step size over the run", "",
               "| arm | seeds | lr scale, steps 1-5 | steps 16-20 | last 5 | reward, steps 1-5 | last 5 | greedy % at "
               "each evaluation |", "|---|---|---|---|---|---|---|---|"]
-
-    def window(series: dict, lo: int, hi: int | None = None) -> float | None:
-        keys = sorted(series)
-        chosen = keys[-5:] if hi is None else [k for k in keys if lo <= k <= hi]
-        return statistics.mean(series[k] for k in chosen) if chosen else None
-
     for arm, c in curves.items():
-        scale = [fmt(window(c["lr_scale"], 1, 5), digits=3), fmt(window(c["lr_scale"], 16, 20), digits=3),
-                 fmt(window(c["lr_scale"], 0), digits=3)] if c["lr_scale"] else ["1 (no SNR step)", "", ""]
+        scale = [fmt(_window(c["lr_scale"], 1, 5), digits=3), fmt(_window(c["lr_scale"], 16, 20), digits=3),
+                 fmt(_window(c["lr_scale"], 0), digits=3)] if c["lr_scale"] else ["1 (no SNR step)", "", ""]
         greedy = ", ".join(f"{s}: {v:.1f}" for s, v in c["greedy"].items())
-        lines.append(f"| {arm} | {c['seeds']} | " + " | ".join(scale) + f" | {fmt(window(c['reward'], 1, 5), digits=3)} "
-                     f"| {fmt(window(c['reward'], 0), digits=3)} | {greedy} |")
-    lines += ["", "## Stability window", "", "Each arm at its lr and at 3x and 10x it; the 3x and 10x runs are "
-              "shorter (see the command), so they are compared on their final greedy accuracy.", "", "| arm | lr multiple | lr | seeds | greedy after % (mean, min) | change "
-              "from its own lr (pts) | collapsed |", "|---|---|---|---|---|---|---|"]
+        lines.append(f"| {arm} | {c['seeds']} | " + " | ".join(scale) + f" | {fmt(_window(c['reward'], 1, 5), digits=3)} "
+                     f"| {fmt(_window(c['reward'], 0), digits=3)} | {greedy} |")
+    lines += ["", "## Stability window", "", "Each arm at its lr and at 3x and 10x it, compared on greedy held-out "
+              "accuracy at the stability runs' last step (the 1x runs' evaluation at that step).", "",
+              "| arm | lr multiple | lr | seeds | greedy % (mean, min) | change from its own lr (pts) | collapsed |",
+              "|---|---|---|---|---|---|---|"]
     for r in stab:
         if not r["n"]:
             lines.append(f"| {r['arm']} | {r['multiple']:g}x | {r['lr']:.3g} | 0 | not run yet | | |")
@@ -275,15 +311,56 @@ def render(table: dict, stab: list[dict], curves: dict, header: list[str], missi
         lines.append(f"| {r['arm']} | {r['multiple']:g}x | {r['lr']:.3g} | {r['n']} | {fmt(r['mean'])} ({fmt(r['min'])}) "
                      f"| {fmt(r['change'], True)} | {len(r['collapsed'])}/{r['n']} |")
     if missing:
-        lines += ["", f"Not finished when this table was made ({len(missing)} runs): " + "; ".join(missing) + "."]
+        lines += ["", f"Not finished when this table was made ({len(missing)} of the planned runs): "
+                  + "; ".join(missing) + "."]
     lines.append("")
     return "\n".join(lines)
 
 
-def plot(curves: dict, table: dict, path: Path, title: str) -> None:
+def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, delta: float) -> str:
+    """The README's "When to use OBLR-PO", written from the tables: what each half buys, what it costs, where it
+    loses, and how far the evidence goes."""
+    by_name = {c["name"]: c for c in contrasts}
+    cost = {r["arm"]: r["seconds_per_step"] for r in arms}
+    grpo_cost = cost.get(REFERENCE, math.nan)
+
+    def said(name: str) -> str:
+        c = by_name[name]
+        parts = []
+        for label in METRICS:
+            d = c[label]
+            if d["ci"] is None:
+                parts.append(f"{label}: {d['verdict']}")
+            else:
+                parts.append(f"{label} {d['mean']:+.1f} pts [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], {d['verdict']}"
+                             + (f" (power {d['power']:.0%} for {delta:g} pts)" if "power" in d else ""))
+        return f"- **{name}** over {c['greedy']['n']} seeds: " + "; ".join(parts) + "."
+
+    n = max((c["greedy"]["n"] for c in contrasts), default=0)
+    lines = ["# When to use OBLR-PO", "",
+             f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`): {n} of the "
+             f"{planned_seeds} planned seeds so far." + (" **Too few seeds for any verdict yet: what follows is "
+                                                          "what the runs show, not a recommendation.**" if n < 3 else ""),
+             "", "What each half does, the rest held fixed (held-out accuracy after 40 steps, per-seed differences):",
+             ""]
+    for name, _, _ in CONTRASTS[5:]:
+        lines.append(said(name))
+    lines += ["", "Against GRPO at its lr:", ""]
+    for name, _, _ in CONTRASTS[:5]:
+        lines.append(said(name))
+    worse = [c["name"] for c in contrasts if "worse" in (c["greedy"]["verdict"], c["sampled"]["verdict"])]
+    lines += ["", "**Cost** (median s/step on this 2-core CPU, runs sharing the machine): "
+              + ", ".join(f"{arm} {fmt(v, digits=0)} s ({v / grpo_cost:.2f}x GRPO's)" for arm, v in cost.items()
+                          if not math.isnan(v) and not math.isnan(grpo_cost)) + ".",
+              "", "**Where it loses**: " + ("; ".join(worse) if worse else
+                                           "no contrast is worse than its reference at these seeds") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: dict, contrasts: list[dict], path: Path, title: str) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 4.2), layout="constrained")
+    fig = Figure(figsize=(16, 4.4), layout="constrained")
     axes = fig.subplots(1, 4)
     palette = dict(zip(ARMS, ("tab:red", "tab:gray", "tab:green", "tab:orange", "tab:blue", "tab:purple")))
     for arm, c in curves.items():
@@ -294,16 +371,16 @@ def plot(curves: dict, table: dict, path: Path, title: str) -> None:
     axes[0].set(xlabel="optimizer step", ylabel="lr scale (SNR factor), seed mean", title="step size")
     axes[1].set(xlabel="optimizer step", ylabel="training reward, seed mean", title="reward")
     axes[2].set(xlabel="optimizer step", ylabel="held-out greedy accuracy (%), seed mean", title="held-out")
-    arms = [r for r in table["rows"] if r["greedy"].get("vs_grpo") and r["greedy"]["vs_grpo"]["n"]]
-    for i, row in enumerate(arms):
-        d = row["greedy"]["vs_grpo"]
-        axes[3].scatter([x for x in d["diffs"]], [i] * len(d["diffs"]), color=palette[row["arm"]], alpha=0.6)
+    shown = [c for c in contrasts if c["greedy"]["n"]]
+    for i, c in enumerate(shown):
+        d = c["greedy"]
+        axes[3].scatter(d["diffs"], [i] * len(d["diffs"]), color=palette[c["a"]], alpha=0.6)
         if d["ci"]:
             axes[3].errorbar([d["mean"]], [i], xerr=[[d["mean"] - d["ci"][0]], [d["ci"][1] - d["mean"]]],
                              color="black", capsize=4, marker="|")
     axes[3].axvline(0, color="gray", linestyle="--")
-    axes[3].set_yticks(range(len(arms)), [r["arm"] for r in arms])
-    axes[3].set(xlabel="greedy accuracy - GRPO's, same seed (pts)", title="paired differences, 95% CI")
+    axes[3].set_yticks(range(len(shown)), [f"{c['a']} - {c['b']}" for c in shown], fontsize=7)
+    axes[3].set(xlabel="greedy accuracy difference, same seed (pts)", title="paired differences, 95% CI")
     for ax in axes[:3]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -360,31 +437,43 @@ def tabulate(args, runner_log: list[str]) -> None:
                if not (out / "summary.json").exists()]
     before = {label: statistics.mean({r["seed"]: 100 * r[f"{key}_before"] for r in runs}.values())
               for label, key in METRICS.items()}
-    table = ablation_table(runs, args.arms, args.grpo_lr, args.delta, args.seeds)
+    main_runs = [r for r in runs if r["seed"] in args.seeds]
+    arms = arm_table(main_runs, args.arms, args.grpo_lr, args.seeds)
+    contrasts = contrast_table(main_runs, args.grpo_lr, args.seeds, args.delta,
+                               [c for c in CONTRASTS if c[1] in args.arms and c[2] in args.arms])
     stab = stability_table(runs, args.arms, args.grpo_lr, args.stability_multiples, args.stability_seeds,
                            args.stability_steps, args.collapse_pts)
-    curves = step_curves([r for r in runs if r["seed"] in args.seeds], args.arms, args.grpo_lr)
-    stamps = [line[:23] for line in runner_log if " finished " in line]
-    per_step = [r["seconds_per_step"] for r in runs]
+    curves = step_curves(main_runs, args.arms, args.grpo_lr)
+    stamps = [line[:23] for line in runner_log if " finished " in line and "rc=0" in line]
     header = [
         "# Which half of OBLR-PO helps? A paired ablation on SmolLM2-135M-Instruct",
         "",
-        f"Generated by `python benchmarks/ablation.py --no_run` from {len(runs)} runs under `{args.run_dir}` "
-        f"(finished {stamps[0] if stamps else '?'} .. {stamps[-1] if stamps else '?'}; 2-core CPU, "
-        f"{args.parallel} runs at a time, 1 torch thread each, median {statistics.median(per_step):.0f} s/step). "
-        f"Every run: `examples/demo.py --model smollm2 {' '.join(TASK_ARGS)}` (chain_sum with one- or two-digit "
-        f"terms, LoRA r=16, 8 prompts x 8 completions per step, constant lr), {args.max_steps} steps, held-out "
-        f"accuracy (exact answers; 100 problems; greedy, and 4 samples each at T=1) every {args.eval_every} steps. "
-        f"GRPO's lr L = {args.grpo_lr:g}; the SNR arms' eta_max is 2 L (the README's advice). Seeds "
-        f"{','.join(map(str, args.seeds))}; a seed fixes the problems' order, so differences are per seed.",
+        f"Generated by `python benchmarks/ablation.py --no_run` from {len(runs)} finished runs under `{args.run_dir}` "
+        f"(finished {stamps[0] if stamps else '?'} .. {stamps[-1] if stamps else '?'}; a 2-core CPU, 1 or 2 runs at "
+        f"a time with 1 torch thread each, sharing it with other jobs). Every run: `examples/demo.py --model smollm2 "
+        f"{' '.join(TASK_ARGS)}` (chain_sum with one- or two-digit terms, LoRA r=16, 8 prompts x 8 completions per "
+        f"step, constant lr), {args.max_steps} steps, held-out accuracy (exact answers; 100 problems; greedy, and 4 "
+        f"samples each at T=1) every {args.eval_every} steps. GRPO's lr L = {args.grpo_lr:g} (the best of 1e-4, "
+        "5.5e-4, 3e-3 in `real_compare.md`); RLOO and the baseline alone run at L, the SNR arms at eta_max = 2 L (the "
+        f"README's advice). Planned: seeds {','.join(map(str, args.seeds))} per arm; a seed fixes the problems and "
+        "their order, so every difference is taken per seed. The task: the demo's one-digit sums start at 50% greedy "
+        "and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
+        "sampled, and leave room for 40 steps.",
     ]
-    text = render(table, stab, curves, header, missing, before)
+    text = render(arms, contrasts, stab, curves, header, missing, before, args.delta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
-    args.out.with_suffix(".json").write_text(json.dumps(dict(table=table, stability=stab, curves=curves,
-                                                             missing=missing, before=before, runner_log=runner_log),
+    when = args.out.with_name(args.out.name + "_when.md")
+    when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta))
+    compact = [{k: v for k, v in r.items() if k not in ("history", "examples")} | dict(
+        per_step={k: [e.get(k) for e in r["history"] if "step" in e and "loss" in e]
+                  for k in ("reward", "oblr/lr_scale", "oblr/snr", "learning_rate")}) for r in runs]
+    args.out.with_suffix(".json").write_text(json.dumps(dict(arms=arms, contrasts=contrasts, stability=stab,
+                                                             curves=curves, missing=missing, before=before,
+                                                             runs=compact, runner_log=runner_log),
                                                         indent=1, default=str))
-    plot(curves, table, args.out.with_suffix(".png"), "SmolLM2-135M-Instruct, chain_sum (1-2 digits): the ablation")
+    plot(curves, contrasts, args.out.with_suffix(".png"), "SmolLM2-135M-Instruct, chain_sum (1-2 digit terms): "
+         "the ablation")
     print(text)
 
 

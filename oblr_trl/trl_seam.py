@@ -73,7 +73,8 @@ SEAMS: tuple[Seam, ...] = (
          "that it still only dispatches to _compute_loss (no extra loss term the SNR would miss)"),
     Seam("_compute_loss", f"{GRPO}._compute_loss", "16c4f3917b9fd264",
          "reproduced: oblr_trl/loss_terms.py derives each completion's coefficient c_i of this loss at ratio 1 "
-         "(every loss type's normalizer) and one_backward forms the same gradient",
+         "(every loss type's normalizer), sequence_inputs (below) forms its input ids and masks as it does, and "
+         "one_backward forms the same gradient",
          "tests/test_loss_terms.py (pins loss_coefficients to this loss by autograd) and LOSS_TYPES; any new term "
          "(one_backward.blockers)"),
     Seam("_get_per_token_logps_and_entropies", f"{GRPO}._get_per_token_logps_and_entropies", "fecf708797b16e29",

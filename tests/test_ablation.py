@@ -1,0 +1,100 @@
+"""benchmarks/ablation.py on fake finished runs (no training): the launch order, the per-seed contrasts and their
+intervals, the stability window's collapses, the step-size curves and the generated "When to use" text."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def ab():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    return importlib.import_module("ablation")
+
+
+def args_for(ab, tmp_path, **kw):
+    base = dict(arms=list(ab.ARMS), grpo_lr=5e-4, seeds=[0, 1, 2, 3], max_steps=40, eval_every=10,
+                stability_multiples=[3.0, 10.0], stability_seeds=[0, 1, 2], stability_steps=20, collapse_pts=10.0,
+                delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[])
+    return argparse.Namespace(**{**base, **kw})
+
+
+# greedy accuracy after RL (fraction) per arm and seed: OBLR-PO beats GRPO by 10 points on every seed (+-1)
+AFTER = {"GRPO": [0.40, 0.50, 0.45, 0.42], "RLOO": [0.41, 0.47, 0.46, 0.44],
+         "baseline-only": [0.42, 0.52, 0.44, 0.43], "SNR-only": [0.30, 0.31, 0.29, 0.35],
+         "OBLR-PO": [0.51, 0.59, 0.56, 0.52], "OBLR-PO-per_step": [0.45, 0.50, 0.46, 0.44]}
+
+
+def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False):
+    out = ab.run_dir_of(root, arm, lr, seed)
+    out.mkdir(parents=True)
+    curve = [dict(step=0, accuracy=0.25, sampled_accuracy=0.06)]
+    curve += [dict(step=s, accuracy=0.05 if collapsed else after - 0.01 * (steps - s) / 10, sampled_accuracy=after)
+              for s in range(10, steps + 1, 10)]
+    summary = dict(accuracy_before=0.25, sampled_accuracy_before=0.06, accuracy_after=curve[-1]["accuracy"],
+                   sampled_accuracy_after=after, seconds_per_step=60.0 if arm == "GRPO" else 66.0, curve=curve,
+                   steps=steps)
+    (out / "summary.json").write_text(json.dumps(summary))
+    history = [dict(step=s, loss=0.0, reward=0.1 + s / 100, **({"oblr/lr_scale": 0.5 / s} if "SNR" in arm or
+                                                                 "OBLR" in arm else {})) for s in range(1, steps + 1)]
+    (out / "log_history.json").write_text(json.dumps(history))
+
+
+def test_jobs_run_the_ablation_seed_major_then_the_stability_window(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0, 1], stability_seeds=[0])
+    order = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(a)]
+    assert order[:6] == [(arm, ab.lr_of(arm, 5e-4), 0, 40) for arm in ab.ARMS]
+    assert order[6][2] == 1 and len(order) == 12 + 12
+    assert order[12] == ("GRPO", 1.5e-3, 0, 20) and order[18] == ("GRPO", 5e-3, 0, 20)
+    assert ab.lr_of("OBLR-PO", 5e-4) == 1e-3 and ab.lr_of("RLOO", 5e-4) == 5e-4
+
+
+def test_contrasts_are_per_seed_with_t_intervals(ab, tmp_path):
+    a = args_for(ab, tmp_path)
+    for arm, values in AFTER.items():
+        for seed, after in enumerate(values):
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr), seed, after)
+    runs = ab.load_runs(a.run_dir)
+    rows = {c["name"]: c for c in ab.contrast_table(runs, a.grpo_lr, a.seeds, a.delta)}
+    d = rows["OBLR-PO vs GRPO"]["greedy"]
+    expected = [100 * (o - g) for o, g in zip(AFTER["OBLR-PO"], AFTER["GRPO"])]
+    assert d["diffs"] == pytest.approx(expected) and d["mean"] == pytest.approx(statistics.mean(expected))
+    half = 3.182446 * statistics.stdev(expected) / 2  # t_{0.975, 3} sd / sqrt(4)
+    assert d["ci"] == pytest.approx((d["mean"] - half, d["mean"] + half), abs=1e-3)
+    assert d["verdict"] == "better" and rows["SNR-only vs GRPO"]["greedy"]["verdict"] == "worse"
+    assert rows["RLOO vs GRPO"]["greedy"]["verdict"] == "no difference detected"
+    assert 0 < d["power"] <= 1 and d["seeds_for_80"] >= 3
+
+
+def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0, 1, 2], stability_seeds=[0, 1, 2])
+    for arm, values in AFTER.items():
+        for seed in range(3):
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr), seed, values[seed])
+    for seed in range(3):  # OBLR-PO at 10x its lr collapses on seeds 0 and 1
+        write_run(ab, a.run_dir, "OBLR-PO", ab.lr_of("OBLR-PO", a.grpo_lr, 10.0), seed, 0.5, steps=20,
+                  collapsed=seed < 2)
+    ab.tabulate(a, [])
+    text = a.out.with_suffix(".md").read_text()
+    assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 |" in text
+    assert "Not finished when this table was made" in text  # the other stability runs
+    when = a.out.with_name("ablation_when.md").read_text()
+    assert "3 of the 3 planned seeds" in when and "**OBLR-PO vs GRPO** over 3 seeds: greedy +" in when
+    assert "SNR-only vs GRPO" in when.split("**Where it loses**")[1]
+    assert "GRPO 60 s (1.00x GRPO's)" in when and "OBLR-PO 66 s (1.10x GRPO's)" in when
+    saved = json.loads(a.out.with_suffix(".json").read_text())
+    assert len(saved["runs"]) == 21 and saved["runs"][0]["per_step"]["reward"][:2] == pytest.approx([0.11, 0.12])
+    assert a.out.with_suffix(".png").stat().st_size > 10_000
+    curves = saved["curves"]["OBLR-PO"]
+    assert curves["lr_scale"]["1"] == pytest.approx(0.5) and curves["greedy"]["40"] == pytest.approx(
+        100 * statistics.mean(AFTER["OBLR-PO"][:3]))
