@@ -136,8 +136,9 @@ def load_runs(root: Path) -> list[dict]:
     for path in sorted(root.glob("*_lr*/seed*/summary.json")):
         arm, lr = path.parent.parent.name.rsplit("_lr", 1)
         history = path.parent / "log_history.json"
+        finished = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         runs.append(dict(json.loads(path.read_text()), arm=arm, lr=float(lr), seed=int(path.parent.name[4:]),
-                         history=json.loads(history.read_text()) if history.exists() else []))
+                         finished=finished, history=json.loads(history.read_text()) if history.exists() else []))
     return runs
 
 
@@ -311,13 +312,12 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
         lines.append(f"| {r['arm']} | {r['multiple']:g}x | {r['lr']:.3g} | {r['n']} | {fmt(r['mean'])} ({fmt(r['min'])}) "
                      f"| {fmt(r['change'], True)} | {len(r['collapsed'])}/{r['n']} |")
     if missing:
-        lines += ["", f"Not finished when this table was made ({len(missing)} of the planned runs): "
-                  + "; ".join(missing) + "."]
+        lines += ["", "Not finished when this table was made: " + "; ".join(missing) + "."]
     lines.append("")
     return "\n".join(lines)
 
 
-def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, delta: float) -> str:
+def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, delta: float, before: dict) -> str:
     """The README's "When to use OBLR-PO", written from the tables: what each half buys, what it costs, where it
     loses, and how far the evidence goes."""
     by_name = {c["name"]: c for c in contrasts}
@@ -338,22 +338,29 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
 
     n = max((c["greedy"]["n"] for c in contrasts), default=0)
     lines = ["# When to use OBLR-PO", "",
-             f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`): {n} of the "
-             f"{planned_seeds} planned seeds so far." + (" **Too few seeds for any verdict yet: what follows is "
+             f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`): the best-paired "
+             f"contrast has {n} of its {planned_seeds} planned seeds so far." + (" **Too few seeds for any verdict yet: what follows is "
                                                           "what the runs show, not a recommendation.**" if n < 3 else ""),
-             "", "What each half does, the rest held fixed (held-out accuracy after 40 steps, per-seed differences):",
              ""]
-    for name, _, _ in CONTRASTS[5:]:
-        lines.append(said(name))
-    lines += ["", "Against GRPO at its lr:", ""]
-    for name, _, _ in CONTRASTS[:5]:
-        lines.append(said(name))
+    if n >= 3:
+        lines += ["What each half does, the rest held fixed (held-out accuracy after the run, per-seed differences):",
+                  ""]
+        lines += [said(name) for name, _, _ in CONTRASTS[5:] if name in by_name]
+        lines += ["", "Against GRPO at its lr:", ""]
+        lines += [said(name) for name, _, _ in CONTRASTS[:5] if name in by_name]
+    else:
+        lines += ["Finished so far (held-out accuracy after the run, mean over its seeds; the starting model: "
+                  f"greedy {fmt(before['greedy'])}%, sampled {fmt(before['sampled'])}%):", ""]
+        lines += [f"- {r['arm']} ({r['greedy']['n']} seed{'s' * (r['greedy']['n'] != 1)}): greedy "
+                  f"{fmt(r['greedy']['mean'])}%, sampled {fmt(r['sampled']['mean'])}%" for r in arms if r["greedy"]["n"]]
     worse = [c["name"] for c in contrasts if "worse" in (c["greedy"]["verdict"], c["sampled"]["verdict"])]
+    costs = [f"{arm} {fmt(v, digits=0)} s ({v / grpo_cost:.2f}x GRPO's)" for arm, v in cost.items()
+             if not math.isnan(v) and not math.isnan(grpo_cost)]
     lines += ["", "**Cost** (median s/step on this 2-core CPU, runs sharing the machine): "
-              + ", ".join(f"{arm} {fmt(v, digits=0)} s ({v / grpo_cost:.2f}x GRPO's)" for arm, v in cost.items()
-                          if not math.isnan(v) and not math.isnan(grpo_cost)) + ".",
+              + (", ".join(costs) if costs else "not measured yet (no GRPO run)") + ".",
               "", "**Where it loses**: " + ("; ".join(worse) if worse else
-                                           "no contrast is worse than its reference at these seeds") + "."]
+                                           "no contrast is worse than its reference at these seeds" if n >= 3 else
+                                           "not known yet (fewer than 3 paired seeds)") + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -383,7 +390,8 @@ def plot(curves: dict, contrasts: list[dict], path: Path, title: str) -> None:
     axes[3].set(xlabel="greedy accuracy difference, same seed (pts)", title="paired differences, 95% CI")
     for ax in axes[:3]:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     axes[3].grid(alpha=0.3)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
@@ -433,8 +441,11 @@ def tabulate(args, runner_log: list[str]) -> None:
     runs = load_runs(args.run_dir)
     if not runs:
         raise SystemExit(f"no <arm>_lr<lr>/seed<s>/summary.json under {args.run_dir} yet")
-    missing = [f"{arm} lr {lr:.3g} seed {seed}" for arm, lr, seed, _, out in jobs(args)
-               if not (out / "summary.json").exists()]
+    lost: dict[tuple[str, float], list[int]] = {}
+    for arm, lr, seed, _, out in jobs(args):
+        if not (out / "summary.json").exists():
+            lost.setdefault((arm, lr), []).append(seed)
+    missing = [f"{arm} lr {lr:.3g} seeds {','.join(map(str, seeds))}" for (arm, lr), seeds in lost.items()]
     before = {label: statistics.mean({r["seed"]: 100 * r[f"{key}_before"] for r in runs}.values())
               for label, key in METRICS.items()}
     main_runs = [r for r in runs if r["seed"] in args.seeds]
@@ -444,7 +455,7 @@ def tabulate(args, runner_log: list[str]) -> None:
     stab = stability_table(runs, args.arms, args.grpo_lr, args.stability_multiples, args.stability_seeds,
                            args.stability_steps, args.collapse_pts)
     curves = step_curves(main_runs, args.arms, args.grpo_lr)
-    stamps = [line[:23] for line in runner_log if " finished " in line and "rc=0" in line]
+    stamps = sorted(r["finished"] for r in runs)
     header = [
         "# Which half of OBLR-PO helps? A paired ablation on SmolLM2-135M-Instruct",
         "",
@@ -464,7 +475,7 @@ def tabulate(args, runner_log: list[str]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
     when = args.out.with_name(args.out.name + "_when.md")
-    when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta))
+    when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before))
     compact = [{k: v for k, v in r.items() if k not in ("history", "examples")} | dict(
         per_step={k: [e.get(k) for e in r["history"] if "step" in e and "loss" in e]
                   for k in ("reward", "oblr/lr_scale", "oblr/snr", "learning_rate")}) for r in runs]

@@ -89,7 +89,7 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 |" in text
     assert "Not finished when this table was made" in text  # the other stability runs
     when = a.out.with_name("ablation_when.md").read_text()
-    assert "3 of the 3 planned seeds" in when and "**OBLR-PO vs GRPO** over 3 seeds: greedy +" in when
+    assert "has 3 of its 3 planned seeds" in when and "**OBLR-PO vs GRPO** over 3 seeds: greedy +" in when
     assert "SNR-only vs GRPO" in when.split("**Where it loses**")[1]
     assert "GRPO 60 s (1.00x GRPO's)" in when and "OBLR-PO 66 s (1.10x GRPO's)" in when
     saved = json.loads(a.out.with_suffix(".json").read_text())

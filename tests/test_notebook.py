@@ -3,7 +3,6 @@ shows them), holding exactly the builder's cells; and it runs again end to end, 
 2 steps of 16 completions per trainer, 16 held-out problems: a real model load, twice)."""
 
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
@@ -73,9 +72,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     client = nbclient.NotebookClient(
         notebook, timeout=LIMIT_S, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )
-    start = time.time()
     client.execute()  # raises CellExecutionError, naming the cell, on the first error
-    assert time.time() - start < LIMIT_S
     outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
     text = "".join(out.get("text", "") for out in outputs)
