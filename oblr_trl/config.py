@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .estimators import BASELINES, GRAD_NORM_ESTIMATORS
-from .loss_terms import LOSS_TYPES
+from .loss_terms import LOSS_TYPES, terms_beyond_ratio_one
 from .step_size import SNR_ESTIMATORS, check_estimator
 
 SUPPORTED_LOSS_TYPES = LOSS_TYPES  # every TRL 1.16 loss type
@@ -277,37 +277,28 @@ class OBLRPOConfig(GRPOConfig):
         self._warn_where_approximate()
 
     def _warn_where_approximate(self) -> None:
-        """Options TRL allows whose gradient the SNR estimate or the baseline weights do not fully cover: warned."""
-        if self.num_iterations > 1:
-            warnings.warn(
-                f"OBLRPOConfig.num_iterations={self.num_iterations} > 1: updates after the first are off-policy "
-                "(importance ratio != 1, clipping); the SNR uses on-policy per-sample norms and is approximate there.",
-                stacklevel=3,
-            )
+        """Options TRL allows whose gradient the SNR estimate or the baseline weights do not fully cover
+        (:func:`.loss_terms.terms_beyond_ratio_one`, and a generation spanning optimizer steps): warned."""
+        messages = {
+            "num_iterations": f"OBLRPOConfig.num_iterations={self.num_iterations} > 1: updates after the first are "
+            "off-policy (importance ratio != 1, clipping); the SNR uses on-policy per-sample norms and is approximate "
+            "there.",
+            "beta": f"OBLRPOConfig.beta={self.beta}: the KL term's gradient is not part of the SNR estimate (the "
+            "paper's theory has no KL term).",
+            "token_masks": "top_entropy_quantile < 1 or off_policy_mask_threshold masks tokens out of the loss; the "
+            "baseline weights and the SNR use every completion token.",
+            "entropy": "OBLRPOConfig: an entropy bonus (entropy_coef / use_adaptive_entropy) adds a term to the "
+            "gradient that the SNR estimate does not include (the paper's theory has none); the step size is "
+            "approximate.",
+        }
+        for key in terms_beyond_ratio_one(self):
+            warnings.warn(messages[key], stacklevel=3)
         if self.steps_per_generation > self.gradient_accumulation_steps:
             warnings.warn(
                 f"OBLRPOConfig.steps_per_generation={self.steps_per_generation} > gradient_accumulation_steps="
                 f"{self.gradient_accumulation_steps}: one generation spans several optimizer steps, so later steps "
                 "use completions sampled before the last update (importance ratio != 1); the baseline weights and "
                 "per-sample SNR terms come from generation time and are approximate there.",
-                stacklevel=3,
-            )
-        if self.beta != 0.0:
-            warnings.warn(
-                f"OBLRPOConfig.beta={self.beta}: the KL term's gradient is not part of the SNR estimate (the paper's "
-                "theory has no KL term).",
-                stacklevel=3,
-            )
-        if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
-            warnings.warn(
-                "top_entropy_quantile < 1 or off_policy_mask_threshold masks tokens out of the loss; the baseline "
-                "weights and the SNR use every completion token.",
-                stacklevel=3,
-            )
-        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
-            warnings.warn(
-                "OBLRPOConfig: an entropy bonus (entropy_coef / use_adaptive_entropy) adds a term to the gradient that "
-                "the SNR estimate does not include (the paper's theory has none); the step size is approximate.",
                 stacklevel=3,
             )
 

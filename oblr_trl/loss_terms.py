@@ -81,3 +81,20 @@ def loss_coefficients(
 def _check(loss_type: str) -> None:
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is not one of TRL 1.16's loss types {list(LOSS_TYPES)}.")
+
+
+def terms_beyond_ratio_one(args) -> dict[str, str]:
+    """The options of TRL's loss in ``args`` that make its gradient more than the policy term at importance ratio 1,
+    the term OBLR-PO's theory, its SNR estimate and ``one_backward``'s gradient cover: ``{key: what it adds}``, empty
+    when none. One list for both uses: :class:`.config.OBLRPOConfig` warns that the SNR and the weights are then
+    approximate; :func:`.one_backward.blockers` refuses ``one_backward`` for them."""
+    found = {}
+    if args.num_iterations != 1:
+        found["num_iterations"] = f"num_iterations={args.num_iterations} (importance ratio != 1)"
+    if args.beta != 0.0:
+        found["beta"] = f"beta={args.beta} (a KL term in the loss)"
+    if args.top_entropy_quantile < 1.0 or args.off_policy_mask_threshold is not None:
+        found["token_masks"] = "top_entropy_quantile < 1 or off_policy_mask_threshold (token masks)"
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        found["entropy"] = "an entropy bonus (entropy_coef / use_adaptive_entropy: a term outside the policy gradient)"
+    return found

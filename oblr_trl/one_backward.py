@@ -21,6 +21,7 @@ from trl.trainer.utils import split_tensor_dict
 
 from .estimators import mask_nonfinite_products
 from .grad_norms import per_sequence_grads
+from .loss_terms import terms_beyond_ratio_one
 from .trl_seam import sequence_inputs
 
 ALL_REDUCE_BUCKET = 1 << 25  # elements per all-reduce (DDP's default bucket is 25 MiB)
@@ -32,11 +33,7 @@ def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False, deepspeed: bo
     ``one_backward`` forms the gradient of the policy term at ratio 1 only, so anything else TRL's loss would add
     (a KL term, an entropy bonus, an MoE router's auxiliary loss, token masks, importance weights) blocks it.
     """
-    a, reasons = args, []
-    if a.num_iterations != 1:
-        reasons.append(f"num_iterations={a.num_iterations} (importance ratio != 1)")
-    if a.beta != 0.0:
-        reasons.append(f"beta={a.beta} (a KL term in the loss)")
+    a, reasons = args, list(terms_beyond_ratio_one(args).values())
     if a.gradient_accumulation_steps % a.steps_per_generation:
         reasons.append(
             f"steps_per_generation={a.steps_per_generation} does not divide gradient_accumulation_steps="
@@ -50,14 +47,10 @@ def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False, deepspeed: bo
         )
     if a.use_vllm and getattr(a, "vllm_importance_sampling_correction", False):
         reasons.append("vllm_importance_sampling_correction=True (per-token importance weights)")
-    if a.top_entropy_quantile < 1.0 or a.off_policy_mask_threshold is not None:
-        reasons.append("top_entropy_quantile < 1 or off_policy_mask_threshold (token masks)")
     if a.use_liger_kernel:
         reasons.append("use_liger_kernel=True (Liger computes the loss)")
     if a.fp16:
         reasons.append("fp16=True (the loss scaler would unscale gradients it never scaled; use bf16)")
-    if a.entropy_coef != 0.0 or a.use_adaptive_entropy:
-        reasons.append("an entropy bonus (entropy_coef / use_adaptive_entropy: a term outside the policy gradient)")
     if aux_loss:
         reasons.append("the model's router auxiliary loss (router_aux_loss_coef != 0)")
     if fsdp1:

@@ -71,3 +71,21 @@ def test_sequence_shape_and_refusal():
     with pytest.raises(ValueError, match="num_items_in_batch"):
         loss_coefficients("dapo", torch.ones(2, 2), accumulation_steps=1, num_processes=1, steps_per_generation=1,
                           max_completion_length=2)
+
+
+@pytest.mark.parametrize("override,key", [(dict(num_iterations=2), "num_iterations"), (dict(beta=0.1), "beta"),
+                                          (dict(top_entropy_quantile=0.5), "token_masks"),
+                                          (dict(entropy_coef=0.01), "entropy")])
+def test_one_list_of_terms_beyond_ratio_one_drives_the_warning_and_the_refusal(tmp_path, override, key):
+    """Each option OBLR-PO's gradient does not cover is warned by the config (SNR approximate) and refuses
+    one_backward, from the same entry of `terms_beyond_ratio_one`."""
+    from helpers import common_args
+    from oblr_trl import OBLRPOConfig
+    from oblr_trl.loss_terms import terms_beyond_ratio_one
+    from oblr_trl.one_backward import blockers
+
+    with pytest.warns(UserWarning):
+        args = OBLRPOConfig(**common_args(**override))
+    found = terms_beyond_ratio_one(args)
+    assert list(found) == [key] and found[key] in blockers(args)
+    assert terms_beyond_ratio_one(OBLRPOConfig(**common_args())) == {}
