@@ -12,9 +12,11 @@ NOTEBOOK = NOTEBOOKS / "oblrpo_walkthrough.ipynb"
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook tests need nbformat (the dev extra)")
 
-# The end-to-end run's size (the notebook's environment variables) and its time limit in seconds.
+# The end-to-end run's size (the notebook's environment variables), and a per-cell limit in seconds that only guards
+# against a hang: the run took ~2 minutes on a quiet 2-core machine and a cell alone over 4 beside a real-model
+# training run, so no speed is asserted here (timings belong to the benchmarks).
 SMALL = {"OBLR_WALKTHROUGH_STEPS": 2, "OBLR_WALKTHROUGH_BATCH": 16, "OBLR_WALKTHROUGH_EVAL": 16}
-LIMIT_S = 240
+LIMIT_S = 900
 
 
 def builder():
