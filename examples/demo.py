@@ -12,7 +12,7 @@ Reads top to bottom like the algorithm:
   5. measure held-out accuracy again, print a summary, plot the curves, save the model (adapter) and print the command
      that re-scores it.
 
-    python examples/demo.py                 # SmolLM2-135M-Instruct (make demo): ~10 min on 2 CPU cores, ~21 GB of memory at its peak,
+    python examples/demo.py                 # SmolLM2-135M-Instruct (make demo): ~10 min on 2 CPU cores, ~10 GB of memory at its peak,
                                             # offline after a one-time ~93 MB download
     python examples/demo.py --model tiny    # the embedded tiny model (make demo-tiny): a few minutes, nothing downloaded
     python examples/demo.py --quick         # a smoke run of a few steps
@@ -63,7 +63,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--model", "--model_name_or_path", dest="model", default="smollm2",
-        help="smollm2 (default: SmolLM2-135M-Instruct, offline via oblr_trl.load_reference_model; ~21 GB of memory at its peak), "
+        help="smollm2 (default: SmolLM2-135M-Instruct, offline via oblr_trl.load_reference_model; ~10 GB of memory at its peak), "
         "tiny (the embedded tiny Qwen3, built and warmed up offline), or a local folder / Hub id.",
     )
     parser.add_argument(

@@ -214,6 +214,13 @@ class _Capture:
         output.register_hook(grad_hook)
         return returned
 
+    def release(self) -> None:
+        """Drop what ties the hooks to the autograd graph. The output-gradient hooks live on the graph's nodes and
+        close over this object, which holds tensors of the graph (``inputs_with_grad``): a cycle through C++ nodes that
+        Python's garbage collector cannot see, which kept every pass's graph and factors alive (memory grew each step)."""
+        self.inputs_with_grad.clear()
+        self.on_grad = None
+
     def check_paired(self) -> None:
         unpaired = [r for queue in self.waiting.values() for r in queue if r.output_grad is not None]
         if unpaired:
@@ -251,4 +258,5 @@ def capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed: li
     finally:
         for handle in handles:
             handle.remove()
+        state.release()
     state.check_paired()
