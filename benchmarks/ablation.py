@@ -15,6 +15,9 @@ Arms (L = ``--grpo_lr``, GRPO's best lr; a user's eta_max = 2 L, the README's ad
   OBLR-PO         the default: both halves, eta_max 2 L
   OBLR-PO-per_step  both halves with the paper's per-step SNR estimate instead of ema_soft, eta_max 2 L
 
+The lr check runs GRPO (``--lr_check_arms``) also at 0.3 L, 40 steps, seeds 0-2: L was GRPO's best on another task
+(the demo's one-digit sums, 10 steps), and the SNR arms' effective step (eta_max x the SNR factor) falls well below L.
+
 The stability window runs each arm at 3x and 10x its lr over ``--stability_seeds``. A run *collapses* when its
 greedy held-out accuracy after RL is below the starting model's by more than ``--collapse_pts`` points.
 
@@ -82,9 +85,14 @@ def run_dir_of(root: Path, arm: str, lr: float, seed: int) -> Path:
 
 
 def jobs(args) -> list[tuple[str, float, int, int, Path]]:
-    """(arm, lr, seed, steps, output folder) of every run, in launch order: the ablation seed-major, then the
-    stability window (3x before 10x, seed-major, ``--stability_steps`` each)."""
+    """(arm, lr, seed, steps, output folder) of every run, in launch order: the ablation seed-major, with the lr check
+    (``--lr_check_arms`` at ``--lr_check_multiples`` of their lr, full length) right after the last seed it shares
+    with the ablation, then the stability window (3x before 10x, seed-major, ``--stability_steps`` each)."""
     out = [(arm, lr_of(arm, args.grpo_lr), seed, args.max_steps) for seed in args.seeds for arm in args.arms]
+    check = [(arm, lr_of(arm, args.grpo_lr, m), seed, args.max_steps) for m in args.lr_check_multiples
+             for seed in args.lr_check_seeds for arm in args.lr_check_arms]
+    cut = max((i + 1 for i, job in enumerate(out) if job[2] in args.lr_check_seeds), default=len(out))
+    out[cut:cut] = check
     out += [(arm, lr_of(arm, args.grpo_lr, m), seed, args.stability_steps) for m in args.stability_multiples
             for seed in args.stability_seeds for arm in args.arms]
     return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed)) for arm, lr, seed, steps in out]
@@ -190,6 +198,26 @@ def contrast_table(runs: list[dict], grpo_lr: float, seeds: list[int], delta: fl
     return rows
 
 
+def lr_check_table(runs: list[dict], args) -> list[dict]:
+    """Is L each checked arm's best lr on this task? Per checked arm and lr multiple (1 first): the seeds run, the mean
+    held-out accuracy after RL, and the per-seed difference to the arm at its own lr (same seeds)."""
+    rows = []
+    for arm in args.lr_check_arms:
+        at_own = {label: {s: v for s, v in by_seed(runs, arm, lr_of(arm, args.grpo_lr), f"{key}_after").items()
+                          if s in args.lr_check_seeds} for label, key in METRICS.items()}
+        for m in [1.0, *args.lr_check_multiples]:
+            lr = lr_of(arm, args.grpo_lr, m)
+            row = dict(arm=arm, multiple=m, lr=lr)
+            for label, key in METRICS.items():
+                mine = {s: v for s, v in by_seed(runs, arm, lr, f"{key}_after").items() if s in args.lr_check_seeds}
+                diff = paired_difference(mine, at_own[label]) if m != 1.0 else None
+                if diff is not None:
+                    diff["verdict"] = verdict(diff)
+                row[label] = dict(n=len(mine), mean=statistics.mean(mine.values()) if mine else math.nan, diff=diff)
+            rows.append(row)
+    return rows
+
+
 def verdict(diff: dict) -> str:
     """'better' / 'worse' when the 95% interval excludes 0, 'no difference detected', or 'too few seeds'."""
     if diff["ci"] is None:
@@ -263,8 +291,27 @@ def _window(series: dict, lo: int, hi: int | None = None) -> float | None:
     return statistics.mean(series[k] for k in chosen) if chosen else None
 
 
+def render_lr_check(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "## Is L the best lr on this task? (the lr check)", "",
+             "GRPO's L came from a 10-step sweep on the demo's one-digit sums. Here each checked arm also runs at "
+             "lower multiples of its lr, 40 steps, on the first seeds; differences are per seed, to the arm at its "
+             "own lr.", "", "| arm | lr multiple | lr | seeds | greedy % | minus own lr (pts) [95% CI] | sampled % "
+             "| minus own lr (pts) [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for label in METRICS:
+            d = r[label]["diff"]
+            ci = f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], {d['verdict']}" if d and d["ci"] else \
+                f", {d['verdict']}" if d else ""
+            cells += [fmt(r[label]["mean"]), f"{fmt(d['mean'], True)}{ci}" if d else "(own lr)"]
+        lines.append(f"| {r['arm']} | {r['multiple']:g}x | {r['lr']:.3g} | {r['greedy']['n']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: dict, header: list[str],
-           missing: list[str], before: dict, delta: float) -> str:
+           missing: list[str], before: dict, delta: float, lr_check: list[dict] = ()) -> str:
     lines = header + ["", f"Before RL (every seed, the same model and held-out problems): greedy {fmt(before['greedy'])}%, "
                       f"sampled {fmt(before['sampled'])}%.", "", "## Held-out accuracy after RL, per arm", "",
                       "| arm | lr (eta_max) | seeds | greedy % | sampled % | s/step (median) |", "|---|---|---|---|---|---|"]
@@ -301,6 +348,7 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
         greedy = ", ".join(f"{s}: {v:.1f}" for s, v in c["greedy"].items())
         lines.append(f"| {arm} | {c['seeds']} | " + " | ".join(scale) + f" | {fmt(_window(c['reward'], 1, 5), digits=3)} "
                      f"| {fmt(_window(c['reward'], 0), digits=3)} | {greedy} |")
+    lines += render_lr_check(list(lr_check))
     lines += ["", "## Stability window", "", "Each arm at its lr and at 3x and 10x it, compared on greedy held-out "
               "accuracy at the stability runs' last step (the 1x runs' evaluation at that step).", "",
               "| arm | lr multiple | lr | seeds | greedy % (mean, min) | change from its own lr (pts) | collapsed |",
@@ -405,6 +453,10 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--max_steps", type=int, default=40)
     parser.add_argument("--eval_every", type=int, default=10)
+    parser.add_argument("--lr_check_arms", nargs="*", default=[REFERENCE], choices=list(ARMS),
+                        help="arms also run below their lr (is L their best lr on this task?)")
+    parser.add_argument("--lr_check_multiples", type=float, nargs="*", default=[0.3])
+    parser.add_argument("--lr_check_seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--stability_multiples", type=float, nargs="*", default=[3.0, 10.0])
     parser.add_argument("--stability_seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--stability_steps", type=int, default=20,
@@ -455,6 +507,7 @@ def tabulate(args, runner_log: list[str]) -> None:
     stab = stability_table(runs, args.arms, args.grpo_lr, args.stability_multiples, args.stability_seeds,
                            args.stability_steps, args.collapse_pts)
     curves = step_curves(main_runs, args.arms, args.grpo_lr)
+    lr_check = lr_check_table(runs, args)
     stamps = sorted(r["finished"] for r in runs)
     header = [
         "# Which half of OBLR-PO helps? A paired ablation on SmolLM2-135M-Instruct",
@@ -471,7 +524,7 @@ def tabulate(args, runner_log: list[str]) -> None:
         "and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
         "sampled, and leave room for 40 steps.",
     ]
-    text = render(arms, contrasts, stab, curves, header, missing, before, args.delta)
+    text = render(arms, contrasts, stab, curves, header, missing, before, args.delta, lr_check)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
     when = args.out.with_name(args.out.name + "_when.md")
@@ -480,6 +533,7 @@ def tabulate(args, runner_log: list[str]) -> None:
         per_step={k: [e.get(k) for e in r["history"] if "step" in e and "loss" in e]
                   for k in ("reward", "oblr/lr_scale", "oblr/snr", "learning_rate")}) for r in runs]
     args.out.with_suffix(".json").write_text(json.dumps(dict(arms=arms, contrasts=contrasts, stability=stab,
+                                                             lr_check=lr_check,
                                                              curves=curves, missing=missing, before=before,
                                                              runs=compact, runner_log=runner_log),
                                                         indent=1, default=str))

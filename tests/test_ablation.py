@@ -25,6 +25,7 @@ def ab():
 def args_for(ab, tmp_path, **kw):
     base = dict(arms=list(ab.ARMS), grpo_lr=5e-4, seeds=[0, 1, 2, 3], max_steps=40, eval_every=10,
                 stability_multiples=[3.0, 10.0], stability_seeds=[0, 1, 2], stability_steps=20, collapse_pts=10.0,
+                lr_check_arms=["GRPO"], lr_check_multiples=[0.3], lr_check_seeds=[0, 1, 2],
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[])
     return argparse.Namespace(**{**base, **kw})
 
@@ -51,11 +52,33 @@ def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False):
 
 
 def test_jobs_run_the_ablation_seed_major_then_the_stability_window(ab, tmp_path):
-    a = args_for(ab, tmp_path, seeds=[0, 1], stability_seeds=[0])
+    a = args_for(ab, tmp_path, seeds=[0, 1], stability_seeds=[0], lr_check_seeds=[])
     order = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(a)]
     assert order[:6] == [(arm, ab.lr_of(arm, 5e-4), 0, 40) for arm in ab.ARMS]
     assert order[6][2] == 1 and len(order) == 12 + 12
     assert order[12] == ("GRPO", 1.5e-3, 0, 20) and order[18] == ("GRPO", 5e-3, 0, 20)
+
+
+def test_the_lr_check_runs_after_the_seeds_it_shares_with_the_ablation(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0, 1, 2, 3], stability_seeds=[0], lr_check_seeds=[0, 1])
+    order = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(a)]
+    assert order[12:14] == [("GRPO", 1.5e-4, 0, 40), ("GRPO", 1.5e-4, 1, 40)]  # after seeds 0 and 1 of every arm
+    assert [job[2] for job in order[14:26]] == [2] * 6 + [3] * 6 and order[26] == ("GRPO", 1.5e-3, 0, 20)
+
+
+def test_the_lr_check_table_is_per_seed_against_the_arm_at_its_own_lr(ab, tmp_path):
+    a = args_for(ab, tmp_path)
+    for seed, (own, low) in enumerate([(0.40, 0.50), (0.50, 0.62), (0.45, 0.53)]):
+        write_run(ab, a.run_dir, "GRPO", 5e-4, seed, own)
+        write_run(ab, a.run_dir, "GRPO", 1.5e-4, seed, low)
+    write_run(ab, a.run_dir, "GRPO", 1.5e-4, 3, 0.9)  # not a checked seed: left out
+    rows = ab.lr_check_table(ab.load_runs(a.run_dir), a)
+    assert [(r["multiple"], r["lr"]) for r in rows] == [(1.0, 5e-4), (0.3, 1.5e-4)]
+    low = rows[1]["sampled"]
+    assert low["n"] == 3 and low["mean"] == pytest.approx(100 * (0.50 + 0.62 + 0.53) / 3)
+    assert low["diff"]["diffs"] == pytest.approx([10.0, 12.0, 8.0]) and low["diff"]["verdict"] == "better"
+    text = "\n".join(ab.render_lr_check(rows))
+    assert "| GRPO | 0.3x | 0.00015 | 3 |" in text and "better" in text and "(own lr)" in text
     assert ab.lr_of("OBLR-PO", 5e-4) == 1e-3 and ab.lr_of("RLOO", 5e-4) == 5e-4
 
 
