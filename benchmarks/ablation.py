@@ -21,10 +21,16 @@ The lr check runs GRPO (``--lr_check_arms``) also at 0.3 L, 40 steps, seeds 0-2:
 The stability window runs each arm at 3x and 10x its lr over ``--stability_seeds``. A run *collapses* when its
 greedy held-out accuracy after RL is below the starting model's by more than ``--collapse_pts`` points.
 
-Resumable and shareable like ``real_compare.py``: a run whose summary.json exists is never run again, a run in flight
-on this machine is not started twice, and at most ``--parallel`` real-model runs (1 torch thread each) run on the
-machine. Main-ablation runs go first, seed-major (every arm's seed 0, then every arm's seed 1, ...), then the
-stability runs.
+The final, powered measurement: after each run, ``large_eval.py`` scores its saved adapter greedily on
+``--large_size`` distinct held-out problems that occur nowhere among that seed's training problems (the same problems
+for every arm of the seed; the model before RL once per seed). On the runs' own 100 problems alone the difference of
+two arms carries ~4-5 points of measurement noise, too much for any affordable number of seeds to detect 5 points.
+
+Resumable and shareable like ``real_compare.py``, and safe against losing the machine: each finished run is kept as a
+small record in ``--records`` (committed: benchmarks/results/ablation_runs/), and a cell whose record holds its large
+evaluation is never run again. A run in flight on this machine is not started twice, and at most ``--parallel`` jobs
+(1 torch thread each) run on the machine. Large evaluations go first (minutes), then main-ablation runs, seed-major
+(every arm's seed 0, then every arm's seed 1, ...), then the stability runs.
 
     python benchmarks/ablation.py                       # run what is missing, then tabulate
     python benchmarks/ablation.py --no_run              # tabulate what exists under --run_dir
@@ -37,6 +43,7 @@ import json
 import math
 import statistics
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -61,7 +68,13 @@ REFERENCE = "GRPO"
 # starts at 22% greedy, 3% sampled on 100 problems (measured 2026-11-24), and a reply "37 + 58 = 95" needs ~10
 # tokens, hence 12. Its one-digit sums (a quarter of the problems) give a first reward to learn the reply's form from.
 TASK_ARGS = ["--task_config", '{"max_digits": 2}', "--max_completion_length", "12"]
-METRICS = {"greedy": "accuracy", "sampled": "sampled_accuracy"}
+# label -> summary key (<key>_before / <key>_after): the runs' own 100 problems (greedy; 4 samples at T=1), and the
+# large unseen set of large_eval.py (greedy), the one the power is sized on
+METRICS = {"greedy": "accuracy", "sampled": "sampled_accuracy", "large": "large_accuracy"}
+TITLES = {"greedy": "greedy (100)", "sampled": "sampled (100)", "large": "greedy (large set)"}
+PRIMARY = "large"
+RECORDS = HERE / "results" / "ablation_runs"
+HISTORY_KEYS = ("step", "reward", "oblr/lr_scale", "oblr/snr", "oblr/lr", "learning_rate")
 # (what it measures, arm, minus arm): every arm against GRPO, then each ingredient alone, the rest held fixed
 CONTRASTS = [
     ("RLOO vs GRPO", "RLOO", "GRPO"),
@@ -103,50 +116,141 @@ def demo_args(args, arm: str, lr: float, steps: int) -> list[str]:
             str(args.eval_every), *ARMS[arm][0], *TASK_ARGS, *args.demo_args]
 
 
+def cell_state(args, out: Path, arm: str, lr: float, seed: int) -> str:
+    """'done' (its record holds the large evaluation), 'large' (trained, its adapter not yet scored on the large set),
+    or 'train' (not run; or recorded without a large evaluation and its adapter gone, as after losing the machine)."""
+    record = record_path(args.records, arm, lr, seed)
+    if record.exists() and "large_eval" in json.loads(record.read_text()):
+        return "done"
+    if (out / "summary.json").exists():
+        if (out / "large_eval.json").exists():
+            return "done"  # recorded at the next sync
+        if (out / "model" / "adapter_config.json").exists():
+            return "large"
+    return "train"
+
+
+def pending(args) -> list[dict]:
+    """Every job still to do as dict(kind, name, out, seed, argv), in launch order: the large evaluations (of the
+    model before RL per seed, then of trained runs), then the training runs in ``jobs`` order. `argv`: large_eval.py's
+    arguments, or examples/demo.py's beyond the seed and output."""
+    quick, train = [], []
+    large = [str(HERE / "large_eval.py"), "--size", str(args.large_size)]
+    for seed in dict.fromkeys(job[2] for job in jobs(args)):
+        if not base_path(args.records, seed).exists():
+            out = base_path(args.records, seed)
+            quick.append(dict(kind="base", name=f"large eval before RL seed={seed}", out=out, seed=seed,
+                              argv=[*large, "--base", "--seed", str(seed), "--output", str(out)]))
+    for arm, lr, seed, steps, out in jobs(args):
+        state = cell_state(args, out, arm, lr, seed)
+        name = f"{arm} lr={lr:.3g} seed={seed}"
+        if state == "large":
+            quick.append(dict(kind="large", name=f"large eval of {name}", out=out, seed=seed, argv=[*large, str(out)]))
+        elif state == "train":
+            train.append(dict(kind="train", name=name, out=out, seed=seed, argv=demo_args(args, arm, lr, steps)))
+    return quick + train
+
+
 def run_all(args, log) -> None:
-    pending = [j for j in jobs(args) if not (j[4] / "summary.json").exists()]
-    running: list[tuple[subprocess.Popen, str]] = []
+    running: list[tuple[subprocess.Popen, str, str]] = []  # (process, name, output)
     deadline = None
     if args.stop_launching:
         hh, mm = map(int, args.stop_launching.split(":"))
         deadline = datetime.now(timezone.utc).replace(hour=hh, minute=mm, second=0, microsecond=0)
-    while pending or running:
+    stopped = False
+    while True:
         for item in list(running):
             if item[0].poll() is not None:
                 running.remove(item)
                 log(f"finished {item[1]} rc={item[0].returncode}; {uptime()}")
-        if deadline and datetime.now(timezone.utc) >= deadline and pending:
-            log(f"stop time {args.stop_launching} UTC reached: not launching {len(pending)} runs")
-            pending = []
-        while pending and len(running) < args.parallel and len(real_demo_outputs()) < args.parallel \
-                and mem_available_gb() >= args.min_free_gb:
-            arm, lr, seed, steps, out = pending.pop(0)
-            if (out / "summary.json").exists() or is_running(out, real_demo_outputs()):
-                continue
-            extra = demo_args(args, arm, lr, steps)
-            before = sorted(args.run_dir.glob(f"*_lr*/seed{seed}/before.json"))
-            if before:  # the same model, problems and seed: its before-RL evaluation is this run's
-                extra += ["--before_from", str(before[0])]
-            cmd, env = demo_command(seed, out, extra)
-            out.mkdir(parents=True, exist_ok=True)
-            with open(out / "log.txt", "w") as f:
+        for path in sync_records(args.run_dir, args.records):
+            log(f"recorded {path.name}")
+        ours = {str(Path(o).resolve()) for _, _, o in running}
+        others = [o for o in real_demo_outputs() if o and str(Path(o).resolve()) not in ours]
+        todo = [j for j in pending(args) if str(j["out"].resolve()) not in ours and not is_running(j["out"], others)]
+        if deadline and datetime.now(timezone.utc) >= deadline and not stopped:
+            stopped = True
+            log(f"stop time {args.stop_launching} UTC reached: not launching "
+                f"{sum(j['kind'] == 'train' for j in todo)} training runs")
+        if stopped:
+            todo = [j for j in todo if j["kind"] != "train"]
+        if not todo and not running:
+            return
+        if todo and len(running) + len(others) < args.parallel and mem_available_gb() >= args.min_free_gb:
+            job = todo[0]
+            out = job["out"]
+            cmd, env = demo_command(job["seed"], out, job["argv"])  # its environment: 1 torch thread, offline
+            if job["kind"] == "train":
+                before = sorted(args.run_dir.glob(f"*_lr*/seed{job['seed']}/before.json"))
+                if before:  # the same model, problems and seed: its before-RL evaluation is this run's
+                    cmd += ["--before_from", str(before[0])]
+                out.mkdir(parents=True, exist_ok=True)
+                log_path = out / "log.txt"
+            else:
+                cmd = [sys.executable, *job["argv"]]
+                log_path = args.run_dir / f"{out.stem}.log.txt" if job["kind"] == "base" else out / "large_log.txt"
+            with open(log_path, "w") as f:
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-            name = f"{arm} lr={lr:.3g} seed={seed}"
-            running.append((proc, name))
-            log(f"launched {name} (pid {proc.pid}); {uptime()}")
+            running.append((proc, job["name"], str(out)))
+            log(f"launched {job['name']} (pid {proc.pid}); {uptime()}")
             time.sleep(5)
+            continue
         time.sleep(args.poll_s)
 
 
-def load_runs(root: Path) -> list[dict]:
-    """Every finished run under root (<arm>_lr<lr>/seed<s>/summary.json) with its arm, lr, seed and log history."""
+def record_path(records: Path, arm: str, lr: float, seed: int) -> Path:
+    return records / f"{arm}_lr{lr:.3g}_seed{seed}.json"
+
+
+def base_path(records: Path, seed: int) -> Path:
+    """The large evaluation of the model before RL on seed `seed`'s large set."""
+    return records / f"large_before_seed{seed}.json"
+
+
+def make_record(out: Path, arm: str, lr: float, seed: int) -> dict:
+    """A finished run's record: its summary.json (without the example replies), each optimizer step's log entry cut
+    to HISTORY_KEYS, and its large evaluation when large_eval.py has written one."""
+    record = {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k != "examples"}
+    history = out / "log_history.json"
+    entries = json.loads(history.read_text()) if history.exists() else []
+    finished = datetime.fromtimestamp((out / "summary.json").stat().st_mtime, timezone.utc)
+    record.update(arm=arm, lr=lr, seed=seed, finished=f"{finished:%Y-%m-%d %H:%M UTC}",
+                  history=[{k: e[k] for k in HISTORY_KEYS if k in e} for e in entries if "step" in e and "loss" in e])
+    if (out / "large_eval.json").exists():
+        record["large_eval"] = json.loads((out / "large_eval.json").read_text())
+    return record
+
+
+def sync_records(run_dir: Path, records: Path) -> list[Path]:
+    """Write (or complete with its large evaluation) the record of every finished run under run_dir
+    (<arm>_lr<lr>/seed<s>/summary.json); the records written."""
+    written = []
+    records.mkdir(parents=True, exist_ok=True)
+    for summary in sorted(run_dir.glob("*_lr*/seed*/summary.json")):
+        out = summary.parent
+        arm, lr = out.parent.name.rsplit("_lr", 1)
+        path = record_path(records, arm, float(lr), int(out.name[4:]))
+        record = make_record(out, arm, float(lr), int(out.name[4:]))
+        if path.exists() and json.loads(path.read_text()) == record:
+            continue
+        path.write_text(json.dumps(record, indent=1))
+        written.append(path)
+    return written
+
+
+def load_runs(records: Path) -> list[dict]:
+    """Every recorded run (<arm>_lr<lr>_seed<s>.json under records), with `large_accuracy_after` from its large
+    evaluation and `large_accuracy_before` from its seed's evaluation before RL on the same problems."""
     runs = []
-    for path in sorted(root.glob("*_lr*/seed*/summary.json")):
-        arm, lr = path.parent.parent.name.rsplit("_lr", 1)
-        history = path.parent / "log_history.json"
-        finished = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        runs.append(dict(json.loads(path.read_text()), arm=arm, lr=float(lr), seed=int(path.parent.name[4:]),
-                         finished=finished, history=json.loads(history.read_text()) if history.exists() else []))
+    for path in sorted(records.glob("*_lr*_seed*.json")):
+        run = json.loads(path.read_text())
+        large = run.get("large_eval")
+        if large:
+            run["large_accuracy_after"] = large["accuracy"]
+            base = base_path(records, run["seed"])
+            if base.exists() and json.loads(base.read_text())["digest"] == large["digest"]:
+                run["large_accuracy_before"] = json.loads(base.read_text())["accuracy"]
+        runs.append(run)
     return runs
 
 
@@ -297,8 +401,9 @@ def render_lr_check(rows: list[dict]) -> list[str]:
     lines = ["", "## Is L the best lr on this task? (the lr check)", "",
              "GRPO's L came from a 10-step sweep on the demo's one-digit sums. Here each checked arm also runs at "
              "lower multiples of its lr, 40 steps, on the first seeds; differences are per seed, to the arm at its "
-             "own lr.", "", "| arm | lr multiple | lr | seeds | greedy % | minus own lr (pts) [95% CI] | sampled % "
-             "| minus own lr (pts) [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+             "own lr.", "", "| arm | lr multiple | lr | seeds | "
+             + " | ".join(f"{TITLES[m]} % | minus own lr (pts) [95% CI]" for m in METRICS) + " |",
+             "|---|---|---|---|" + "---|---|" * len(METRICS)]
     for r in rows:
         cells = []
         for label in METRICS:
@@ -312,28 +417,32 @@ def render_lr_check(rows: list[dict]) -> list[str]:
 
 def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: dict, header: list[str],
            missing: list[str], before: dict, delta: float, lr_check: list[dict] = ()) -> str:
-    lines = header + ["", f"Before RL (every seed, the same model and held-out problems): greedy {fmt(before['greedy'])}%, "
-                      f"sampled {fmt(before['sampled'])}%.", "", "## Held-out accuracy after RL, per arm", "",
-                      "| arm | lr (eta_max) | seeds | greedy % | sampled % | s/step (median) |", "|---|---|---|---|---|---|"]
+    lines = header + ["", "Before RL (seed mean; the 100 problems are the same for every seed): "
+                      + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + ".", "",
+                      "## Held-out accuracy after RL, per arm", "",
+                      "| arm | lr (eta_max) | " + " | ".join(f"{TITLES[m]}: seeds | %" for m in METRICS)
+                      + " | s/step (median) |", "|---|---|" + "---|---|" * len(METRICS) + "---|"]
     for r in arms:
-        lines.append(f"| {r['arm']} | {r['lr']:.3g} | {r['greedy']['n']} | {fmt(r['greedy']['mean'])} +- "
-                     f"{fmt(r['greedy']['sd'])} | {fmt(r['sampled']['mean'])} +- {fmt(r['sampled']['sd'])} "
-                     f"| {fmt(r['seconds_per_step'], digits=0)} |")
+        lines.append(f"| {r['arm']} | {r['lr']:.3g} | " + " | ".join(
+            f"{r[m]['n']} | {fmt(r[m]['mean'])} +- {fmt(r[m]['sd'])}" for m in METRICS)
+            + f" | {fmt(r['seconds_per_step'], digits=0)} |")
     lines += ["", "## Paired differences (same seed: same problems, same order)", "",
-              "| contrast | seeds | greedy (pts) [95% CI] | verdict | power | sampled (pts) [95% CI] | verdict | power |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| contrast | " + " | ".join(f"{TITLES[m]}: seeds | pts [95% CI] | verdict | power" for m in METRICS)
+              + " |", "|---|" + "---|---|---|---|" * len(METRICS)]
     for c in contrasts:
         cells = []
         for label in METRICS:
             d = c[label]
             ci = f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]" if d["ci"] else ""
-            cells += [f"{fmt(d['mean'], True)}{ci}", d["verdict"], f"{d['power']:.0%}" if "power" in d else "-"]
-        lines.append(f"| {c['name']} | {c['greedy']['n']} | " + " | ".join(cells) + " |")
+            cells += [str(d["n"]), f"{fmt(d['mean'], True)}{ci}", d["verdict"],
+                      f"{d['power']:.0%}" if "power" in d else "-"]
+        lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
     lines += ["", f"Power: of a two-sided paired t-test at the 5% level to detect a true difference of {delta:g} points, "
               "at the observed spread of the per-seed differences and the seeds run ('verdict' is whether the 95% "
-              "interval excludes 0). Per-seed differences (greedy):", ""]
+              "interval excludes 0). Per-seed differences (greedy, large set; 100 problems where no large set "
+              "yet):", ""]
     for c in contrasts:
-        d = c["greedy"]
+        d = c[PRIMARY] if c[PRIMARY]["n"] else c["greedy"]
         if d["n"]:
             need = d.get("seeds_for_80")
             lines.append(f"- {c['name']}: {', '.join(f'{x:+.1f}' for x in d['diffs'])} (seeds "
@@ -375,19 +484,20 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     def said(name: str) -> str:
         c = by_name[name]
         parts = []
-        for label in METRICS:
+        for label in [PRIMARY, *(m for m in METRICS if m != PRIMARY)]:  # the powered measurement first
             d = c[label]
             if d["ci"] is None:
-                parts.append(f"{label}: {d['verdict']}")
+                parts.append(f"{TITLES[label]}: {d['verdict']}")
             else:
-                parts.append(f"{label} {d['mean']:+.1f} pts [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], {d['verdict']}"
+                parts.append(f"{TITLES[label]} {d['mean']:+.1f} pts [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], {d['verdict']}"
                              + (f" (power {d['power']:.0%} for {delta:g} pts)" if "power" in d else ""))
-        return f"- **{name}** over {c['greedy']['n']} seeds: " + "; ".join(parts) + "."
+        return f"- **{name}** over {c[PRIMARY]['n']} seeds: " + "; ".join(parts) + "."
 
-    n = max((c["greedy"]["n"] for c in contrasts), default=0)
+    n = max((c[PRIMARY]["n"] for c in contrasts), default=0)
     lines = ["# When to use OBLR-PO", "",
-             f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`): the best-paired "
-             f"contrast has {n} of its {planned_seeds} planned seeds so far." + (" **Too few seeds for any verdict yet: what follows is "
+             f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`): on the powered "
+             f"measurement ({TITLES[PRIMARY]}) the best-paired contrast has {n} of its {planned_seeds} planned seeds "
+             "so far." + (" **Too few seeds for any verdict yet: what follows is "
                                                           "what the runs show, not a recommendation.**" if n < 3 else ""),
              ""]
     if n >= 3:
@@ -398,10 +508,12 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
         lines += [said(name) for name, _, _ in CONTRASTS[:5] if name in by_name]
     else:
         lines += ["Finished so far (held-out accuracy after the run, mean over its seeds; the starting model: "
-                  f"greedy {fmt(before['greedy'])}%, sampled {fmt(before['sampled'])}%):", ""]
-        lines += [f"- {r['arm']} ({r['greedy']['n']} seed{'s' * (r['greedy']['n'] != 1)}): greedy "
-                  f"{fmt(r['greedy']['mean'])}%, sampled {fmt(r['sampled']['mean'])}%" for r in arms if r["greedy"]["n"]]
-    worse = [c["name"] for c in contrasts if "worse" in (c["greedy"]["verdict"], c["sampled"]["verdict"])]
+                  + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + "):", ""]
+        lines += [f"- {r['arm']}: " + ", ".join(f"{TITLES[m]} {fmt(r[m]['mean'])}% ({r[m]['n']} seed"
+                                                 f"{'s' * (r[m]['n'] != 1)})" for m in METRICS if r[m]["n"])
+                  for r in arms if any(r[m]["n"] for m in METRICS)]
+    worse = [f"{c['name']} ({', '.join(TITLES[m] for m in METRICS if c[m]['verdict'] == 'worse')})"
+             for c in contrasts if any(c[m]["verdict"] == "worse" for m in METRICS)]
     costs = [f"{arm} {fmt(v, digits=0)} s ({v / grpo_cost:.2f}x GRPO's)" for arm, v in cost.items()
              if not math.isnan(v) and not math.isnan(grpo_cost)]
     lines += ["", "**Cost** (median s/step on this 2-core CPU, runs sharing the machine): "
@@ -426,16 +538,17 @@ def plot(curves: dict, contrasts: list[dict], path: Path, title: str) -> None:
     axes[0].set(xlabel="optimizer step", ylabel="lr scale (SNR factor), seed mean", title="step size")
     axes[1].set(xlabel="optimizer step", ylabel="training reward, seed mean", title="reward")
     axes[2].set(xlabel="optimizer step", ylabel="held-out greedy accuracy (%), seed mean", title="held-out")
-    shown = [c for c in contrasts if c["greedy"]["n"]]
+    metric = PRIMARY if any(c[PRIMARY]["n"] for c in contrasts) else "greedy"
+    shown = [c for c in contrasts if c[metric]["n"]]
     for i, c in enumerate(shown):
-        d = c["greedy"]
+        d = c[metric]
         axes[3].scatter(d["diffs"], [i] * len(d["diffs"]), color=palette[c["a"]], alpha=0.6)
         if d["ci"]:
             axes[3].errorbar([d["mean"]], [i], xerr=[[d["mean"] - d["ci"][0]], [d["ci"][1] - d["mean"]]],
                              color="black", capsize=4, marker="|")
     axes[3].axvline(0, color="gray", linestyle="--")
     axes[3].set_yticks(range(len(shown)), [f"{c['a']} - {c['b']}" for c in shown], fontsize=7)
-    axes[3].set(xlabel="greedy accuracy difference, same seed (pts)", title="paired differences, 95% CI")
+    axes[3].set(xlabel=f"{TITLES[metric]} accuracy difference, same seed (pts)", title="paired differences, 95% CI")
     for ax in axes[:3]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -469,7 +582,11 @@ def main():
     parser.add_argument("--poll_s", type=float, default=30)
     parser.add_argument("--run_dir", type=Path, default=Path("outputs/ablation"))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "ablation")
-    parser.add_argument("--no_run", action="store_true", help="only tabulate the runs that exist under --run_dir")
+    parser.add_argument("--records", type=Path, default=RECORDS,
+                        help="where each finished run's record is kept (committed; the tables are made from these)")
+    parser.add_argument("--large_size", type=int, default=500,
+                        help="distinct unseen held-out problems of each run's large evaluation (large_eval.py)")
+    parser.add_argument("--no_run", action="store_true", help="only record and tabulate the runs that finished")
     parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -490,16 +607,22 @@ def main():
 
 
 def tabulate(args, runner_log: list[str]) -> None:
-    runs = load_runs(args.run_dir)
+    sync_records(args.run_dir, args.records)
+    runs = load_runs(args.records)
     if not runs:
-        raise SystemExit(f"no <arm>_lr<lr>/seed<s>/summary.json under {args.run_dir} yet")
+        raise SystemExit(f"no run recorded under {args.records} (nor finished under {args.run_dir}) yet")
     lost: dict[tuple[str, float], list[int]] = {}
     for arm, lr, seed, _, out in jobs(args):
-        if not (out / "summary.json").exists():
+        if cell_state(args, out, arm, lr, seed) != "done":
             lost.setdefault((arm, lr), []).append(seed)
     missing = [f"{arm} lr {lr:.3g} seeds {','.join(map(str, seeds))}" for (arm, lr), seeds in lost.items()]
-    before = {label: statistics.mean({r["seed"]: 100 * r[f"{key}_before"] for r in runs}.values())
-              for label, key in METRICS.items()}
+    before = {}
+    for label, key in METRICS.items():
+        per_seed = {r["seed"]: 100 * r[f"{key}_before"] for r in runs if r.get(f"{key}_before") is not None}
+        if label == "large":  # every seed scored so far, trained on or not
+            per_seed = {int(p.stem.rsplit("seed", 1)[1]): 100 * json.loads(p.read_text())["accuracy"]
+                        for p in args.records.glob("large_before_seed*.json")}
+        before[label] = statistics.mean(per_seed.values()) if per_seed else math.nan
     main_runs = [r for r in runs if r["seed"] in args.seeds]
     arms = arm_table(main_runs, args.arms, args.grpo_lr, args.seeds)
     contrasts = contrast_table(main_runs, args.grpo_lr, args.seeds, args.delta,
@@ -512,7 +635,8 @@ def tabulate(args, runner_log: list[str]) -> None:
     header = [
         "# Which half of OBLR-PO helps? A paired ablation on SmolLM2-135M-Instruct",
         "",
-        f"Generated by `python benchmarks/ablation.py --no_run` from {len(runs)} finished runs under `{args.run_dir}` "
+        f"Generated by `python benchmarks/ablation.py --no_run` from {len(runs)} finished runs recorded in "
+        f"`{args.records.relative_to(HERE.parent) if args.records.is_relative_to(HERE.parent) else args.records}` "
         f"(finished {stamps[0] if stamps else '?'} .. {stamps[-1] if stamps else '?'}; a 2-core CPU, 1 or 2 runs at "
         f"a time with 1 torch thread each, sharing it with other jobs). Every run: `examples/demo.py --model smollm2 "
         f"{' '.join(TASK_ARGS)}` (chain_sum with one- or two-digit terms, LoRA r=16, 8 prompts x 8 completions per "
@@ -523,15 +647,20 @@ def tabulate(args, runner_log: list[str]) -> None:
         "their order, so every difference is taken per seed. The task: the demo's one-digit sums start at 50% greedy "
         "and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
         "sampled, and leave room for 40 steps.",
+        "",
+        f"**The powered measurement** is the last column group, *greedy (large set)*: after each run, "
+        f"`large_eval.py` scores its adapter greedily on {args.large_size} distinct held-out problems, none of them "
+        "among that seed's training problems, the same problems for every arm of a seed. On the runs' own 100 "
+        "problems (which repeat questions) the difference of two arms carries ~4-5 points of measurement noise "
+        "alone. Runs recorded before the large evaluation existed (their adapters lost with the machine) have no "
+        "large-set score and are run again.",
     ]
     text = render(arms, contrasts, stab, curves, header, missing, before, args.delta, lr_check)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
     when = args.out.with_name(args.out.name + "_when.md")
     when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before))
-    compact = [{k: v for k, v in r.items() if k not in ("history", "examples")} | dict(
-        per_step={k: [e.get(k) for e in r["history"] if "step" in e and "loss" in e]
-                  for k in ("reward", "oblr/lr_scale", "oblr/snr", "learning_rate")}) for r in runs]
+    compact = [{k: v for k, v in r.items() if k not in ("history", "large_eval")} for r in runs]  # records: the rest
     args.out.with_suffix(".json").write_text(json.dumps(dict(arms=arms, contrasts=contrasts, stability=stab,
                                                              lr_check=lr_check,
                                                              curves=curves, missing=missing, before=before,

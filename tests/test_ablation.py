@@ -26,7 +26,8 @@ def args_for(ab, tmp_path, **kw):
     base = dict(arms=list(ab.ARMS), grpo_lr=5e-4, seeds=[0, 1, 2, 3], max_steps=40, eval_every=10,
                 stability_multiples=[3.0, 10.0], stability_seeds=[0, 1, 2], stability_steps=20, collapse_pts=10.0,
                 lr_check_arms=["GRPO"], lr_check_multiples=[0.3], lr_check_seeds=[0, 1, 2],
-                delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[])
+                delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
+                records=tmp_path / "records", large_size=500)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -36,7 +37,8 @@ AFTER = {"GRPO": [0.40, 0.50, 0.45, 0.42], "RLOO": [0.41, 0.47, 0.46, 0.44],
          "OBLR-PO": [0.51, 0.59, 0.56, 0.52], "OBLR-PO-per_step": [0.45, 0.50, 0.46, 0.44]}
 
 
-def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False):
+def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False, large=None, adapter=False):
+    """A finished run's folder: summary.json, log_history.json, and (optional) its large evaluation and adapter."""
     out = ab.run_dir_of(root, arm, lr, seed)
     out.mkdir(parents=True)
     curve = [dict(step=0, accuracy=0.25, sampled_accuracy=0.06)]
@@ -48,7 +50,13 @@ def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False):
     (out / "summary.json").write_text(json.dumps(summary))
     history = [dict(step=s, loss=0.0, reward=0.1 + s / 100, **({"oblr/lr_scale": 0.5 / s} if "SNR" in arm or
                                                                  "OBLR" in arm else {})) for s in range(1, steps + 1)]
-    (out / "log_history.json").write_text(json.dumps(history))
+    (out / "log_history.json").write_text(json.dumps(history + [dict(step=steps, train_runtime=1.0)]))
+    if large is not None:
+        (out / "large_eval.json").write_text(json.dumps(dict(accuracy=large, digest=f"seed{seed}", size=500)))
+    if adapter:
+        (out / "model").mkdir()
+        (out / "model" / "adapter_config.json").write_text("{}")
+    return out
 
 
 def test_jobs_run_the_ablation_seed_major_then_the_stability_window(ab, tmp_path):
@@ -72,7 +80,8 @@ def test_the_lr_check_table_is_per_seed_against_the_arm_at_its_own_lr(ab, tmp_pa
         write_run(ab, a.run_dir, "GRPO", 5e-4, seed, own)
         write_run(ab, a.run_dir, "GRPO", 1.5e-4, seed, low)
     write_run(ab, a.run_dir, "GRPO", 1.5e-4, 3, 0.9)  # not a checked seed: left out
-    rows = ab.lr_check_table(ab.load_runs(a.run_dir), a)
+    ab.sync_records(a.run_dir, a.records)
+    rows = ab.lr_check_table(ab.load_runs(a.records), a)
     assert [(r["multiple"], r["lr"]) for r in rows] == [(1.0, 5e-4), (0.3, 1.5e-4)]
     low = rows[1]["sampled"]
     assert low["n"] == 3 and low["mean"] == pytest.approx(100 * (0.50 + 0.62 + 0.53) / 3)
@@ -87,7 +96,8 @@ def test_contrasts_are_per_seed_with_t_intervals(ab, tmp_path):
     for arm, values in AFTER.items():
         for seed, after in enumerate(values):
             write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr), seed, after)
-    runs = ab.load_runs(a.run_dir)
+    ab.sync_records(a.run_dir, a.records)
+    runs = ab.load_runs(a.records)
     rows = {c["name"]: c for c in ab.contrast_table(runs, a.grpo_lr, a.seeds, a.delta)}
     d = rows["OBLR-PO vs GRPO"]["greedy"]
     expected = [100 * (o - g) for o, g in zip(AFTER["OBLR-PO"], AFTER["GRPO"])]
@@ -103,7 +113,7 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     a = args_for(ab, tmp_path, seeds=[0, 1, 2], stability_seeds=[0, 1, 2])
     for arm, values in AFTER.items():
         for seed in range(3):
-            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr), seed, values[seed])
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr), seed, values[seed], large=values[seed] - 0.1)
     for seed in range(3):  # OBLR-PO at 10x its lr collapses on seeds 0 and 1
         write_run(ab, a.run_dir, "OBLR-PO", ab.lr_of("OBLR-PO", a.grpo_lr, 10.0), seed, 0.5, steps=20,
                   collapsed=seed < 2)
@@ -112,12 +122,51 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 |" in text
     assert "Not finished when this table was made" in text  # the other stability runs
     when = a.out.with_name("ablation_when.md").read_text()
-    assert "has 3 of its 3 planned seeds" in when and "**OBLR-PO vs GRPO** over 3 seeds: greedy +" in when
+    assert "has 3 of its 3 planned seeds" in when and "**OBLR-PO vs GRPO** over 3 seeds: greedy (large set) +" in when
+    assert "over 3 seeds: greedy (large set) +10.3 pts" in when  # (51+59+56)/3 - (40+50+45)/3, large set first
+    assert "SNR-only vs GRPO (greedy (100), sampled (100), greedy (large set))" in when.split("**Where it loses**")[1]
+    assert "| OBLR-PO vs GRPO | 3 | +10.3 [" in text and "Not finished" in text and "GRPO lr 0.0005 seeds" not in text
     assert "SNR-only vs GRPO" in when.split("**Where it loses**")[1]
     assert "GRPO 60 s (1.00x GRPO's)" in when and "OBLR-PO 66 s (1.10x GRPO's)" in when
     saved = json.loads(a.out.with_suffix(".json").read_text())
-    assert len(saved["runs"]) == 21 and saved["runs"][0]["per_step"]["reward"][:2] == pytest.approx([0.11, 0.12])
+    assert len(saved["runs"]) == 21 and "history" not in saved["runs"][0]
+    record = json.loads(ab.record_path(a.records, "GRPO", 5e-4, 0).read_text())
+    assert [e["reward"] for e in record["history"][:2]] == pytest.approx([0.11, 0.12]) and len(record["history"]) == 40
     assert a.out.with_suffix(".png").stat().st_size > 10_000
     curves = saved["curves"]["OBLR-PO"]
     assert curves["lr_scale"]["1"] == pytest.approx(0.5) and curves["greedy"]["40"] == pytest.approx(
         100 * statistics.mean(AFTER["OBLR-PO"][:3]))
+
+
+def test_records_keep_finished_runs_when_their_folders_are_lost(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0], stability_seeds=[], lr_check_seeds=[])
+    out = write_run(ab, a.run_dir, "GRPO", 5e-4, 0, 0.5, large=0.3)
+    assert [p.name for p in ab.sync_records(a.run_dir, a.records)] == ["GRPO_lr0.0005_seed0.json"]
+    assert ab.sync_records(a.run_dir, a.records) == []  # unchanged: not rewritten
+    for f in out.iterdir():
+        f.unlink()
+    out.rmdir()
+    (runs,) = ab.load_runs(a.records)
+    assert runs["arm"] == "GRPO" and runs["accuracy_after"] == 0.5 and runs["large_accuracy_after"] == 0.3
+    assert "large_accuracy_before" not in runs  # no evaluation of the model before RL on that seed's set yet
+    ab.base_path(a.records, 0).write_text(json.dumps(dict(accuracy=0.1, digest="seed0")))
+    ab.base_path(a.records, 1).write_text(json.dumps(dict(accuracy=0.2, digest="other")))
+    assert ab.load_runs(a.records)[0]["large_accuracy_before"] == 0.1
+    assert ab.cell_state(a, out, "GRPO", 5e-4, 0) == "done"  # never run again
+
+
+def test_pending_scores_trained_runs_first_and_reruns_runs_without_a_large_evaluation(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0, 1], stability_seeds=[], lr_check_seeds=[], arms=["GRPO", "RLOO", "OBLR-PO"])
+    write_run(ab, a.run_dir, "GRPO", 5e-4, 0, 0.5, large=0.3)                  # done
+    write_run(ab, a.run_dir, "RLOO", 5e-4, 0, 0.5, adapter=True)               # trained, to be scored
+    lost = write_run(ab, a.run_dir, "OBLR-PO", 1e-3, 0, 0.5)                   # no adapter, no large set: rerun
+    ab.base_path(a.records, 1).parent.mkdir(parents=True)
+    ab.base_path(a.records, 1).write_text("{}")
+    jobs = ab.pending(a)
+    assert [(j["kind"], j["name"]) for j in jobs] == [
+        ("base", "large eval before RL seed=0"), ("large", "large eval of RLOO lr=0.0005 seed=0"),
+        ("train", "OBLR-PO lr=0.001 seed=0"), ("train", "GRPO lr=0.0005 seed=1"), ("train", "RLOO lr=0.0005 seed=1"),
+        ("train", "OBLR-PO lr=0.001 seed=1")]
+    assert jobs[0]["argv"][-4:] == ["--seed", "0", "--output", str(ab.base_path(a.records, 0))]
+    assert jobs[1]["argv"][-1] == str(ab.run_dir_of(a.run_dir, "RLOO", 5e-4, 0)) and jobs[2]["out"] == lost
+    assert "--learning_rate" in jobs[2]["argv"] and "--eval_every" in jobs[2]["argv"]

@@ -1,0 +1,42 @@
+"""benchmarks/large_eval.py: the large held-out set is distinct, unseen in training, deterministic per seed."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def le():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    return importlib.import_module("large_eval")
+
+
+def test_distinct_unseen_keeps_pool_order_and_drops_repeats_and_training_questions(le):
+    pool = ["a", "b", "a", "c", "d", "b", "e"]
+    assert le.distinct_unseen(pool, {"c"}, 10) == [0, 1, 4, 6]
+    assert le.distinct_unseen(pool, {"c"}, 2) == [0, 1]
+    assert le.distinct_unseen(pool, set(pool), 3) == []
+
+
+def test_large_held_out_is_unseen_by_its_seed_and_the_same_for_every_arm(le):
+    pytest.importorskip("reasoning_gym")
+    from oblr_trl.tasks import PROMPT_TEMPLATES, make_dataset
+
+    held = le.large_held_out(seed=1, size=300, pool=2000)
+    questions = [p[-1]["content"] for p in held["prompt"]]
+    train = make_dataset(le.TASK, size=le.NUM_TRAIN, seed=1, prompt_template=PROMPT_TEMPLATES[le.TEMPLATE],
+                         **le.TASK_CONFIG)
+    assert len(set(questions)) == 300 and not set(questions) & {p[-1]["content"] for p in train["prompt"]}
+    assert le.questions_digest(held) == le.questions_digest(le.large_held_out(seed=1, size=300, pool=2000))
+    # reasoning-gym's problem i of seed s is drawn with seed s + i: nearby seeds share their problems (and so their
+    # large set), distant ones do not
+    assert le.questions_digest(held) != le.questions_digest(le.large_held_out(seed=100_000, size=300, pool=2000))
+    with pytest.raises(ValueError, match="raise --pool"):
+        le.large_held_out(seed=1, size=300, pool=100)
