@@ -49,7 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from demo_seeds import demo_command
-from paired_stats import paired_difference, paired_power, seeds_for_power
+from paired_stats import paired_difference, paired_power, problem_paired_se, seeds_for_power
 from real_compare import is_running, mem_available_gb, real_demo_outputs, uptime
 
 HERE = Path(__file__).resolve().parent
@@ -260,6 +260,21 @@ def by_seed(runs: list[dict], arm: str, lr: float, key: str) -> dict[int, float]
             and r.get(key) is not None}
 
 
+def large_correct(runs: list[dict], arm: str, lr: float) -> dict[int, tuple[str, list[bool]]]:
+    """{seed: (digest of the problems, exact answer per problem)} of one cell's large evaluations."""
+    return {r["seed"]: (r["large_eval"]["digest"], [s >= 1.0 for s in r["large_eval"]["scores"]])
+            for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr) and r.get("large_eval", {}).get("scores")}
+
+
+def measurement_se(runs: list[dict], a: str, lr_a: float, b: str, lr_b: float, seeds: list[int]) -> float | None:
+    """Mean over the seeds both cells scored on the same large set of the problem-level standard error (points) of
+    their difference: how much of a per-seed difference is measurement noise rather than the runs."""
+    mine, ref = large_correct(runs, a, lr_a), large_correct(runs, b, lr_b)
+    ses = [problem_paired_se(mine[s][1], ref[s][1]) for s in seeds
+           if s in mine and s in ref and mine[s][0] == ref[s][0]]
+    return statistics.mean(ses) if ses else None
+
+
 def curve_at(run: dict, step: int, key: str) -> float | None:
     """The held-out metric `key` of a run at `step` (its `curve`), or None."""
     return next((100 * c[key] for c in run.get("curve", []) if c["step"] == step and c.get(key) is not None), None)
@@ -297,6 +312,8 @@ def contrast_table(runs: list[dict], grpo_lr: float, seeds: list[int], delta: fl
                 diff["power"] = paired_power(delta, diff["sd"], diff["n"])
                 diff["seeds_for_80"] = seeds_for_power(delta, diff["sd"])
             diff["verdict"] = verdict(diff)
+            if label == PRIMARY:
+                diff["measurement_se"] = measurement_se(runs, a, lr_of(a, grpo_lr), b, lr_of(b, grpo_lr), seeds)
             row[label] = diff
         rows.append(row)
     return rows
@@ -444,10 +461,12 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
     for c in contrasts:
         d = c[PRIMARY] if c[PRIMARY]["n"] else c["greedy"]
         if d["n"]:
-            need = d.get("seeds_for_80")
+            need, se = d.get("seeds_for_80"), d.get("measurement_se")
             lines.append(f"- {c['name']}: {', '.join(f'{x:+.1f}' for x in d['diffs'])} (seeds "
-                         f"{','.join(map(str, d['seeds']))})" + (f"; 80% power at this spread needs {need} seeds"
-                                                                  if need else ""))
+                         f"{','.join(map(str, d['seeds']))}" + (", large set" if d is c[PRIMARY] else ", 100 problems")
+                         + ")" + (f"; of each, +-{se:.1f} pts is measurement (problem-level standard error)"
+                                  if se is not None else "")
+                         + (f"; 80% power at this spread needs {need} seeds" if need else ""))
     lines += ["", "## The step size over the run", "",
               "| arm | seeds | lr scale, steps 1-5 | steps 16-20 | last 5 | reward, steps 1-5 | last 5 | greedy % at "
               "each evaluation |", "|---|---|---|---|---|---|---|---|"]

@@ -95,3 +95,14 @@ def paired_difference(values: dict[int, float], reference: dict[int, float], lev
         half = t_quantile(0.5 + level / 2, len(diffs) - 1) * out["sd"] / math.sqrt(len(diffs))
         out["ci"] = (out["mean"] - half, out["mean"] + half)
     return out
+
+
+def problem_paired_se(correct: list[bool], reference: list[bool]) -> float:
+    """The standard error (points) of accuracy(correct) - accuracy(reference) from the problems alone, when both were
+    measured on the same problems in the same order: 100 sd(d) / sqrt(n), d_i = correct_i - reference_i. What the
+    measurement adds to a per-seed difference, whatever the training did (problems both get right or both miss add
+    nothing)."""
+    if len(correct) != len(reference) or len(correct) < 2:
+        raise ValueError("problem_paired_se: need two equally long lists of at least 2 problems")
+    diffs = [int(a) - int(b) for a, b in zip(correct, reference)]
+    return 100 * statistics.stdev(diffs) / math.sqrt(len(diffs))

@@ -51,8 +51,10 @@ def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False, large=N
     history = [dict(step=s, loss=0.0, reward=0.1 + s / 100, **({"oblr/lr_scale": 0.5 / s} if "SNR" in arm or
                                                                  "OBLR" in arm else {})) for s in range(1, steps + 1)]
     (out / "log_history.json").write_text(json.dumps(history + [dict(step=steps, train_runtime=1.0)]))
-    if large is not None:
-        (out / "large_eval.json").write_text(json.dumps(dict(accuracy=large, digest=f"seed{seed}", size=500)))
+    if large is not None:  # the first round(500 * large) problems right
+        scores = [1.0] * round(500 * large) + [0.2] * (500 - round(500 * large))
+        (out / "large_eval.json").write_text(json.dumps(dict(accuracy=large, digest=f"seed{seed}", size=500,
+                                                             scores=scores)))
     if adapter:
         (out / "model").mkdir()
         (out / "model" / "adapter_config.json").write_text("{}")
@@ -125,7 +127,14 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     assert "has 3 of its 3 planned seeds" in when and "**OBLR-PO vs GRPO** over 3 seeds: greedy (large set) +" in when
     assert "over 3 seeds: greedy (large set) +10.3 pts" in when  # (51+59+56)/3 - (40+50+45)/3, large set first
     assert "SNR-only vs GRPO (greedy (100), sampled (100), greedy (large set))" in when.split("**Where it loses**")[1]
-    assert "| OBLR-PO vs GRPO | 3 | +10.3 [" in text and "Not finished" in text and "GRPO lr 0.0005 seeds" not in text
+    assert "| OBLR-PO vs GRPO | 3 | +10.3 [" in text
+    # seed 0 differs on the 55 problems OBLR-PO has right and GRPO wrong: sd of 55 ones among 500, / sqrt(500)
+    se0 = 100 * statistics.stdev([1] * 55 + [0] * 445) / 500 ** 0.5
+    assert f"(seeds 0,1,2, large set); of each, +-" in text and "OBLR-PO vs GRPO: +11.0, +9.0, +11.0" in text
+    row = next(c for c in json.loads(a.out.with_suffix(".json").read_text())["contrasts"] if c["a"] == "OBLR-PO"
+               and c["b"] == "GRPO")
+    se = [100 * statistics.stdev([1] * k + [0] * (500 - k)) / 500 ** 0.5 for k in (55, 45, 55)]
+    assert row["large"]["measurement_se"] == pytest.approx(statistics.mean(se)) and se[0] == pytest.approx(se0) and "Not finished" in text and "GRPO lr 0.0005 seeds" not in text
     assert "SNR-only vs GRPO" in when.split("**Where it loses**")[1]
     assert "GRPO 60 s (1.00x GRPO's)" in when and "OBLR-PO 66 s (1.10x GRPO's)" in when
     saved = json.loads(a.out.with_suffix(".json").read_text())

@@ -64,3 +64,24 @@ def test_paired_difference_by_hand(ps):
     half = 4.302653 * statistics.stdev(diffs) / math.sqrt(3)
     assert out["ci"] == pytest.approx((statistics.mean(diffs) - half, statistics.mean(diffs) + half), abs=1e-3)
     assert ps.paired_difference({0: 1.0, 1: 2.0}, {0: 0.0, 1: 0.0})["ci"] is None  # fewer than 3 seeds
+
+
+def test_problem_paired_se_matches_the_spread_of_resampled_problem_sets(ps):
+    """Draw problem sets from a population where the two models agree on most problems: the sd of the accuracy
+    difference across draws matches the standard error computed from one draw."""
+    import random
+
+    rng = random.Random(0)
+    n, draws = 400, 2000
+    # per problem: (a right, b right) with P = 0.45 both, 0.30 neither, 0.15 a only, 0.10 b only
+    kinds = [(1, 1)] * 45 + [(0, 0)] * 30 + [(1, 0)] * 15 + [(0, 1)] * 10
+    diffs, ses = [], []
+    for _ in range(draws):
+        sample = [rng.choice(kinds) for _ in range(n)]
+        a, b = [s[0] for s in sample], [s[1] for s in sample]
+        diffs.append(100 * (sum(a) - sum(b)) / n)
+        ses.append(ps.problem_paired_se(a, b))
+    assert statistics.stdev(diffs) == pytest.approx(statistics.mean(ses), rel=0.05)
+    assert statistics.mean(ses) == pytest.approx(100 * math.sqrt((0.25 - 0.05 ** 2) / n), rel=0.03)
+    with pytest.raises(ValueError, match="equally long"):
+        ps.problem_paired_se([1, 0], [1])
