@@ -18,6 +18,10 @@ Arms (L = ``--grpo_lr``, GRPO's best lr; a user's eta_max = 2 L, the README's ad
 The lr check runs GRPO (``--lr_check_arms``) also at 0.3 L, 40 steps, seeds 0-2: L was GRPO's best on another task
 (the demo's one-digit sums, 10 steps), and the SNR arms' effective step (eta_max x the SNR factor) falls well below L.
 
+The long runs (``--long_arms``, default OBLR-PO and GRPO, ``--long_steps`` 120, seed 0, held-out accuracy every 20
+steps) ask whether the SNR step, which falls to a few percent of eta_max within 40 steps, stalls a longer run: a
+table and a plot (applied lr, reward, held-out accuracy against the step) beside GRPO's constant step.
+
 The stability window runs each arm at 3x and 10x its lr over ``--stability_seeds``. A run *collapses* when its
 greedy held-out accuracy after RL is below the starting model's by more than ``--collapse_pts`` points.
 
@@ -74,6 +78,7 @@ METRICS = {"greedy": "accuracy", "sampled": "sampled_accuracy", "large": "large_
 TITLES = {"greedy": "greedy (100)", "sampled": "sampled (100)", "large": "greedy (large set)"}
 PRIMARY = "large"
 RECORDS = HERE / "results" / "ablation_runs"
+LONG_TAG = "_long"  # the folder and record suffix of a long run's cell
 HISTORY_KEYS = ("step", "reward", "oblr/lr_scale", "oblr/snr", "oblr/lr", "learning_rate")
 # (what it measures, arm, minus arm): every arm against GRPO, then each ingredient alone, the rest held fixed
 CONTRASTS = [
@@ -93,33 +98,44 @@ def lr_of(arm: str, grpo_lr: float, multiple: float = 1.0) -> float:
     return float(f"{ARMS[arm][1] * grpo_lr * multiple:.3g}")
 
 
-def run_dir_of(root: Path, arm: str, lr: float, seed: int) -> Path:
-    return root / f"{arm}_lr{lr:.3g}" / f"seed{seed}"
+def run_dir_of(root: Path, arm: str, lr: float, seed: int, long: bool = False) -> Path:
+    return root / f"{arm}_lr{lr:.3g}{LONG_TAG * long}" / f"seed{seed}"
+
+
+def parse_cell(folder: str) -> tuple[str, float, bool]:
+    """(arm, lr, long) of a cell's folder name (run_dir_of's)."""
+    arm, rest = folder.rsplit("_lr", 1)
+    return arm, float(rest.removesuffix(LONG_TAG)), rest.endswith(LONG_TAG)
 
 
 def jobs(args) -> list[tuple[str, float, int, int, Path]]:
     """(arm, lr, seed, steps, output folder) of every run, in launch order: the ablation seed-major, with the lr check
     (``--lr_check_arms`` at ``--lr_check_multiples`` of their lr, full length) right after the last seed it shares
-    with the ablation, then the stability window (3x before 10x, seed-major, ``--stability_steps`` each)."""
+    with the ablation, then the long runs (``--long_arms`` at their lr, ``--long_steps``, ``--long_seeds``), then
+    the stability window (3x before 10x, seed-major, ``--stability_steps`` each)."""
     out = [(arm, lr_of(arm, args.grpo_lr), seed, args.max_steps) for seed in args.seeds for arm in args.arms]
     check = [(arm, lr_of(arm, args.grpo_lr, m), seed, args.max_steps) for m in args.lr_check_multiples
              for seed in args.lr_check_seeds for arm in args.lr_check_arms]
     cut = max((i + 1 for i, job in enumerate(out) if job[2] in args.lr_check_seeds), default=len(out))
     out[cut:cut] = check
-    out += [(arm, lr_of(arm, args.grpo_lr, m), seed, args.stability_steps) for m in args.stability_multiples
+    out = [(*job, False) for job in out]
+    out += [(arm, lr_of(arm, args.grpo_lr), seed, args.long_steps, True) for seed in args.long_seeds
+            for arm in args.long_arms]
+    out += [(arm, lr_of(arm, args.grpo_lr, m), seed, args.stability_steps, False) for m in args.stability_multiples
             for seed in args.stability_seeds for arm in args.arms]
-    return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed)) for arm, lr, seed, steps in out]
+    return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed, long))
+            for arm, lr, seed, steps, long in out]
 
 
-def demo_args(args, arm: str, lr: float, steps: int) -> list[str]:
+def demo_args(args, arm: str, lr: float, steps: int, long: bool = False) -> list[str]:
     return ["--model", "smollm2", "--learning_rate", repr(lr), "--max_steps", str(steps), "--eval_every",
-            str(args.eval_every), *ARMS[arm][0], *TASK_ARGS, *args.demo_args]
+            str(args.long_eval_every if long else args.eval_every), *ARMS[arm][0], *TASK_ARGS, *args.demo_args]
 
 
-def cell_state(args, out: Path, arm: str, lr: float, seed: int) -> str:
+def cell_state(args, out: Path) -> str:
     """'done' (its record holds the large evaluation), 'large' (trained, its adapter not yet scored on the large set),
     or 'train' (not run; or recorded without a large evaluation and its adapter gone, as after losing the machine)."""
-    record = record_path(args.records, arm, lr, seed)
+    record = record_path(args.records, out)
     if record.exists() and "large_eval" in json.loads(record.read_text()):
         return "done"
     if (out / "summary.json").exists():
@@ -142,12 +158,13 @@ def pending(args) -> list[dict]:
             quick.append(dict(kind="base", name=f"large eval before RL seed={seed}", out=out, seed=seed,
                               argv=[*large, "--base", "--seed", str(seed), "--output", str(out)]))
     for arm, lr, seed, steps, out in jobs(args):
-        state = cell_state(args, out, arm, lr, seed)
-        name = f"{arm} lr={lr:.3g} seed={seed}"
+        state = cell_state(args, out)
+        long = parse_cell(out.parent.name)[2]
+        name = f"{arm} lr={lr:.3g} seed={seed}" + (f" ({steps} steps)" if long else "")
         if state == "large":
             quick.append(dict(kind="large", name=f"large eval of {name}", out=out, seed=seed, argv=[*large, str(out)]))
         elif state == "train":
-            train.append(dict(kind="train", name=name, out=out, seed=seed, argv=demo_args(args, arm, lr, steps)))
+            train.append(dict(kind="train", name=name, out=out, seed=seed, argv=demo_args(args, arm, lr, steps, long)))
     return quick + train
 
 
@@ -198,8 +215,9 @@ def run_all(args, log) -> None:
         time.sleep(args.poll_s)
 
 
-def record_path(records: Path, arm: str, lr: float, seed: int) -> Path:
-    return records / f"{arm}_lr{lr:.3g}_seed{seed}.json"
+def record_path(records: Path, out: Path) -> Path:
+    """The record of the run in folder `out` (<cell>/seed<s>): <cell>_seed<s>.json."""
+    return records / f"{out.parent.name}_{out.name}.json"
 
 
 def base_path(records: Path, seed: int) -> Path:
@@ -207,14 +225,15 @@ def base_path(records: Path, seed: int) -> Path:
     return records / f"large_before_seed{seed}.json"
 
 
-def make_record(out: Path, arm: str, lr: float, seed: int) -> dict:
+def make_record(out: Path) -> dict:
     """A finished run's record: its summary.json (without the example replies), each optimizer step's log entry cut
     to HISTORY_KEYS, and its large evaluation when large_eval.py has written one."""
     record = {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k != "examples"}
     history = out / "log_history.json"
     entries = json.loads(history.read_text()) if history.exists() else []
     finished = datetime.fromtimestamp((out / "summary.json").stat().st_mtime, timezone.utc)
-    record.update(arm=arm, lr=lr, seed=seed, finished=f"{finished:%Y-%m-%d %H:%M UTC}",
+    arm, lr, long = parse_cell(out.parent.name)
+    record.update(arm=arm, lr=lr, seed=int(out.name[4:]), long=long, finished=f"{finished:%Y-%m-%d %H:%M UTC}",
                   history=[{k: e[k] for k in HISTORY_KEYS if k in e} for e in entries if "step" in e and "loss" in e])
     if (out / "large_eval.json").exists():
         record["large_eval"] = json.loads((out / "large_eval.json").read_text())
@@ -228,9 +247,8 @@ def sync_records(run_dir: Path, records: Path) -> list[Path]:
     records.mkdir(parents=True, exist_ok=True)
     for summary in sorted(run_dir.glob("*_lr*/seed*/summary.json")):
         out = summary.parent
-        arm, lr = out.parent.name.rsplit("_lr", 1)
-        path = record_path(records, arm, float(lr), int(out.name[4:]))
-        record = make_record(out, arm, float(lr), int(out.name[4:]))
+        path = record_path(records, out)
+        record = make_record(out)
         if path.exists() and json.loads(path.read_text()) == record:
             continue
         path.write_text(json.dumps(record, indent=1))
@@ -244,6 +262,7 @@ def load_runs(records: Path) -> list[dict]:
     runs = []
     for path in sorted(records.glob("*_lr*_seed*.json")):
         run = json.loads(path.read_text())
+        run.setdefault("long", False)
         large = run.get("large_eval")
         if large:
             run["large_accuracy_after"] = large["accuracy"]
@@ -347,6 +366,41 @@ def verdict(diff: dict) -> str:
     return "better" if lo > 0 else "worse" if hi < 0 else "no difference detected"
 
 
+def long_table(runs: list[dict], window: int = 10) -> list[dict]:
+    """Per long run (arm, seed) and held-out evaluation: the step, the mean lr scale (the SNR factor; None without an
+    SNR step) and training reward over the `window` steps up to it, and held-out greedy and sampled accuracy (%)."""
+    rows = []
+    for r in sorted(runs, key=lambda r: (r["seed"], list(ARMS).index(r["arm"]))):
+        by_step = {e["step"]: e for e in r["history"]}
+        for c in r.get("curve", []):
+            steps = [by_step[t] for t in range(max(1, c["step"] - window + 1), c["step"] + 1) if t in by_step]
+            scale = [e["oblr/lr_scale"] for e in steps if e.get("oblr/lr_scale") is not None]
+            reward = [e["reward"] for e in steps if e.get("reward") is not None]
+            rows.append(dict(arm=r["arm"], seed=r["seed"], step=c["step"], lr=r["lr"],
+                             lr_scale=statistics.mean(scale) if scale else None,
+                             reward=statistics.mean(reward) if reward else None,
+                             greedy=100 * c["accuracy"], sampled=100 * c["sampled_accuracy"]))
+    return rows
+
+
+def long_summary(rows: list[dict]) -> list[str]:
+    """Per long run, one sentence: how the lr scale moved from the first to the last evaluation window, and what
+    held-out greedy accuracy did over each half of the run."""
+    out = []
+    for (arm, seed) in dict.fromkeys((r["arm"], r["seed"]) for r in rows):
+        mine = [r for r in rows if r["arm"] == arm and r["seed"] == seed]
+        if len(mine) < 3:
+            continue
+        first, mid, last = mine[1], mine[(len(mine) - 1) // 2], mine[-1]
+        scale = (f"lr scale {first['lr_scale']:.3f} (steps to {first['step']}) -> {last['lr_scale']:.3f} (last "
+                 f"window), an applied lr of {first['lr'] * first['lr_scale']:.2g} -> {last['lr'] * last['lr_scale']:.2g}"
+                 if first["lr_scale"] is not None else f"constant lr {first['lr']:.3g}")
+        out.append(f"{arm} seed {seed}: {scale}; held-out greedy {mine[0]['greedy']:.0f}% -> {mid['greedy']:.0f}% "
+                   f"(step {mid['step']}) -> {last['greedy']:.0f}% (step {last['step']}), a gain of "
+                   f"{last['greedy'] - mid['greedy']:+.0f} pts over the second half.")
+    return out
+
+
 def step_curves(runs: list[dict], arms: list[str], grpo_lr: float) -> dict:
     """Per arm at its lr, the seed mean per step of the training reward and the lr scale (the SNR factor; 1 where the
     arm has no SNR step), and of held-out greedy accuracy at each evaluated step."""
@@ -432,8 +486,24 @@ def render_lr_check(rows: list[dict]) -> list[str]:
     return lines
 
 
+def render_long(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "## The step size over a long run", "", "Does OBLR-PO's step shrink into a stall? Each long run at "
+             "its arm's lr, evaluated along the way; lr scale and reward are means over the 10 steps up to the "
+             "evaluation (plot: `results/ablation_long.png`).", ""]
+    lines += [f"- {sentence}" for sentence in long_summary(rows)]
+    lines += ["", "| arm | seed | step | lr scale | applied lr | reward | greedy (100) % | sampled (100) % |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        applied = r["lr"] * (r["lr_scale"] if r["lr_scale"] is not None else 1.0)
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['step']} | {fmt(r['lr_scale'], digits=3)} | {applied:.2g} | "
+                     f"{fmt(r['reward'], digits=3)} | {fmt(r['greedy'])} | {fmt(r['sampled'])} |")
+    return lines
+
+
 def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: dict, header: list[str],
-           missing: list[str], before: dict, delta: float, lr_check: list[dict] = ()) -> str:
+           missing: list[str], before: dict, delta: float, lr_check: list[dict] = (), long_rows: list[dict] = ()) -> str:
     lines = header + ["", "Before RL (seed mean; the 100 problems are the same for every seed): "
                       + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + ".", "",
                       "## Held-out accuracy after RL, per arm", "",
@@ -477,6 +547,7 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
         lines.append(f"| {arm} | {c['seeds']} | " + " | ".join(scale) + f" | {fmt(_window(c['reward'], 1, 5), digits=3)} "
                      f"| {fmt(_window(c['reward'], 0), digits=3)} | {greedy} |")
     lines += render_lr_check(list(lr_check))
+    lines += render_long(list(long_rows))
     lines += ["", "## Stability window", "", "Each arm at its lr and at 3x and 10x it, compared on greedy held-out "
               "accuracy at the stability runs' last step (the 1x runs' evaluation at that step).", "",
               "| arm | lr multiple | lr | seeds | greedy % (mean, min) | change from its own lr (pts) | collapsed |",
@@ -493,7 +564,8 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
     return "\n".join(lines)
 
 
-def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, delta: float, before: dict) -> str:
+def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, delta: float, before: dict,
+                long_rows: list[dict] = ()) -> str:
     """The README's "When to use OBLR-PO", written from the tables: what each half buys, what it costs, where it
     loses, and how far the evidence goes."""
     by_name = {c["name"]: c for c in contrasts}
@@ -540,6 +612,9 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
               "", "**Where it loses**: " + ("; ".join(worse) if worse else
                                            "no contrast is worse than its reference at these seeds" if n >= 3 else
                                            "not known yet (fewer than 3 paired seeds)") + "."]
+    sentences = long_summary(list(long_rows))
+    lines += ["", "**Over a long run** (does the shrinking step stall?): " + (" ".join(sentences) if sentences else
+                                                                             "no long run finished yet.")]
     return "\n".join(lines) + "\n"
 
 
@@ -577,6 +652,38 @@ def plot(curves: dict, contrasts: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def plot_long(runs: list[dict], path: Path, title: str) -> None:
+    """The long runs: applied lr, training reward (10-step running mean) and held-out accuracy against the step."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(14, 4.2), layout="constrained")
+    axes = fig.subplots(1, 3)
+    palette = dict(zip(ARMS, ("tab:red", "tab:gray", "tab:green", "tab:orange", "tab:blue", "tab:purple")))
+    for r in sorted(runs, key=lambda r: (r["seed"], r["arm"])):
+        label, color = f"{r['arm']} seed {r['seed']}", palette[r["arm"]]
+        steps = [e["step"] for e in r["history"]]
+        applied = [r["lr"] * (e.get("oblr/lr_scale") if e.get("oblr/lr_scale") is not None else 1.0)
+                   for e in r["history"]]
+        reward = [e.get("reward") or 0.0 for e in r["history"]]
+        smooth = [statistics.mean(reward[max(0, i - 9):i + 1]) for i in range(len(reward))]
+        axes[0].plot(steps, applied, color=color, label=label)
+        axes[1].plot(steps, smooth, color=color, label=label)
+        curve = r.get("curve", [])
+        axes[2].plot([c["step"] for c in curve], [100 * c["accuracy"] for c in curve], marker="o", color=color,
+                     label=f"{label}, greedy")
+        axes[2].plot([c["step"] for c in curve], [100 * c["sampled_accuracy"] for c in curve], marker="x",
+                     linestyle="--", color=color, label=f"{label}, sampled")
+    axes[0].set(xlabel="optimizer step", ylabel="applied lr (eta_max x SNR factor)", yscale="log", title="step size")
+    axes[1].set(xlabel="optimizer step", ylabel="training reward (10-step running mean)", title="reward")
+    axes[2].set(xlabel="optimizer step", ylabel="held-out accuracy, 100 problems (%)", title="held-out")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
@@ -589,6 +696,11 @@ def main():
                         help="arms also run below their lr (is L their best lr on this task?)")
     parser.add_argument("--lr_check_multiples", type=float, nargs="*", default=[0.3])
     parser.add_argument("--lr_check_seeds", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--long_arms", nargs="*", default=["OBLR-PO", REFERENCE], choices=list(ARMS),
+                        help="arms also run for --long_steps (does the shrinking SNR step stall a long run?)")
+    parser.add_argument("--long_steps", type=int, default=120)
+    parser.add_argument("--long_seeds", type=int, nargs="*", default=[0])
+    parser.add_argument("--long_eval_every", type=int, default=20)
     parser.add_argument("--stability_multiples", type=float, nargs="*", default=[3.0, 10.0])
     parser.add_argument("--stability_seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--stability_steps", type=int, default=20,
@@ -630,11 +742,12 @@ def tabulate(args, runner_log: list[str]) -> None:
     runs = load_runs(args.records)
     if not runs:
         raise SystemExit(f"no run recorded under {args.records} (nor finished under {args.run_dir}) yet")
-    lost: dict[tuple[str, float], list[int]] = {}
-    for arm, lr, seed, _, out in jobs(args):
-        if cell_state(args, out, arm, lr, seed) != "done":
-            lost.setdefault((arm, lr), []).append(seed)
-    missing = [f"{arm} lr {lr:.3g} seeds {','.join(map(str, seeds))}" for (arm, lr), seeds in lost.items()]
+    lost: dict[tuple[str, float, int], list[int]] = {}
+    for arm, lr, seed, steps, out in jobs(args):
+        if cell_state(args, out) != "done":
+            lost.setdefault((arm, lr, steps), []).append(seed)
+    missing = [f"{arm} lr {lr:.3g}" + (f" ({steps} steps)" if steps == args.long_steps else "")
+               + f" seeds {','.join(map(str, seeds))}" for (arm, lr, steps), seeds in lost.items()]
     before = {}
     for label, key in METRICS.items():
         per_seed = {r["seed"]: 100 * r[f"{key}_before"] for r in runs if r.get(f"{key}_before") is not None}
@@ -642,6 +755,9 @@ def tabulate(args, runner_log: list[str]) -> None:
             per_seed = {int(p.stem.rsplit("seed", 1)[1]): 100 * json.loads(p.read_text())["accuracy"]
                         for p in args.records.glob("large_before_seed*.json")}
         before[label] = statistics.mean(per_seed.values()) if per_seed else math.nan
+    all_runs = runs
+    long_rows = long_table([r for r in runs if r["long"]])
+    runs = [r for r in runs if not r["long"]]
     main_runs = [r for r in runs if r["seed"] in args.seeds]
     arms = arm_table(main_runs, args.arms, args.grpo_lr, args.seeds)
     contrasts = contrast_table(main_runs, args.grpo_lr, args.seeds, args.delta,
@@ -650,11 +766,11 @@ def tabulate(args, runner_log: list[str]) -> None:
                            args.stability_steps, args.collapse_pts)
     curves = step_curves(main_runs, args.arms, args.grpo_lr)
     lr_check = lr_check_table(runs, args)
-    stamps = sorted(r["finished"] for r in runs)
+    stamps = sorted(r["finished"] for r in all_runs)
     header = [
         "# Which half of OBLR-PO helps? A paired ablation on SmolLM2-135M-Instruct",
         "",
-        f"Generated by `python benchmarks/ablation.py --no_run` from {len(runs)} finished runs recorded in "
+        f"Generated by `python benchmarks/ablation.py --no_run` from {len(all_runs)} finished runs recorded in "
         f"`{args.records.relative_to(HERE.parent) if args.records.is_relative_to(HERE.parent) else args.records}` "
         f"(finished {stamps[0] if stamps else '?'} .. {stamps[-1] if stamps else '?'}; a 2-core CPU, 1 or 2 runs at "
         f"a time with 1 torch thread each, sharing it with other jobs). Every run: `examples/demo.py --model smollm2 "
@@ -674,17 +790,21 @@ def tabulate(args, runner_log: list[str]) -> None:
         "alone. Runs recorded before the large evaluation existed (their adapters lost with the machine) have no "
         "large-set score and are run again.",
     ]
-    text = render(arms, contrasts, stab, curves, header, missing, before, args.delta, lr_check)
+    text = render(arms, contrasts, stab, curves, header, missing, before, args.delta, lr_check, long_rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
     when = args.out.with_name(args.out.name + "_when.md")
-    when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before))
-    compact = [{k: v for k, v in r.items() if k not in ("history", "large_eval")} for r in runs]  # records: the rest
+    when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before, long_rows))
+    compact = [{k: v for k, v in r.items() if k not in ("history", "large_eval")} for r in all_runs]  # records: the rest
     args.out.with_suffix(".json").write_text(json.dumps(dict(arms=arms, contrasts=contrasts, stability=stab,
-                                                             lr_check=lr_check,
+                                                             lr_check=lr_check, long=long_rows,
                                                              curves=curves, missing=missing, before=before,
                                                              runs=compact, runner_log=runner_log),
                                                         indent=1, default=str))
+    long_runs = [r for r in all_runs if r["long"]]
+    if long_runs:
+        plot_long(long_runs, args.out.with_name(args.out.name + "_long.png"), "SmolLM2-135M-Instruct, chain_sum "
+                  f"(1-2 digit terms): {args.long_steps}-step runs")
     plot(curves, contrasts, args.out.with_suffix(".png"), "SmolLM2-135M-Instruct, chain_sum (1-2 digit terms): "
          "the ablation")
     print(text)

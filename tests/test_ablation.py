@@ -27,7 +27,8 @@ def args_for(ab, tmp_path, **kw):
                 stability_multiples=[3.0, 10.0], stability_seeds=[0, 1, 2], stability_steps=20, collapse_pts=10.0,
                 lr_check_arms=["GRPO"], lr_check_multiples=[0.3], lr_check_seeds=[0, 1, 2],
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
-                records=tmp_path / "records", large_size=500)
+                records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
+                long_seeds=[0], long_eval_every=20)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -37,9 +38,9 @@ AFTER = {"GRPO": [0.40, 0.50, 0.45, 0.42], "RLOO": [0.41, 0.47, 0.46, 0.44],
          "OBLR-PO": [0.51, 0.59, 0.56, 0.52], "OBLR-PO-per_step": [0.45, 0.50, 0.46, 0.44]}
 
 
-def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False, large=None, adapter=False):
+def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False, large=None, adapter=False, long=False):
     """A finished run's folder: summary.json, log_history.json, and (optional) its large evaluation and adapter."""
-    out = ab.run_dir_of(root, arm, lr, seed)
+    out = ab.run_dir_of(root, arm, lr, seed, long)
     out.mkdir(parents=True)
     curve = [dict(step=0, accuracy=0.25, sampled_accuracy=0.06)]
     curve += [dict(step=s, accuracy=0.05 if collapsed else after - 0.01 * (steps - s) / 10, sampled_accuracy=after)
@@ -65,15 +66,20 @@ def test_jobs_run_the_ablation_seed_major_then_the_stability_window(ab, tmp_path
     a = args_for(ab, tmp_path, seeds=[0, 1], stability_seeds=[0], lr_check_seeds=[])
     order = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(a)]
     assert order[:6] == [(arm, ab.lr_of(arm, 5e-4), 0, 40) for arm in ab.ARMS]
-    assert order[6][2] == 1 and len(order) == 12 + 12
-    assert order[12] == ("GRPO", 1.5e-3, 0, 20) and order[18] == ("GRPO", 5e-3, 0, 20)
+    assert order[6][2] == 1 and len(order) == 12 + 2 + 12
+    assert order[12:14] == [("OBLR-PO", 1e-3, 0, 120), ("GRPO", 5e-4, 0, 120)]  # the long runs, in their own folders
+    assert order[14] == ("GRPO", 1.5e-3, 0, 20) and order[20] == ("GRPO", 5e-3, 0, 20)
+    outs = [out for *_, out in ab.jobs(a)]
+    assert outs[12].parent.name == "OBLR-PO_lr0.001_long" and outs[4].parent.name == "OBLR-PO_lr0.001"
+    assert ab.parse_cell("OBLR-PO_lr0.001_long") == ("OBLR-PO", 1e-3, True)
+    assert ab.parse_cell("OBLR-PO-per_step_lr0.001") == ("OBLR-PO-per_step", 1e-3, False)
 
 
 def test_the_lr_check_runs_after_the_seeds_it_shares_with_the_ablation(ab, tmp_path):
     a = args_for(ab, tmp_path, seeds=[0, 1, 2, 3], stability_seeds=[0], lr_check_seeds=[0, 1])
     order = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(a)]
     assert order[12:14] == [("GRPO", 1.5e-4, 0, 40), ("GRPO", 1.5e-4, 1, 40)]  # after seeds 0 and 1 of every arm
-    assert [job[2] for job in order[14:26]] == [2] * 6 + [3] * 6 and order[26] == ("GRPO", 1.5e-3, 0, 20)
+    assert [job[2] for job in order[14:26]] == [2] * 6 + [3] * 6 and order[28] == ("GRPO", 1.5e-3, 0, 20)
 
 
 def test_the_lr_check_table_is_per_seed_against_the_arm_at_its_own_lr(ab, tmp_path):
@@ -139,7 +145,7 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     assert "GRPO 60 s (1.00x GRPO's)" in when and "OBLR-PO 66 s (1.10x GRPO's)" in when
     saved = json.loads(a.out.with_suffix(".json").read_text())
     assert len(saved["runs"]) == 21 and "history" not in saved["runs"][0]
-    record = json.loads(ab.record_path(a.records, "GRPO", 5e-4, 0).read_text())
+    record = json.loads(ab.record_path(a.records, ab.run_dir_of(a.run_dir, "GRPO", 5e-4, 0)).read_text())
     assert [e["reward"] for e in record["history"][:2]] == pytest.approx([0.11, 0.12]) and len(record["history"]) == 40
     assert a.out.with_suffix(".png").stat().st_size > 10_000
     curves = saved["curves"]["OBLR-PO"]
@@ -161,11 +167,12 @@ def test_records_keep_finished_runs_when_their_folders_are_lost(ab, tmp_path):
     ab.base_path(a.records, 0).write_text(json.dumps(dict(accuracy=0.1, digest="seed0")))
     ab.base_path(a.records, 1).write_text(json.dumps(dict(accuracy=0.2, digest="other")))
     assert ab.load_runs(a.records)[0]["large_accuracy_before"] == 0.1
-    assert ab.cell_state(a, out, "GRPO", 5e-4, 0) == "done"  # never run again
+    assert ab.cell_state(a, out) == "done"  # never run again
 
 
 def test_pending_scores_trained_runs_first_and_reruns_runs_without_a_large_evaluation(ab, tmp_path):
-    a = args_for(ab, tmp_path, seeds=[0, 1], stability_seeds=[], lr_check_seeds=[], arms=["GRPO", "RLOO", "OBLR-PO"])
+    a = args_for(ab, tmp_path, seeds=[0, 1], stability_seeds=[], lr_check_seeds=[], arms=["GRPO", "RLOO", "OBLR-PO"],
+                 long_seeds=[])
     write_run(ab, a.run_dir, "GRPO", 5e-4, 0, 0.5, large=0.3)                  # done
     write_run(ab, a.run_dir, "RLOO", 5e-4, 0, 0.5, adapter=True)               # trained, to be scored
     lost = write_run(ab, a.run_dir, "OBLR-PO", 1e-3, 0, 0.5)                   # no adapter, no large set: rerun
@@ -179,3 +186,26 @@ def test_pending_scores_trained_runs_first_and_reruns_runs_without_a_large_evalu
     assert jobs[0]["argv"][-4:] == ["--seed", "0", "--output", str(ab.base_path(a.records, 0))]
     assert jobs[1]["argv"][-1] == str(ab.run_dir_of(a.run_dir, "RLOO", 5e-4, 0)) and jobs[2]["out"] == lost
     assert "--learning_rate" in jobs[2]["argv"] and "--eval_every" in jobs[2]["argv"]
+
+
+def test_long_runs_get_their_own_table_sentence_and_plot_and_stay_out_of_the_ablation(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0], stability_seeds=[], lr_check_seeds=[])
+    write_run(ab, a.run_dir, "GRPO", 5e-4, 0, 0.40, large=0.3)
+    out = write_run(ab, a.run_dir, "OBLR-PO", 1e-3, 0, 0.55, steps=120, large=0.5, long=True)
+    history = [dict(step=t, loss=0.0, reward=0.5, **{"oblr/lr_scale": 0.2 if t <= 60 else 0.02}) for t in range(1, 121)]
+    (out / "log_history.json").write_text(json.dumps(history))
+    ab.tabulate(a, [])
+    runs = ab.load_runs(a.records)
+    assert sorted((r["arm"], r["long"]) for r in runs) == [("GRPO", False), ("OBLR-PO", True)]
+    rows = ab.long_table([r for r in runs if r["long"]])
+    assert [r["step"] for r in rows] == [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120]
+    assert rows[0]["lr_scale"] is None and rows[6]["lr_scale"] == pytest.approx(0.2)
+    assert rows[7]["lr_scale"] == pytest.approx(0.02)  # the mean over steps 61-70
+    (sentence,) = ab.long_summary(rows)
+    assert sentence.startswith("OBLR-PO seed 0: lr scale 0.200 (steps to 10) -> 0.020 (last window)")
+    assert "an applied lr of 0.0002 -> 2e-05" in sentence and "over the second half" in sentence
+    text = a.out.with_suffix(".md").read_text()
+    assert "## The step size over a long run" in text and "| OBLR-PO | 0 | 120 | 0.020 | 2e-05 |" in text
+    assert "| OBLR-PO | 0.001 | 0 | - +- -" in text  # the long run is not the 40-step cell
+    assert "**Over a long run**" in a.out.with_name("ablation_when.md").read_text()
+    assert a.out.with_name("ablation_long.png").stat().st_size > 10_000
