@@ -312,6 +312,9 @@ def arm_table(runs: list[dict], arms: list[str], grpo_lr: float, seeds: list[int
         per_step = [r["seconds_per_step"] for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)
                     and r["seed"] in seeds]
         row["seconds_per_step"] = statistics.median(per_step) if per_step else math.nan
+        applied = [r["mean_applied_lr"] for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)
+                   and r["seed"] in seeds and r.get("mean_applied_lr") is not None]
+        row["mean_applied_lr"] = statistics.mean(applied) if applied else math.nan  # eta_max x the SNR factor
         rows.append(row)
     return rows
 
@@ -508,11 +511,12 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
                       + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + ".", "",
                       "## Held-out accuracy after RL, per arm", "",
                       "| arm | lr (eta_max) | " + " | ".join(f"{TITLES[m]}: seeds | %" for m in METRICS)
-                      + " | s/step (median) |", "|---|---|" + "---|---|" * len(METRICS) + "---|"]
+                      + " | mean applied lr | s/step (median) |", "|---|---|" + "---|---|" * len(METRICS) + "---|---|"]
     for r in arms:
         lines.append(f"| {r['arm']} | {r['lr']:.3g} | " + " | ".join(
             f"{r[m]['n']} | {fmt(r[m]['mean'])} +- {fmt(r[m]['sd'])}" for m in METRICS)
-            + f" | {fmt(r['seconds_per_step'], digits=0)} |")
+            + f" | {'-' if math.isnan(r['mean_applied_lr']) else format(r['mean_applied_lr'], '.2g')} "
+            f"| {fmt(r['seconds_per_step'], digits=0)} |")
     lines += ["", "## Paired differences (same seed: same problems, same order)", "",
               "| contrast | " + " | ".join(f"{TITLES[m]}: seeds | pts [95% CI] | verdict | power" for m in METRICS)
               + " |", "|---|" + "---|---|---|---|" * len(METRICS)]

@@ -46,6 +46,7 @@ def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False, large=N
     curve += [dict(step=s, accuracy=0.05 if collapsed else after - 0.01 * (steps - s) / 10, sampled_accuracy=after)
               for s in range(10, steps + 1, 10)]
     summary = dict(accuracy_before=0.25, sampled_accuracy_before=0.06, accuracy_after=curve[-1]["accuracy"],
+                   mean_applied_lr=lr / 4 if "SNR" in arm or "OBLR" in arm else lr,
                    sampled_accuracy_after=after, seconds_per_step=60.0 if arm == "GRPO" else 66.0, curve=curve,
                    steps=steps)
     (out / "summary.json").write_text(json.dumps(summary))
@@ -128,6 +129,7 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     ab.tabulate(a, [])
     text = a.out.with_suffix(".md").read_text()
     assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 |" in text
+    assert "| 0.00025 | 66 |" in text and "| 0.0005 | 60 |" in text  # OBLR-PO's and GRPO's mean applied lr, s/step
     assert "Not finished when this table was made" in text  # the other stability runs
     when = a.out.with_name("ablation_when.md").read_text()
     assert "has 3 of its 3 planned seeds" in when and "**OBLR-PO vs GRPO** over 3 seeds: greedy (large set) +" in when
