@@ -101,10 +101,18 @@ def main():
     torch.set_num_threads(1)
     seed = args.seed if args.seed is not None else json.loads((args.run_dir / "summary.json").read_text())["seed"]
     dataset = large_held_out(seed, args.size, args.pool)
-    model, tokenizer = load_model(None if args.base else args.run_dir)
-    result = dict(seed=seed, size=len(dataset), pool=args.pool, num_train=NUM_TRAIN, eval_seed=EVAL_SEED,
-                  digest=questions_digest(dataset), **score(model, tokenizer, dataset))
     output = args.output or args.run_dir / "large_eval.json"
+    digest = questions_digest(dataset)
+    same = [p for p in output.parent.glob("large_before_seed*.json") if args.base and p != output
+            and json.loads(p.read_text())["digest"] == digest]
+    if same:  # nearby seeds share their problems, and so their large set: the model before RL scored it already
+        scored = {k: v for k, v in json.loads(same[0].read_text()).items() if k in ("accuracy", "scores", "seconds")}
+        result = dict(seed=seed, size=len(dataset), pool=args.pool, num_train=NUM_TRAIN, eval_seed=EVAL_SEED,
+                      digest=digest, reused_from=same[0].name, **scored)
+    else:
+        model, tokenizer = load_model(None if args.base else args.run_dir)
+        result = dict(seed=seed, size=len(dataset), pool=args.pool, num_train=NUM_TRAIN, eval_seed=EVAL_SEED,
+                      digest=digest, **score(model, tokenizer, dataset))
     tmp = output.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(output)  # atomic: a half-written file never counts as done

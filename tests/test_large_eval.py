@@ -40,3 +40,20 @@ def test_large_held_out_is_unseen_by_its_seed_and_the_same_for_every_arm(le):
     assert le.questions_digest(held) != le.questions_digest(le.large_held_out(seed=100_000, size=300, pool=2000))
     with pytest.raises(ValueError, match="raise --pool"):
         le.large_held_out(seed=1, size=300, pool=100)
+
+
+def test_a_seed_whose_large_set_was_scored_before_rl_reuses_that_score(le, tmp_path):
+    pytest.importorskip("reasoning_gym")
+    import json
+    import subprocess
+
+    digest = le.questions_digest(le.large_held_out(seed=0, size=50, pool=1000))
+    (tmp_path / "large_before_seed0.json").write_text(json.dumps(dict(seed=0, digest=digest, accuracy=0.25,
+                                                                      scores=[1.0] * 50, seconds=9.0)))
+    out = tmp_path / "large_before_seed1.json"
+    proc = subprocess.run([sys.executable, str(Path(BENCH) / "large_eval.py"), "--base", "--seed", "1", "--size", "50",
+                           "--pool", "1000", "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())  # seeds 0 and 1 train on nearly the same problems: the same large set
+    assert result["seed"] == 1 and result["digest"] == digest and result["accuracy"] == 0.25
+    assert result["reused_from"] == "large_before_seed0.json"
