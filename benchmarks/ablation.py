@@ -429,6 +429,7 @@ def step_curves(runs: list[dict], arms: list[str], grpo_lr: float) -> dict:
             reward={s: statistics.mean(v) for s, v in sorted(per_step["reward"].items())},
             lr_scale={s: statistics.mean(v) for s, v in sorted(per_step["lr_scale"].items())},
             greedy={s: statistics.mean(v) for s, v in held.items() if v},
+            skipped=statistics.mean(r.get("steps_with_lr_scale_0") or 0 for r in mine),  # steps with scale 0
         )
     return out
 
@@ -542,13 +543,14 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
                                   if se is not None else "")
                          + (f"; 80% power at this spread needs {need} seeds" if need else ""))
     lines += ["", "## The step size over the run", "",
-              "| arm | seeds | lr scale, steps 1-5 | steps 16-20 | last 5 | reward, steps 1-5 | last 5 | greedy % at "
-              "each evaluation |", "|---|---|---|---|---|---|---|---|"]
+              "| arm | seeds | lr scale, steps 1-5 | steps 16-20 | last 5 | steps skipped (scale 0), mean | reward, "
+              "steps 1-5 | last 5 | greedy % at each evaluation |", "|---|---|---|---|---|---|---|---|---|"]
     for arm, c in curves.items():
         scale = [fmt(_window(c["lr_scale"], 1, 5), digits=3), fmt(_window(c["lr_scale"], 16, 20), digits=3),
                  fmt(_window(c["lr_scale"], 0), digits=3)] if c["lr_scale"] else ["1 (no SNR step)", "", ""]
         greedy = ", ".join(f"{s}: {v:.1f}" for s, v in c["greedy"].items())
-        lines.append(f"| {arm} | {c['seeds']} | " + " | ".join(scale) + f" | {fmt(_window(c['reward'], 1, 5), digits=3)} "
+        lines.append(f"| {arm} | {c['seeds']} | " + " | ".join(scale) + f" | {fmt(c['skipped'])} "
+                     f"| {fmt(_window(c['reward'], 1, 5), digits=3)} "
                      f"| {fmt(_window(c['reward'], 0), digits=3)} | {greedy} |")
     lines += render_lr_check(list(lr_check))
     lines += render_long(list(long_rows))
