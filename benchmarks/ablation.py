@@ -155,34 +155,72 @@ def pending(args) -> list[dict]:
     for seed in dict.fromkeys(job[2] for job in jobs(args)):
         if not base_path(args.records, seed).exists():
             out = base_path(args.records, seed)
-            quick.append(dict(kind="base", name=f"large eval before RL seed={seed}", out=out, seed=seed,
+            quick.append(dict(kind="base", name=f"large eval before RL seed={seed}", out=out, seed=seed, arm=None,
                               argv=[*large, "--base", "--seed", str(seed), "--output", str(out)]))
     for arm, lr, seed, steps, out in jobs(args):
         state = cell_state(args, out)
         long = parse_cell(out.parent.name)[2]
         name = f"{arm} lr={lr:.3g} seed={seed}" + (f" ({steps} steps)" if long else "")
         if state == "large":
-            quick.append(dict(kind="large", name=f"large eval of {name}", out=out, seed=seed, argv=[*large, str(out)]))
+            quick.append(dict(kind="large", name=f"large eval of {name}", out=out, seed=seed, arm=arm,
+                              argv=[*large, str(out)]))
         elif state == "train":
-            train.append(dict(kind="train", name=name, out=out, seed=seed, argv=demo_args(args, arm, lr, steps, long)))
+            train.append(dict(kind="train", name=name, out=out, seed=seed, arm=arm,
+                              argv=demo_args(args, arm, lr, steps, long)))
     return quick + train
 
 
+# Peak memory (GB of RSS) of one run on this 24 GB machine, measured on 2026-11-25: OBLR-PO's arms 10.0-10.9 GB
+# (sampled each minute), TRL's GRPO 13.3 GB by its step 8 (OOM-killed there beside RLOO at 10.9 GB). A job launches
+# only when the expected peaks of what runs and of it fit in the machine's memory less --margin_gb: GRPO runs alone.
+PEAK_GB = {"GRPO": 14.0}
+DEFAULT_PEAK_GB = 11.0
+EVAL_PEAK_GB = 1.5  # a large evaluation (large_eval.py)
+
+
+def expected_peak_gb(job: dict) -> float:
+    return PEAK_GB.get(job["arm"], DEFAULT_PEAK_GB) if job["kind"] == "train" else EVAL_PEAK_GB
+
+
+def fits(running_gb: list[float], candidate_gb: float, total_gb: float, margin_gb: float) -> bool:
+    """Whether a job expected to peak at `candidate_gb` may start beside jobs expected to peak at `running_gb`."""
+    return sum(running_gb) + candidate_gb <= total_gb - margin_gb
+
+
+def rss_gb(pid: int) -> float:
+    """Resident memory of a process (GB), 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) / 2**20 for line in f if line.startswith("VmRSS:")), 0.0)
+    except OSError:
+        return 0.0
+
+
+def mem_total_gb() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemTotal:"))
+
+
 def run_all(args, log) -> None:
-    running: list[tuple[subprocess.Popen, str, str]] = []  # (process, name, output)
+    running: list[dict] = []  # the jobs launched (pending's dicts) with their process and peak RSS seen
     deadline = None
     if args.stop_launching:
         hh, mm = map(int, args.stop_launching.split(":"))
         deadline = datetime.now(timezone.utc).replace(hour=hh, minute=mm, second=0, microsecond=0)
     stopped = False
     while True:
-        for item in list(running):
-            if item[0].poll() is not None:
-                running.remove(item)
-                log(f"finished {item[1]} rc={item[0].returncode}; {uptime()}")
+        for job in list(running):
+            job["peak_gb"] = max(job["peak_gb"], rss_gb(job["proc"].pid))
+            if job["proc"].poll() is not None:
+                running.remove(job)
+                log(f"finished {job['name']} rc={job['proc'].returncode}, peak RSS >= {job['peak_gb']:.1f} GB "
+                    f"(sampled every {args.poll_s:g} s); {uptime()}")
+                if job["kind"] == "train" and job["proc"].returncode == 0:
+                    (job["out"] / "peak_rss.json").write_text(json.dumps(dict(
+                        peak_rss_gb=round(job["peak_gb"], 2), sampled_every_s=args.poll_s)))
         for path in sync_records(args.run_dir, args.records):
             log(f"recorded {path.name}")
-        ours = {str(Path(o).resolve()) for _, _, o in running}
+        ours = {str(job["out"].resolve()) for job in running}
         others = [o for o in real_demo_outputs() if o and str(Path(o).resolve()) not in ours]
         todo = [j for j in pending(args) if str(j["out"].resolve()) not in ours and not is_running(j["out"], others)]
         if deadline and datetime.now(timezone.utc) >= deadline and not stopped:
@@ -193,8 +231,10 @@ def run_all(args, log) -> None:
             todo = [j for j in todo if j["kind"] != "train"]
         if not todo and not running:
             return
-        if todo and len(running) + len(others) < args.parallel and mem_available_gb() >= args.min_free_gb:
-            job = todo[0]
+        busy = [expected_peak_gb(j) for j in running] + [DEFAULT_PEAK_GB] * len(others)
+        if todo and len(running) + len(others) < args.parallel and mem_available_gb() >= args.min_free_gb \
+                and fits(busy, expected_peak_gb(todo[0]), mem_total_gb(), args.margin_gb):
+            job = todo[0]  # first in line only: a job that does not fit yet waits, and nothing overtakes it
             out = job["out"]
             cmd, env = demo_command(job["seed"], out, job["argv"])  # its environment: 1 torch thread, offline
             if job["kind"] == "train":
@@ -207,9 +247,9 @@ def run_all(args, log) -> None:
                 cmd = [sys.executable, *job["argv"]]
                 log_path = args.run_dir / f"{out.stem}.log.txt" if job["kind"] == "base" else out / "large_log.txt"
             with open(log_path, "w") as f:
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-            running.append((proc, job["name"], str(out)))
-            log(f"launched {job['name']} (pid {proc.pid}); {uptime()}")
+                job.update(proc=subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), peak_gb=0.0)
+            running.append(job)
+            log(f"launched {job['name']} (pid {job['proc'].pid}); {uptime()}")
             time.sleep(5)
             continue
         time.sleep(args.poll_s)
@@ -237,6 +277,8 @@ def make_record(out: Path) -> dict:
                   history=[{k: e[k] for k in HISTORY_KEYS if k in e} for e in entries if "step" in e and "loss" in e])
     if (out / "large_eval.json").exists():
         record["large_eval"] = json.loads((out / "large_eval.json").read_text())
+    if (out / "peak_rss.json").exists():
+        record.update(json.loads((out / "peak_rss.json").read_text()))
     return record
 
 
@@ -315,6 +357,8 @@ def arm_table(runs: list[dict], arms: list[str], grpo_lr: float, seeds: list[int
         applied = [r["mean_applied_lr"] for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)
                    and r["seed"] in seeds and r.get("mean_applied_lr") is not None]
         row["mean_applied_lr"] = statistics.mean(applied) if applied else math.nan  # eta_max x the SNR factor
+        peaks = [r["peak_rss_gb"] for r in runs if r["arm"] == arm and r.get("peak_rss_gb") is not None]
+        row["peak_rss_gb"] = max(peaks) if peaks else math.nan  # at any lr and seed: memory is the arm's
         rows.append(row)
     return rows
 
@@ -512,12 +556,13 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
                       + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + ".", "",
                       "## Held-out accuracy after RL, per arm", "",
                       "| arm | lr (eta_max) | " + " | ".join(f"{TITLES[m]}: seeds | %" for m in METRICS)
-                      + " | mean applied lr | s/step (median) |", "|---|---|" + "---|---|" * len(METRICS) + "---|---|"]
+                      + " | mean applied lr | s/step (median) | peak RSS (GB) |",
+                      "|---|---|" + "---|---|" * len(METRICS) + "---|---|---|"]
     for r in arms:
         lines.append(f"| {r['arm']} | {r['lr']:.3g} | " + " | ".join(
             f"{r[m]['n']} | {fmt(r[m]['mean'])} +- {fmt(r[m]['sd'])}" for m in METRICS)
             + f" | {'-' if math.isnan(r['mean_applied_lr']) else format(r['mean_applied_lr'], '.2g')} "
-            f"| {fmt(r['seconds_per_step'], digits=0)} |")
+            f"| {fmt(r['seconds_per_step'], digits=0)} | {fmt(r['peak_rss_gb'])} |")
     lines += ["", "## Paired differences (same seed: same problems, same order)", "",
               "| contrast | " + " | ".join(f"{TITLES[m]}: seeds | pts [95% CI] | verdict | power" for m in METRICS)
               + " |", "|---|" + "---|---|---|---|" * len(METRICS)]
@@ -715,6 +760,8 @@ def main():
     parser.add_argument("--delta", type=float, default=5.0, help="the difference (points) the power is stated for")
     parser.add_argument("--parallel", type=int, default=2, help="real-model runs at a time on this machine")
     parser.add_argument("--min_free_gb", type=float, default=6.0)
+    parser.add_argument("--margin_gb", type=float, default=1.0,
+                        help="memory left free beside the expected peaks of the jobs running (PEAK_GB)")
     parser.add_argument("--stop_launching", default=None, help="HH:MM UTC after which no run is launched")
     parser.add_argument("--poll_s", type=float, default=30)
     parser.add_argument("--run_dir", type=Path, default=Path("outputs/ablation"))

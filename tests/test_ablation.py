@@ -211,3 +211,25 @@ def test_long_runs_get_their_own_table_sentence_and_plot_and_stay_out_of_the_abl
     assert "| OBLR-PO | 0.001 | 0 | - +- -" in text  # the long run is not the 40-step cell
     assert "**Over a long run**" in a.out.with_name("ablation_when.md").read_text()
     assert a.out.with_name("ablation_long.png").stat().st_size > 10_000
+
+
+def test_a_job_starts_only_when_the_expected_peaks_fit_in_memory(ab):
+    grpo, oblr = dict(kind="train", arm="GRPO"), dict(kind="train", arm="OBLR-PO")
+    evaluation = dict(kind="large", arm="GRPO")
+    assert ab.expected_peak_gb(grpo) > ab.expected_peak_gb(oblr) > ab.expected_peak_gb(evaluation)
+    total = 23.4  # this machine's MemTotal
+    assert ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(oblr), total, 1.0)  # two OBLR-PO arms
+    assert not ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(grpo), total, 1.0)  # GRPO runs alone
+    assert ab.fits([ab.expected_peak_gb(grpo)], ab.expected_peak_gb(evaluation), total, 1.0)
+    assert ab.fits([], ab.expected_peak_gb(grpo), total, 1.0)
+
+
+def test_a_runs_peak_memory_reaches_its_record_and_the_arm_table(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0])
+    out = write_run(ab, a.run_dir, "GRPO", 5e-4, 0, 0.5, large=0.3)
+    (out / "peak_rss.json").write_text(json.dumps(dict(peak_rss_gb=13.3, sampled_every_s=30)))
+    ab.sync_records(a.run_dir, a.records)
+    (run,) = ab.load_runs(a.records)
+    assert run["peak_rss_gb"] == 13.3
+    (row,) = ab.arm_table([run], ["GRPO"], 5e-4, [0])
+    assert row["peak_rss_gb"] == 13.3
