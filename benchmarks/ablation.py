@@ -658,7 +658,10 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
              for c in contrasts if any(c[m]["verdict"] == "worse" for m in METRICS)]
     costs = [f"{arm} {fmt(v, digits=0)} s ({v / grpo_cost:.2f}x GRPO's)" for arm, v in cost.items()
              if not math.isnan(v) and not math.isnan(grpo_cost)]
-    lines += ["", "**Cost** (median s/step on this 2-core CPU, runs sharing the machine): "
+    lines += ["", "**Cost** (median s/step of the ablation's runs on this 2-core CPU; a rough guide, as runs shared "
+              "the machine differently: GRPO's alone since 2026-11-25 for memory, the others two at a time, and "
+              "evaluations included; `benchmarks/results/step_cost.md` measures the step against GRPO's in one "
+              "process): "
               + (", ".join(costs) if costs else "not measured yet (no GRPO run)") + ".",
               "", "**Where it loses**: " + ("; ".join(worse) if worse else
                                            "no contrast is worse than its reference at these seeds" if n >= 3 else
