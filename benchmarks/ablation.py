@@ -620,8 +620,6 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     """The README's "When to use OBLR-PO", written from the tables: what each half buys, what it costs, where it
     loses, and how far the evidence goes."""
     by_name = {c["name"]: c for c in contrasts}
-    cost = {r["arm"]: r["seconds_per_step"] for r in arms}
-    grpo_cost = cost.get(REFERENCE, math.nan)
 
     def said(name: str) -> str:
         c = by_name[name]
@@ -656,13 +654,13 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
                   for r in arms if any(r[m]["n"] for m in METRICS)]
     worse = [f"{c['name']} ({', '.join(TITLES[m] for m in METRICS if c[m]['verdict'] == 'worse')})"
              for c in contrasts if any(c[m]["verdict"] == "worse" for m in METRICS)]
-    costs = [f"{arm} {fmt(v, digits=0)} s ({v / grpo_cost:.2f}x GRPO's)" for arm, v in cost.items()
-             if not math.isnan(v) and not math.isnan(grpo_cost)]
-    lines += ["", "**Cost** (median s/step of the ablation's runs on this 2-core CPU; a rough guide, as runs shared "
-              "the machine differently: GRPO's alone since 2026-11-25 for memory, the others two at a time, and "
-              "evaluations included; `benchmarks/results/step_cost.md` measures the step against GRPO's in one "
-              "process): "
-              + (", ".join(costs) if costs else "not measured yet (no GRPO run)") + ".",
+    costs = [f"{r['arm']} {r['seconds_per_step']:.0f} s" + (f" and {r['peak_rss_gb']:.1f} GB" if not
+                                                             math.isnan(r["peak_rss_gb"]) else "")
+             for r in arms if not math.isnan(r["seconds_per_step"])]
+    lines += ["", "**Cost** (median s/step of the ablation's runs on this 2-core CPU, evaluations included, and peak "
+              "memory): " + (", ".join(costs) if costs else "not measured yet") + ". No ratio is given here: the "
+              "runs shared the machine differently (GRPO's alone since 2026-11-25, for its memory; the others two at "
+              "a time); `benchmarks/results/step_cost.md` measures OBLR-PO's step against GRPO's in one process.",
               "", "**Where it loses**: " + ("; ".join(worse) if worse else
                                            "no contrast is worse than its reference at these seeds" if n >= 3 else
                                            "not known yet (fewer than 3 paired seeds)") + "."]
