@@ -54,7 +54,7 @@ from pathlib import Path
 
 from demo_seeds import demo_command
 from paired_stats import paired_difference, paired_power, problem_paired_se, seeds_for_power
-from real_compare import is_running, mem_available_gb, real_demo_outputs, uptime
+from real_compare import is_running, mem_available_gb, meminfo_gb, real_demo_outputs, uptime
 
 HERE = Path(__file__).resolve().parent
 # arm -> (examples/demo.py flags, lr as a multiple of GRPO's best lr)
@@ -196,11 +196,6 @@ def rss_gb(pid: int) -> float:
         return 0.0
 
 
-def mem_total_gb() -> float:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemTotal:"))
-
-
 def run_all(args, log) -> None:
     running: list[dict] = []  # the jobs launched (pending's dicts) with their process and peak RSS seen
     deadline = None
@@ -233,7 +228,7 @@ def run_all(args, log) -> None:
             return
         busy = [expected_peak_gb(j) for j in running] + [DEFAULT_PEAK_GB] * len(others)
         if todo and len(running) + len(others) < args.parallel and mem_available_gb() >= args.min_free_gb \
-                and fits(busy, expected_peak_gb(todo[0]), mem_total_gb(), args.margin_gb):
+                and fits(busy, expected_peak_gb(todo[0]), meminfo_gb("MemTotal"), args.margin_gb):
             job = todo[0]  # first in line only: a job that does not fit yet waits, and nothing overtakes it
             out = job["out"]
             cmd, env = demo_command(job["seed"], out, job["argv"])  # its environment: 1 torch thread, offline

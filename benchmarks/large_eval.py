@@ -20,39 +20,52 @@ import json
 import time
 from pathlib import Path
 
-# The ablation's task and the demo's smollm2 preset (examples/demo.py PRESETS): training problems per seed, the
-# held-out seed, the reply length.
+# The ablation's task (ablation.py TASK_ARGS) and the demo's smollm2 preset (examples/demo.py PRESETS): training
+# problems per seed, the held-out seed, the reply length. A run made otherwise is refused (check_run).
 TASK, TASK_CONFIG, TEMPLATE = "chain_sum", {"max_digits": 2}, "chain_sum"
 NUM_TRAIN, EVAL_SEED, MAX_NEW_TOKENS = 1000, 12345, 12
 
 
-def distinct_unseen(pool_questions: list[str], train_questions: set[str], size: int) -> list[int]:
-    """Indices into `pool_questions` of its first `size` distinct questions that are not in `train_questions`, in
-    pool order. Fewer when the pool runs out (the caller checks)."""
-    chosen, seen = [], set()
-    for i, q in enumerate(pool_questions):
-        if q in seen or q in train_questions:
-            continue
-        seen.add(q)
-        chosen.append(i)
-        if len(chosen) == size:
+def first_distinct(questions: list[str], size: int) -> list[int]:
+    """Indices of the first `size` distinct entries of `questions`, in order (fewer when they run out)."""
+    first: dict[str, int] = {}
+    for i, q in enumerate(questions):
+        first.setdefault(q, i)
+        if len(first) == size:
             break
-    return chosen
+    return list(first.values())
 
 
 def large_held_out(seed: int, size: int, pool: int = 5000, num_train: int = NUM_TRAIN, eval_seed: int = EVAL_SEED):
     """The large held-out set of training seed `seed`: `size` distinct problems of held-out seed `eval_seed` (drawn
     from `pool` generated ones) none of whose questions is among that seed's `num_train` training problems."""
-    from oblr_trl.tasks import PROMPT_TEMPLATES, make_dataset
+    from oblr_trl.tasks import PROMPT_TEMPLATES, make_dataset, without_questions_of
 
     template = PROMPT_TEMPLATES[TEMPLATE]
     held = make_dataset(TASK, size=pool, seed=eval_seed, prompt_template=template, **TASK_CONFIG)
     train = make_dataset(TASK, size=num_train, seed=seed, prompt_template=template, **TASK_CONFIG)
-    chosen = distinct_unseen([p[-1]["content"] for p in held["prompt"]],
-                             {p[-1]["content"] for p in train["prompt"]}, size)
+    unseen = without_questions_of(held, train)
+    chosen = first_distinct([p[-1]["content"] for p in unseen["prompt"]], size)
     if len(chosen) < size:
         raise ValueError(f"large_held_out: only {len(chosen)} distinct unseen problems among {pool}; raise --pool.")
-    return held.select(chosen)
+    return unseen.select(chosen)
+
+
+def check_run(run_dir: Path) -> None:
+    """Refuse a run trained on another task, wording or reply length than the large set is built for (its scores
+    would not be comparable), naming what differs."""
+    from oblr_trl.tasks import PROMPT_TEMPLATES
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    task = json.loads((run_dir / "model" / "oblr_task.json").read_text())
+    want = dict(task=TASK, task_config=TASK_CONFIG, prompt_template=PROMPT_TEMPLATES[TEMPLATE],
+                max_new_tokens=MAX_NEW_TOKENS, eval_seed=EVAL_SEED)
+    have = dict(task=task["task"], task_config=summary.get("task_config"), prompt_template=task["prompt_template"],
+                max_new_tokens=task["max_new_tokens"], eval_seed=task["eval_seed"])
+    differ = {k: (have[k], want[k]) for k in want if have[k] != want[k]}
+    if differ:
+        raise SystemExit(f"large_eval.py: {run_dir} was not run on the ablation's task; (its, expected): {differ}. "
+                         "Edit TASK, TASK_CONFIG, TEMPLATE, MAX_NEW_TOKENS or EVAL_SEED to match.")
 
 
 def questions_digest(dataset) -> str:
@@ -99,6 +112,8 @@ def main():
     import torch
 
     torch.set_num_threads(1)
+    if args.run_dir is not None:
+        check_run(args.run_dir)
     seed = args.seed if args.seed is not None else json.loads((args.run_dir / "summary.json").read_text())["seed"]
     dataset = large_held_out(seed, args.size, args.pool)
     output = args.output or args.run_dir / "large_eval.json"

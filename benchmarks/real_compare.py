@@ -236,15 +236,20 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def mem_available_gb() -> float:
+def meminfo_gb(field: str = "MemAvailable") -> float:
+    """A /proc/meminfo field in GB (inf where there is none)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 2**20
     except OSError:
         pass
     return math.inf
+
+
+def mem_available_gb() -> float:
+    return meminfo_gb("MemAvailable")
 
 
 def real_demo_outputs() -> list[str]:

@@ -18,11 +18,27 @@ def le():
     return importlib.import_module("large_eval")
 
 
-def test_distinct_unseen_keeps_pool_order_and_drops_repeats_and_training_questions(le):
+def test_first_distinct_keeps_order_and_drops_repeats(le):
     pool = ["a", "b", "a", "c", "d", "b", "e"]
-    assert le.distinct_unseen(pool, {"c"}, 10) == [0, 1, 4, 6]
-    assert le.distinct_unseen(pool, {"c"}, 2) == [0, 1]
-    assert le.distinct_unseen(pool, set(pool), 3) == []
+    assert le.first_distinct(pool, 10) == [0, 1, 3, 4, 6]
+    assert le.first_distinct(pool, 2) == [0, 1]
+    assert le.first_distinct([], 3) == []
+
+
+def test_a_run_on_another_task_is_refused_naming_what_differs(le, tmp_path):
+    import json
+
+    from oblr_trl.tasks import PROMPT_TEMPLATES
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "summary.json").write_text(json.dumps(dict(task_config={"max_digits": 1}, seed=0)))
+    (tmp_path / "model" / "oblr_task.json").write_text(json.dumps(dict(
+        task=le.TASK, prompt_template=PROMPT_TEMPLATES[le.TEMPLATE], max_new_tokens=le.MAX_NEW_TOKENS,
+        eval_seed=le.EVAL_SEED)))
+    with pytest.raises(SystemExit, match=r"task_config.*max_digits.: 1"):
+        le.check_run(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps(dict(task_config=le.TASK_CONFIG, seed=0)))
+    le.check_run(tmp_path)  # the ablation's own settings pass
 
 
 def test_large_held_out_is_unseen_by_its_seed_and_the_same_for_every_arm(le):
