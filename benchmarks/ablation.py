@@ -54,7 +54,7 @@ from pathlib import Path
 
 from demo_seeds import demo_command
 from paired_stats import paired_difference, paired_power, problem_paired_se, seeds_for_power
-from real_compare import is_running, mem_available_gb, meminfo_gb, real_demo_outputs, uptime
+from real_compare import is_running, mem_available_gb, meminfo_gb, real_demo_outputs, stop_deadline, uptime
 
 HERE = Path(__file__).resolve().parent
 # arm -> (examples/demo.py flags, lr as a multiple of GRPO's best lr)
@@ -198,10 +198,7 @@ def rss_gb(pid: int) -> float:
 
 def run_all(args, log) -> None:
     running: list[dict] = []  # the jobs launched (pending's dicts) with their process and peak RSS seen
-    deadline = None
-    if args.stop_launching:
-        hh, mm = map(int, args.stop_launching.split(":"))
-        deadline = datetime.now(timezone.utc).replace(hour=hh, minute=mm, second=0, microsecond=0)
+    deadline = stop_deadline(args.stop_launching, datetime.now(timezone.utc))
     stopped = False
     while True:
         for job in list(running):

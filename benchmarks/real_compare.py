@@ -38,7 +38,7 @@ import platform
 import statistics
 import subprocess
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from demo_seeds import demo_command
@@ -289,15 +289,21 @@ def resolve_auto(run_dir: Path, default_lr: float, seeds: list[int]) -> float | 
     return lr
 
 
+def stop_deadline(hhmm: str | None, now: datetime) -> datetime | None:
+    """The next time the wall clock reads ``hhmm`` (UTC) after ``now``: a stop time earlier in the day than the start
+    means tomorrow's (a run launched at 23:20 with ``--stop_launching 00:40`` stops launching 80 minutes later)."""
+    if not hhmm:
+        return None
+    hh, mm = map(int, hhmm.split(":"))
+    stop = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+    return stop if stop > now else stop + timedelta(days=1)
+
+
 def run_grid(args, cells, seeds, log) -> None:
     pending = ([(m, lr, s) for s in seeds for m, lr in cells] if args.seed_major
                else [(m, lr, s) for m, lr in cells for s in seeds])
     running: list[tuple[subprocess.Popen, str, Path]] = []
-    stop = None
-    if args.stop_launching:
-        hh, mm = map(int, args.stop_launching.split(":"))
-        now = datetime.now(timezone.utc)
-        stop = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+    stop = stop_deadline(args.stop_launching, datetime.now(timezone.utc))
     while pending or running:
         for item in list(running):
             proc, name, out = item

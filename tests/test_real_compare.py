@@ -116,6 +116,16 @@ def test_bad_cells_are_refused():
     assert module().parse_cells(["GRPO:1e-4,3e-3", "RLOO:auto"]) == [("GRPO", "1e-4"), ("GRPO", "3e-3"), ("RLOO", "auto")]
 
 
+def test_a_stop_time_earlier_in_the_day_than_the_start_means_tomorrow():
+    from datetime import datetime, timezone
+    rc = module()
+    late = datetime(2026, 11, 25, 23, 22, 57, tzinfo=timezone.utc)
+    assert rc.stop_deadline("00:40", late) == datetime(2026, 11, 26, 0, 40, tzinfo=timezone.utc)
+    assert rc.stop_deadline("23:50", late) == datetime(2026, 11, 25, 23, 50, tzinfo=timezone.utc)
+    assert rc.stop_deadline("23:22", late) == datetime(2026, 11, 26, 23, 22, tzinfo=timezone.utc)
+    assert rc.stop_deadline(None, late) is None
+
+
 def test_a_run_in_flight_is_recognised_by_its_output_dir(tmp_path):
     rc = module()
     out = tmp_path / "OBLR-PO_lr0.001" / "seed0"
