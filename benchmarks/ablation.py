@@ -182,6 +182,12 @@ def expected_peak_gb(job: dict) -> float:
     return PEAK_GB.get(job["arm"], DEFAULT_PEAK_GB) if job["kind"] == "train" else EVAL_PEAK_GB
 
 
+def other_peak_gb(out: str) -> float:
+    """Expected peak of a run this runner did not launch (another runner's, or one left by a runner restarted), read
+    from its output folder ``<arm>_lr<lr>[_long]/seed<s>``."""
+    return PEAK_GB.get(Path(out).parent.name.rsplit("_lr", 1)[0], DEFAULT_PEAK_GB)
+
+
 def fits(running_gb: list[float], candidate_gb: float, total_gb: float, margin_gb: float) -> bool:
     """Whether a job expected to peak at `candidate_gb` may start beside jobs expected to peak at `running_gb`."""
     return sum(running_gb) + candidate_gb <= total_gb - margin_gb
@@ -223,7 +229,7 @@ def run_all(args, log) -> None:
             todo = [j for j in todo if j["kind"] != "train"]
         if not todo and not running:
             return
-        busy = [expected_peak_gb(j) for j in running] + [DEFAULT_PEAK_GB] * len(others)
+        busy = [expected_peak_gb(j) for j in running] + [other_peak_gb(o) for o in others]
         if todo and len(running) + len(others) < args.parallel and mem_available_gb() >= args.min_free_gb \
                 and fits(busy, expected_peak_gb(todo[0]), meminfo_gb("MemTotal"), args.margin_gb):
             job = todo[0]  # first in line only: a job that does not fit yet waits, and nothing overtakes it
