@@ -170,10 +170,12 @@ def pending(args) -> list[dict]:
     return quick + train
 
 
-# Peak memory (GB of RSS) of one run on this 24 GB machine, measured on 2026-11-25: OBLR-PO's arms 10.0-10.9 GB
-# (sampled each minute), TRL's GRPO 13.3 GB by its step 8 (OOM-killed there beside RLOO at 10.9 GB). A job launches
-# only when the expected peaks of what runs and of it fit in the machine's memory less --margin_gb: GRPO runs alone.
-PEAK_GB = {"GRPO": 14.0}
+# Peak memory (GB of RSS) of one run on this 24 GB machine, measured on 2026-11-25/26: the arms with per-sequence norms
+# (baseline-only, SNR-only, OBLR-PO, per_step; OBLR-PO's chunked one-backward pass) 10.0-10.9 GB; the arms whose loss is
+# TRL's own full-batch pass, GRPO (GRPOTrainer) 13.2-13.4 GB and RLOO (OBLRPOTrainer without norms) 13.0 GB. GRPO was
+# OOM-killed beside RLOO (2026-11-25 21:04). A job launches only when the expected peaks of what runs and of it fit in
+# the machine's memory less --margin_gb: GRPO and RLOO run alone.
+PEAK_GB = {"GRPO": 14.0, "RLOO": 14.0}
 DEFAULT_PEAK_GB = 11.0
 EVAL_PEAK_GB = 1.5  # a large evaluation (large_eval.py)
 

@@ -222,6 +222,8 @@ def test_a_job_starts_only_when_the_expected_peaks_fit_in_memory(ab):
     assert not ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(grpo), total, 1.0)  # GRPO runs alone
     assert ab.fits([ab.expected_peak_gb(grpo)], ab.expected_peak_gb(evaluation), total, 1.0)
     assert ab.fits([], ab.expected_peak_gb(grpo), total, 1.0)
+    rloo = dict(kind="train", arm="RLOO")  # no per-sequence norms: TRL's full-batch loss pass, 13.0 GB on seed 1
+    assert not ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(rloo), total, 1.0)
     # a run another runner launched counts at its arm's peak, read from its folder: a GRPO run there also runs alone
     other_grpo, other_long = "/w/outputs/ablation/GRPO_lr0.0005/seed1", "/w/outputs/ablation/OBLR-PO_lr0.001_long/seed0"
     assert ab.other_peak_gb(other_grpo) == ab.expected_peak_gb(grpo)
