@@ -54,7 +54,7 @@ from pathlib import Path
 
 from demo_seeds import demo_command
 from paired_stats import paired_difference, paired_power, problem_paired_se, seeds_for_power
-from real_compare import is_running, mem_available_gb, meminfo_gb, real_demo_outputs, stop_deadline, uptime
+from real_compare import is_running, mem_available_gb, meminfo_gb, real_demo_runs, stop_deadline, uptime
 
 HERE = Path(__file__).resolve().parent
 # arm -> (examples/demo.py flags, lr as a multiple of GRPO's best lr)
@@ -165,7 +165,7 @@ def pending(args) -> list[dict]:
             quick.append(dict(kind="large", name=f"large eval of {name}", out=out, seed=seed, arm=arm,
                               argv=[*large, str(out)]))
         elif state == "train":
-            train.append(dict(kind="train", name=name, out=out, seed=seed, arm=arm,
+            train.append(dict(kind="train", name=name, out=out, seed=seed, arm=arm, steps=steps,
                               argv=demo_args(args, arm, lr, steps, long)))
     return quick + train
 
@@ -195,6 +195,38 @@ def fits(running_gb: list[float], candidate_gb: float, total_gb: float, margin_g
     return sum(running_gb) + candidate_gb <= total_gb - margin_gb
 
 
+# How long a job takes, to let a job overtake one that must wait (``next_job``): a 40-step run, its 4 evaluations
+# included, took 29-43 min two at a time and 37-40 min alone on 2026-11-25/26; a large evaluation 1.5-2 min.
+MINUTES_PER_STEP = 1.0
+EVAL_MINUTES = 2.0
+OVERTAKE_SLACK_MIN = 10.0
+
+
+def expected_minutes(job: dict) -> float:
+    return job["steps"] * MINUTES_PER_STEP if job["kind"] == "train" else EVAL_MINUTES
+
+
+def next_job(todo: list[dict], running: list[dict], total_gb: float, margin_gb: float,
+             slack_min: float = OVERTAKE_SLACK_MIN) -> dict | None:
+    """The job to launch now, or None. `running`: dict(peak_gb, minutes_left, overtaker) per job running.
+
+    The first in line, when its expected peak fits beside the running jobs'. When it does not (GRPO, which runs
+    alone, behind a run in flight), a later job that fits may overtake it if it would end within `slack_min` of the
+    last running job's expected end, so the core does not idle while the first in line waits and the first in line
+    waits at most `slack_min` longer. One overtaker at a time: none launches beside a job that overtook, so the first
+    in line cannot starve."""
+    if not todo:
+        return None
+    busy = [r["peak_gb"] for r in running]
+    if fits(busy, expected_peak_gb(todo[0]), total_gb, margin_gb):
+        return todo[0]
+    if not running or any(r["overtaker"] for r in running):
+        return None
+    limit = max(r["minutes_left"] for r in running) + slack_min
+    return next((job for job in todo[1:] if fits(busy, expected_peak_gb(job), total_gb, margin_gb)
+                 and expected_minutes(job) <= limit), None)
+
+
 def rss_gb(pid: int) -> float:
     """Resident memory of a process (GB), 0 when it is gone."""
     try:
@@ -204,8 +236,46 @@ def rss_gb(pid: int) -> float:
         return 0.0
 
 
+def write_peak(out: Path, peak_gb: float, every_s: float, **extra) -> None:
+    (out / "peak_rss.json").write_text(json.dumps(dict(peak_rss_gb=round(peak_gb, 2), sampled_every_s=every_s, **extra)))
+
+
+def watch_others(others: list[dict], watched: dict[int, dict], every_s: float, log) -> None:
+    """Sample the RSS of runs this runner did not launch (another runner's, or one left by a runner restarted) while
+    they run; when one has finished with no peak written, write the peak seen (a lower bound: watched only since this
+    runner started)."""
+    for run in others:
+        seen = watched.setdefault(run["pid"], dict(out=Path(run["out"]), peak_gb=0.0))
+        seen["peak_gb"] = max(seen["peak_gb"], rss_gb(run["pid"]))
+    for pid in set(watched) - {run["pid"] for run in others}:
+        seen = watched.pop(pid)
+        if (seen["out"] / "summary.json").exists() and not (seen["out"] / "peak_rss.json").exists():
+            write_peak(seen["out"], seen["peak_gb"], every_s, watched_part_of_the_run=True)
+            log(f"finished {seen['out']} (not launched here), peak RSS >= {seen['peak_gb']:.1f} GB")
+
+
+def launch(args, job: dict, log) -> None:
+    out = job["out"]
+    cmd, env = demo_command(job["seed"], out, job["argv"])  # its environment: 1 torch thread, offline
+    if job["kind"] == "train":
+        before = sorted(args.run_dir.glob(f"*_lr*/seed{job['seed']}/before.json"))
+        if before:  # the same model, problems and seed: its before-RL evaluation is this run's
+            cmd += ["--before_from", str(before[0])]
+        out.mkdir(parents=True, exist_ok=True)
+        log_path = out / "log.txt"
+    else:
+        cmd = [sys.executable, *job["argv"]]
+        log_path = args.run_dir / f"{out.stem}.log.txt" if job["kind"] == "base" else out / "large_log.txt"
+    with open(log_path, "w") as f:
+        job.update(proc=subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), peak_gb=0.0,
+                   started=time.time())
+    log(f"launched {job['name']}{' (overtaking the first in line)' if job['overtaker'] else ''} "
+        f"(pid {job['proc'].pid}); {uptime()}")
+
+
 def run_all(args, log) -> None:
     running: list[dict] = []  # the jobs launched (pending's dicts) with their process and peak RSS seen
+    watched: dict[int, dict] = {}  # runs launched elsewhere, by pid: their output and peak RSS seen
     deadline = stop_deadline(args.stop_launching, datetime.now(timezone.utc))
     stopped = False
     while True:
@@ -216,13 +286,14 @@ def run_all(args, log) -> None:
                 log(f"finished {job['name']} rc={job['proc'].returncode}, peak RSS >= {job['peak_gb']:.1f} GB "
                     f"(sampled every {args.poll_s:g} s); {uptime()}")
                 if job["kind"] == "train" and job["proc"].returncode == 0:
-                    (job["out"] / "peak_rss.json").write_text(json.dumps(dict(
-                        peak_rss_gb=round(job["peak_gb"], 2), sampled_every_s=args.poll_s)))
+                    write_peak(job["out"], job["peak_gb"], args.poll_s)
+        ours = {str(job["out"].resolve()) for job in running}
+        others = [r for r in real_demo_runs() if r["out"] and str(Path(r["out"]).resolve()) not in ours]
+        watch_others(others, watched, args.poll_s, log)
         for path in sync_records(args.run_dir, args.records):
             log(f"recorded {path.name}")
-        ours = {str(job["out"].resolve()) for job in running}
-        others = [o for o in real_demo_outputs() if o and str(Path(o).resolve()) not in ours]
-        todo = [j for j in pending(args) if str(j["out"].resolve()) not in ours and not is_running(j["out"], others)]
+        todo = [j for j in pending(args) if str(j["out"].resolve()) not in ours
+                and not is_running(j["out"], [r["out"] for r in others])]
         if deadline and datetime.now(timezone.utc) >= deadline and not stopped:
             stopped = True
             log(f"stop time {args.stop_launching} UTC reached: not launching "
@@ -231,25 +302,17 @@ def run_all(args, log) -> None:
             todo = [j for j in todo if j["kind"] != "train"]
         if not todo and not running:
             return
-        busy = [expected_peak_gb(j) for j in running] + [other_peak_gb(o) for o in others]
-        if todo and len(running) + len(others) < args.parallel and mem_available_gb() >= args.min_free_gb \
-                and fits(busy, expected_peak_gb(todo[0]), meminfo_gb("MemTotal"), args.margin_gb):
-            job = todo[0]  # first in line only: a job that does not fit yet waits, and nothing overtakes it
-            out = job["out"]
-            cmd, env = demo_command(job["seed"], out, job["argv"])  # its environment: 1 torch thread, offline
-            if job["kind"] == "train":
-                before = sorted(args.run_dir.glob(f"*_lr*/seed{job['seed']}/before.json"))
-                if before:  # the same model, problems and seed: its before-RL evaluation is this run's
-                    cmd += ["--before_from", str(before[0])]
-                out.mkdir(parents=True, exist_ok=True)
-                log_path = out / "log.txt"
-            else:
-                cmd = [sys.executable, *job["argv"]]
-                log_path = args.run_dir / f"{out.stem}.log.txt" if job["kind"] == "base" else out / "large_log.txt"
-            with open(log_path, "w") as f:
-                job.update(proc=subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), peak_gb=0.0)
+        now = time.time()
+        busy = ([dict(peak_gb=expected_peak_gb(j), overtaker=j["overtaker"],
+                      minutes_left=expected_minutes(j) - (now - j["started"]) / 60) for j in running]
+                + [dict(peak_gb=other_peak_gb(r["out"]), overtaker=False,
+                        minutes_left=r["max_steps"] * MINUTES_PER_STEP - r["elapsed_s"] / 60) for r in others])
+        job = next_job(todo, busy, meminfo_gb("MemTotal"), args.margin_gb) \
+            if len(busy) < args.parallel and mem_available_gb() >= args.min_free_gb else None
+        if job is not None:
+            job["overtaker"] = job is not todo[0]
+            launch(args, job, log)
             running.append(job)
-            log(f"launched {job['name']} (pid {job['proc'].pid}); {uptime()}")
             time.sleep(5)
             continue
         time.sleep(args.poll_s)

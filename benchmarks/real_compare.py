@@ -252,23 +252,37 @@ def mem_available_gb() -> float:
     return meminfo_gb("MemAvailable")
 
 
-def real_demo_outputs() -> list[str]:
-    """The --output_dir of every examples/demo.py run on the real model on this machine, ours or anyone's (the
-    machine holds 2 of ~8 GB; a run another runner started is not started twice)."""
-    outputs = []
+def real_demo_runs() -> list[dict]:
+    """Every examples/demo.py run on the real model on this machine, ours or anyone's (the machine holds 2 of ~11 GB;
+    a run another runner started is not started twice), as dict(out, pid, elapsed_s, max_steps): its --output_dir
+    (resolved against that run's working directory; "" without one), how long it has run and its --max_steps."""
+    runs = []
+    clock = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
-        except (OSError, ValueError):
+            if not (any(a.endswith("examples/demo.py") for a in argv) and "smollm2" in argv and "python" in argv[0]):
+                continue
+            with open(f"/proc/{pid}/stat") as f:  # field 22, after the command's parenthesis: start, in clock ticks
+                started = int(f.read().rsplit(")", 1)[1].split()[19]) / clock
+            with open("/proc/uptime") as f:
+                elapsed = float(f.read().split()[0]) - started
+        except (OSError, ValueError, IndexError):
             continue
-        if any(a.endswith("examples/demo.py") for a in argv) and "smollm2" in argv and "python" in argv[0]:
-            out = argv[argv.index("--output_dir") + 1] if "--output_dir" in argv[:-1] else ""
-            try:  # relative to that run's working directory
-                outputs.append(str(Path(os.readlink(f"/proc/{pid}/cwd")) / out) if out else "")
-            except OSError:
-                outputs.append(out)
-    return outputs
+        flag = lambda name: argv[argv.index(name) + 1] if name in argv[:-1] else ""  # noqa: E731
+        out = flag("--output_dir")
+        try:
+            out = str(Path(os.readlink(f"/proc/{pid}/cwd")) / out) if out else ""
+        except OSError:
+            pass
+        runs.append(dict(out=out, pid=int(pid), elapsed_s=elapsed, max_steps=int(flag("--max_steps") or 0)))
+    return runs
+
+
+def real_demo_outputs() -> list[str]:
+    """The --output_dir of every examples/demo.py run on the real model on this machine (``real_demo_runs``)."""
+    return [run["out"] for run in real_demo_runs()]
 
 
 def is_running(out: Path, running_outputs: list[str]) -> bool:

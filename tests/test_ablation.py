@@ -231,6 +231,51 @@ def test_a_job_starts_only_when_the_expected_peaks_fit_in_memory(ab):
     assert not ab.fits([ab.other_peak_gb(other_grpo)], ab.expected_peak_gb(oblr), total, 1.0)
 
 
+def test_a_job_overtakes_one_that_must_run_alone_only_if_it_ends_about_as_soon_and_only_one_at_a_time(ab):
+    def train(arm, steps=40):
+        return dict(kind="train", arm=arm, steps=steps)
+
+    def in_flight(arm, minutes_left, overtaker=False):
+        return dict(peak_gb=ab.expected_peak_gb(train(arm)), minutes_left=minutes_left, overtaker=overtaker)
+
+    total, margin = 23.4, 1.0
+    grpo, bo, stab, evaluation = train("GRPO"), train("baseline-only"), train("SNR-only", 20), dict(kind="large",
+                                                                                                     arm="GRPO")
+    assert ab.next_job([grpo, bo], [], total, margin) is grpo  # alone: the first in line
+    assert ab.next_job([bo, grpo], [in_flight("OBLR-PO", 30)], total, margin) is bo
+    # GRPO must wait for the run in flight; baseline-only (40 min) ends within 10 min of it (38 min left): it goes
+    assert ab.next_job([grpo, bo], [in_flight("OBLR-PO-per_step", 38)], total, margin) is bo
+    # ... but not when the run in flight is nearly done: GRPO would wait 40 min instead of 5
+    assert ab.next_job([grpo, bo], [in_flight("OBLR-PO-per_step", 5)], total, margin) is None
+    assert ab.next_job([grpo, bo, stab], [in_flight("OBLR-PO-per_step", 10)], total, margin) is stab  # 20 <= 10 + 10
+    # once a job has overtaken, nothing else does: after the first run ends the first in line waits for it only
+    assert ab.next_job([grpo, stab], [in_flight("baseline-only", 15, overtaker=True)], total, margin) is None
+    # a job that does not fit never goes, and an evaluation fits beside GRPO
+    assert ab.next_job([grpo, train("RLOO")], [in_flight("OBLR-PO", 40)], total, margin) is None
+    assert ab.next_job([evaluation, bo], [in_flight("GRPO", 30)], total, margin) is evaluation
+    assert ab.next_job([], [], total, margin) is None
+
+
+def test_a_run_launched_elsewhere_gets_the_peak_seen_while_it_ran(ab, tmp_path, monkeypatch):
+    out = tmp_path / "SNR-only_lr0.001" / "seed1"
+    out.mkdir(parents=True)
+    watched, lines = {}, []
+    rss = iter([9.5, 10.9, 10.2])
+    monkeypatch.setattr(ab, "rss_gb", lambda pid: next(rss))
+    for _ in range(3):
+        ab.watch_others([dict(out=str(out), pid=4242, elapsed_s=60.0, max_steps=40)], watched, 30, lines.append)
+    assert not (out / "peak_rss.json").exists()  # still running
+    (out / "summary.json").write_text("{}")
+    ab.watch_others([], watched, 30, lines.append)  # gone, finished
+    peak = json.loads((out / "peak_rss.json").read_text())
+    assert peak["peak_rss_gb"] == 10.9 and peak["watched_part_of_the_run"] and watched == {}
+    assert "not launched here" in lines[-1]
+    ab.write_peak(out, 12.0, 30)  # the launching runner's own peak is not overwritten by a watcher
+    watched[7] = dict(out=out, peak_gb=1.0)
+    ab.watch_others([], watched, 30, lines.append)
+    assert json.loads((out / "peak_rss.json").read_text())["peak_rss_gb"] == 12.0
+
+
 def test_a_runs_peak_memory_reaches_its_record_and_the_arm_table(ab, tmp_path):
     a = args_for(ab, tmp_path, seeds=[0])
     out = write_run(ab, a.run_dir, "GRPO", 5e-4, 0, 0.5, large=0.3)

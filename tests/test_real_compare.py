@@ -126,6 +126,26 @@ def test_a_stop_time_earlier_in_the_day_than_the_start_means_tomorrow():
     assert rc.stop_deadline(None, late) is None
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_real_model_run_on_this_machine_is_seen_with_its_output_elapsed_time_and_steps(tmp_path):
+    import subprocess
+    import time
+    rc = module()
+    fake = [sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path / "examples" / "demo.py"),
+            "--model", "smollm2", "--output_dir", "outputs/x/seed3", "--max_steps", "7"]
+    proc = subprocess.Popen(fake, cwd=tmp_path)
+    try:
+        time.sleep(1.2)
+        mine = [r for r in rc.real_demo_runs() if r["pid"] == proc.pid]
+        assert len(mine) == 1 and mine[0]["out"] == str(tmp_path / "outputs/x/seed3") and mine[0]["max_steps"] == 7
+        assert 0.5 < mine[0]["elapsed_s"] < 30
+        assert str(tmp_path / "outputs/x/seed3") in rc.real_demo_outputs()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [r for r in rc.real_demo_runs() if r["pid"] == proc.pid]
+
+
 def test_a_run_in_flight_is_recognised_by_its_output_dir(tmp_path):
     rc = module()
     out = tmp_path / "OBLR-PO_lr0.001" / "seed0"
