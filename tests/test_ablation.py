@@ -285,3 +285,57 @@ def test_a_runs_peak_memory_reaches_its_record_and_the_arm_table(ab, tmp_path):
     assert run["peak_rss_gb"] == 13.3
     (row,) = ab.arm_table([run], ["GRPO"], 5e-4, [0])
     assert row["peak_rss_gb"] == 13.3
+
+
+
+def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops_launching_at_its_stop_time(
+        ab, tmp_path, monkeypatch):
+    """run_all end to end on fake runs (a python process sleeping, then writing summary.json): GRPO, first in line,
+    runs alone; the norm arms then run two at a time, never three (by memory here, by --parallel with more memory);
+    past the stop time nothing more trains."""
+    import time as real_time
+
+    def fake_pending(args):
+        return [dict(kind="train", name=arm, out=args.run_dir / arm / "seed0", seed=0, arm=arm, steps=40, argv=[])
+                for arm in args.arms if not (args.run_dir / arm / "seed0" / "summary.json").exists()]
+
+    def fake_command(seed, out, argv):
+        script = (f"import time, pathlib; t = time.time(); time.sleep(1.5); "
+                  f"open({str(out.parent.parent / 'timeline.txt')!r}, 'a').write(f'{out.parent.name} {{t}} "
+                  f"{{time.time()}}\\n'); pathlib.Path({str(out)!r}, 'summary.json').write_text('{{}}')")
+        return [sys.executable, "-c", script], {}
+
+    def run(arms, total_gb, parallel, stop_launching=None):
+        a = args_for(ab, tmp_path, arms=arms, parallel=parallel, poll_s=0.01, margin_gb=1.0, min_free_gb=0.0,
+                     stop_launching=stop_launching, run_dir=tmp_path / f"runs_{total_gb}_{parallel}")
+        monkeypatch.setattr(ab, "meminfo_gb", lambda key: total_gb)
+        lines = []
+        ab.run_all(a, lines.append)
+        timeline = a.run_dir / "timeline.txt"
+        spans = {name: (float(t0), float(t1)) for name, t0, t1 in
+                 (line.split() for line in (timeline.read_text().splitlines() if timeline.exists() else []))}
+        return spans, [line.split()[1] for line in lines if line.startswith("launched")], lines, a
+
+    sleep = real_time.sleep
+    monkeypatch.setattr(ab, "pending", fake_pending)
+    monkeypatch.setattr(ab, "demo_command", fake_command)
+    monkeypatch.setattr(ab, "real_demo_runs", lambda: [])
+    monkeypatch.setattr(ab, "sync_records", lambda run_dir, records: [])
+    monkeypatch.setattr(ab, "mem_available_gb", lambda: 20.0)
+    monkeypatch.setattr(ab.time, "sleep", lambda s: sleep(min(s, 0.01)))
+
+    arms = ["GRPO", "SNR-only", "OBLR-PO", "OBLR-PO-per_step"]
+    spans, launched, _, a = run(arms, 23.4, parallel=3)  # this machine's memory; --parallel allows three
+    assert launched == arms and set(spans) == set(arms)  # in line: nothing to overtake GRPO with no run in flight
+    assert all(spans[arm][0] >= spans["GRPO"][1] for arm in arms[1:])  # GRPO ran alone
+    assert spans["SNR-only"][0] < spans["OBLR-PO"][1] and spans["OBLR-PO"][0] < spans["SNR-only"][1]  # two at once
+    assert spans["OBLR-PO-per_step"][0] >= min(spans["SNR-only"][1], spans["OBLR-PO"][1])  # never three: memory
+    assert all((a.run_dir / arm / "seed0" / "peak_rss.json").exists() for arm in arms)
+
+    norm_arms = ["SNR-only", "OBLR-PO", "OBLR-PO-per_step"]
+    spans, launched, _, _ = run(norm_arms, 100.0, parallel=2)  # memory for three; --parallel 2
+    assert spans["OBLR-PO-per_step"][0] >= min(spans["SNR-only"][1], spans["OBLR-PO"][1])  # never three: --parallel
+
+    monkeypatch.setattr(ab, "stop_deadline", lambda hhmm, now: now)  # past the stop time
+    spans, launched, lines, _ = run(["RLOO", "baseline-only"], 50.0, parallel=2, stop_launching="00:00")
+    assert not launched and not spans and "not launching 2 training runs" in lines[-1]
