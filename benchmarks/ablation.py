@@ -697,26 +697,46 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
         return f"- **{name}** over {c[PRIMARY]['n']} seeds: " + "; ".join(parts) + "."
 
     n = max((c[PRIMARY]["n"] for c in contrasts), default=0)
+    judged = [c for c in contrasts if c[PRIMARY]["n"] >= 3]  # a verdict needs 3 paired seeds
+    powered = [c for c in judged if c[PRIMARY].get("power", 0.0) >= 0.8]
     lines = ["# When to use OBLR-PO", "",
              f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`): on the powered "
              f"measurement ({TITLES[PRIMARY]}) the best-paired contrast has {n} of its {planned_seeds} planned seeds "
-             "so far." + (" **Too few seeds for any verdict yet: what follows is "
-                                                          "what the runs show, not a recommendation.**" if n < 3 else ""),
-             ""]
+             f"so far; {len(judged)} of the {len(contrasts)} contrasts {'has' if len(judged) == 1 else 'have'} the 3 "
+             "seeds a verdict needs."]
+    if n < 3:
+        lines[-1] += " **Too few seeds for any verdict yet: what follows is what the runs show, not a recommendation.**"
+    elif len(powered) < len(contrasts):
+        best = max(c[PRIMARY].get("power", 0.0) for c in judged)
+        lines[-1] += (f" **Not powered yet: {len(powered)} of the {len(contrasts)} contrasts reach 80% power to detect "
+                      f"{delta:g} points (the best {best:.0%}). \"No difference detected\" below is not evidence of no "
+                      "difference, and nothing here is a recommendation yet.**")
+    lines.append("")
     if n >= 3:
         lines += ["What each half does, the rest held fixed (held-out accuracy after the run, per-seed differences):",
                   ""]
         lines += [said(name) for name, _, _ in CONTRASTS[5:] if name in by_name]
         lines += ["", "Against GRPO at its lr:", ""]
         lines += [said(name) for name, _, _ in CONTRASTS[:5] if name in by_name]
-    else:
-        lines += ["Finished so far (held-out accuracy after the run, mean over its seeds; the starting model: "
-                  + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + "):", ""]
-        lines += [f"- {r['arm']}: " + ", ".join(f"{TITLES[m]} {fmt(r[m]['mean'])}% ({r[m]['n']} seed"
-                                                 f"{'s' * (r[m]['n'] != 1)})" for m in METRICS if r[m]["n"])
-                  for r in arms if any(r[m]["n"] for m in METRICS)]
+        lines.append("")
+    lines += ["Finished so far (held-out accuracy after the run, mean over its seeds; the starting model: "
+              + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + "):", ""]
+    lines += [f"- {r['arm']}: " + ", ".join(f"{TITLES[m]} {fmt(r[m]['mean'])}% ({r[m]['n']} seed"
+                                             f"{'s' * (r[m]['n'] != 1)})" for m in METRICS if r[m]["n"])
+              for r in arms if any(r[m]["n"] for m in METRICS)]
     worse = [f"{c['name']} ({', '.join(TITLES[m] for m in METRICS if c[m]['verdict'] == 'worse')})"
              for c in contrasts if any(c[m]["verdict"] == "worse" for m in METRICS)]
+    if worse:
+        loses = "; ".join(worse)
+    elif not judged:
+        loses = "not known yet (fewer than 3 paired seeds)"
+    else:
+        loses = (("the one contrast" if len(judged) == 1 else f"none of the {len(judged)} contrasts")
+                 + " with 3 or more seeds is " + ("not " if len(judged) == 1 else "") + "detected worse than its "
+                 "reference"
+                 + ("" if len(powered) == len(judged) else " (underpowered: see above)")
+                 + (f"; {len(contrasts) - len(judged)} have too few seeds to tell" if len(judged) < len(contrasts)
+                    else ""))
     costs = [f"{r['arm']} {r['seconds_per_step']:.0f} s" + (f" and {r['peak_rss_gb']:.1f} GB" if not
                                                              math.isnan(r["peak_rss_gb"]) else "")
              for r in arms if not math.isnan(r["seconds_per_step"])]
@@ -724,9 +744,7 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
               "memory): " + (", ".join(costs) if costs else "not measured yet") + ". No ratio is given here: the "
               "runs shared the machine differently (GRPO's alone since 2026-11-25, for its memory; the others two at "
               "a time); `benchmarks/results/step_cost.md` measures OBLR-PO's step against GRPO's in one process.",
-              "", "**Where it loses**: " + ("; ".join(worse) if worse else
-                                           "no contrast is worse than its reference at these seeds" if n >= 3 else
-                                           "not known yet (fewer than 3 paired seeds)") + "."]
+              "", "**Where it loses**: " + loses + "."]
     sentences = long_summary(list(long_rows))
     lines += ["", "**Over a long run** (does the shrinking step stall?): " + (" ".join(sentences) if sentences else
                                                                              "no long run finished yet.")]

@@ -339,3 +339,20 @@ def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops
     monkeypatch.setattr(ab, "stop_deadline", lambda hhmm, now: now)  # past the stop time
     spans, launched, lines, _ = run(["RLOO", "baseline-only"], 50.0, parallel=2, stop_launching="00:00")
     assert not launched and not spans and "not launching 2 training runs" in lines[-1]
+
+
+def test_the_when_section_says_how_far_the_evidence_goes_while_only_some_contrasts_have_three_seeds(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0, 1, 2, 3, 4], stability_seeds=[], lr_check_seeds=[], long_seeds=[])
+    for arm, values in AFTER.items():
+        for seed in range(3 if arm in ("GRPO", "baseline-only") else 2):
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr), seed, values[seed], large=values[seed] - 0.1)
+    ab.tabulate(a, [])
+    when = a.out.with_name("ablation_when.md").read_text()
+    head, loses = when.split("\n")[2], when.split("**Where it loses**: ")[1].split("\n")[0]
+    assert "has 3 of its 5 planned seeds so far; 1 of the 9 contrasts has the 3 seeds a verdict needs" in head
+    assert "**Not powered yet: 0 of the 9 contrasts reach 80% power to detect 5 points" in head
+    assert "**baseline-only vs GRPO** over 3 seeds: greedy (large set) +" in when
+    assert "**OBLR-PO vs GRPO** over 2 seeds: greedy (large set): too few seeds (2)" in when
+    assert "- RLOO: greedy (100) 44.0% (2 seeds)" in when  # every arm's means stay listed
+    assert loses == ("the one contrast with 3 or more seeds is not detected worse than its reference (underpowered: "
+                     "see above); 8 have too few seeds to tell.")
