@@ -33,8 +33,9 @@ two arms carries ~4-5 points of measurement noise, too much for any affordable n
 Resumable and shareable like ``real_compare.py``, and safe against losing the machine: each finished run is kept as a
 small record in ``--records`` (committed: benchmarks/results/ablation_runs/), and a cell whose record holds its large
 evaluation is never run again. A run in flight on this machine is not started twice, and at most ``--parallel`` jobs
-(1 torch thread each) run on the machine. Large evaluations go first (minutes), then main-ablation runs, seed-major
-(every arm's seed 0, then every arm's seed 1, ...), then the stability runs.
+(1 torch thread each) run on the machine. With ``--finish_by HH:MM`` a training run launches only when it is
+expected to end by then (a run killed with its session is lost whole). Large evaluations go first (minutes), then
+main-ablation runs, seed-major (every arm's seed 0, then every arm's seed 1, ...), then the stability runs.
 
     python benchmarks/ablation.py                       # run what is missing, then tabulate
     python benchmarks/ablation.py --no_run              # tabulate what exists under --run_dir
@@ -227,6 +228,16 @@ def next_job(todo: list[dict], running: list[dict], total_gb: float, margin_gb: 
                  and expected_minutes(job) <= limit), None)
 
 
+def in_time(todo: list[dict], minutes_left: float | None) -> tuple[list[dict], list[dict]]:
+    """(the jobs that may launch, the training runs held back): with `minutes_left` before ``--finish_by``, a training
+    run launches only when it and its large evaluation are expected to end in time (a run killed with its session
+    is lost whole: a 120-step run started an hour before the end would waste two core-hours). Evaluations always."""
+    if minutes_left is None:
+        return todo, []
+    late = [j for j in todo if j["kind"] == "train" and expected_minutes(j) + EVAL_MINUTES > minutes_left]
+    return [j for j in todo if not any(j is k for k in late)], late
+
+
 def rss_gb(pid: int) -> float:
     """Resident memory of a process (GB), 0 when it is gone."""
     try:
@@ -277,7 +288,8 @@ def run_all(args, log) -> None:
     running: list[dict] = []  # the jobs launched (pending's dicts) with their process and peak RSS seen
     watched: dict[int, dict] = {}  # runs launched elsewhere, by pid: their output and peak RSS seen
     deadline = stop_deadline(args.stop_launching, datetime.now(timezone.utc))
-    stopped = False
+    finish = stop_deadline(args.finish_by, datetime.now(timezone.utc))
+    stopped, held = False, set()
     while True:
         for job in list(running):
             job["peak_gb"] = max(job["peak_gb"], rss_gb(job["proc"].pid))
@@ -300,6 +312,12 @@ def run_all(args, log) -> None:
                 f"{sum(j['kind'] == 'train' for j in todo)} training runs")
         if stopped:
             todo = [j for j in todo if j["kind"] != "train"]
+        todo, late = in_time(todo, (finish - datetime.now(timezone.utc)).total_seconds() / 60 if finish else None)
+        for j in late:
+            if j["name"] not in held:
+                held.add(j["name"])
+                log(f"not launching {j['name']}: expected {expected_minutes(j) + EVAL_MINUTES:.0f} min with its "
+                    f"large evaluation, it would not end by --finish_by {args.finish_by} UTC")
         if not todo and not running:
             return
         now = time.time()
@@ -845,6 +863,10 @@ def main():
     parser.add_argument("--margin_gb", type=float, default=1.0,
                         help="memory left free beside the expected peaks of the jobs running (PEAK_GB)")
     parser.add_argument("--stop_launching", default=None, help="HH:MM UTC after which no run is launched")
+    parser.add_argument("--finish_by", default=None,
+                        help="HH:MM UTC by which every run launched should have ended (the machine's session end): a "
+                             "training run launches only if expected to end by then (MINUTES_PER_STEP, EVAL_MINUTES); "
+                             "shorter runs further down the list may go instead")
     parser.add_argument("--poll_s", type=float, default=30)
     parser.add_argument("--run_dir", type=Path, default=Path("outputs/ablation"))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "ablation")

@@ -28,7 +28,7 @@ def args_for(ab, tmp_path, **kw):
                 lr_check_arms=["GRPO"], lr_check_multiples=[0.3], lr_check_seeds=[0, 1, 2],
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
                 records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
-                long_seeds=[0], long_eval_every=20)
+                long_seeds=[0], long_eval_every=20, finish_by=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -294,10 +294,11 @@ def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops
     runs alone; the norm arms then run two at a time, never three (by memory here, by --parallel with more memory);
     past the stop time nothing more trains."""
     import time as real_time
+    from datetime import timedelta
 
     def fake_pending(args):
-        return [dict(kind="train", name=arm, out=args.run_dir / arm / "seed0", seed=0, arm=arm, steps=40, argv=[])
-                for arm in args.arms if not (args.run_dir / arm / "seed0" / "summary.json").exists()]
+        return [dict(kind="train", name=arm, out=args.run_dir / arm / "seed0", seed=0, arm=arm,
+                     steps=args.steps.get(arm, 40), argv=[]) for arm in args.arms if not (args.run_dir / arm / "seed0" / "summary.json").exists()]
 
     def fake_command(seed, out, argv):
         script = (f"import time, pathlib; t = time.time(); time.sleep(1.5); "
@@ -305,9 +306,10 @@ def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops
                   f"{{time.time()}}\\n'); pathlib.Path({str(out)!r}, 'summary.json').write_text('{{}}')")
         return [sys.executable, "-c", script], {}
 
-    def run(arms, total_gb, parallel, stop_launching=None):
+    def run(arms, total_gb, parallel, stop_launching=None, finish_by=None, steps=None):
         a = args_for(ab, tmp_path, arms=arms, parallel=parallel, poll_s=0.01, margin_gb=1.0, min_free_gb=0.0,
-                     stop_launching=stop_launching, run_dir=tmp_path / f"runs_{total_gb}_{parallel}")
+                     stop_launching=stop_launching, finish_by=finish_by, run_dir=tmp_path / "_".join(arms),
+                     steps=steps or {})
         monkeypatch.setattr(ab, "meminfo_gb", lambda key: total_gb)
         lines = []
         ab.run_all(a, lines.append)
@@ -336,7 +338,15 @@ def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops
     spans, launched, _, _ = run(norm_arms, 100.0, parallel=2)  # memory for three; --parallel 2
     assert spans["OBLR-PO-per_step"][0] >= min(spans["SNR-only"][1], spans["OBLR-PO"][1])  # never three: --parallel
 
-    monkeypatch.setattr(ab, "stop_deadline", lambda hhmm, now: now)  # past the stop time
+    # 30 minutes before --finish_by: a 40-step run (40 min + its large evaluation) is held back, a 20-step one goes
+    monkeypatch.setattr(ab, "stop_deadline", lambda hhmm, now: hhmm and now + timedelta(minutes=30))
+    spans, launched, lines, _ = run(["OBLR-PO", "SNR-only"], 50.0, parallel=2, finish_by="05:00",
+                                    steps={"SNR-only": 20})
+    assert launched == ["SNR-only"] and set(spans) == {"SNR-only"}
+    assert "not launching OBLR-PO: expected 42 min with its large evaluation, it would not end by --finish_by 05:00" \
+        in lines[0]
+
+    monkeypatch.setattr(ab, "stop_deadline", lambda hhmm, now: hhmm and now)  # past the stop time
     spans, launched, lines, _ = run(["RLOO", "baseline-only"], 50.0, parallel=2, stop_launching="00:00")
     assert not launched and not spans and "not launching 2 training runs" in lines[-1]
 
