@@ -113,15 +113,17 @@ def jobs(args) -> list[tuple[str, float, int, int, Path]]:
     """(arm, lr, seed, steps, output folder) of every run, in launch order: the ablation seed-major, with the lr check
     (``--lr_check_arms`` at ``--lr_check_multiples`` of their lr, full length) right after the last seed it shares
     with the ablation, then the long runs (``--long_arms`` at their lr, ``--long_steps``, ``--long_seeds``), then
-    the stability window (3x before 10x, seed-major, ``--stability_steps`` each)."""
+    the stability window (3x before 10x, seed-major, ``--stability_steps`` each). ``--long_first``: the long runs
+    before everything (start a session with them: a 120-step run needs two hours of one)."""
     out = [(arm, lr_of(arm, args.grpo_lr), seed, args.max_steps) for seed in args.seeds for arm in args.arms]
     check = [(arm, lr_of(arm, args.grpo_lr, m), seed, args.max_steps) for m in args.lr_check_multiples
              for seed in args.lr_check_seeds for arm in args.lr_check_arms]
     cut = max((i + 1 for i, job in enumerate(out) if job[2] in args.lr_check_seeds), default=len(out))
     out[cut:cut] = check
     out = [(*job, False) for job in out]
-    out += [(arm, lr_of(arm, args.grpo_lr), seed, args.long_steps, True) for seed in args.long_seeds
+    long = [(arm, lr_of(arm, args.grpo_lr), seed, args.long_steps, True) for seed in args.long_seeds
             for arm in args.long_arms]
+    out = long + out if args.long_first else out + long
     out += [(arm, lr_of(arm, args.grpo_lr, m), seed, args.stability_steps, False) for m in args.stability_multiples
             for seed in args.stability_seeds for arm in args.arms]
     return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed, long))
@@ -852,6 +854,8 @@ def main():
     parser.add_argument("--long_steps", type=int, default=120)
     parser.add_argument("--long_seeds", type=int, nargs="*", default=[0])
     parser.add_argument("--long_eval_every", type=int, default=20)
+    parser.add_argument("--long_first", action="store_true",
+                        help="launch the long runs before the rest (at a session's start, with --finish_by)")
     parser.add_argument("--stability_multiples", type=float, nargs="*", default=[3.0, 10.0])
     parser.add_argument("--stability_seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--stability_steps", type=int, default=20,

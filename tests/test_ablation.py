@@ -28,7 +28,7 @@ def args_for(ab, tmp_path, **kw):
                 lr_check_arms=["GRPO"], lr_check_multiples=[0.3], lr_check_seeds=[0, 1, 2],
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
                 records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
-                long_seeds=[0], long_eval_every=20, finish_by=None)
+                long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -74,6 +74,9 @@ def test_jobs_run_the_ablation_seed_major_then_the_stability_window(ab, tmp_path
     assert outs[12].parent.name == "OBLR-PO_lr0.001_long" and outs[4].parent.name == "OBLR-PO_lr0.001"
     assert ab.parse_cell("OBLR-PO_lr0.001_long") == ("OBLR-PO", 1e-3, True)
     assert ab.parse_cell("OBLR-PO-per_step_lr0.001") == ("OBLR-PO-per_step", 1e-3, False)
+    first = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(args_for(
+        ab, tmp_path, seeds=[0, 1], stability_seeds=[0], lr_check_seeds=[], long_first=True))]
+    assert first[:2] == order[12:14] and first[2:] == order[:12] + order[14:]  # --long_first: only the long runs move
 
 
 def test_the_lr_check_runs_after_the_seeds_it_shares_with_the_ablation(ab, tmp_path):
