@@ -698,6 +698,32 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
     return "\n".join(lines)
 
 
+BASELINE_CONTRAST = CONTRASTS[5][0]  # the gradient-weighted baseline against RLOO's, same lr, no SNR step
+
+
+def render_baseline(contrasts: list[dict], planned_seeds: int, delta: float) -> str:
+    """The README's word, beside the variance table, on what the default baseline does in training (the ablation's
+    baseline-only - RLOO contrast on the powered measurement)."""
+    d = next(c for c in contrasts if c["name"] == BASELINE_CONTRAST)[PRIMARY]
+    head = ("**In training** (the paired ablation, \"When to use OBLR-PO\" above: baseline-only against RLOO at the "
+            f"same lr, no SNR step, {TITLES[PRIMARY]}): ")
+    if d["ci"] is None:
+        return "# The baseline in training\n\n" + head + f"{d['n']} of {planned_seeds} planned seeds, no verdict yet.\n"
+    text = (head + f"{d['mean']:+.1f} pts [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}] over {d['n']} of {planned_seeds} "
+            f"planned seeds, {d['verdict']}" + (f" (power {d['power']:.0%} for {delta:g} pts)" if "power" in d else "")
+            + ".")
+    if d["verdict"] == "worse":
+        text += (" **So far the default gradient-weighted baseline learns worse than RLOO's plain leave-one-out mean on "
+                 "this task, although its gradient variance at fixed parameters ties RLOO's (above).** The default "
+                 "stays until the planned seeds are in" + (" (a verdict at this power can still move)"
+                                                          if d.get("power", 0.0) < 0.8 else "")
+                 + "; `baseline=\"mean\"` (leave-one-out by default) trains with RLOO's baseline, with or without the "
+                 "SNR step.")
+    elif d["verdict"] == "better":
+        text += " The default gradient-weighted baseline learns better than RLOO's mean here."
+    return "# The baseline in training\n\n" + text + "\n"
+
+
 def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, delta: float, before: dict,
                 long_rows: list[dict] = ()) -> str:
     """The README's "When to use OBLR-PO", written from the tables: what each half buys, what it costs, where it
@@ -731,6 +757,10 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
         lines[-1] += (f" **Not powered yet: {len(powered)} of the {len(contrasts)} contrasts reach 80% power to detect "
                       f"{delta:g} points (the best {best:.0%}). \"No difference detected\" below is not evidence of no "
                       "difference, and nothing here is a recommendation yet.**")
+    if n >= 3:
+        intervals = sum(c[m]["ci"] is not None for c in contrasts for m in METRICS)
+        lines[-1] += (f" Each interval is a 95% one with no correction for multiplicity: of the {intervals} drawn here, "
+                      f"about {intervals / 20:.1f} would exclude 0 by chance alone where no difference exists.")
     lines.append("")
     if n >= 3:
         lines += ["What each half does, the rest held fixed (held-out accuracy after the run, per-seed differences):",
@@ -956,6 +986,8 @@ def tabulate(args, runner_log: list[str]) -> None:
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
     when = args.out.with_name(args.out.name + "_when.md")
     when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before, long_rows))
+    args.out.with_name(args.out.name + "_baseline.md").write_text(render_baseline(contrasts, len(args.seeds),
+                                                                                   args.delta))
     compact = [{k: v for k, v in r.items() if k not in ("history", "large_eval")} for r in all_runs]  # records: the rest
     args.out.with_suffix(".json").write_text(json.dumps(dict(arms=arms, contrasts=contrasts, stability=stab,
                                                              lr_check=lr_check, long=long_rows,

@@ -364,8 +364,26 @@ def test_the_when_section_says_how_far_the_evidence_goes_while_only_some_contras
     head, loses = when.split("\n")[2], when.split("**Where it loses**: ")[1].split("\n")[0]
     assert "has 3 of its 5 planned seeds so far; 1 of the 9 contrasts has the 3 seeds a verdict needs" in head
     assert "**Not powered yet: 0 of the 9 contrasts reach 80% power to detect 5 points" in head
+    assert "no correction for multiplicity: of the 3 drawn here, about 0.1 would exclude 0 by chance" in head
     assert "**baseline-only vs GRPO** over 3 seeds: greedy (large set) +" in when
     assert "**OBLR-PO vs GRPO** over 2 seeds: greedy (large set): too few seeds (2)" in when
     assert "- RLOO: greedy (100) 44.0% (2 seeds)" in when  # every arm's means stay listed
+    assert "2 of 5 planned seeds, no verdict yet" in a.out.with_name("ablation_baseline.md").read_text()
     assert loses == ("the one contrast with 3 or more seeds is not detected worse than its reference (underpowered: "
                      "see above); 8 have too few seeds to tell.")
+
+
+def test_the_readme_says_what_the_default_baseline_does_in_training_from_the_contrast_with_rloo(ab):
+    def contrasts(**d):
+        return [dict(name=ab.BASELINE_CONTRAST, **{ab.PRIMARY: d})]
+
+    text = ab.render_baseline(contrasts(n=2, ci=None, verdict="too few seeds (2)"), 5, 5.0)
+    assert text.startswith("# The baseline in training") and "2 of 5 planned seeds, no verdict yet." in text
+    worse = ab.render_baseline(contrasts(n=3, ci=(-11.6, -1.3), mean=-6.5, verdict="worse", power=0.59), 5, 5.0)
+    assert "-6.5 pts [-11.6, -1.3] over 3 of 5 planned seeds, worse (power 59% for 5 pts)." in worse
+    assert "learns worse than RLOO's" in worse and "can still move" in worse and 'baseline="mean"' in worse
+    powered = ab.render_baseline(contrasts(n=5, ci=(-9.0, -4.0), mean=-6.5, verdict="worse", power=0.9), 5, 5.0)
+    assert "can still move" not in powered
+    tie = ab.render_baseline(contrasts(n=5, ci=(-3.0, 2.0), mean=-0.5, verdict="no difference detected", power=0.9),
+                             5, 5.0)
+    assert "no difference detected (power 90% for 5 pts)." in tie and "learns" not in tie
