@@ -82,6 +82,12 @@ def parse_args(argv=None):
     parser.add_argument(
         "--per_device_train_batch_size", type=int, default=64, help="Completions per step (prompts x generations)."
     )
+    parser.add_argument(
+        "--micro_batch", type=int, default=None,
+        help="Completions per forward/backward pass: the step's --per_device_train_batch_size completions go through "
+        "in micro-batches of this many (gradient accumulation, one generation per step: the same update in less "
+        "memory). A multiple of --num_generations that divides --per_device_train_batch_size; default: all at once.",
+    )
     parser.add_argument("--learning_rate", type=float, default=None,
                         help="Maximum step size eta_max; OBLR-PO scales it by its SNR factor in [0, 1].")
     parser.add_argument("--lora_r", type=int, default=None, help="LoRA rank on all linear layers; 0 = full fine-tuning.")
@@ -169,6 +175,11 @@ def parse_args(argv=None):
         args.prompt_template = None
     if args.quick:
         args.max_steps, args.num_train, args.num_eval, args.eval_samples = 3, 64, 16, 2
+    if args.micro_batch is not None and (args.micro_batch < 1 or args.micro_batch % args.num_generations
+                                         or args.per_device_train_batch_size % args.micro_batch):
+        parser.error(f"--micro_batch {args.micro_batch} must be a multiple of --num_generations "
+                     f"{args.num_generations} that divides --per_device_train_batch_size "
+                     f"{args.per_device_train_batch_size} (e.g. --micro_batch {args.num_generations}).")
     return args
 
 
@@ -448,7 +459,10 @@ def main(args):
         beta=OBLRPOConfig.beta,
         output_dir=args.output_dir,
         max_steps=args.max_steps,
-        per_device_train_batch_size=args.per_device_train_batch_size,
+        # --micro_batch: the step's completions in micro-batches, generated at once (steps_per_generation = accumulation)
+        per_device_train_batch_size=args.micro_batch or args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.per_device_train_batch_size // (args.micro_batch or
+                                                                         args.per_device_train_batch_size),
         num_generations=args.num_generations,
         learning_rate=args.learning_rate,
         lr_scheduler_type=args.lr_scheduler_type,
@@ -539,6 +553,8 @@ def main(args):
         "mean_snr": mean(snrs) if snrs else None,
         "seconds_per_step": round(train_seconds / max(1, steps), 1),
         "torch_threads": torch.get_num_threads(),
+        "micro_batch": args.micro_batch,
+        "backward_passes_per_step": config.gradient_accumulation_steps,
         "model_seconds": round(model_seconds, 1),
         "seconds": round(time.time() - start, 1),
     }

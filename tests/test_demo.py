@@ -100,6 +100,37 @@ def test_demo_grpo_trainer_reused_before_accuracy_and_pass_through_flags(tmp_pat
     assert not (tmp_path / "skip" / "before.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", [["--trainer", "grpo"], ["--baseline", "mean", "--snr_lr", "false"]],
+                         ids=["GRPO", "RLOO"])
+def test_demo_micro_batch_makes_the_same_run_in_micro_batches(tmp_path, arm):
+    """--micro_batch: the step's 64 completions in 4 backward passes of 16 (what lets the ablation run GRPO and RLOO
+    beside another arm): the same losses, gradient norms and rewards, step after step, as all 64 at once."""
+    def steps(out, *flags):
+        run = _demo(tmp_path, out, *arm, *flags)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        history = json.loads((out / "log_history.json").read_text())
+        return [(e["loss"], e["grad_norm"], e["reward"]) for e in history if "loss" in e], \
+            json.loads((out / "summary.json").read_text())
+
+    whole, whole_summary = steps(tmp_path / "whole")
+    micro, micro_summary = steps(tmp_path / "micro", "--micro_batch", "16")
+    assert len(whole) == len(micro) == 3
+    for (loss_w, norm_w, reward_w), (loss_m, norm_m, reward_m) in zip(whole, micro):
+        assert reward_m == reward_w and norm_m == pytest.approx(norm_w, rel=1e-5)
+        assert loss_m == pytest.approx(loss_w, rel=1e-4, abs=1e-8)
+    assert (whole_summary["micro_batch"], micro_summary["micro_batch"]) == (None, 16)
+    assert (whole_summary["backward_passes_per_step"], micro_summary["backward_passes_per_step"]) == (1, 4)
+    assert micro_summary["accuracy_after"] == whole_summary["accuracy_after"]
+
+
+def test_demo_refuses_a_micro_batch_that_splits_a_group_or_the_step(tmp_path):
+    for bad in ("12", "48"):  # not a multiple of the group size 8; does not divide the 64 completions
+        refused = _demo(tmp_path, tmp_path / "x", "--micro_batch", bad)
+        assert refused.returncode == 2 and f"--micro_batch {bad} must be a multiple of --num_generations 8 " \
+            "that divides --per_device_train_batch_size 64 (e.g. --micro_batch 8)" in refused.stderr
+
+
 def test_demo_refuses_oblr_options_with_grpo_and_a_mismatched_before_from(tmp_path):
     refused = _demo(tmp_path, tmp_path / "x", "--trainer", "grpo", "--baseline", "mean")
     assert refused.returncode == 2 and "--baseline configure OBLR-PO" in refused.stderr
