@@ -60,8 +60,8 @@ from real_compare import is_running, mem_available_gb, meminfo_gb, real_demo_run
 HERE = Path(__file__).resolve().parent
 # arm -> (examples/demo.py flags, lr as a multiple of GRPO's best lr)
 ARMS: dict[str, tuple[list[str], float]] = {
-    "GRPO": (["--trainer", "grpo"], 1.0),
-    "RLOO": (["--baseline", "mean", "--snr_lr", "false"], 1.0),
+    "GRPO": (["--trainer", "grpo", "--micro_batch", "16"], 1.0),
+    "RLOO": (["--baseline", "mean", "--snr_lr", "false", "--micro_batch", "16"], 1.0),
     "baseline-only": (["--snr_lr", "false"], 1.0),
     "SNR-only": (["--baseline", "mean", "--leave_one_out", "false", "--scale_rewards", "group"], 2.0),
     "OBLR-PO": ([], 2.0),
@@ -177,8 +177,10 @@ def pending(args) -> list[dict]:
 # (baseline-only, SNR-only, OBLR-PO, per_step; OBLR-PO's chunked one-backward pass) 10.0-10.9 GB; the arms whose loss is
 # TRL's own full-batch pass, GRPO (GRPOTrainer) 13.2-13.4 GB and RLOO (OBLRPOTrainer without norms) 13.0 GB. GRPO was
 # OOM-killed beside RLOO (2026-11-25 21:04). A job launches only when the expected peaks of what runs and of it fit in
-# the machine's memory less --margin_gb: GRPO and RLOO run alone.
-PEAK_GB = {"GRPO": 14.0, "RLOO": 14.0}
+# the machine's memory less --margin_gb. Since 2026-11-26 04:25 GRPO and RLOO go through the backward in micro-batches
+# of 16 (ARMS: --micro_batch 16, the same update): 4.5 and 4.6 GB peak over 2 steps beside a run (/tmp probe of
+# examples/demo.py, 2026-11-26), expected at 6 GB, so they run beside another arm.
+PEAK_GB = {"GRPO": 6.0, "RLOO": 6.0}
 DEFAULT_PEAK_GB = 11.0
 EVAL_PEAK_GB = 1.5  # a large evaluation (large_eval.py)
 
@@ -972,7 +974,11 @@ def tabulate(args, runner_log: list[str]) -> None:
         f"README's advice). Planned: seeds {','.join(map(str, args.seeds))} per arm; a seed fixes the problems and "
         "their order, so every difference is taken per seed. The task: the demo's one-digit sums start at 50% greedy "
         "and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
-        "sampled, and leave room for 40 steps.",
+        "sampled, and leave room for 40 steps. GRPO and RLOO, whose loss is TRL's whole-batch pass (13 GB of memory), "
+        "go through the backward in micro-batches of 16 since 2026-11-26 (`--micro_batch 16`: the same update up to "
+        "float rounding, tested on the tiny model; the record says `micro_batch`), so that they fit beside another "
+        "arm: " + ", ".join(f"{sum(bool(r.get('micro_batch')) for r in all_runs if r['arm'] == arm)} of {arm}'s "
+                            f"{sum(r['arm'] == arm for r in all_runs)} runs" for arm in ("GRPO", "RLOO")) + ".",
         "",
         f"**The powered measurement** is the last column group, *greedy (large set)*: after each run, "
         f"`large_eval.py` scores its adapter greedily on {args.large_size} distinct held-out problems, none of them "

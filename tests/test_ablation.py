@@ -129,8 +129,11 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     for seed in range(3):  # OBLR-PO at 10x its lr collapses on seeds 0 and 1
         write_run(ab, a.run_dir, "OBLR-PO", ab.lr_of("OBLR-PO", a.grpo_lr, 10.0), seed, 0.5, steps=20,
                   collapsed=seed < 2)
+    summary = ab.run_dir_of(a.run_dir, "GRPO", 5e-4, 2) / "summary.json"  # one GRPO run in micro-batches
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "micro_batch": 16}))
     ab.tabulate(a, [])
     text = a.out.with_suffix(".md").read_text()
+    assert "so that they fit beside another arm: 1 of GRPO's 3 runs, 0 of RLOO's 3 runs." in text
     assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 |" in text
     assert "| 0.00025 | 66 |" in text and "| 0.0005 | 60 |" in text  # OBLR-PO's and GRPO's mean applied lr, s/step
     assert "Not finished when this table was made" in text  # the other stability runs
@@ -218,23 +221,29 @@ def test_long_runs_get_their_own_table_sentence_and_plot_and_stay_out_of_the_abl
 
 def test_a_job_starts_only_when_the_expected_peaks_fit_in_memory(ab):
     grpo, oblr = dict(kind="train", arm="GRPO"), dict(kind="train", arm="OBLR-PO")
-    evaluation = dict(kind="large", arm="GRPO")
-    assert ab.expected_peak_gb(grpo) > ab.expected_peak_gb(oblr) > ab.expected_peak_gb(evaluation)
+    rloo, evaluation = dict(kind="train", arm="RLOO"), dict(kind="large", arm="GRPO")
     total = 23.4  # this machine's MemTotal
     assert ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(oblr), total, 1.0)  # two OBLR-PO arms
-    assert not ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(grpo), total, 1.0)  # GRPO runs alone
-    assert ab.fits([ab.expected_peak_gb(grpo)], ab.expected_peak_gb(evaluation), total, 1.0)
-    assert ab.fits([], ab.expected_peak_gb(grpo), total, 1.0)
-    rloo = dict(kind="train", arm="RLOO")  # no per-sequence norms: TRL's full-batch loss pass, 13.0 GB on seed 1
-    assert not ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(rloo), total, 1.0)
-    # a run another runner launched counts at its arm's peak, read from its folder: a GRPO run there also runs alone
+    # GRPO and RLOO in micro-batches of 16 (4.5-4.6 GB): beside any arm, and beside each other
+    assert "--micro_batch" in ab.ARMS["GRPO"][0] and "--micro_batch" in ab.ARMS["RLOO"][0]
+    assert ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(grpo), total, 1.0)
+    assert ab.fits([ab.expected_peak_gb(grpo)], ab.expected_peak_gb(rloo), total, 1.0)
+    assert ab.fits([ab.expected_peak_gb(oblr), ab.expected_peak_gb(rloo)], ab.expected_peak_gb(evaluation), total, 1.0)
+    assert not ab.fits([ab.expected_peak_gb(oblr), ab.expected_peak_gb(oblr)], ab.expected_peak_gb(grpo), total, 1.0)
+    # a run another runner launched counts at its arm's peak, read from its folder
     other_grpo, other_long = "/w/outputs/ablation/GRPO_lr0.0005/seed1", "/w/outputs/ablation/OBLR-PO_lr0.001_long/seed0"
     assert ab.other_peak_gb(other_grpo) == ab.expected_peak_gb(grpo)
     assert ab.other_peak_gb(other_long) == ab.expected_peak_gb(oblr)
-    assert not ab.fits([ab.other_peak_gb(other_grpo)], ab.expected_peak_gb(oblr), total, 1.0)
 
 
-def test_a_job_overtakes_one_that_must_run_alone_only_if_it_ends_about_as_soon_and_only_one_at_a_time(ab):
+@pytest.fixture
+def heavy_grpo(ab, monkeypatch):
+    """GRPO and RLOO as they were before micro-batching (13-13.4 GB): they must run alone on this machine."""
+    monkeypatch.setattr(ab, "PEAK_GB", {"GRPO": 14.0, "RLOO": 14.0})
+
+
+def test_a_job_overtakes_one_that_must_run_alone_only_if_it_ends_about_as_soon_and_only_one_at_a_time(
+        ab, heavy_grpo):
     def train(arm, steps=40):
         return dict(kind="train", arm=arm, steps=steps)
 
@@ -292,7 +301,7 @@ def test_a_runs_peak_memory_reaches_its_record_and_the_arm_table(ab, tmp_path):
 
 
 def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops_launching_at_its_stop_time(
-        ab, tmp_path, monkeypatch):
+        ab, tmp_path, monkeypatch, heavy_grpo):
     """run_all end to end on fake runs (a python process sleeping, then writing summary.json): GRPO, first in line,
     runs alone; the norm arms then run two at a time, never three (by memory here, by --parallel with more memory);
     past the stop time nothing more trains."""
@@ -301,7 +310,8 @@ def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops
 
     def fake_pending(args):
         return [dict(kind="train", name=arm, out=args.run_dir / arm / "seed0", seed=0, arm=arm,
-                     steps=args.steps.get(arm, 40), argv=[]) for arm in args.arms if not (args.run_dir / arm / "seed0" / "summary.json").exists()]
+                     steps=args.steps.get(arm, 40), argv=[])
+                for arm in args.arms if not (args.run_dir / arm / "seed0" / "summary.json").exists()]
 
     def fake_command(seed, out, argv):
         script = (f"import time, pathlib; t = time.time(); time.sleep(1.5); "
