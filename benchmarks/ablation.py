@@ -178,8 +178,8 @@ def pending(args) -> list[dict]:
 # TRL's own full-batch pass, GRPO (GRPOTrainer) 13.2-13.4 GB and RLOO (OBLRPOTrainer without norms) 13.0 GB. GRPO was
 # OOM-killed beside RLOO (2026-11-25 21:04). A job launches only when the expected peaks of what runs and of it fit in
 # the machine's memory less --margin_gb. Since 2026-11-26 04:25 GRPO and RLOO go through the backward in micro-batches
-# of 16 (ARMS: --micro_batch 16, the same update): 4.5 and 4.6 GB peak over 2 steps beside a run (/tmp probe of
-# examples/demo.py, 2026-11-26), expected at 6 GB, so they run beside another arm.
+# of 16 (ARMS: --micro_batch 16, the same update): GRPO at 0.3 L seed 0 peaked at 4.7 GB over 40 steps (its record,
+# 2026-11-26), RLOO at 4.6 GB over 2 steps; expected at 6 GB, so they run beside another arm.
 PEAK_GB = {"GRPO": 6.0, "RLOO": 6.0}
 DEFAULT_PEAK_GB = 11.0
 EVAL_PEAK_GB = 1.5  # a large evaluation (large_eval.py)
@@ -238,8 +238,8 @@ def in_time(todo: list[dict], minutes_left: float | None) -> tuple[list[dict], l
     is lost whole: a 120-step run started an hour before the end would waste two core-hours). Evaluations always."""
     if minutes_left is None:
         return todo, []
-    late = [j for j in todo if j["kind"] == "train" and expected_minutes(j) + EVAL_MINUTES > minutes_left]
-    return [j for j in todo if not any(j is k for k in late)], late
+    is_late = [j["kind"] == "train" and expected_minutes(j) + EVAL_MINUTES > minutes_left for j in todo]
+    return [j for j, late in zip(todo, is_late) if not late], [j for j, late in zip(todo, is_late) if late]
 
 
 def rss_gb(pid: int) -> float:
@@ -703,6 +703,12 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
 BASELINE_CONTRAST = CONTRASTS[5][0]  # the gradient-weighted baseline against RLOO's, same lr, no SNR step
 
 
+def difference_text(d: dict, delta: float) -> str:
+    """A paired difference with 3+ seeds as prose: "+1.3 pts [-6.9, +9.5], <verdict> (power 32% for 5 pts)"."""
+    return (f"{d['mean']:+.1f} pts [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], {d['verdict']}"
+            + (f" (power {d['power']:.0%} for {delta:g} pts)" if "power" in d else ""))
+
+
 def render_baseline(contrasts: list[dict], planned_seeds: int, delta: float) -> str:
     """The README's word, beside the variance table, on what the default baseline does in training (the ablation's
     baseline-only - RLOO contrast on the powered measurement)."""
@@ -711,9 +717,7 @@ def render_baseline(contrasts: list[dict], planned_seeds: int, delta: float) -> 
             f"same lr, no SNR step, {TITLES[PRIMARY]}): ")
     if d["ci"] is None:
         return "# The baseline in training\n\n" + head + f"{d['n']} of {planned_seeds} planned seeds, no verdict yet.\n"
-    text = (head + f"{d['mean']:+.1f} pts [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}] over {d['n']} of {planned_seeds} "
-            f"planned seeds, {d['verdict']}" + (f" (power {d['power']:.0%} for {delta:g} pts)" if "power" in d else "")
-            + ".")
+    text = head + f"over {d['n']} of {planned_seeds} planned seeds, {difference_text(d, delta)}."
     if d["verdict"] == "worse":
         text += (" **So far the default gradient-weighted baseline learns worse than RLOO's plain leave-one-out mean on "
                  "this task, although its gradient variance at fixed parameters ties RLOO's (above).** The default "
@@ -740,8 +744,7 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
             if d["ci"] is None:
                 parts.append(f"{TITLES[label]}: {d['verdict']}")
             else:
-                parts.append(f"{TITLES[label]} {d['mean']:+.1f} pts [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], {d['verdict']}"
-                             + (f" (power {d['power']:.0%} for {delta:g} pts)" if "power" in d else ""))
+                parts.append(f"{TITLES[label]} {difference_text(d, delta)}")
         return f"- **{name}** over {c[PRIMARY]['n']} seeds: " + "; ".join(parts) + "."
 
     n = max((c[PRIMARY]["n"] for c in contrasts), default=0)

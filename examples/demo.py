@@ -453,6 +453,7 @@ def main(args):
     else:
         config_cls, trainer_cls = OBLRPOConfig, OBLRPOTrainer
         method_options = {k: getattr(args, k) for k in OBLR_OPTIONS if getattr(args, k) is not None}
+    micro_batch = args.micro_batch or args.per_device_train_batch_size
     config = config_cls(
         **method_options,
         loss_type=OBLRPOConfig.loss_type,  # the same loss and KL weight for both trainers
@@ -460,9 +461,8 @@ def main(args):
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         # --micro_batch: the step's completions in micro-batches, generated at once (steps_per_generation = accumulation)
-        per_device_train_batch_size=args.micro_batch or args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.per_device_train_batch_size // (args.micro_batch or
-                                                                         args.per_device_train_batch_size),
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=args.per_device_train_batch_size // micro_batch,
         num_generations=args.num_generations,
         learning_rate=args.learning_rate,
         lr_scheduler_type=args.lr_scheduler_type,

@@ -299,7 +299,6 @@ def test_a_runs_peak_memory_reaches_its_record_and_the_arm_table(ab, tmp_path):
     assert row["peak_rss_gb"] == 13.3
 
 
-
 def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops_launching_at_its_stop_time(
         ab, tmp_path, monkeypatch, heavy_grpo):
     """run_all end to end on fake runs (a python process sleeping, then writing summary.json): GRPO, first in line,
@@ -390,7 +389,7 @@ def test_the_readme_says_what_the_default_baseline_does_in_training_from_the_con
     text = ab.render_baseline(contrasts(n=2, ci=None, verdict="too few seeds (2)"), 5, 5.0)
     assert text.startswith("# The baseline in training") and "2 of 5 planned seeds, no verdict yet." in text
     worse = ab.render_baseline(contrasts(n=3, ci=(-11.6, -1.3), mean=-6.5, verdict="worse", power=0.59), 5, 5.0)
-    assert "-6.5 pts [-11.6, -1.3] over 3 of 5 planned seeds, worse (power 59% for 5 pts)." in worse
+    assert "over 3 of 5 planned seeds, -6.5 pts [-11.6, -1.3], worse (power 59% for 5 pts)." in worse
     assert "learns worse than RLOO's" in worse and "can still move" in worse and 'baseline="mean"' in worse
     powered = ab.render_baseline(contrasts(n=5, ci=(-9.0, -4.0), mean=-6.5, verdict="worse", power=0.9), 5, 5.0)
     assert "can still move" not in powered
