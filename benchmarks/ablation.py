@@ -6,7 +6,8 @@ step) on the task variant below, ``--max_steps`` steps, with held-out accuracy (
 and the before-RL evaluation, so arm-vs-GRPO differences are taken **per seed** (paired) and reported with Student-t
 intervals and the power of the paired t-test (``paired_stats.py``).
 
-Arms (L = ``--grpo_lr``, GRPO's best lr; a user's eta_max = 2 L, the README's advice "about twice GRPO's lr"):
+Arms (L = ``--grpo_lr``, GRPO's best lr on this task; a user's eta_max = 2 L, the README's advice "about twice GRPO's
+lr"):
 
   GRPO            trl.GRPOTrainer, scale_rewards='group', lr L
   RLOO            leave-one-out mean baseline, no std scaling, no SNR step, lr L
@@ -15,8 +16,11 @@ Arms (L = ``--grpo_lr``, GRPO's best lr; a user's eta_max = 2 L, the README's ad
   OBLR-PO         the default: both halves, eta_max 2 L
   OBLR-PO-per_step  both halves with the paper's per-step SNR estimate instead of ema_soft, eta_max 2 L
 
-The lr check runs GRPO (``--lr_check_arms``) also at 0.3 L, 40 steps, seeds 0-2: L was GRPO's best on another task
-(the demo's one-digit sums, 10 steps), and the SNR arms' effective step (eta_max x the SNR factor) falls well below L.
+The lr check runs GRPO (``--lr_check_arms``) also at L/3 and 10 L/3, 40 steps, seeds 0-2, and L is the lr of the
+check with the best mean on the large set (the tables warn when it is not). The first round ran at L = 5e-4, GRPO's best
+of a 10-step sweep on the demo's one-digit sums (real_compare.md); on this task GRPO at 1.5e-4 beat it on all three
+seeds (+12.2, +3.2, +13.8 pts), so the design moved to L = 1.5e-4 and the round at 5e-4 is kept in its own section
+(``--earlier_grpo_lr``).
 
 The long runs (``--long_arms``, default OBLR-PO and GRPO, ``--long_steps`` 120, seed 0, held-out accuracy every 20
 steps) ask whether the SNR step, which falls to a few percent of eta_max within 40 steps, stalls a longer run: a
@@ -97,6 +101,12 @@ CONTRASTS = [
 
 def lr_of(arm: str, grpo_lr: float, multiple: float = 1.0) -> float:
     return float(f"{ARMS[arm][1] * grpo_lr * multiple:.3g}")
+
+
+def micro_batch_of(arm: str) -> int | None:
+    """The arm's ``--micro_batch`` in ARMS (None: the step's whole batch in one backward)."""
+    flags = ARMS[arm][0]
+    return int(flags[flags.index("--micro_batch") + 1]) if "--micro_batch" in flags else None
 
 
 def run_dir_of(root: Path, arm: str, lr: float, seed: int, long: bool = False) -> Path:
@@ -442,32 +452,47 @@ def arm_table(runs: list[dict], arms: list[str], grpo_lr: float, seeds: list[int
         applied = [r["mean_applied_lr"] for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)
                    and r["seed"] in seeds and r.get("mean_applied_lr") is not None]
         row["mean_applied_lr"] = statistics.mean(applied) if applied else math.nan  # eta_max x the SNR factor
-        peaks = [r["peak_rss_gb"] for r in runs if r["arm"] == arm and r.get("peak_rss_gb") is not None]
-        row["peak_rss_gb"] = max(peaks) if peaks else math.nan  # at any lr and seed: memory is the arm's
+        peaks = [r["peak_rss_gb"] for r in runs if r["arm"] == arm and r.get("peak_rss_gb") is not None
+                 and (r.get("micro_batch") or None) == micro_batch_of(arm)]
+        row["peak_rss_gb"] = max(peaks) if peaks else math.nan  # at any lr and seed, as the arm runs now
         rows.append(row)
     return rows
+
+
+def contrast_row(runs: list[dict], name: str, a: str, lr_a: float, b: str, lr_b: float, seeds: list[int],
+                 delta: float) -> dict:
+    """One contrast (arm `a` at `lr_a` minus arm `b` at `lr_b`), per metric: the per-seed differences (points), their
+    mean, sd, 95% interval, the power to detect `delta` points at the observed sd and n, and the seeds power 0.8 would
+    need; on the powered measurement also the problem-level measurement noise of a difference."""
+    row = dict(name=name, a=a, b=b, lr_a=lr_a, lr_b=lr_b)
+    for label, key in METRICS.items():
+        mine = {s: v for s, v in by_seed(runs, a, lr_a, f"{key}_after").items() if s in seeds}
+        ref = {s: v for s, v in by_seed(runs, b, lr_b, f"{key}_after").items() if s in seeds}
+        diff = paired_difference(mine, ref)
+        if diff["n"] >= 3 and diff["sd"] > 0:
+            diff["power"] = paired_power(delta, diff["sd"], diff["n"])
+            diff["seeds_for_80"] = seeds_for_power(delta, diff["sd"])
+        diff["verdict"] = verdict(diff)
+        if label == PRIMARY:
+            diff["measurement_se"] = measurement_se(runs, a, lr_a, b, lr_b, seeds)
+        row[label] = diff
+    return row
 
 
 def contrast_table(runs: list[dict], grpo_lr: float, seeds: list[int], delta: float,
                    contrasts=CONTRASTS) -> list[dict]:
-    """Per contrast (a - b) and metric: the per-seed differences (points), their mean, sd, 95% interval, the power to
-    detect `delta` points at the observed sd and n, and the seeds power 0.8 would need."""
-    rows = []
-    for name, a, b in contrasts:
-        row = dict(name=name, a=a, b=b)
-        for label, key in METRICS.items():
-            mine = {s: v for s, v in by_seed(runs, a, lr_of(a, grpo_lr), f"{key}_after").items() if s in seeds}
-            ref = {s: v for s, v in by_seed(runs, b, lr_of(b, grpo_lr), f"{key}_after").items() if s in seeds}
-            diff = paired_difference(mine, ref)
-            if diff["n"] >= 3 and diff["sd"] > 0:
-                diff["power"] = paired_power(delta, diff["sd"], diff["n"])
-                diff["seeds_for_80"] = seeds_for_power(delta, diff["sd"])
-            diff["verdict"] = verdict(diff)
-            if label == PRIMARY:
-                diff["measurement_se"] = measurement_se(runs, a, lr_of(a, grpo_lr), b, lr_of(b, grpo_lr), seeds)
-            row[label] = diff
-        rows.append(row)
-    return rows
+    """Every contrast of the design at GRPO's lr `grpo_lr` (each arm at its multiple of it): `contrast_row`'s."""
+    return [contrast_row(runs, name, a, lr_of(a, grpo_lr), b, lr_of(b, grpo_lr), seeds, delta)
+            for name, a, b in contrasts]
+
+
+def against_best(runs: list[dict], arms: list[str], earlier_lr: float, grpo_lr: float, seeds: list[int],
+                 delta: float) -> list[dict]:
+    """Each arm of an earlier round (at its multiple of `earlier_lr`) minus GRPO at the design's `grpo_lr`, its best
+    lr on this task, per seed: what the earlier round's arms give against a GRPO tuned on this task."""
+    return [contrast_row(runs, f"{arm} at {lr_of(arm, earlier_lr):.3g} vs GRPO at {grpo_lr:.3g}", arm,
+                         lr_of(arm, earlier_lr), REFERENCE, grpo_lr, seeds, delta)
+            for arm in arms if arm != REFERENCE]
 
 
 def lr_check_table(runs: list[dict], args) -> list[dict]:
@@ -488,6 +513,30 @@ def lr_check_table(runs: list[dict], args) -> list[dict]:
                 row[label] = dict(n=len(mine), mean=statistics.mean(mine.values()) if mine else math.nan, diff=diff)
             rows.append(row)
     return rows
+
+
+def lr_check_best(rows: list[dict], seeds: list[int]) -> dict[str, dict]:
+    """Per checked arm whose every lr of the check has all `seeds` on the powered measurement: the row with the best
+    mean there (the lr a user tuning on these seeds would pick). Arms with a cell short of seeds are left out."""
+    best = {}
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        if all(r[PRIMARY]["n"] >= len(seeds) for r in mine):
+            best[arm] = max(mine, key=lambda r: r[PRIMARY]["mean"])
+    return best
+
+
+def lr_check_warning(best: dict[str, dict]) -> str | None:
+    """The warning owed when a complete lr check finds an arm's best lr below (or above) the one the design runs it
+    at: its contrasts compare against (or with) an arm off its best lr."""
+    off = [r for r in best.values() if r["multiple"] != 1.0]
+    if not off:
+        return None
+    return ("**Warning: the lr check finds " + "; ".join(
+        f"{r['arm']}'s best lr on {TITLES[PRIMARY]} at {r['lr']:.3g} ({r['multiple']:.3g}x the design's, "
+        f"{r[PRIMARY]['mean']:.1f}% over {r[PRIMARY]['n']} seeds)" for r in off)
+        + ", not the lr the tables above use. Every contrast with that arm compares against it off its best lr; "
+        "rerun the design at the best lr (`--grpo_lr`).**")
 
 
 def verdict(diff: dict) -> str:
@@ -599,13 +648,14 @@ def _window(series: dict, lo: int, hi: int | None = None) -> float | None:
     return statistics.mean(series[k] for k in chosen) if chosen else None
 
 
-def render_lr_check(rows: list[dict]) -> list[str]:
+def render_lr_check(rows: list[dict], best: dict[str, dict] | None = None) -> list[str]:
+    best = best or {}
     if not rows:
         return []
     lines = ["", "## Is L the best lr on this task? (the lr check)", "",
-             "GRPO's L came from a 10-step sweep on the demo's one-digit sums. Here each checked arm also runs at "
-             "lower multiples of its lr, 40 steps, on the first seeds; differences are per seed, to the arm at its "
-             "own lr.", "", "| arm | lr multiple | lr | seeds | "
+             "Each checked arm also runs at other multiples of its lr, 40 steps, on the first seeds; differences are "
+             "per seed, to the arm at the design's lr. The design's L should be the best mean on the large set here "
+             "(the first round's L = 5e-4 came from a 10-step sweep on the demo's one-digit sums and lost here).", "", "| arm | lr multiple | lr | seeds | "
              + " | ".join(f"{TITLES[m]} % | minus own lr (pts) [95% CI]" for m in METRICS) + " |",
              "|---|---|---|---|" + "---|---|" * len(METRICS)]
     for r in rows:
@@ -615,8 +665,40 @@ def render_lr_check(rows: list[dict]) -> list[str]:
             ci = f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], {d['verdict']}" if d and d["ci"] else \
                 f", {d['verdict']}" if d else ""
             cells += [fmt(r[label]["mean"]), f"{fmt(d['mean'], True)}{ci}" if d else "(own lr)"]
-        lines.append(f"| {r['arm']} | {r['multiple']:g}x | {r['lr']:.3g} | {r['greedy']['n']} | " + " | ".join(cells) + " |")
-    return lines
+        lines.append(f"| {r['arm']} | {r['multiple']:.3g}x | {r['lr']:.3g} | {r['greedy']['n']} | " + " | ".join(cells)
+                     + " |")
+    for r in best.values():
+        lines += ["", f"{r['arm']}'s best lr on {TITLES[PRIMARY]} over the check's seeds: {r['lr']:.3g} "
+                  f"({r['multiple']:.3g}x, {r[PRIMARY]['mean']:.1f}%)" + (", the design's lr." if r["multiple"] == 1.0
+                                                                           else ".")]
+    warning = lr_check_warning(best)
+    return lines + (["", warning] if warning else [])
+
+
+def render_round(earlier: dict, grpo_lr: float) -> list[str]:
+    """An earlier round of the design (every arm at its multiple of an earlier L; `earlier`: lr, arms, contrasts,
+    against), kept beside the current one: each arm's powered measurement, each contrast's per-seed differences on
+    it, and each arm against GRPO at the design's `grpo_lr`."""
+    lines = ["", f"## An earlier round: L = {earlier['lr']:.3g}", "",
+             f"The same design with GRPO's lr L = {earlier['lr']:.3g} (every arm at its multiple of it), run before the "
+             f"lr check put GRPO's best lr on this task at {grpo_lr:.3g}. Kept: it is what a user who took GRPO's lr "
+             "from an easier task would run, and its same-lr contrasts hold at that lr. Its missing seeds are not run.",
+             "", f"| arm | lr (eta_max) | seeds | {TITLES[PRIMARY]} % |", "|---|---|---|---|"]
+    lines += [f"| {r['arm']} | {r['lr']:.3g} | {r[PRIMARY]['n']} | {fmt(r[PRIMARY]['mean'])} +- "
+              f"{fmt(r[PRIMARY]['sd'])} |" for r in earlier["arms"]]
+    for title, rows in (("", earlier["contrasts"]),
+                        (f"Each arm of this round against GRPO at the design's L = {grpo_lr:.3g}, its best lr on this "
+                         "task (same seeds; that lr was picked on the lr check's seeds, which favours GRPO a little):",
+                         earlier["against"])):
+        lines += ["", title] if title else []
+        lines += ["", f"| contrast | seeds | per-seed differences (pts) | {TITLES[PRIMARY]}: pts [95% CI] | verdict |",
+                  "|---|---|---|---|---|"]
+        for c in rows:
+            d = c[PRIMARY]
+            ci = f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]" if d["ci"] else ""
+            lines.append(f"| {c['name']} | {d['n']} | {', '.join(f'{x:+.1f}' for x in d['diffs'])} | "
+                         f"{fmt(d['mean'], True)}{ci} | {d['verdict']} |")
+    return lines + ["", f"Plot: `results/{earlier['plot']}`."]
 
 
 def render_long(rows: list[dict]) -> list[str]:
@@ -636,7 +718,8 @@ def render_long(rows: list[dict]) -> list[str]:
 
 
 def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: dict, header: list[str],
-           missing: list[str], before: dict, delta: float, lr_check: list[dict] = (), long_rows: list[dict] = ()) -> str:
+           missing: list[str], before: dict, delta: float, lr_check: list[dict] = (), long_rows: list[dict] = (),
+           lr_best: dict[str, dict] | None = None, rounds: list[str] = ()) -> str:
     lines = header + ["", "Before RL (seed mean; the 100 problems are the same for every seed): "
                       + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + ".", "",
                       "## Held-out accuracy after RL, per arm", "",
@@ -682,7 +765,8 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
         lines.append(f"| {arm} | {c['seeds']} | " + " | ".join(scale) + f" | {fmt(c['skipped'])} "
                      f"| {fmt(_window(c['reward'], 1, 5), digits=3)} "
                      f"| {fmt(_window(c['reward'], 0), digits=3)} | {greedy} |")
-    lines += render_lr_check(list(lr_check))
+    lines += render_lr_check(list(lr_check), lr_best)
+    lines += list(rounds)
     lines += render_long(list(long_rows))
     lines += ["", "## Stability window", "", "Each arm at its lr and at 3x and 10x it, compared on greedy held-out "
               "accuracy at the stability runs' last step (the 1x runs' evaluation at that step).", "",
@@ -701,6 +785,7 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
 
 
 BASELINE_CONTRAST = CONTRASTS[5][0]  # the gradient-weighted baseline against RLOO's, same lr, no SNR step
+INGREDIENTS = [name for name, _, _ in CONTRASTS[5:]]  # each half alone, the rest held fixed
 
 
 def difference_text(d: dict, delta: float) -> str:
@@ -709,49 +794,74 @@ def difference_text(d: dict, delta: float) -> str:
             + (f" (power {d['power']:.0%} for {delta:g} pts)" if "power" in d else ""))
 
 
-def render_baseline(contrasts: list[dict], planned_seeds: int, delta: float) -> str:
+def render_baseline(contrasts: list[dict], planned_seeds: int, delta: float, earlier: list[dict] = ()) -> str:
     """The README's word, beside the variance table, on what the default baseline does in training (the ablation's
-    baseline-only - RLOO contrast on the powered measurement)."""
-    d = next(c for c in contrasts if c["name"] == BASELINE_CONTRAST)[PRIMARY]
-    head = ("**In training** (the paired ablation, \"When to use OBLR-PO\" above: baseline-only against RLOO at the "
-            f"same lr, no SNR step, {TITLES[PRIMARY]}): ")
-    if d["ci"] is None:
-        return "# The baseline in training\n\n" + head + f"{d['n']} of {planned_seeds} planned seeds, no verdict yet.\n"
-    text = head + f"over {d['n']} of {planned_seeds} planned seeds, {difference_text(d, delta)}."
-    if d["verdict"] == "worse":
+    baseline-only - RLOO contrast on the powered measurement), at the design's lr and at each earlier round's."""
+    rounds = [(next(c for c in cs if c["name"] == BASELINE_CONTRAST), planned, tag) for cs, planned, tag in
+              [(contrasts, f" of {planned_seeds} planned", ""),
+               *((e["contrasts"], "", f" (the earlier round, GRPO's lr off its best)") for e in earlier)]]
+    said = []
+    for c, planned, tag in rounds:
+        d = c[PRIMARY]
+        said.append(f"at lr {c['lr_a']:.3g}{tag}, " + (f"{d['n']}{planned} seeds, no verdict yet" if d["ci"] is None
+                                                      else f"over {d['n']}{planned} seeds, {difference_text(d, delta)}"))
+    text = ("**In training** (the paired ablation, \"When to use OBLR-PO\" above: baseline-only against RLOO at the "
+            f"same lr, no SNR step, {TITLES[PRIMARY]}): " + "; ".join(said) + ".")
+    verdicts = [c[PRIMARY] for c, _, _ in rounds if c[PRIMARY]["ci"] is not None]
+    if any(d["verdict"] == "worse" for d in verdicts):
+        weak = any(d.get("power", 0.0) < 0.8 for d in verdicts if d["verdict"] == "worse")
         text += (" **So far the default gradient-weighted baseline learns worse than RLOO's plain leave-one-out mean on "
-                 "this task, although its gradient variance at fixed parameters ties RLOO's (above).** The default "
-                 "stays until the planned seeds are in" + (" (a verdict at this power can still move)"
-                                                          if d.get("power", 0.0) < 0.8 else "")
+                 "this task where a verdict exists, although its gradient variance at fixed parameters ties RLOO's "
+                 "(above).** The default stays until the planned seeds are in"
+                 + (" (a verdict at this power can still move)" if weak else "")
                  + "; `baseline=\"mean\"` (leave-one-out by default) trains with RLOO's baseline, with or without the "
                  "SNR step.")
-    elif d["verdict"] == "better":
+    elif any(d["verdict"] == "better" for d in verdicts):
         text += " The default gradient-weighted baseline learns better than RLOO's mean here."
     return "# The baseline in training\n\n" + text + "\n"
 
 
+def said_line(c: dict, delta: float, labels=None) -> str:
+    """A contrast as a README bullet: per metric (the powered measurement first) its paired difference or verdict."""
+    parts = []
+    for label in labels or [PRIMARY, *(m for m in METRICS if m != PRIMARY)]:
+        d = c[label]
+        parts.append(f"{TITLES[label]}: {d['verdict']}" if d["ci"] is None
+                     else f"{TITLES[label]} {difference_text(d, delta)}")
+    return f"- **{c['name']}** over {c[PRIMARY]['n']} seeds: " + "; ".join(parts) + "."
+
+
+def render_earlier(earlier: dict, grpo_lr: float, delta: float) -> list[str]:
+    """"When to use"'s word on an earlier round with 3 or more seeds: its same-lr contrasts, and each of its arms
+    against GRPO at its best lr on this task (the powered measurement only)."""
+    if max((c[PRIMARY]["n"] for c in earlier["contrasts"]), default=0) < 3:
+        return []
+    lines = [f"**The earlier round** (every arm at its multiple of L = {earlier['lr']:.3g}, GRPO's best lr on the "
+             f"demo's easier task and {earlier['lr'] / grpo_lr:.3g}x its best on this one; `ablation.md`, \"An earlier "
+             "round\"). What each half does at that lr:", ""]
+    lines += [said_line(c, delta, [PRIMARY]) for c in earlier["contrasts"] if c["name"] in INGREDIENTS]
+    lines += ["", f"Its arms against GRPO at its best lr on this task ({grpo_lr:.3g}), same seeds (that lr was picked "
+              "on these seeds, which favours GRPO a little):", ""]
+    lines += [said_line(c, delta, [PRIMARY]) for c in earlier["against"]]
+    return lines + [""]
+
+
 def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, delta: float, before: dict,
-                long_rows: list[dict] = ()) -> str:
+                long_rows: list[dict] = (), lr_warning: str | None = None, earlier: list[dict] = ()) -> str:
     """The README's "When to use OBLR-PO", written from the tables: what each half buys, what it costs, where it
-    loses, and how far the evidence goes."""
+    loses, and how far the evidence goes (at the design's lr, then in each earlier round)."""
     by_name = {c["name"]: c for c in contrasts}
+    grpo_lr = next((r["lr"] for r in arms if r["arm"] == REFERENCE), None)
 
     def said(name: str) -> str:
-        c = by_name[name]
-        parts = []
-        for label in [PRIMARY, *(m for m in METRICS if m != PRIMARY)]:  # the powered measurement first
-            d = c[label]
-            if d["ci"] is None:
-                parts.append(f"{TITLES[label]}: {d['verdict']}")
-            else:
-                parts.append(f"{TITLES[label]} {difference_text(d, delta)}")
-        return f"- **{name}** over {c[PRIMARY]['n']} seeds: " + "; ".join(parts) + "."
+        return said_line(by_name[name], delta)
 
     n = max((c[PRIMARY]["n"] for c in contrasts), default=0)
     judged = [c for c in contrasts if c[PRIMARY]["n"] >= 3]  # a verdict needs 3 paired seeds
     powered = [c for c in judged if c[PRIMARY].get("power", 0.0) >= 0.8]
     lines = ["# When to use OBLR-PO", "",
-             f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`): on the powered "
+             f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`), with GRPO at its "
+             f"best lr on this task{f' ({grpo_lr:.3g})' if grpo_lr else ''} and every arm at its multiple of it: on the powered "
              f"measurement ({TITLES[PRIMARY]}) the best-paired contrast has {n} of its {planned_seeds} planned seeds "
              f"so far; {len(judged)} of the {len(contrasts)} contrasts {'has' if len(judged) == 1 else 'have'} the 3 "
              "seeds a verdict needs."]
@@ -762,18 +872,24 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
         lines[-1] += (f" **Not powered yet: {len(powered)} of the {len(contrasts)} contrasts reach 80% power to detect "
                       f"{delta:g} points (the best {best:.0%}). \"No difference detected\" below is not evidence of no "
                       "difference, and nothing here is a recommendation yet.**")
-    if n >= 3:
-        intervals = sum(c[m]["ci"] is not None for c in contrasts for m in METRICS)
+    intervals = sum(c[m]["ci"] is not None for c in contrasts for m in METRICS) + sum(  # and render_earlier's
+        c[PRIMARY]["ci"] is not None for e in earlier
+        for c in [*(c for c in e["contrasts"] if c["name"] in INGREDIENTS), *e["against"]])
+    if intervals:
         lines[-1] += (f" Each interval is a 95% one with no correction for multiplicity: of the {intervals} drawn here, "
                       f"about {intervals / 20:.1f} would exclude 0 by chance alone where no difference exists.")
+    if lr_warning:
+        lines += ["", lr_warning]
     lines.append("")
     if n >= 3:
         lines += ["What each half does, the rest held fixed (held-out accuracy after the run, per-seed differences):",
                   ""]
         lines += [said(name) for name, _, _ in CONTRASTS[5:] if name in by_name]
-        lines += ["", "Against GRPO at its lr:", ""]
+        lines += ["", "Against GRPO at its best lr:", ""]
         lines += [said(name) for name, _, _ in CONTRASTS[:5] if name in by_name]
         lines.append("")
+    for e in earlier:
+        lines += render_earlier(e, grpo_lr, delta)
     lines += ["Finished so far (held-out accuracy after the run, mean over its seeds; the starting model: "
               + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + "):", ""]
     lines += [f"- {r['arm']}: " + ", ".join(f"{TITLES[m]} {fmt(r[m]['mean'])}% ({r[m]['n']} seed"
@@ -781,6 +897,8 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
               for r in arms if any(r[m]["n"] for m in METRICS)]
     worse = [f"{c['name']} ({', '.join(TITLES[m] for m in METRICS if c[m]['verdict'] == 'worse')})"
              for c in contrasts if any(c[m]["verdict"] == "worse" for m in METRICS)]
+    worse += [f"{c['name']} (the earlier round at L = {e['lr']:.3g}, {TITLES[PRIMARY]})"
+              for e in earlier for c in [*e["contrasts"], *e["against"]] if c[PRIMARY]["verdict"] == "worse"]
     if worse:
         loses = "; ".join(worse)
     elif not judged:
@@ -797,8 +915,8 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
              for r in arms if not math.isnan(r["seconds_per_step"])]
     lines += ["", "**Cost** (median s/step of the ablation's runs on this 2-core CPU, evaluations included, and peak "
               "memory): " + (", ".join(costs) if costs else "not measured yet") + ". No ratio is given here: the "
-              "runs shared the machine differently (GRPO's alone since 2026-11-25, for its memory; the others two at "
-              "a time); `benchmarks/results/step_cost.md` measures OBLR-PO's step against GRPO's in one process.",
+              "runs shared the machine differently (GRPO's and RLOO's whole-batch runs of the earlier round alone, for "
+              "their memory; every other run two at a time); `benchmarks/results/step_cost.md` measures OBLR-PO's step against GRPO's in one process.",
               "", "**Where it loses**: " + loses + "."]
     sentences = long_summary(list(long_rows))
     lines += ["", "**Over a long run** (does the shrinking step stall?): " + (" ".join(sentences) if sentences else
@@ -829,8 +947,8 @@ def plot(curves: dict, contrasts: list[dict], path: Path, title: str) -> None:
             axes[3].errorbar([d["mean"]], [i], xerr=[[d["mean"] - d["ci"][0]], [d["ci"][1] - d["mean"]]],
                              color="black", capsize=4, marker="|")
     axes[3].axvline(0, color="gray", linestyle="--")
-    axes[3].set_yticks(range(len(shown)), [f"{c['a']} - {c['b']}" for c in shown], fontsize=7)
-    axes[3].set(xlabel=f"{TITLES[metric]} accuracy difference, same seed (pts)", title="paired differences, 95% CI")
+    axes[3].set_yticks(range(len(shown)), [f"{c['a']} ({c['lr_a']:.2g}) - {c['b']} ({c['lr_b']:.2g})" for c in shown], fontsize=7)
+    axes[3].set(xlabel=f"{TITLES[metric]} difference, same seed (pts)", title="paired differences, 95% CI")
     for ax in axes[:3]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -875,14 +993,17 @@ def plot_long(runs: list[dict], path: Path, title: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--grpo_lr", type=float, default=5e-4,
-                        help="GRPO's best lr (benchmarks/results/real_compare.md: best of 1e-4, 5.5e-4, 3e-3)")
+    parser.add_argument("--grpo_lr", type=float, default=1.5e-4,
+                        help="GRPO's best lr on this task: the best mean on the large set of the lr check (the "
+                             "tables warn when another lr of the check beats it)")
+    parser.add_argument("--earlier_grpo_lr", type=float, nargs="*", default=[5e-4],
+                        help="earlier rounds' L, tabulated in their own section (never run again)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--max_steps", type=int, default=40)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--lr_check_arms", nargs="*", default=[REFERENCE], choices=list(ARMS),
-                        help="arms also run below their lr (is L their best lr on this task?)")
-    parser.add_argument("--lr_check_multiples", type=float, nargs="*", default=[0.3])
+                        help="arms also run at other multiples of their lr (is L their best lr on this task?)")
+    parser.add_argument("--lr_check_multiples", type=float, nargs="*", default=[1 / 3, 10 / 3])
     parser.add_argument("--lr_check_seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--long_arms", nargs="*", default=["OBLR-PO", REFERENCE], choices=list(ARMS),
                         help="arms also run for --long_steps (does the shrinking SNR step stall a long run?)")
@@ -962,6 +1083,8 @@ def tabulate(args, runner_log: list[str]) -> None:
                            args.stability_steps, args.collapse_pts)
     curves = step_curves(main_runs, args.arms, args.grpo_lr)
     lr_check = lr_check_table(runs, args)
+    lr_best = lr_check_best(lr_check, args.lr_check_seeds)
+    warning = lr_check_warning(lr_best)
     stamps = sorted(r["finished"] for r in all_runs)
     header = [
         "# Which half of OBLR-PO helps? A paired ablation on SmolLM2-135M-Instruct",
@@ -972,8 +1095,9 @@ def tabulate(args, runner_log: list[str]) -> None:
         f"a time with 1 torch thread each, sharing it with other jobs). Every run: `examples/demo.py --model smollm2 "
         f"{' '.join(TASK_ARGS)}` (chain_sum with one- or two-digit terms, LoRA r=16, 8 prompts x 8 completions per "
         f"step, constant lr), {args.max_steps} steps, held-out accuracy (exact answers; 100 problems; greedy, and 4 "
-        f"samples each at T=1) every {args.eval_every} steps. GRPO's lr L = {args.grpo_lr:g} (the best of 1e-4, "
-        "5.5e-4, 3e-3 in `real_compare.md`); RLOO and the baseline alone run at L, the SNR arms at eta_max = 2 L (the "
+        f"samples each at T=1) every {args.eval_every} steps. GRPO's lr L = {args.grpo_lr:g} ("
+        + ("its best on this task in the lr check below" if lr_best.get(REFERENCE, {}).get("multiple") == 1.0 else
+           "see the lr check below") + "); RLOO and the baseline alone run at L, the SNR arms at eta_max = 2 L (the "
         f"README's advice). Planned: seeds {','.join(map(str, args.seeds))} per arm; a seed fixes the problems and "
         "their order, so every difference is taken per seed. The task: the demo's one-digit sums start at 50% greedy "
         "and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
@@ -990,16 +1114,25 @@ def tabulate(args, runner_log: list[str]) -> None:
         "alone. Runs recorded before the large evaluation existed (their adapters lost with the machine) have no "
         "large-set score and are run again.",
     ]
-    text = render(arms, contrasts, stab, curves, header, missing, before, args.delta, lr_check, long_rows)
+    if warning:
+        header += ["", warning]
+    design = [c for c in CONTRASTS if c[1] in args.arms and c[2] in args.arms]
+    earlier = [dict(lr=lr, plot=f"{args.out.name}_lr{lr:.3g}.png", arms=arm_table(main_runs, args.arms, lr, args.seeds),
+                    contrasts=contrast_table(main_runs, lr, args.seeds, args.delta, design),
+                    against=against_best(main_runs, args.arms, lr, args.grpo_lr, args.seeds, args.delta))
+               for lr in args.earlier_grpo_lr]
+    rounds = [line for e in earlier for line in render_round(e, args.grpo_lr)]
+    text = render(arms, contrasts, stab, curves, header, missing, before, args.delta, lr_check, long_rows, lr_best,
+                  rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
     when = args.out.with_name(args.out.name + "_when.md")
-    when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before, long_rows))
+    when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before, long_rows, warning, earlier))
     args.out.with_name(args.out.name + "_baseline.md").write_text(render_baseline(contrasts, len(args.seeds),
-                                                                                   args.delta))
+                                                                                   args.delta, earlier))
     compact = [{k: v for k, v in r.items() if k not in ("history", "large_eval")} for r in all_runs]  # records: the rest
     args.out.with_suffix(".json").write_text(json.dumps(dict(arms=arms, contrasts=contrasts, stability=stab,
-                                                             lr_check=lr_check, long=long_rows,
+                                                             lr_check=lr_check, long=long_rows, earlier=earlier,
                                                              curves=curves, missing=missing, before=before,
                                                              runs=compact, runner_log=runner_log),
                                                         indent=1, default=str))
@@ -1008,7 +1141,11 @@ def tabulate(args, runner_log: list[str]) -> None:
         plot_long(long_runs, args.out.with_name(args.out.name + "_long.png"), "SmolLM2-135M-Instruct, chain_sum "
                   f"(1-2 digit terms): {args.long_steps}-step runs")
     plot(curves, contrasts, args.out.with_suffix(".png"), "SmolLM2-135M-Instruct, chain_sum (1-2 digit terms): "
-         "the ablation")
+         f"the ablation, L = {args.grpo_lr:.3g}")
+    for e in earlier:
+        plot(step_curves(main_runs, args.arms, e["lr"]), [*e["contrasts"], *e["against"]],
+             args.out.with_name(e["plot"]), "SmolLM2-135M-Instruct, chain_sum (1-2 digit terms): the earlier round, "
+             f"L = {e['lr']:.3g}")
     print(text)
 
 

@@ -28,7 +28,7 @@ def args_for(ab, tmp_path, **kw):
                 lr_check_arms=["GRPO"], lr_check_multiples=[0.3], lr_check_seeds=[0, 1, 2],
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
                 records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
-                long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False)
+                long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[])
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -101,6 +101,53 @@ def test_the_lr_check_table_is_per_seed_against_the_arm_at_its_own_lr(ab, tmp_pa
     text = "\n".join(ab.render_lr_check(rows))
     assert "| GRPO | 0.3x | 0.00015 | 3 |" in text and "better" in text and "(own lr)" in text
     assert ab.lr_of("OBLR-PO", 5e-4) == 1e-3 and ab.lr_of("RLOO", 5e-4) == 5e-4
+
+
+def write_check(ab, a, own, low, seeds=(0, 1, 2)):
+    """GRPO at L and at 0.3 L on `seeds`, with large-set scores `own` and `low` (fractions)."""
+    for seed, (o, lo) in zip(seeds, zip(own, low)):
+        write_run(ab, a.run_dir, "GRPO", 5e-4, seed, o, large=o)
+        write_run(ab, a.run_dir, "GRPO", 1.5e-4, seed, lo, large=lo)
+    ab.sync_records(a.run_dir, a.records)
+    return ab.lr_check_table(ab.load_runs(a.records), a)
+
+
+def test_a_complete_lr_check_that_finds_a_better_lr_warns(ab, tmp_path):
+    a = args_for(ab, tmp_path)
+    rows = write_check(ab, a, [0.31, 0.40, 0.32], [0.43, 0.38, 0.40])
+    best = ab.lr_check_best(rows, a.lr_check_seeds)
+    assert best["GRPO"]["lr"] == 1.5e-4  # the higher mean (40.3 against 34.3), whatever the interval says
+    warning = ab.lr_check_warning(best)
+    assert "GRPO's best lr" in warning and "0.00015 (0.3x" in warning and "--grpo_lr" in warning
+    assert warning in "\n".join(ab.render_lr_check(rows, best))
+    when = ab.render_when([], [], 5, 5.0, dict(greedy=26.0, sampled=6.0, large=15.0), lr_warning=warning)
+    assert warning in when
+
+
+def test_an_lr_check_that_keeps_L_or_lacks_seeds_does_not_warn(ab, tmp_path):
+    a = args_for(ab, tmp_path)
+    rows = write_check(ab, a, [0.41, 0.40, 0.42], [0.33, 0.38, 0.40])
+    best = ab.lr_check_best(rows, a.lr_check_seeds)
+    assert best["GRPO"]["multiple"] == 1.0 and ab.lr_check_warning(best) is None
+    assert "the design's lr." in "\n".join(ab.render_lr_check(rows, best))
+    b = args_for(ab, tmp_path / "short")
+    rows = write_check(ab, b, [0.31, 0.40], [0.43, 0.48])  # 2 of the 3 check seeds: no pick yet
+    assert ab.lr_check_best(rows, b.lr_check_seeds) == {}
+
+
+def test_an_earlier_round_is_tabulated_in_its_own_section(ab, tmp_path):
+    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, earlier_grpo_lr=[5e-4], seeds=[0, 1, 2], lr_check_multiples=[],
+                 lr_check_seeds=[])
+    for arm, values in AFTER.items():
+        for seed, after in enumerate(values[:3]):
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, 5e-4), seed, after, large=after)
+    ab.tabulate(a, [])
+    text = a.out.with_suffix(".md").read_text()
+    section = text.split("## An earlier round: L = 0.0005", 1)[1]
+    assert "| OBLR-PO | 0.001 | 3 | 55.3 +- 4.0 |" in section
+    assert "| OBLR-PO vs GRPO | 3 | +11.0, +9.0, +11.0 | +10.3 [" in section and "| better |" in section
+    main = text.split("## An earlier round", 1)[0]
+    assert "| OBLR-PO | 0.0003 | 0 |" in main  # the current round at L = 1.5e-4 has no run yet
 
 
 def test_contrasts_are_per_seed_with_t_intervals(ab, tmp_path):
@@ -289,14 +336,18 @@ def test_a_run_launched_elsewhere_gets_the_peak_seen_while_it_ran(ab, tmp_path, 
 
 
 def test_a_runs_peak_memory_reaches_its_record_and_the_arm_table(ab, tmp_path):
-    a = args_for(ab, tmp_path, seeds=[0])
+    a = args_for(ab, tmp_path, seeds=[0, 1])
     out = write_run(ab, a.run_dir, "GRPO", 5e-4, 0, 0.5, large=0.3)
-    (out / "peak_rss.json").write_text(json.dumps(dict(peak_rss_gb=13.3, sampled_every_s=30)))
+    (out / "peak_rss.json").write_text(json.dumps(dict(peak_rss_gb=4.7, sampled_every_s=30)))
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps(dict(summary, micro_batch=16)))  # as ARMS runs GRPO now
+    whole = write_run(ab, a.run_dir, "GRPO", 5e-4, 1, 0.5, large=0.3)  # an earlier whole-batch run: not GRPO's now
+    (whole / "peak_rss.json").write_text(json.dumps(dict(peak_rss_gb=13.3, sampled_every_s=30)))
     ab.sync_records(a.run_dir, a.records)
-    (run,) = ab.load_runs(a.records)
-    assert run["peak_rss_gb"] == 13.3
-    (row,) = ab.arm_table([run], ["GRPO"], 5e-4, [0])
-    assert row["peak_rss_gb"] == 13.3
+    runs = ab.load_runs(a.records)
+    assert [r["peak_rss_gb"] for r in runs] == [4.7, 13.3]
+    (row,) = ab.arm_table(runs, ["GRPO"], 5e-4, [0, 1])
+    assert row["peak_rss_gb"] == 4.7 and ab.micro_batch_of("GRPO") == 16 and ab.micro_batch_of("OBLR-PO") is None
 
 
 def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops_launching_at_its_stop_time(
@@ -383,8 +434,8 @@ def test_the_when_section_says_how_far_the_evidence_goes_while_only_some_contras
 
 
 def test_the_readme_says_what_the_default_baseline_does_in_training_from_the_contrast_with_rloo(ab):
-    def contrasts(**d):
-        return [dict(name=ab.BASELINE_CONTRAST, **{ab.PRIMARY: d})]
+    def contrasts(lr=1.5e-4, **d):
+        return [dict(name=ab.BASELINE_CONTRAST, lr_a=lr, **{ab.PRIMARY: d})]
 
     text = ab.render_baseline(contrasts(n=2, ci=None, verdict="too few seeds (2)"), 5, 5.0)
     assert text.startswith("# The baseline in training") and "2 of 5 planned seeds, no verdict yet." in text
@@ -396,3 +447,9 @@ def test_the_readme_says_what_the_default_baseline_does_in_training_from_the_con
     tie = ab.render_baseline(contrasts(n=5, ci=(-3.0, 2.0), mean=-0.5, verdict="no difference detected", power=0.9),
                              5, 5.0)
     assert "no difference detected (power 90% for 5 pts)." in tie and "learns" not in tie
+    # an earlier round's verdict (at its own lr) is said beside the design's, and its "worse" is not dropped
+    earlier = [dict(contrasts=contrasts(5e-4, n=3, ci=(-11.6, -1.3), mean=-6.5, verdict="worse", power=0.59))]
+    both = ab.render_baseline(contrasts(n=0, ci=None, verdict="too few seeds (0)"), 5, 5.0, earlier)
+    assert "at lr 0.00015, 0 of 5 planned seeds, no verdict yet; at lr 0.0005 (the earlier round, GRPO's lr off its " \
+           "best), over 3 seeds, -6.5 pts [-11.6, -1.3], worse (power 59% for 5 pts)." in both
+    assert "learns worse than RLOO's" in both and "can still move" in both
