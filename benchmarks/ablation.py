@@ -124,11 +124,13 @@ def jobs(args) -> list[tuple[str, float, int, int, Path]]:
     (``--lr_check_arms`` at ``--lr_check_multiples`` of their lr, full length) right after the last seed it shares
     with the ablation, then the long runs (``--long_arms`` at their lr, ``--long_steps``, ``--long_seeds``), then
     the stability window (3x before 10x, seed-major, ``--stability_steps`` each). ``--long_first``: the long runs
-    before everything (start a session with them: a 120-step run needs two hours of one)."""
+    before everything (start a session with them: a 120-step run needs two hours of one); ``--lr_check_first``: the
+    lr check before the ablation (while it decides L)."""
     out = [(arm, lr_of(arm, args.grpo_lr), seed, args.max_steps) for seed in args.seeds for arm in args.arms]
     check = [(arm, lr_of(arm, args.grpo_lr, m), seed, args.max_steps) for m in args.lr_check_multiples
              for seed in args.lr_check_seeds for arm in args.lr_check_arms]
-    cut = max((i + 1 for i, job in enumerate(out) if job[2] in args.lr_check_seeds), default=len(out))
+    cut = 0 if args.lr_check_first else max((i + 1 for i, job in enumerate(out) if job[2] in args.lr_check_seeds),
+                                            default=len(out))
     out[cut:cut] = check
     out = [(*job, False) for job in out]
     long = [(arm, lr_of(arm, args.grpo_lr), seed, args.long_steps, True) for seed in args.long_seeds
@@ -1005,6 +1007,8 @@ def main():
                         help="arms also run at other multiples of their lr (is L their best lr on this task?)")
     parser.add_argument("--lr_check_multiples", type=float, nargs="*", default=[1 / 3, 10 / 3])
     parser.add_argument("--lr_check_seeds", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--lr_check_first", action="store_true",
+                        help="launch the lr check before the ablation's runs (while it decides L)")
     parser.add_argument("--long_arms", nargs="*", default=["OBLR-PO", REFERENCE], choices=list(ARMS),
                         help="arms also run for --long_steps (does the shrinking SNR step stall a long run?)")
     parser.add_argument("--long_steps", type=int, default=120)

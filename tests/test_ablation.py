@@ -28,7 +28,7 @@ def args_for(ab, tmp_path, **kw):
                 lr_check_arms=["GRPO"], lr_check_multiples=[0.3], lr_check_seeds=[0, 1, 2],
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
                 records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
-                long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[])
+                long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[], lr_check_first=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -84,6 +84,9 @@ def test_the_lr_check_runs_after_the_seeds_it_shares_with_the_ablation(ab, tmp_p
     order = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(a)]
     assert order[12:14] == [("GRPO", 1.5e-4, 0, 40), ("GRPO", 1.5e-4, 1, 40)]  # after seeds 0 and 1 of every arm
     assert [job[2] for job in order[14:26]] == [2] * 6 + [3] * 6 and order[28] == ("GRPO", 1.5e-3, 0, 20)
+    first = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(args_for(
+        ab, tmp_path, seeds=[0, 1, 2, 3], stability_seeds=[0], lr_check_seeds=[0, 1], lr_check_first=True))]
+    assert first[:2] == order[12:14] and first[2:] == order[:12] + order[14:]  # --lr_check_first: only the check moves
 
 
 def test_the_lr_check_table_is_per_seed_against_the_arm_at_its_own_lr(ab, tmp_path):
