@@ -26,8 +26,11 @@ The long runs (``--long_arms``, default OBLR-PO and GRPO, ``--long_steps`` 120, 
 steps) ask whether the SNR step, which falls to a few percent of eta_max within 40 steps, stalls a longer run: a
 table and a plot (applied lr, reward, held-out accuracy against the step) beside GRPO's constant step.
 
-The stability window runs each arm at 3x and 10x its lr over ``--stability_seeds``. A run *collapses* when its
-greedy held-out accuracy after RL is below the starting model's by more than ``--collapse_pts`` points.
+The stability window runs each arm at 10/3 x and 10x its lr over ``--stability_seeds``, ``--stability_steps`` each. A
+run *collapses* when its greedy held-out accuracy after RL is below the starting model's by more than
+``--collapse_pts`` points. 10/3 x L is the earlier round's lr for every arm (5e-4, eta_max 1e-3): with a constant lr
+and a seed fixing the problems and their order, a 40-step run's first 20 steps are a 20-step run, so those cells are
+the earlier round's runs evaluated at step 20, not run again (as the 1x cells are the ablation's own runs).
 
 The final, powered measurement: after each run, ``large_eval.py`` scores its saved adapter greedily on
 ``--large_size`` distinct held-out problems that occur nowhere among that seed's training problems (the same problems
@@ -770,15 +773,19 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
     lines += render_lr_check(list(lr_check), lr_best)
     lines += list(rounds)
     lines += render_long(list(long_rows))
-    lines += ["", "## Stability window", "", "Each arm at its lr and at 3x and 10x it, compared on greedy held-out "
-              "accuracy at the stability runs' last step (the 1x runs' evaluation at that step).", "",
+    multiples = list(dict.fromkeys(r["multiple"] for r in stab if r["multiple"] != 1.0))
+    lines += ["", "## Stability window", "", "Each arm at its lr and at "
+              + " and ".join(f"{m:.3g}x" for m in multiples) + " it, compared on greedy held-out accuracy at the "
+              "stability runs' last step. A cell whose lr a 40-step run already ran (the 1x runs; the earlier round's "
+              "at 3.33x) is that run's evaluation at that step: with a constant lr and the seed's problems in the "
+              "same order, its first steps are the shorter run's.", "",
               "| arm | lr multiple | lr | seeds | greedy % (mean, min) | change from its own lr (pts) | collapsed |",
               "|---|---|---|---|---|---|---|"]
     for r in stab:
         if not r["n"]:
-            lines.append(f"| {r['arm']} | {r['multiple']:g}x | {r['lr']:.3g} | 0 | not run yet | | |")
+            lines.append(f"| {r['arm']} | {r['multiple']:.3g}x | {r['lr']:.3g} | 0 | not run yet | | |")
             continue
-        lines.append(f"| {r['arm']} | {r['multiple']:g}x | {r['lr']:.3g} | {r['n']} | {fmt(r['mean'])} ({fmt(r['min'])}) "
+        lines.append(f"| {r['arm']} | {r['multiple']:.3g}x | {r['lr']:.3g} | {r['n']} | {fmt(r['mean'])} ({fmt(r['min'])}) "
                      f"| {fmt(r['change'], True)} | {len(r['collapsed'])}/{r['n']} |")
     if missing:
         lines += ["", "Not finished when this table was made: " + "; ".join(missing) + "."]
@@ -1016,7 +1023,8 @@ def main():
     parser.add_argument("--long_eval_every", type=int, default=20)
     parser.add_argument("--long_first", action="store_true",
                         help="launch the long runs before the rest (at a session's start, with --finish_by)")
-    parser.add_argument("--stability_multiples", type=float, nargs="*", default=[3.0, 10.0])
+    parser.add_argument("--stability_multiples", type=float, nargs="*", default=[10 / 3, 10.0],
+                        help="multiples of each arm's lr (10/3: the earlier round's lrs, whose runs serve)")
     parser.add_argument("--stability_seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--stability_steps", type=int, default=20,
                         help="steps of the stability runs (a collapse shows within them; half the ablation's cost)")

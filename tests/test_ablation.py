@@ -171,6 +171,24 @@ def test_contrasts_are_per_seed_with_t_intervals(ab, tmp_path):
     assert 0 < d["power"] <= 1 and d["seeds_for_80"] >= 3
 
 
+def test_the_stability_cells_at_an_earlier_rounds_lr_are_its_40_step_runs_at_step_20(ab, tmp_path):
+    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, seeds=[0], stability_seeds=[0], stability_multiples=[10 / 3, 10.0],
+                 lr_check_seeds=[], long_seeds=[])
+    assert [ab.lr_of(arm, 1.5e-4, 10 / 3) for arm in ab.ARMS] == [5e-4, 5e-4, 5e-4, 1e-3, 1e-3, 1e-3]
+    write_run(ab, a.run_dir, "OBLR-PO", 1e-3, 0, 0.55, large=0.40)  # the earlier round's 40-step run
+    write_run(ab, a.run_dir, "OBLR-PO", 3e-4, 0, 0.50, large=0.40)  # the design's 1x run
+    ab.sync_records(a.run_dir, a.records)
+    todo = [(j["arm"], j["out"].parent.name, j.get("steps")) for j in ab.pending(a)]
+    assert ("OBLR-PO", "OBLR-PO_lr0.001", 20) not in todo and ("OBLR-PO", "OBLR-PO_lr0.003", 20) in todo
+    rows = {(r["arm"], r["lr"]): r for r in ab.stability_table(ab.load_runs(a.records), ["OBLR-PO"], 1.5e-4,
+                                                                 a.stability_multiples, [0], 20, 10.0)}
+    reused = rows[("OBLR-PO", 1e-3)]
+    assert reused["n"] == 1 and reused["mean"] == pytest.approx(100 * (0.55 - 0.01 * 2))  # its evaluation at step 20
+    assert reused["change"] == pytest.approx(100 * (0.55 - 0.50))
+    text = ab.render([], [], list(rows.values()), {}, [], [], dict(greedy=26.0, sampled=6.0, large=15.0), 5.0)
+    assert "at its lr and at 3.33x and 10x it" in text and "| OBLR-PO | 3.33x | 0.001 | 1 |" in text
+
+
 def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_path):
     a = args_for(ab, tmp_path, seeds=[0, 1, 2], stability_seeds=[0, 1, 2])
     for arm, values in AFTER.items():

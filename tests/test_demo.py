@@ -142,3 +142,34 @@ def test_demo_refuses_oblr_options_with_grpo_and_a_mismatched_before_from(tmp_pa
     mismatch = _demo(tmp_path, tmp_path / "y", "--before_from", str(tmp_path / "before.json"), "--max_steps", "1")
     assert mismatch.returncode != 0 and "num_eval=99 (this run: 16)" in mismatch.stderr
     assert "Drop --before_from" in mismatch.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", [["--trainer", "grpo"], []], ids=["GRPO", "OBLR-PO"])
+def test_a_runs_first_steps_do_not_depend_on_its_length(tmp_path, arm):
+    """With a constant lr, a seed's run of 4 steps begins as its run of 2 steps: the same rewards, losses, SNR factor
+    and held-out evaluation at step 2. The ablation's stability window rests on this: its 20-step cells at an lr a
+    40-step run already ran are that run's evaluation at step 20 (benchmarks/ablation.py)."""
+    def run(steps):
+        out = tmp_path / f"steps{steps}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "OBLR_TRL_CACHE": str(tmp_path / "cache")}
+        done = subprocess.run(
+            [sys.executable, "examples/demo.py", "--model", "tiny", "--warmup_steps", "5", "--num_train", "64",
+             "--num_eval", "16", "--eval_samples", "2", "--lr_scheduler_type", "constant", "--eval_every", "2",
+             "--max_steps", str(steps), "--output_dir", str(out), *arm],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        history = [e for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
+        summary = json.loads((out / "summary.json").read_text())
+        return history, {c["step"]: c for c in summary["curve"]}
+
+    (short, short_curve), (long, long_curve) = run(2), run(4)
+    assert len(short) == 2 and len(long) == 4
+    for s, l in zip(short, long):
+        assert s["reward"] == l["reward"] and s["loss"] == pytest.approx(l["loss"], rel=1e-5, abs=1e-8)
+        if "grpo" in arm:  # no SNR step
+            assert s.get("oblr/lr_scale") is None and l.get("oblr/lr_scale") is None
+        else:
+            assert s["oblr/lr_scale"] == pytest.approx(l["oblr/lr_scale"], rel=1e-5)
+        assert s["learning_rate"] == l["learning_rate"]
+    assert short_curve[2] == long_curve[2]
