@@ -660,7 +660,8 @@ def render_lr_check(rows: list[dict], best: dict[str, dict] | None = None) -> li
     lines = ["", "## Is L the best lr on this task? (the lr check)", "",
              "Each checked arm also runs at other multiples of its lr, 40 steps, on the first seeds; differences are "
              "per seed, to the arm at the design's lr. The design's L should be the best mean on the large set here "
-             "(the first round's L = 5e-4 came from a 10-step sweep on the demo's one-digit sums and lost here).", "", "| arm | lr multiple | lr | seeds | "
+             "(the first round's L = 5e-4 came from a 10-step sweep on the demo's one-digit sums and lost here).", "",
+             "| arm | lr multiple | lr | seeds | "
              + " | ".join(f"{TITLES[m]} % | minus own lr (pts) [95% CI]" for m in METRICS) + " |",
              "|---|---|---|---|" + "---|---|" * len(METRICS)]
     for r in rows:
@@ -685,9 +686,9 @@ def render_round(earlier: dict, grpo_lr: float) -> list[str]:
     against), kept beside the current one: each arm's powered measurement, each contrast's per-seed differences on
     it, and each arm against GRPO at the design's `grpo_lr`."""
     lines = ["", f"## An earlier round: L = {earlier['lr']:.3g}", "",
-             f"The same design with GRPO's lr L = {earlier['lr']:.3g} (every arm at its multiple of it), run before the "
-             f"lr check put GRPO's best lr on this task at {grpo_lr:.3g}. Kept: it is what a user who took GRPO's lr "
-             "from an easier task would run, and its same-lr contrasts hold at that lr. Its missing seeds are not run.",
+             f"The same design with GRPO's lr L = {earlier['lr']:.3g} (every arm at its multiple of it), run before "
+             f"the lr check put GRPO's best lr on this task at {grpo_lr:.3g}. Kept: it is what a user who took GRPO's "
+             "lr from an easier task would run, and its same-lr contrasts hold at that lr. Its missing seeds are not run.",
              "", f"| arm | lr (eta_max) | seeds | {TITLES[PRIMARY]} % |", "|---|---|---|---|"]
     lines += [f"| {r['arm']} | {r['lr']:.3g} | {r[PRIMARY]['n']} | {fmt(r[PRIMARY]['mean'])} +- "
               f"{fmt(r[PRIMARY]['sd'])} |" for r in earlier["arms"]]
@@ -785,7 +786,8 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
         if not r["n"]:
             lines.append(f"| {r['arm']} | {r['multiple']:.3g}x | {r['lr']:.3g} | 0 | not run yet | | |")
             continue
-        lines.append(f"| {r['arm']} | {r['multiple']:.3g}x | {r['lr']:.3g} | {r['n']} | {fmt(r['mean'])} ({fmt(r['min'])}) "
+        lines.append(f"| {r['arm']} | {r['multiple']:.3g}x | {r['lr']:.3g} | {r['n']} | {fmt(r['mean'])} "
+                     f"({fmt(r['min'])}) "
                      f"| {fmt(r['change'], True)} | {len(r['collapsed'])}/{r['n']} |")
     if missing:
         lines += ["", "Not finished when this table was made: " + "; ".join(missing) + "."]
@@ -808,12 +810,13 @@ def render_baseline(contrasts: list[dict], planned_seeds: int, delta: float, ear
     baseline-only - RLOO contrast on the powered measurement), at the design's lr and at each earlier round's."""
     rounds = [(next(c for c in cs if c["name"] == BASELINE_CONTRAST), planned, tag) for cs, planned, tag in
               [(contrasts, f" of {planned_seeds} planned", ""),
-               *((e["contrasts"], "", f" (the earlier round, GRPO's lr off its best)") for e in earlier)]]
+               *((e["contrasts"], "", " (the earlier round, GRPO's lr off its best)") for e in earlier)]]
     said = []
     for c, planned, tag in rounds:
         d = c[PRIMARY]
-        said.append(f"at lr {c['lr_a']:.3g}{tag}, " + (f"{d['n']}{planned} seeds, no verdict yet" if d["ci"] is None
-                                                      else f"over {d['n']}{planned} seeds, {difference_text(d, delta)}"))
+        said.append(f"at lr {c['lr_a']:.3g}{tag}, " + (
+            f"{d['n']}{planned} seeds, no verdict yet" if d["ci"] is None
+            else f"over {d['n']}{planned} seeds, {difference_text(d, delta)}"))
     text = ("**In training** (the paired ablation, \"When to use OBLR-PO\" above: baseline-only against RLOO at the "
             f"same lr, no SNR step, {TITLES[PRIMARY]}): " + "; ".join(said) + ".")
     verdicts = [c[PRIMARY] for c, _, _ in rounds if c[PRIMARY]["ci"] is not None]
@@ -862,15 +865,13 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     by_name = {c["name"]: c for c in contrasts}
     grpo_lr = next((r["lr"] for r in arms if r["arm"] == REFERENCE), None)
 
-    def said(name: str) -> str:
-        return said_line(by_name[name], delta)
-
     n = max((c[PRIMARY]["n"] for c in contrasts), default=0)
     judged = [c for c in contrasts if c[PRIMARY]["n"] >= 3]  # a verdict needs 3 paired seeds
     powered = [c for c in judged if c[PRIMARY].get("power", 0.0) >= 0.8]
     lines = ["# When to use OBLR-PO", "",
              f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`), with GRPO at its "
-             f"best lr on this task{f' ({grpo_lr:.3g})' if grpo_lr else ''} and every arm at its multiple of it: on the powered "
+             f"best lr on this task{f' ({grpo_lr:.3g})' if grpo_lr else ''} and every arm at its multiple of it: on "
+             "the powered "
              f"measurement ({TITLES[PRIMARY]}) the best-paired contrast has {n} of its {planned_seeds} planned seeds "
              f"so far; {len(judged)} of the {len(contrasts)} contrasts {'has' if len(judged) == 1 else 'have'} the 3 "
              "seeds a verdict needs."]
@@ -893,9 +894,9 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     if n >= 3:
         lines += ["What each half does, the rest held fixed (held-out accuracy after the run, per-seed differences):",
                   ""]
-        lines += [said(name) for name, _, _ in CONTRASTS[5:] if name in by_name]
+        lines += [said_line(by_name[name], delta) for name in INGREDIENTS if name in by_name]
         lines += ["", "Against GRPO at its best lr:", ""]
-        lines += [said(name) for name, _, _ in CONTRASTS[:5] if name in by_name]
+        lines += [said_line(by_name[name], delta) for name, _, _ in CONTRASTS[:5] if name in by_name]
         lines.append("")
     for e in earlier:
         lines += render_earlier(e, grpo_lr, delta)
@@ -925,7 +926,8 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     lines += ["", "**Cost** (median s/step of the ablation's runs on this 2-core CPU, evaluations included, and peak "
               "memory): " + (", ".join(costs) if costs else "not measured yet") + ". No ratio is given here: the "
               "runs shared the machine differently (GRPO's and RLOO's whole-batch runs of the earlier round alone, for "
-              "their memory; every other run two at a time); `benchmarks/results/step_cost.md` measures OBLR-PO's step against GRPO's in one process.",
+              "their memory; every other run two at a time); `benchmarks/results/step_cost.md` measures OBLR-PO's "
+              "step against GRPO's in one process.",
               "", "**Where it loses**: " + loses + "."]
     sentences = long_summary(list(long_rows))
     lines += ["", "**Over a long run** (does the shrinking step stall?): " + (" ".join(sentences) if sentences else
@@ -956,7 +958,8 @@ def plot(curves: dict, contrasts: list[dict], path: Path, title: str) -> None:
             axes[3].errorbar([d["mean"]], [i], xerr=[[d["mean"] - d["ci"][0]], [d["ci"][1] - d["mean"]]],
                              color="black", capsize=4, marker="|")
     axes[3].axvline(0, color="gray", linestyle="--")
-    axes[3].set_yticks(range(len(shown)), [f"{c['a']} ({c['lr_a']:.2g}) - {c['b']} ({c['lr_b']:.2g})" for c in shown], fontsize=7)
+    axes[3].set_yticks(range(len(shown)), [f"{c['a']} ({c['lr_a']:.2g}) - {c['b']} ({c['lr_b']:.2g})" for c in shown],
+                       fontsize=7)
     axes[3].set(xlabel=f"{TITLES[metric]} difference, same seed (pts)", title="paired differences, 95% CI")
     for ax in axes[:3]:
         ax.grid(alpha=0.3)

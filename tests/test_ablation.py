@@ -28,7 +28,8 @@ def args_for(ab, tmp_path, **kw):
                 lr_check_arms=["GRPO"], lr_check_multiples=[0.3], lr_check_seeds=[0, 1, 2],
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
                 records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
-                long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[], lr_check_first=False)
+                long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[],
+                lr_check_first=False)
     return argparse.Namespace(**{**base, **kw})
 
 
