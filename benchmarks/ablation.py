@@ -1092,8 +1092,8 @@ def tabulate(args, runner_log: list[str]) -> None:
     runs = [r for r in runs if not r["long"]]
     main_runs = [r for r in runs if r["seed"] in args.seeds]
     arms = arm_table(main_runs, args.arms, args.grpo_lr, args.seeds)
-    contrasts = contrast_table(main_runs, args.grpo_lr, args.seeds, args.delta,
-                               [c for c in CONTRASTS if c[1] in args.arms and c[2] in args.arms])
+    design = [c for c in CONTRASTS if c[1] in args.arms and c[2] in args.arms]  # the contrasts of every round
+    contrasts = contrast_table(main_runs, args.grpo_lr, args.seeds, args.delta, design)
     stab = stability_table(runs, args.arms, args.grpo_lr, args.stability_multiples, args.stability_seeds,
                            args.stability_steps, args.collapse_pts)
     curves = step_curves(main_runs, args.arms, args.grpo_lr)
@@ -1131,7 +1131,6 @@ def tabulate(args, runner_log: list[str]) -> None:
     ]
     if warning:
         header += ["", warning]
-    design = [c for c in CONTRASTS if c[1] in args.arms and c[2] in args.arms]
     earlier = [dict(lr=lr, plot=f"{args.out.name}_lr{lr:.3g}.png", arms=arm_table(main_runs, args.arms, lr, args.seeds),
                     contrasts=contrast_table(main_runs, lr, args.seeds, args.delta, design),
                     against=against_best(main_runs, args.arms, lr, args.grpo_lr, args.seeds, args.delta))
