@@ -6,21 +6,29 @@ step) on the task variant below, ``--max_steps`` steps, with held-out accuracy (
 and the before-RL evaluation, so arm-vs-GRPO differences are taken **per seed** (paired) and reported with Student-t
 intervals and the power of the paired t-test (``paired_stats.py``).
 
-Arms (L = ``--grpo_lr``, GRPO's best lr on this task; a user's eta_max = 2 L, the README's advice "about twice GRPO's
-lr"):
+Arms (L = ``--grpo_lr``, GRPO's best lr on this task; the SNR arms' eta_max = ``--eta_multiple`` x L, 2 by default:
+the README's advice "about twice GRPO's lr"):
 
   GRPO            trl.GRPOTrainer, scale_rewards='group', lr L
   RLOO            leave-one-out mean baseline, no std scaling, no SNR step, lr L
   baseline-only   OBLR-PO's gradient-weighted leave-one-out baseline, no SNR step (``--snr_lr false``), lr L
-  SNR-only        GRPO's advantages (group mean, std-scaled) under OBLR-PO's SNR step, eta_max 2 L
-  OBLR-PO         the default: both halves, eta_max 2 L
-  OBLR-PO-per_step  both halves with the paper's per-step SNR estimate instead of ema_soft, eta_max 2 L
+  SNR-only        GRPO's advantages (group mean, std-scaled) under OBLR-PO's SNR step, eta_max
+  OBLR-PO         the default: both halves, eta_max
+  OBLR-PO-per_step  both halves with the paper's per-step SNR estimate instead of ema_soft, eta_max
 
 The lr check runs GRPO (``--lr_check_arms``) also at L/3 and 10 L/3, 40 steps, seeds 0-2, and L is the lr of the
 check with the best mean on the large set (the tables warn when it is not). The first round ran at L = 5e-4, GRPO's best
 of a 10-step sweep on the demo's one-digit sums (real_compare.md); on this task GRPO at 1.5e-4 beat it on all three
 seeds (+12.2, +3.2, +13.8 pts), so the design moved to L = 1.5e-4 and the round at 5e-4 is kept in its own section
 (``--earlier_grpo_lr``).
+
+The SNR arms' eta_max is checked the same way (``--eta_check_multiples``): at 2 L and at 10/3 of it, 20 L / 3 = 1e-3,
+the first round's eta_max, whose seeds 0-2 ran, so the check costs their runs at 2 L on seeds 0-2 only, which the
+ablation makes anyway. The README's "about twice GRPO's lr" came from a 10-step sweep, and over 40 steps the SNR factor
+falls (0.13 on average for SNR-only at 2 L, seed 0: an applied lr of L / 4). The rule, set on 2026-11-26 when one SNR
+arm at 2 L had finished (SNR-only seed 0: 34.2% on the large set, against 43.2% at 1e-3): each SNR arm's eta_max is
+its best mean on the large set over seeds 0-2 of the two, and the design's ``--eta_multiple`` moves to 20/3 if the
+check picks 1e-3 (the tables warn until it does).
 
 The long runs (``--long_arms``, default OBLR-PO and GRPO, ``--long_steps`` 120, seed 0, held-out accuracy every 20
 steps) ask whether the SNR step, which falls to a few percent of eta_max within 40 steps, stalls a longer run: a
@@ -65,15 +73,16 @@ from paired_stats import paired_difference, paired_power, problem_paired_se, see
 from real_compare import is_running, mem_available_gb, meminfo_gb, real_demo_runs, stop_deadline, uptime
 
 HERE = Path(__file__).resolve().parent
-# arm -> (examples/demo.py flags, lr as a multiple of GRPO's best lr)
-ARMS: dict[str, tuple[list[str], float]] = {
-    "GRPO": (["--trainer", "grpo", "--micro_batch", "16"], 1.0),
-    "RLOO": (["--baseline", "mean", "--snr_lr", "false", "--micro_batch", "16"], 1.0),
-    "baseline-only": (["--snr_lr", "false"], 1.0),
-    "SNR-only": (["--baseline", "mean", "--leave_one_out", "false", "--scale_rewards", "group"], 2.0),
-    "OBLR-PO": ([], 2.0),
-    "OBLR-PO-per_step": (["--snr_estimator", "per_step"], 2.0),
+# arm -> (examples/demo.py flags, whether it has OBLR-PO's SNR step: its lr is then eta_max, --eta_multiple x L)
+ARMS: dict[str, tuple[list[str], bool]] = {
+    "GRPO": (["--trainer", "grpo", "--micro_batch", "16"], False),
+    "RLOO": (["--baseline", "mean", "--snr_lr", "false", "--micro_batch", "16"], False),
+    "baseline-only": (["--snr_lr", "false"], False),
+    "SNR-only": (["--baseline", "mean", "--leave_one_out", "false", "--scale_rewards", "group"], True),
+    "OBLR-PO": ([], True),
+    "OBLR-PO-per_step": (["--snr_estimator", "per_step"], True),
 }
+SNR_ARMS = [arm for arm, (_, snr) in ARMS.items() if snr]
 REFERENCE = "GRPO"
 # The task variant: chain_sum sums of two numbers of one or two digits. The demo's one-digit sums start at 50% greedy
 # and reach ~70% within 15 steps (benchmarks/results/demo_seeds_smollm2.md): no headroom over 40 steps. This one
@@ -102,8 +111,15 @@ CONTRASTS = [
 ]
 
 
-def lr_of(arm: str, grpo_lr: float, multiple: float = 1.0) -> float:
-    return float(f"{ARMS[arm][1] * grpo_lr * multiple:.3g}")
+def lr_of(arm: str, grpo_lr: float, multiple: float = 1.0, *, eta: float) -> float:
+    """An arm's lr in a round (GRPO's lr `grpo_lr` = L, the SNR arms' eta_max = `eta` x L), times `multiple`."""
+    return float(f"{(eta if ARMS[arm][1] else 1.0) * grpo_lr * multiple:.3g}")
+
+
+def check_multiples(args, arm: str) -> list[float]:
+    """The lr check's multiples of a checked arm's lr: ``--eta_check_multiples`` for an SNR arm (of its eta_max),
+    ``--lr_check_multiples`` for the others."""
+    return args.eta_check_multiples if ARMS[arm][1] else args.lr_check_multiples
 
 
 def micro_batch_of(arm: str) -> int | None:
@@ -129,18 +145,19 @@ def jobs(args) -> list[tuple[str, float, int, int, Path]]:
     the stability window (3x before 10x, seed-major, ``--stability_steps`` each). ``--long_first``: the long runs
     before everything (start a session with them: a 120-step run needs two hours of one); ``--lr_check_first``: the
     lr check before the ablation (while it decides L)."""
-    out = [(arm, lr_of(arm, args.grpo_lr), seed, args.max_steps) for seed in args.seeds for arm in args.arms]
-    check = [(arm, lr_of(arm, args.grpo_lr, m), seed, args.max_steps) for m in args.lr_check_multiples
-             for seed in args.lr_check_seeds for arm in args.lr_check_arms]
+    eta = args.eta_multiple
+    out = [(arm, lr_of(arm, args.grpo_lr, eta=eta), seed, args.max_steps) for seed in args.seeds for arm in args.arms]
+    check = [(arm, lr_of(arm, args.grpo_lr, m, eta=eta), seed, args.max_steps) for arm in args.lr_check_arms
+             for m in check_multiples(args, arm) for seed in args.lr_check_seeds]
     cut = 0 if args.lr_check_first else max((i + 1 for i, job in enumerate(out) if job[2] in args.lr_check_seeds),
                                             default=len(out))
     out[cut:cut] = check
     out = [(*job, False) for job in out]
-    long = [(arm, lr_of(arm, args.grpo_lr), seed, args.long_steps, True) for seed in args.long_seeds
+    long = [(arm, lr_of(arm, args.grpo_lr, eta=eta), seed, args.long_steps, True) for seed in args.long_seeds
             for arm in args.long_arms]
     out = long + out if args.long_first else out + long
-    out += [(arm, lr_of(arm, args.grpo_lr, m), seed, args.stability_steps, False) for m in args.stability_multiples
-            for seed in args.stability_seeds for arm in args.arms]
+    out += [(arm, lr_of(arm, args.grpo_lr, m, eta=eta), seed, args.stability_steps, False)
+            for m in args.stability_multiples for seed in args.stability_seeds for arm in args.arms]
     return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed, long))
             for arm, lr, seed, steps, long in out]
 
@@ -441,11 +458,12 @@ def curve_at(run: dict, step: int, key: str) -> float | None:
     return next((100 * c[key] for c in run.get("curve", []) if c["step"] == step and c.get(key) is not None), None)
 
 
-def arm_table(runs: list[dict], arms: list[str], grpo_lr: float, seeds: list[int]) -> list[dict]:
-    """Per arm at its lr: seeds run, and per metric the mean and sd over them (points), and s/step."""
+def arm_table(runs: list[dict], arms: list[str], grpo_lr: float, seeds: list[int], *, eta: float) -> list[dict]:
+    """Per arm at its lr in the round (L = `grpo_lr`, eta_max = `eta` L): seeds run, and per metric the mean and sd
+    over them (points), and s/step."""
     rows = []
     for arm in arms:
-        lr = lr_of(arm, grpo_lr)
+        lr = lr_of(arm, grpo_lr, eta=eta)
         row = dict(arm=arm, lr=lr)
         for label, key in METRICS.items():
             values = [v for s, v in by_seed(runs, arm, lr, f"{key}_after").items() if s in seeds]
@@ -485,30 +503,34 @@ def contrast_row(runs: list[dict], name: str, a: str, lr_a: float, b: str, lr_b:
 
 
 def contrast_table(runs: list[dict], grpo_lr: float, seeds: list[int], delta: float,
-                   contrasts=CONTRASTS) -> list[dict]:
-    """Every contrast of the design at GRPO's lr `grpo_lr` (each arm at its multiple of it): `contrast_row`'s."""
-    return [contrast_row(runs, name, a, lr_of(a, grpo_lr), b, lr_of(b, grpo_lr), seeds, delta)
+                   contrasts=CONTRASTS, *, eta: float) -> list[dict]:
+    """Every contrast of the design at GRPO's lr `grpo_lr` (each arm at its lr in the round, the SNR arms' eta_max
+    `eta` x it): `contrast_row`'s."""
+    return [contrast_row(runs, name, a, lr_of(a, grpo_lr, eta=eta), b, lr_of(b, grpo_lr, eta=eta), seeds, delta)
             for name, a, b in contrasts]
 
 
 def against_best(runs: list[dict], arms: list[str], earlier_lr: float, grpo_lr: float, seeds: list[int],
-                 delta: float) -> list[dict]:
-    """Each arm of an earlier round (at its multiple of `earlier_lr`) minus GRPO at the design's `grpo_lr`, its best
-    lr on this task, per seed: what the earlier round's arms give against a GRPO tuned on this task."""
-    return [contrast_row(runs, f"{arm} at {lr_of(arm, earlier_lr):.3g} vs GRPO at {grpo_lr:.3g}", arm,
-                         lr_of(arm, earlier_lr), REFERENCE, grpo_lr, seeds, delta)
+                 delta: float, *, eta: float) -> list[dict]:
+    """Each arm of an earlier round (at its lr in that round: L = `earlier_lr`, eta_max = `eta` x it) minus GRPO at
+    the design's `grpo_lr`, its best lr on this task, per seed: what the earlier round's arms give against a GRPO
+    tuned on this task."""
+    return [contrast_row(runs, f"{arm} at {lr_of(arm, earlier_lr, eta=eta):.3g} vs GRPO at {grpo_lr:.3g}", arm,
+                         lr_of(arm, earlier_lr, eta=eta), REFERENCE, grpo_lr, seeds, delta)
             for arm in arms if arm != REFERENCE]
 
 
 def lr_check_table(runs: list[dict], args) -> list[dict]:
-    """Is L each checked arm's best lr on this task? Per checked arm and lr multiple (1 first): the seeds run, the mean
-    held-out accuracy after RL, and the per-seed difference to the arm at its own lr (same seeds)."""
+    """Is each checked arm at its best lr on this task (L, or the SNR arms' eta_max)? Per checked arm and lr multiple
+    (1 first; `check_multiples`): the seeds run, the mean held-out accuracy after RL, and the per-seed difference to
+    the arm at its own lr (same seeds)."""
     rows = []
     for arm in args.lr_check_arms:
-        at_own = {label: {s: v for s, v in by_seed(runs, arm, lr_of(arm, args.grpo_lr), f"{key}_after").items()
+        own = lr_of(arm, args.grpo_lr, eta=args.eta_multiple)
+        at_own = {label: {s: v for s, v in by_seed(runs, arm, own, f"{key}_after").items()
                           if s in args.lr_check_seeds} for label, key in METRICS.items()}
-        for m in [1.0, *args.lr_check_multiples]:
-            lr = lr_of(arm, args.grpo_lr, m)
+        for m in [1.0, *check_multiples(args, arm)]:
+            lr = lr_of(arm, args.grpo_lr, m, eta=args.eta_multiple)
             row = dict(arm=arm, multiple=m, lr=lr)
             for label, key in METRICS.items():
                 mine = {s: v for s, v in by_seed(runs, arm, lr, f"{key}_after").items() if s in args.lr_check_seeds}
@@ -541,7 +563,9 @@ def lr_check_warning(best: dict[str, dict]) -> str | None:
         f"{r['arm']}'s best lr on {TITLES[PRIMARY]} at {r['lr']:.3g} ({r['multiple']:.3g}x the design's, "
         f"{r[PRIMARY]['mean']:.1f}% over {r[PRIMARY]['n']} seeds)" for r in off)
         + ", not the lr the tables above use. Every contrast with that arm compares against it off its best lr; "
-        "rerun the design at the best lr (`--grpo_lr`).**")
+        "rerun the design at the best lr (" + " and ".join(dict.fromkeys(
+            "`--eta_multiple` for the SNR arms' eta_max" if ARMS[r["arm"]][1] else "`--grpo_lr`" for r in off))
+        + ").**")
 
 
 def verdict(diff: dict) -> str:
@@ -587,12 +611,12 @@ def long_summary(rows: list[dict]) -> list[str]:
     return out
 
 
-def step_curves(runs: list[dict], arms: list[str], grpo_lr: float) -> dict:
-    """Per arm at its lr, the seed mean per step of the training reward and the lr scale (the SNR factor; 1 where the
-    arm has no SNR step), and of held-out greedy accuracy at each evaluated step."""
+def step_curves(runs: list[dict], arms: list[str], grpo_lr: float, *, eta: float) -> dict:
+    """Per arm at its lr in the round, the seed mean per step of the training reward and the lr scale (the SNR factor;
+    1 where the arm has no SNR step), and of held-out greedy accuracy at each evaluated step."""
     out = {}
     for arm in arms:
-        lr = lr_of(arm, grpo_lr)
+        lr = lr_of(arm, grpo_lr, eta=eta)
         mine = [r for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)]
         if not mine:
             continue
@@ -618,14 +642,14 @@ def step_curves(runs: list[dict], arms: list[str], grpo_lr: float) -> dict:
 
 
 def stability_table(runs: list[dict], arms: list[str], grpo_lr: float, multiples: list[float], seeds: list[int],
-                    step: int, collapse_pts: float) -> list[dict]:
+                    step: int, collapse_pts: float, *, eta: float) -> list[dict]:
     """Per arm and lr multiple (1 = its own lr): greedy held-out accuracy at `step` over `seeds` (mean, min; for the
     arm's own lr, the 40-step run's evaluation at that step), the change from the arm's own lr in points, and the
     runs that collapsed (accuracy at `step` below the starting model's by more than `collapse_pts`)."""
     rows, base_mean = [], math.nan
     for arm in arms:
         for m in (1.0, *multiples):
-            lr = lr_of(arm, grpo_lr, m)
+            lr = lr_of(arm, grpo_lr, m, eta=eta)
             cell = [(r, curve_at(r, step, "accuracy")) for r in runs
                     if r["arm"] == arm and math.isclose(r["lr"], lr) and r["seed"] in seeds]
             cell = [(r, v) for r, v in cell if v is not None]
@@ -657,10 +681,12 @@ def render_lr_check(rows: list[dict], best: dict[str, dict] | None = None) -> li
     best = best or {}
     if not rows:
         return []
-    lines = ["", "## Is L the best lr on this task? (the lr check)", "",
+    lines = ["", "## Is each arm at its best lr? (the lr check)", "",
              "Each checked arm also runs at other multiples of its lr, 40 steps, on the first seeds; differences are "
-             "per seed, to the arm at the design's lr. The design's L should be the best mean on the large set here "
-             "(the first round's L = 5e-4 came from a 10-step sweep on the demo's one-digit sums and lost here).", "",
+             "per seed, to the arm at the design's lr. The design's L should be GRPO's best mean on the large set "
+             "here (the first round's L = 5e-4 came from a 10-step sweep on the demo's one-digit sums and lost here), "
+             "and the SNR arms' eta_max theirs (the README's \"about twice GRPO's lr\" also came from a 10-step "
+             "sweep; its 10/3 multiple is the first round's eta_max, whose runs serve).", "",
              "| arm | lr multiple | lr | seeds | "
              + " | ".join(f"{TITLES[m]} % | minus own lr (pts) [95% CI]" for m in METRICS) + " |",
              "|---|---|---|---|" + "---|---|" * len(METRICS)]
@@ -1008,14 +1034,23 @@ def main():
     parser.add_argument("--grpo_lr", type=float, default=1.5e-4,
                         help="GRPO's best lr on this task: the best mean on the large set of the lr check (the "
                              "tables warn when another lr of the check beats it)")
+    parser.add_argument("--eta_multiple", type=float, default=2.0,
+                        help="the SNR arms' eta_max as a multiple of L (2: the README's advice, 'about twice GRPO's "
+                             "lr'); checked by the lr check (--eta_check_multiples)")
     parser.add_argument("--earlier_grpo_lr", type=float, nargs="*", default=[5e-4],
                         help="earlier rounds' L, tabulated in their own section (never run again)")
+    parser.add_argument("--earlier_eta_multiple", type=float, nargs="*", default=[2.0],
+                        help="each earlier round's --eta_multiple, one per --earlier_grpo_lr")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--max_steps", type=int, default=40)
     parser.add_argument("--eval_every", type=int, default=10)
-    parser.add_argument("--lr_check_arms", nargs="*", default=[REFERENCE], choices=list(ARMS),
-                        help="arms also run at other multiples of their lr (is L their best lr on this task?)")
-    parser.add_argument("--lr_check_multiples", type=float, nargs="*", default=[1 / 3, 10 / 3])
+    parser.add_argument("--lr_check_arms", nargs="*", default=[REFERENCE, *SNR_ARMS], choices=list(ARMS),
+                        help="arms also run at other multiples of their lr (is L, or eta_max, their best lr here?)")
+    parser.add_argument("--lr_check_multiples", type=float, nargs="*", default=[1 / 3, 10 / 3],
+                        help="the lr check's multiples of L, for the checked arms without an SNR step")
+    parser.add_argument("--eta_check_multiples", type=float, nargs="*", default=[10 / 3],
+                        help="the lr check's multiples of eta_max, for the checked SNR arms (10/3 of 2 L: the earlier "
+                             "round's eta_max 1e-3, whose seeds 0-2 ran)")
     parser.add_argument("--lr_check_seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--lr_check_first", action="store_true",
                         help="launch the lr check before the ablation's runs (while it decides L)")
@@ -1052,6 +1087,7 @@ def main():
     parser.add_argument("--no_run", action="store_true", help="only record and tabulate the runs that finished")
     parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
     args = parser.parse_args()
+    check_args(args)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     state_path = args.run_dir / "runner.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else dict(log=[])
@@ -1067,6 +1103,13 @@ def main():
         run_all(args, log)
         log(f"end; {uptime()}")
     tabulate(args, state["log"])
+
+
+def check_args(args) -> None:
+    """Refuse options that do not fit together, before anything runs."""
+    if len(args.earlier_eta_multiple) != len(args.earlier_grpo_lr):
+        raise SystemExit(f"--earlier_eta_multiple needs one value per --earlier_grpo_lr ({len(args.earlier_grpo_lr)}), "
+                         f"got {len(args.earlier_eta_multiple)}: {args.earlier_eta_multiple}")
 
 
 def tabulate(args, runner_log: list[str]) -> None:
@@ -1091,16 +1134,20 @@ def tabulate(args, runner_log: list[str]) -> None:
     long_rows = long_table([r for r in runs if r["long"]])
     runs = [r for r in runs if not r["long"]]
     main_runs = [r for r in runs if r["seed"] in args.seeds]
-    arms = arm_table(main_runs, args.arms, args.grpo_lr, args.seeds)
+    eta = args.eta_multiple
+    arms = arm_table(main_runs, args.arms, args.grpo_lr, args.seeds, eta=eta)
     design = [c for c in CONTRASTS if c[1] in args.arms and c[2] in args.arms]  # the contrasts of every round
-    contrasts = contrast_table(main_runs, args.grpo_lr, args.seeds, args.delta, design)
+    contrasts = contrast_table(main_runs, args.grpo_lr, args.seeds, args.delta, design, eta=eta)
     stab = stability_table(runs, args.arms, args.grpo_lr, args.stability_multiples, args.stability_seeds,
-                           args.stability_steps, args.collapse_pts)
-    curves = step_curves(main_runs, args.arms, args.grpo_lr)
+                           args.stability_steps, args.collapse_pts, eta=eta)
+    curves = step_curves(main_runs, args.arms, args.grpo_lr, eta=eta)
     lr_check = lr_check_table(runs, args)
     lr_best = lr_check_best(lr_check, args.lr_check_seeds)
     warning = lr_check_warning(lr_best)
     stamps = sorted(r["finished"] for r in all_runs)
+    checked_snr = [a for a in SNR_ARMS if a in args.lr_check_arms and a in args.arms]
+    eta_status = ("not checked" if not checked_snr else "see the lr check below" if any(
+        lr_best.get(a, {}).get("multiple") != 1.0 for a in checked_snr) else "their best in the lr check below")
     header = [
         "# Which half of OBLR-PO helps? A paired ablation on SmolLM2-135M-Instruct",
         "",
@@ -1112,8 +1159,10 @@ def tabulate(args, runner_log: list[str]) -> None:
         f"step, constant lr), {args.max_steps} steps, held-out accuracy (exact answers; 100 problems; greedy, and 4 "
         f"samples each at T=1) every {args.eval_every} steps. GRPO's lr L = {args.grpo_lr:g} ("
         + ("its best on this task in the lr check below" if lr_best.get(REFERENCE, {}).get("multiple") == 1.0 else
-           "see the lr check below") + "); RLOO and the baseline alone run at L, the SNR arms at eta_max = 2 L (the "
-        f"README's advice). Planned: seeds {','.join(map(str, args.seeds))} per arm; a seed fixes the problems and "
+           "see the lr check below") + "); RLOO and the baseline alone run at L, the SNR arms at eta_max = "
+        f"{args.eta_multiple:.3g} L = {args.eta_multiple * args.grpo_lr:.3g} ("
+        + ("the README's advice, " if args.eta_multiple == 2.0 else "")
+        + eta_status + f"). Planned: seeds {','.join(map(str, args.seeds))} per arm; a seed fixes the problems and "
         "their order, so every difference is taken per seed. The task: the demo's one-digit sums start at 50% greedy "
         "and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
         "sampled, and leave room for 40 steps. GRPO and RLOO, whose loss is TRL's whole-batch pass (13 GB of memory), "
@@ -1131,10 +1180,11 @@ def tabulate(args, runner_log: list[str]) -> None:
     ]
     if warning:
         header += ["", warning]
-    earlier = [dict(lr=lr, plot=f"{args.out.name}_lr{lr:.3g}.png", arms=arm_table(main_runs, args.arms, lr, args.seeds),
-                    contrasts=contrast_table(main_runs, lr, args.seeds, args.delta, design),
-                    against=against_best(main_runs, args.arms, lr, args.grpo_lr, args.seeds, args.delta))
-               for lr in args.earlier_grpo_lr]
+    earlier = [dict(lr=lr, eta=e, plot=f"{args.out.name}_lr{lr:.3g}.png",
+                    arms=arm_table(main_runs, args.arms, lr, args.seeds, eta=e),
+                    contrasts=contrast_table(main_runs, lr, args.seeds, args.delta, design, eta=e),
+                    against=against_best(main_runs, args.arms, lr, args.grpo_lr, args.seeds, args.delta, eta=e))
+               for lr, e in zip(args.earlier_grpo_lr, args.earlier_eta_multiple)]
     rounds = [line for e in earlier for line in render_round(e, args.grpo_lr)]
     text = render(arms, contrasts, stab, curves, header, missing, before, args.delta, lr_check, long_rows, lr_best,
                   rounds)
@@ -1157,7 +1207,7 @@ def tabulate(args, runner_log: list[str]) -> None:
     plot(curves, contrasts, args.out.with_suffix(".png"), "SmolLM2-135M-Instruct, chain_sum (1-2 digit terms): "
          f"the ablation, L = {args.grpo_lr:.3g}")
     for e in earlier:
-        plot(step_curves(main_runs, args.arms, e["lr"]), [*e["contrasts"], *e["against"]],
+        plot(step_curves(main_runs, args.arms, e["lr"], eta=e["eta"]), [*e["contrasts"], *e["against"]],
              args.out.with_name(e["plot"]), "SmolLM2-135M-Instruct, chain_sum (1-2 digit terms): the earlier round, "
              f"L = {e['lr']:.3g}")
     print(text)

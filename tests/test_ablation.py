@@ -29,7 +29,7 @@ def args_for(ab, tmp_path, **kw):
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
                 records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
                 long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[],
-                lr_check_first=False)
+                lr_check_first=False, eta_multiple=2.0, eta_check_multiples=[10 / 3], earlier_eta_multiple=[])
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -67,7 +67,7 @@ def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False, large=N
 def test_jobs_run_the_ablation_seed_major_then_the_stability_window(ab, tmp_path):
     a = args_for(ab, tmp_path, seeds=[0, 1], stability_seeds=[0], lr_check_seeds=[])
     order = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(a)]
-    assert order[:6] == [(arm, ab.lr_of(arm, 5e-4), 0, 40) for arm in ab.ARMS]
+    assert order[:6] == [(arm, ab.lr_of(arm, 5e-4, eta=2.0), 0, 40) for arm in ab.ARMS]
     assert order[6][2] == 1 and len(order) == 12 + 2 + 12
     assert order[12:14] == [("OBLR-PO", 1e-3, 0, 120), ("GRPO", 5e-4, 0, 120)]  # the long runs, in their own folders
     assert order[14] == ("GRPO", 1.5e-3, 0, 20) and order[20] == ("GRPO", 5e-3, 0, 20)
@@ -104,7 +104,7 @@ def test_the_lr_check_table_is_per_seed_against_the_arm_at_its_own_lr(ab, tmp_pa
     assert low["diff"]["diffs"] == pytest.approx([10.0, 12.0, 8.0]) and low["diff"]["verdict"] == "better"
     text = "\n".join(ab.render_lr_check(rows))
     assert "| GRPO | 0.3x | 0.00015 | 3 |" in text and "better" in text and "(own lr)" in text
-    assert ab.lr_of("OBLR-PO", 5e-4) == 1e-3 and ab.lr_of("RLOO", 5e-4) == 5e-4
+    assert ab.lr_of("OBLR-PO", 5e-4, eta=2.0) == 1e-3 and ab.lr_of("RLOO", 5e-4, eta=2.0) == 5e-4
 
 
 def write_check(ab, a, own, low, seeds=(0, 1, 2)):
@@ -139,12 +139,76 @@ def test_an_lr_check_that_keeps_L_or_lacks_seeds_does_not_warn(ab, tmp_path):
     assert ab.lr_check_best(rows, b.lr_check_seeds) == {}
 
 
+def test_the_snr_arms_eta_max_is_checked_like_grpos_lr_and_the_check_warns_with_the_option_to_move_it(ab, tmp_path):
+    assert ab.lr_of("OBLR-PO", 1.5e-4, eta=20 / 3) == 1e-3 and ab.lr_of("GRPO", 1.5e-4, eta=20 / 3) == 1.5e-4
+    assert ab.lr_of("SNR-only", 1.5e-4, 0.3, eta=20 / 3) == 3e-4  # 2 L, as the 0.3x multiple of 20 L / 3
+    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, seeds=[0, 1, 2], lr_check_arms=["GRPO", *ab.SNR_ARMS],
+                 lr_check_multiples=[1 / 3], eta_check_multiples=[10 / 3], stability_seeds=[], long_seeds=[])
+    check = [(arm, lr, seed) for arm, lr, seed, steps, _ in ab.jobs(a)][18:]
+    assert check == [("GRPO", 5e-5, s) for s in range(3)] + [(arm, 1e-3, s) for arm in ab.SNR_ARMS for s in range(3)]
+    for seed in range(3):  # SNR-only: 1e-3 beats 2 L = 3e-4 on every seed; OBLR-PO: 2 L wins; per_step: 2 seeds only
+        write_run(ab, a.run_dir, "SNR-only", 3e-4, seed, 0.40, large=0.34)
+        write_run(ab, a.run_dir, "SNR-only", 1e-3, seed, 0.50, large=0.43 + 0.01 * seed)
+        write_run(ab, a.run_dir, "OBLR-PO", 3e-4, seed, 0.50, large=0.44)
+        write_run(ab, a.run_dir, "OBLR-PO", 1e-3, seed, 0.50, large=0.40)
+        write_run(ab, a.run_dir, "OBLR-PO-per_step", 1e-3, seed, 0.50, large=0.40)
+        if seed < 2:
+            write_run(ab, a.run_dir, "OBLR-PO-per_step", 3e-4, seed, 0.50, large=0.30)
+    ab.sync_records(a.run_dir, a.records)
+    todo = [j["name"] for j in ab.pending(a) if j["kind"] == "train"]
+    assert not any("lr=0.001" in name for name in todo)  # the check's runs at 1e-3 exist: nothing new to run there
+    assert "OBLR-PO-per_step lr=0.0003 seed=2" in todo
+    rows = ab.lr_check_table(ab.load_runs(a.records), a)
+    snr = [(r["arm"], r["multiple"], r["lr"], r["large"]["n"]) for r in rows if r["arm"] == "SNR-only"]
+    assert snr == [("SNR-only", 1.0, 3e-4, 3), ("SNR-only", pytest.approx(10 / 3), 1e-3, 3)]
+    d = next(r for r in rows if r["arm"] == "SNR-only" and r["multiple"] != 1.0)["large"]["diff"]
+    assert d["diffs"] == pytest.approx([9.0, 10.0, 11.0]) and d["verdict"] == "better"
+    best = ab.lr_check_best(rows, a.lr_check_seeds)
+    assert best["SNR-only"]["lr"] == 1e-3 and best["OBLR-PO"]["multiple"] == 1.0 and "OBLR-PO-per_step" not in best
+    assert "GRPO" not in best  # GRPO has no run at all here
+    warning = ab.lr_check_warning(best)
+    assert "SNR-only's best lr on greedy (large set) at 0.001 (3.33x" in warning
+    assert "`--eta_multiple` for the SNR arms' eta_max" in warning and "--grpo_lr" not in warning
+    assert "OBLR-PO's best" not in warning
+    text = "\n".join(ab.render_lr_check(rows, best))
+    assert "## Is each arm at its best lr? (the lr check)" in text and "| SNR-only | 3.33x | 0.001 | 3 |" in text
+    ab.tabulate(a, [])
+    head = a.out.with_suffix(".md").read_text().split("\n")[2]
+    assert "the SNR arms at eta_max = 2 L = 0.0003 (the README's advice, see the lr check below)" in head
+    moved = args_for(ab, tmp_path / "moved", grpo_lr=1.5e-4, eta_multiple=20 / 3, earlier_grpo_lr=[5e-4],
+                     earlier_eta_multiple=[2.0, 2.0])
+    with pytest.raises(SystemExit, match="--earlier_eta_multiple needs one value per --earlier_grpo_lr"):
+        ab.check_args(moved)
+    ab.check_args(a)
+
+
+def test_a_round_at_another_eta_max_reuses_the_runs_at_its_lrs(ab, tmp_path):
+    """The design moved to eta_max = 20 L / 3 = 1e-3 keeps the earlier round (L = 5e-4, eta_max 2 L = 1e-3) whole: the
+    SNR arms' runs at 1e-3 belong to both, the earlier round's GRPO and RLOO stay at 5e-4."""
+    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, eta_multiple=20 / 3, earlier_grpo_lr=[5e-4], earlier_eta_multiple=[2.0],
+                 seeds=[0, 1, 2], lr_check_arms=[], stability_seeds=[], long_seeds=[])
+    for seed in range(3):
+        for arm in ab.ARMS:
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, 5e-4, eta=2.0), seed, AFTER[arm][seed], large=AFTER[arm][seed])
+        write_run(ab, a.run_dir, "GRPO", 1.5e-4, seed, 0.5, large=0.5)
+    ab.tabulate(a, [])
+    text = a.out.with_suffix(".md").read_text()
+    main, earlier = text.split("## An earlier round: L = 0.0005", 1)
+    assert "| OBLR-PO | 0.001 | 3 |" in main and "| RLOO | 0.00015 | 0 |" in main and "| GRPO | 0.00015 | 3 |" in main
+    assert "eta_max = 6.67 L = 0.001" in main.split("\n")[2] and "README's advice" not in main.split("\n")[2]
+    assert "| OBLR-PO | 0.001 | 3 | 55.3 +- 4.0 |" in earlier and "| RLOO | 0.0005 | 3 |" in earlier
+    row = next(c for c in json.loads(a.out.with_suffix(".json").read_text())["contrasts"] if c["a"] == "OBLR-PO"
+               and c["b"] == "GRPO")
+    assert (row["lr_a"], row["lr_b"]) == (1e-3, 1.5e-4) and row["large"]["diffs"] == pytest.approx([1.0, 9.0, 6.0])
+
+
 def test_an_earlier_round_is_tabulated_in_its_own_section(ab, tmp_path):
-    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, earlier_grpo_lr=[5e-4], seeds=[0, 1, 2], lr_check_multiples=[],
+    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, earlier_grpo_lr=[5e-4], earlier_eta_multiple=[2.0], seeds=[0, 1, 2],
+                 lr_check_multiples=[],
                  lr_check_seeds=[])
     for arm, values in AFTER.items():
         for seed, after in enumerate(values[:3]):
-            write_run(ab, a.run_dir, arm, ab.lr_of(arm, 5e-4), seed, after, large=after)
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, 5e-4, eta=2.0), seed, after, large=after)
     ab.tabulate(a, [])
     text = a.out.with_suffix(".md").read_text()
     section = text.split("## An earlier round: L = 0.0005", 1)[1]
@@ -158,10 +222,10 @@ def test_contrasts_are_per_seed_with_t_intervals(ab, tmp_path):
     a = args_for(ab, tmp_path)
     for arm, values in AFTER.items():
         for seed, after in enumerate(values):
-            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr), seed, after)
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr, eta=2.0), seed, after)
     ab.sync_records(a.run_dir, a.records)
     runs = ab.load_runs(a.records)
-    rows = {c["name"]: c for c in ab.contrast_table(runs, a.grpo_lr, a.seeds, a.delta)}
+    rows = {c["name"]: c for c in ab.contrast_table(runs, a.grpo_lr, a.seeds, a.delta, eta=2.0)}
     d = rows["OBLR-PO vs GRPO"]["greedy"]
     expected = [100 * (o - g) for o, g in zip(AFTER["OBLR-PO"], AFTER["GRPO"])]
     assert d["diffs"] == pytest.approx(expected) and d["mean"] == pytest.approx(statistics.mean(expected))
@@ -175,14 +239,14 @@ def test_contrasts_are_per_seed_with_t_intervals(ab, tmp_path):
 def test_the_stability_cells_at_an_earlier_rounds_lr_are_its_40_step_runs_at_step_20(ab, tmp_path):
     a = args_for(ab, tmp_path, grpo_lr=1.5e-4, seeds=[0], stability_seeds=[0], stability_multiples=[10 / 3, 10.0],
                  lr_check_seeds=[], long_seeds=[])
-    assert [ab.lr_of(arm, 1.5e-4, 10 / 3) for arm in ab.ARMS] == [5e-4, 5e-4, 5e-4, 1e-3, 1e-3, 1e-3]
+    assert [ab.lr_of(arm, 1.5e-4, 10 / 3, eta=2.0) for arm in ab.ARMS] == [5e-4, 5e-4, 5e-4, 1e-3, 1e-3, 1e-3]
     write_run(ab, a.run_dir, "OBLR-PO", 1e-3, 0, 0.55, large=0.40)  # the earlier round's 40-step run
     write_run(ab, a.run_dir, "OBLR-PO", 3e-4, 0, 0.50, large=0.40)  # the design's 1x run
     ab.sync_records(a.run_dir, a.records)
     todo = [(j["arm"], j["out"].parent.name, j.get("steps")) for j in ab.pending(a)]
     assert ("OBLR-PO", "OBLR-PO_lr0.001", 20) not in todo and ("OBLR-PO", "OBLR-PO_lr0.003", 20) in todo
     rows = {(r["arm"], r["lr"]): r for r in ab.stability_table(ab.load_runs(a.records), ["OBLR-PO"], 1.5e-4,
-                                                                 a.stability_multiples, [0], 20, 10.0)}
+                                                                 a.stability_multiples, [0], 20, 10.0, eta=2.0)}
     reused = rows[("OBLR-PO", 1e-3)]
     assert reused["n"] == 1 and reused["mean"] == pytest.approx(100 * (0.55 - 0.01 * 2))  # its evaluation at step 20
     assert reused["change"] == pytest.approx(100 * (0.55 - 0.50))
@@ -194,9 +258,10 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     a = args_for(ab, tmp_path, seeds=[0, 1, 2], stability_seeds=[0, 1, 2])
     for arm, values in AFTER.items():
         for seed in range(3):
-            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr), seed, values[seed], large=values[seed] - 0.1)
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr, eta=2.0), seed, values[seed],
+                      large=values[seed] - 0.1)
     for seed in range(3):  # OBLR-PO at 10x its lr collapses on seeds 0 and 1
-        write_run(ab, a.run_dir, "OBLR-PO", ab.lr_of("OBLR-PO", a.grpo_lr, 10.0), seed, 0.5, steps=20,
+        write_run(ab, a.run_dir, "OBLR-PO", ab.lr_of("OBLR-PO", a.grpo_lr, 10.0, eta=2.0), seed, 0.5, steps=20,
                   collapsed=seed < 2)
     summary = ab.run_dir_of(a.run_dir, "GRPO", 5e-4, 2) / "summary.json"  # one GRPO run in micro-batches
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "micro_batch": 16}))
@@ -368,7 +433,7 @@ def test_a_runs_peak_memory_reaches_its_record_and_the_arm_table(ab, tmp_path):
     ab.sync_records(a.run_dir, a.records)
     runs = ab.load_runs(a.records)
     assert [r["peak_rss_gb"] for r in runs] == [4.7, 13.3]
-    (row,) = ab.arm_table(runs, ["GRPO"], 5e-4, [0, 1])
+    (row,) = ab.arm_table(runs, ["GRPO"], 5e-4, [0, 1], eta=2.0)
     assert row["peak_rss_gb"] == 4.7 and ab.micro_batch_of("GRPO") == 16 and ab.micro_batch_of("OBLR-PO") is None
 
 
@@ -440,7 +505,8 @@ def test_the_when_section_says_how_far_the_evidence_goes_while_only_some_contras
     a = args_for(ab, tmp_path, seeds=[0, 1, 2, 3, 4], stability_seeds=[], lr_check_seeds=[], long_seeds=[])
     for arm, values in AFTER.items():
         for seed in range(3 if arm in ("GRPO", "baseline-only") else 2):
-            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr), seed, values[seed], large=values[seed] - 0.1)
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr, eta=2.0), seed, values[seed],
+                      large=values[seed] - 0.1)
     ab.tabulate(a, [])
     when = a.out.with_name("ablation_when.md").read_text()
     head, loses = when.split("\n")[2], when.split("**Where it loses**: ")[1].split("\n")[0]
