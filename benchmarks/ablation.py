@@ -568,6 +568,26 @@ def lr_check_warning(best: dict[str, dict]) -> str | None:
         + ").**")
 
 
+def eta_check_note(rows: list[dict], best: dict[str, dict]) -> str | None:
+    """"When to use"'s word while the lr check has not yet all its seeds for an SNR arm: per such arm, its mean on the
+    powered measurement at each eta_max of the check and the paired difference so far (a finished check that moves
+    an arm is `lr_check_warning`'s)."""
+    open_arms = list(dict.fromkeys(r["arm"] for r in rows if ARMS[r["arm"]][1] and r["arm"] not in best))
+    if not open_arms:
+        return None
+    parts = []
+    for arm in open_arms:
+        mine = [r for r in rows if r["arm"] == arm]
+        cells = [f"{fmt(r[PRIMARY]['mean'])}% at {r['lr']:.3g} ({r[PRIMARY]['n']} seed{'s' * (r[PRIMARY]['n'] != 1)})"
+                 for r in mine]
+        diffs = [f"{r['lr']:.3g} minus {mine[0]['lr']:.3g}: {fmt(d['mean'], True)} pts over {d['n']} paired "
+                 f"seed{'s' * (d['n'] != 1)}" for r in mine[1:] if (d := r[PRIMARY]["diff"]) and d["n"]]
+        parts.append(f"{arm} " + ", ".join(cells) + (f" ({'; '.join(diffs)})" if diffs else ""))
+    return ("**The SNR arms' eta_max is not settled yet** (the lr check, `ablation.md`, \"Is each arm at its best "
+            f"lr?\"), on {TITLES[PRIMARY]}: " + "; ".join(parts) + ". Their numbers below are at the design's "
+            "eta_max; once the check has all its seeds, the design moves to each arm's better one.")
+
+
 def verdict(diff: dict) -> str:
     """'better' / 'worse' when the 95% interval excludes 0, 'no difference detected', or 'too few seeds'."""
     if diff["ci"] is None:
@@ -885,7 +905,8 @@ def render_earlier(earlier: dict, grpo_lr: float, delta: float) -> list[str]:
 
 
 def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, delta: float, before: dict,
-                long_rows: list[dict] = (), lr_warning: str | None = None, earlier: list[dict] = ()) -> str:
+                long_rows: list[dict] = (), lr_warning: str | None = None, earlier: list[dict] = (),
+                eta_note: str | None = None) -> str:
     """The README's "When to use OBLR-PO", written from the tables: what each half buys, what it costs, where it
     loses, and how far the evidence goes (at the design's lr, then in each earlier round)."""
     by_name = {c["name"]: c for c in contrasts}
@@ -914,8 +935,8 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     if intervals:
         lines[-1] += (f" Each interval is a 95% one with no correction for multiplicity: of the {intervals} drawn here, "
                       f"about {intervals / 20:.1f} would exclude 0 by chance alone where no difference exists.")
-    if lr_warning:
-        lines += ["", lr_warning]
+    for note in (lr_warning, eta_note):
+        lines += ["", note] if note else []
     lines.append("")
     if n >= 3:
         lines += ["What each half does, the rest held fixed (held-out accuracy after the run, per-seed differences):",
@@ -1191,7 +1212,8 @@ def tabulate(args, runner_log: list[str]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
     when = args.out.with_name(args.out.name + "_when.md")
-    when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before, long_rows, warning, earlier))
+    when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before, long_rows, warning, earlier,
+                                eta_check_note(lr_check, lr_best)))
     args.out.with_name(args.out.name + "_baseline.md").write_text(render_baseline(contrasts, len(args.seeds),
                                                                                    args.delta, earlier))
     compact = [{k: v for k, v in r.items() if k not in ("history", "large_eval")} for r in all_runs]  # records: the rest

@@ -172,9 +172,16 @@ def test_the_snr_arms_eta_max_is_checked_like_grpos_lr_and_the_check_warns_with_
     assert "OBLR-PO's best" not in warning
     text = "\n".join(ab.render_lr_check(rows, best))
     assert "## Is each arm at its best lr? (the lr check)" in text and "| SNR-only | 3.33x | 0.001 | 3 |" in text
+    note = ab.eta_check_note(rows, best)  # per_step lacks seed 2 at 2 L: the check is open for it only
+    assert note.startswith("**The SNR arms' eta_max is not settled yet**") and "SNR-only" not in note
+    assert ("OBLR-PO-per_step 30.0% at 0.0003 (2 seeds), 40.0% at 0.001 (3 seeds) (0.001 minus 0.0003: +10.0 pts over "
+            "2 paired seeds)") in note
+    assert ab.eta_check_note([r for r in rows if r["arm"] != "OBLR-PO-per_step"], best) is None  # done: the warning's
     ab.tabulate(a, [])
     head = a.out.with_suffix(".md").read_text().split("\n")[2]
     assert "the SNR arms at eta_max = 2 L = 0.0003 (the README's advice, see the lr check below)" in head
+    when = a.out.with_name("ablation_when.md").read_text()
+    assert warning in when and note in when
     moved = args_for(ab, tmp_path / "moved", grpo_lr=1.5e-4, eta_multiple=20 / 3, earlier_grpo_lr=[5e-4],
                      earlier_eta_multiple=[2.0, 2.0])
     with pytest.raises(SystemExit, match="--earlier_eta_multiple needs one value per --earlier_grpo_lr"):
