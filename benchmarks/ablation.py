@@ -36,9 +36,10 @@ table and a plot (applied lr, reward, held-out accuracy against the step) beside
 
 The stability window runs each arm at 10/3 x and 10x its lr over ``--stability_seeds``, ``--stability_steps`` each. A
 run *collapses* when its greedy held-out accuracy after RL is below the starting model's by more than
-``--collapse_pts`` points. 10/3 x L is the earlier round's lr for every arm (5e-4, eta_max 1e-3): with a constant lr
-and a seed fixing the problems and their order, a 40-step run's first 20 steps are a 20-step run, so those cells are
-the earlier round's runs evaluated at step 20, not run again (as the 1x cells are the ablation's own runs).
+``--collapse_pts`` points. At ``--eta_multiple`` 2, 10/3 x is the earlier round's lr for every arm (5e-4, eta_max
+1e-3): with a constant lr and a seed fixing the problems and their order, a 40-step run's first 20 steps are a 20-step
+run, so those cells are the earlier round's runs evaluated at step 20, not run again (as the 1x cells are the
+ablation's own runs). Should the design move to ``--eta_multiple`` 20/3, the SNR arms' 1x cells are those runs.
 
 The final, powered measurement: after each run, ``large_eval.py`` scores its saved adapter greedily on
 ``--large_size`` distinct held-out problems that occur nowhere among that seed's training problems (the same problems
