@@ -64,6 +64,8 @@ class OBLRPOConfig(GRPOConfig):
     Each step uses `learning_rate x N SNR / (1 + N SNR)`, a fraction of it (0.07-0.12 on the tiny demo, 0.13-0.37 on
     SmolLM2-135M with LoRA, at 8 prompts per step). Set it about twice the learning rate you would give GRPO: on
     SmolLM2 the best eta_max was 1.8x GRPO's best lr, and 10x did not learn; the default is 2e-6, twice GRPO's 1e-6.
+    That advice comes from 10-step runs and is under test over longer ones, where the factor falls (README, "The SNR
+    estimator"): if `oblr/lr_mean` sits far below the lr you would give GRPO, raise `learning_rate`.
     The SNR factor does not rescue a far larger one (on SmolLM2 both collapsed at 5-30x their best lr).
 
     Defaults differ from `GRPOConfig` where the paper's theory requires it: `scale_rewards="none"` (std scaling biases
@@ -230,7 +232,8 @@ class OBLRPOConfig(GRPOConfig):
             "tiny demo and 0.13-0.37 on SmolLM2-135M with LoRA at 8 prompts per step (benchmarks/README.md). Set it "
             "about twice the lr you would give GRPO (on SmolLM2 the best eta_max was 1.8x GRPO's best lr; 10x did not "
             "learn, and the SNR factor does not rescue a far larger one); the default 2e-6 is twice GRPO's 1e-6. "
-            "oblr/lr_mean logs the mean applied lr."
+            "oblr/lr_mean logs the mean applied lr: over longer runs the factor falls, so compare it with the lr you "
+            "would give GRPO."
         },
     )
     # ---- end issue 18 ----
