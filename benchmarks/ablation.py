@@ -141,7 +141,7 @@ def parse_cell(folder: str) -> tuple[str, float, bool]:
 
 def jobs(args) -> list[tuple[str, float, int, int, Path]]:
     """(arm, lr, seed, steps, output folder) of every run, in launch order: the ablation seed-major, with the lr check
-    (``--lr_check_arms`` at ``--lr_check_multiples`` of their lr, full length) right after the last seed it shares
+    (``--lr_check_arms`` at `check_multiples` of their lr, full length) right after the last seed it shares
     with the ablation, then the long runs (``--long_arms`` at their lr, ``--long_steps``, ``--long_seeds``), then
     the stability window (3x before 10x, seed-major, ``--stability_steps`` each). ``--long_first``: the long runs
     before everything (start a session with them: a 120-step run needs two hours of one); ``--lr_check_first``: the
