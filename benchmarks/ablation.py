@@ -6,8 +6,8 @@ step) on the task variant below, ``--max_steps`` steps, with held-out accuracy (
 and the before-RL evaluation, so arm-vs-GRPO differences are taken **per seed** (paired) and reported with Student-t
 intervals and the power of the paired t-test (``paired_stats.py``).
 
-Arms (L = ``--grpo_lr``, GRPO's best lr on this task; the SNR arms' eta_max = ``--eta_multiple`` x L, 2 by default:
-the README's advice "about twice GRPO's lr"):
+Arms (L = ``--grpo_lr``, GRPO's best lr on this task; the SNR arms' eta_max = ``--eta_multiple`` x L, 20/3 by default
+(1e-3): the lr check's pick over the README's earlier advice of 2 L, "about twice GRPO's lr", below):
 
   GRPO            trl.GRPOTrainer, scale_rewards='group', lr L
   RLOO            leave-one-out mean baseline, no std scaling, no SNR step, lr L
@@ -22,13 +22,14 @@ of a 10-step sweep on the demo's one-digit sums (real_compare.md); on this task 
 seeds (+12.2, +3.2, +13.8 pts), so the design moved to L = 1.5e-4 and the round at 5e-4 is kept in its own section
 (``--earlier_grpo_lr``).
 
-The SNR arms' eta_max is checked the same way (``--eta_check_multiples``): at 2 L and at 10/3 of it, 20 L / 3 = 1e-3,
-the first round's eta_max, whose seeds 0-2 ran, so the check costs their runs at 2 L on seeds 0-2 only, which the
-ablation makes anyway. The README's "about twice GRPO's lr" came from a 10-step sweep, and over 40 steps the SNR factor
-falls (0.13 on average for SNR-only at 2 L, seed 0: an applied lr of L / 4). The rule, set on 2026-11-26 when one SNR
-arm at 2 L had finished (SNR-only seed 0: 34.2% on the large set, against 43.2% at 1e-3): each SNR arm's eta_max is
-its best mean on the large set over seeds 0-2 of the two, and the design's ``--eta_multiple`` moves to 20/3 if the
-check picks 1e-3 (the tables warn until it does).
+The SNR arms' eta_max is checked the same way (``--eta_check_multiples``, of eta_max): at 2 L = 3e-4 and 20 L / 3 =
+1e-3, the first round's eta_max. The README's "about twice GRPO's lr" came from a 10-step sweep, and over 40 steps the
+SNR factor falls (0.13 on average for SNR-only at 2 L, seed 0: an applied lr of L / 4). The rule, set on 2026-11-26
+when one SNR arm at 2 L had finished (SNR-only seed 0: 34.2% on the large set, against 43.2% at 1e-3): each SNR arm's
+eta_max is its best mean on the large set over seeds 0-2 of the two, and the design's ``--eta_multiple`` moves from 2
+to 20/3 if the check picks 1e-3 (the tables warn while the design's eta_max is not the check's pick). It did, for
+every SNR arm (2026-11-26), so the design runs them at 1e-3 (``--eta_multiple`` 20/3; the check's other cell is 0.3 x
+that, 3e-4), and their seeds 0-2 at 1e-3 are the first round's runs.
 
 The long runs (``--long_arms``, default OBLR-PO and GRPO, ``--long_steps`` 120, seed 0, held-out accuracy every 20
 steps) ask whether the SNR step, which falls to a few percent of eta_max within 40 steps, stalls a longer run: a
@@ -36,10 +37,11 @@ table and a plot (applied lr, reward, held-out accuracy against the step) beside
 
 The stability window runs each arm at 10/3 x and 10x its lr over ``--stability_seeds``, ``--stability_steps`` each. A
 run *collapses* when its greedy held-out accuracy after RL is below the starting model's by more than
-``--collapse_pts`` points. At ``--eta_multiple`` 2, 10/3 x is the earlier round's lr for every arm (5e-4, eta_max
-1e-3): with a constant lr and a seed fixing the problems and their order, a 40-step run's first 20 steps are a 20-step
-run, so those cells are the earlier round's runs evaluated at step 20, not run again (as the 1x cells are the
-ablation's own runs). Should the design move to ``--eta_multiple`` 20/3, the SNR arms' 1x cells are those runs.
+``--collapse_pts`` points. For GRPO, RLOO and baseline-only, 10/3 x L is the earlier round's lr (5e-4): with a
+constant lr and a seed fixing the problems and their order, a 40-step run's first 20 steps are a 20-step run, so those
+cells are the earlier round's runs evaluated at step 20, not run again (as the 1x cells are the ablation's own runs).
+At ``--eta_multiple`` 20/3 the SNR arms' 1x cells are the earlier round's runs at 1e-3, and their 10/3 x and 10x
+cells (3.33e-3, 1e-2) are run.
 
 The final, powered measurement: after each run, ``large_eval.py`` scores its saved adapter greedily on
 ``--large_size`` distinct held-out problems that occur nowhere among that seed's training problems (the same problems
@@ -706,8 +708,9 @@ def render_lr_check(rows: list[dict], best: dict[str, dict] | None = None) -> li
              "Each checked arm also runs at other multiples of its lr, 40 steps, on the first seeds; differences are "
              "per seed, to the arm at the design's lr. The design's L should be GRPO's best mean on the large set "
              "here (the first round's L = 5e-4 came from a 10-step sweep on the demo's one-digit sums and lost here), "
-             "and the SNR arms' eta_max theirs (the README's \"about twice GRPO's lr\" also came from a 10-step "
-             "sweep; its 10/3 multiple is the first round's eta_max, whose runs serve).", "",
+             "and the SNR arms' eta_max theirs, checked against 2 L, the README's earlier \"about twice GRPO's lr\" "
+             "(also from a 10-step sweep); 20 L / 3 = 1e-3 is the first round's eta_max, whose runs serve. An arm's "
+             "best lr is the better mean, interval or not.", "",
              "| arm | lr multiple | lr | seeds | "
              + " | ".join(f"{TITLES[m]} % | minus own lr (pts) [95% CI]" for m in METRICS) + " |",
              "|---|---|---|---|" + "---|---|" * len(METRICS)]
@@ -1050,15 +1053,17 @@ def plot_long(runs: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
+    """The runner's options; their defaults are the design (the arms, L, eta_max, the seeds, the checks)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--grpo_lr", type=float, default=1.5e-4,
                         help="GRPO's best lr on this task: the best mean on the large set of the lr check (the "
                              "tables warn when another lr of the check beats it)")
-    parser.add_argument("--eta_multiple", type=float, default=2.0,
-                        help="the SNR arms' eta_max as a multiple of L (2: the README's advice, 'about twice GRPO's "
-                             "lr'); checked by the lr check (--eta_check_multiples)")
+    parser.add_argument("--eta_multiple", type=float, default=20 / 3,
+                        help="the SNR arms' eta_max as a multiple of L (20/3: 1e-3, the lr check's pick on every SNR "
+                             "arm over 2, the README's earlier advice 'about twice GRPO's lr'); checked by the lr "
+                             "check (--eta_check_multiples)")
     parser.add_argument("--earlier_grpo_lr", type=float, nargs="*", default=[5e-4],
                         help="earlier rounds' L, tabulated in their own section (never run again)")
     parser.add_argument("--earlier_eta_multiple", type=float, nargs="*", default=[2.0],
@@ -1070,9 +1075,9 @@ def main():
                         help="arms also run at other multiples of their lr (is L, or eta_max, their best lr here?)")
     parser.add_argument("--lr_check_multiples", type=float, nargs="*", default=[1 / 3, 10 / 3],
                         help="the lr check's multiples of L, for the checked arms without an SNR step")
-    parser.add_argument("--eta_check_multiples", type=float, nargs="*", default=[10 / 3],
-                        help="the lr check's multiples of eta_max, for the checked SNR arms (10/3 of 2 L: the earlier "
-                             "round's eta_max 1e-3, whose seeds 0-2 ran)")
+    parser.add_argument("--eta_check_multiples", type=float, nargs="*", default=[0.3],
+                        help="the lr check's multiples of eta_max, for the checked SNR arms (0.3 of 20 L / 3: 2 L = "
+                             "3e-4, the README's earlier advice)")
     parser.add_argument("--lr_check_seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--lr_check_first", action="store_true",
                         help="launch the lr check before the ablation's runs (while it decides L)")
@@ -1108,7 +1113,11 @@ def main():
                         help="distinct unseen held-out problems of each run's large evaluation (large_eval.py)")
     parser.add_argument("--no_run", action="store_true", help="only record and tabulate the runs that finished")
     parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = build_parser().parse_args()
     check_args(args)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     state_path = args.run_dir / "runner.json"
@@ -1183,7 +1192,6 @@ def tabulate(args, runner_log: list[str]) -> None:
         + ("its best on this task in the lr check below" if lr_best.get(REFERENCE, {}).get("multiple") == 1.0 else
            "see the lr check below") + "); RLOO and the baseline alone run at L, the SNR arms at eta_max = "
         f"{args.eta_multiple:.3g} L = {args.eta_multiple * args.grpo_lr:.3g} ("
-        + ("the README's advice, " if args.eta_multiple == 2.0 else "")
         + eta_status + f"). Planned: seeds {','.join(map(str, args.seeds))} per arm; a seed fixes the problems and "
         "their order, so every difference is taken per seed. The task: the demo's one-digit sums start at 50% greedy "
         "and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "

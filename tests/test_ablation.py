@@ -179,7 +179,7 @@ def test_the_snr_arms_eta_max_is_checked_like_grpos_lr_and_the_check_warns_with_
     assert ab.eta_check_note([r for r in rows if r["arm"] != "OBLR-PO-per_step"], best) is None  # done: the warning's
     ab.tabulate(a, [])
     head = a.out.with_suffix(".md").read_text().split("\n")[2]
-    assert "the SNR arms at eta_max = 2 L = 0.0003 (the README's advice, see the lr check below)" in head
+    assert "the SNR arms at eta_max = 2 L = 0.0003 (see the lr check below)" in head
     when = a.out.with_name("ablation_when.md").read_text()
     assert warning in when and note in when
     moved = args_for(ab, tmp_path / "moved", grpo_lr=1.5e-4, eta_multiple=20 / 3, earlier_grpo_lr=[5e-4],
@@ -187,6 +187,20 @@ def test_the_snr_arms_eta_max_is_checked_like_grpos_lr_and_the_check_warns_with_
     with pytest.raises(SystemExit, match="--earlier_eta_multiple needs one value per --earlier_grpo_lr"):
         ab.check_args(moved)
     ab.check_args(a)
+
+
+def test_the_design_runs_the_snr_arms_at_the_checks_pick_and_checks_the_readmes_earlier_advice(ab):
+    """The check picked 1e-3 (20 L / 3) for every SNR arm: the design runs them there, and its check's other cell is the
+    README's earlier 2 L = 3e-4; the earlier round (L = 5e-4, eta 2) shares the runs at 1e-3."""
+    a = ab.build_parser().parse_args([])
+    ab.check_args(a)
+    assert a.grpo_lr == 1.5e-4
+    for arm in ab.SNR_ARMS:
+        assert ab.lr_of(arm, a.grpo_lr, eta=a.eta_multiple) == 1e-3
+        assert [ab.lr_of(arm, a.grpo_lr, m, eta=a.eta_multiple) for m in ab.check_multiples(a, arm)] == [3e-4]
+        assert [ab.lr_of(arm, lr, eta=e) for lr, e in zip(a.earlier_grpo_lr, a.earlier_eta_multiple)] == [1e-3]
+        assert [ab.lr_of(arm, a.grpo_lr, m, eta=a.eta_multiple) for m in a.stability_multiples] == [3.33e-3, 1e-2]
+    assert ab.lr_of("GRPO", a.grpo_lr, eta=a.eta_multiple) == 1.5e-4
 
 
 def test_a_round_at_another_eta_max_reuses_the_runs_at_its_lrs(ab, tmp_path):
