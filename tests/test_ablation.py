@@ -289,6 +289,7 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     ab.tabulate(a, [])
     text = a.out.with_suffix(".md").read_text()
     assert "so that they fit beside another arm: 1 of GRPO's 3 runs, 0 of RLOO's 3 runs." in text
+    assert "the SNR arms at eta_max = 2 L = 0.001 (not checked)" in text  # no SNR arm among --lr_check_arms
     assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 |" in text
     assert "| 0.00025 | 66 |" in text and "| 0.0005 | 60 |" in text  # OBLR-PO's and GRPO's mean applied lr, s/step
     assert "Not finished when this table was made" in text  # the other stability runs
