@@ -475,6 +475,7 @@ def arm_table(runs: list[dict], arms: list[str], grpo_lr: float, seeds: list[int
         per_step = [r["seconds_per_step"] for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)
                     and r["seed"] in seeds]
         row["seconds_per_step"] = statistics.median(per_step) if per_step else math.nan
+        row["seconds_per_step_range"] = (min(per_step), max(per_step)) if per_step else None  # sharing the machine
         applied = [r["mean_applied_lr"] for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr)
                    and r["seed"] in seeds and r.get("mean_applied_lr") is not None]
         row["mean_applied_lr"] = statistics.mean(applied) if applied else math.nan  # eta_max x the SNR factor
@@ -971,14 +972,16 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
                  + ("" if len(powered) == len(judged) else " (underpowered: see above)")
                  + (f"; {len(contrasts) - len(judged)} have too few seeds to tell" if len(judged) < len(contrasts)
                     else ""))
-    costs = [f"{r['arm']} {r['seconds_per_step']:.0f} s" + (f" and {r['peak_rss_gb']:.1f} GB" if not
-                                                             math.isnan(r["peak_rss_gb"]) else "")
+    costs = [f"{r['arm']} {r['seconds_per_step']:.0f} s ({r['seconds_per_step_range'][0]:.0f}-"
+             f"{r['seconds_per_step_range'][1]:.0f})" + (f" and {r['peak_rss_gb']:.1f} GB" if not
+                                                         math.isnan(r["peak_rss_gb"]) else "")
              for r in arms if not math.isnan(r["seconds_per_step"])]
-    lines += ["", "**Cost** (median s/step of the ablation's runs on this 2-core CPU, evaluations included, and peak "
-              "memory): " + (", ".join(costs) if costs else "not measured yet") + ". No ratio is given here: the "
-              "runs shared the machine differently (GRPO's and RLOO's whole-batch runs of the earlier round alone, for "
-              "their memory; every other run two at a time); `benchmarks/results/step_cost.md` measures OBLR-PO's "
-              "step against GRPO's in one process.",
+    lines += ["", "**Cost** (median s/step of the ablation's runs on this 2-core CPU, evaluations included, with its "
+              "range over the runs, and peak memory): " + (", ".join(costs) if costs else "not measured yet")
+              + ". No ratio is given here: the runs shared the machine differently (GRPO's and RLOO's whole-batch "
+              "runs of the earlier round alone, for their memory; every other run two at a time, some beside a third "
+              "job, which the range shows); `benchmarks/results/step_cost.md` measures OBLR-PO's step against GRPO's "
+              "in one process.",
               "", "**Where it loses**: " + loses + "."]
     sentences = long_summary(list(long_rows))
     lines += ["", "**Over a long run** (does the shrinking step stall?): " + (" ".join(sentences) if sentences else

@@ -284,11 +284,13 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     for seed in range(3):  # OBLR-PO at 10x its lr collapses on seeds 0 and 1
         write_run(ab, a.run_dir, "OBLR-PO", ab.lr_of("OBLR-PO", a.grpo_lr, 10.0, eta=2.0), seed, 0.5, steps=20,
                   collapsed=seed < 2)
-    summary = ab.run_dir_of(a.run_dir, "GRPO", 5e-4, 2) / "summary.json"  # one GRPO run in micro-batches
-    summary.write_text(json.dumps({**json.loads(summary.read_text()), "micro_batch": 16}))
+    summary = ab.run_dir_of(a.run_dir, "GRPO", 5e-4, 2) / "summary.json"  # one GRPO run in micro-batches, slowed
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "micro_batch": 16, "seconds_per_step": 90.0}))
     ab.tabulate(a, [])
     text = a.out.with_suffix(".md").read_text()
     assert "so that they fit beside another arm: 1 of GRPO's 3 runs, 0 of RLOO's 3 runs." in text
+    when = a.out.with_name("ablation_when.md").read_text()  # the cost: median s/step, with its range over the runs
+    assert "GRPO 60 s (60-90), RLOO 66 s (66-66)," in when.split("**Cost**")[1]
     assert "the SNR arms at eta_max = 2 L = 0.001 (not checked)" in text  # no SNR arm among --lr_check_arms
     assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 |" in text
     assert "| 0.00025 | 66 |" in text and "| 0.0005 | 60 |" in text  # OBLR-PO's and GRPO's mean applied lr, s/step
@@ -306,7 +308,7 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     se = [100 * statistics.stdev([1] * k + [0] * (500 - k)) / 500 ** 0.5 for k in (55, 45, 55)]
     assert row["large"]["measurement_se"] == pytest.approx(statistics.mean(se)) and se[0] == pytest.approx(se0) and "Not finished" in text and "GRPO lr 0.0005 seeds" not in text
     assert "SNR-only vs GRPO" in when.split("**Where it loses**")[1]
-    assert "GRPO 60 s, RLOO 66 s" in when and "OBLR-PO 66 s" in when and "x GRPO's" not in when
+    assert "OBLR-PO 66 s (66-66)" in when and "x GRPO's" not in when
     saved = json.loads(a.out.with_suffix(".json").read_text())
     assert len(saved["runs"]) == 21 and "history" not in saved["runs"][0]
     record = json.loads(ab.record_path(a.records, ab.run_dir_of(a.run_dir, "GRPO", 5e-4, 0)).read_text())
