@@ -65,8 +65,8 @@ class OBLRPOConfig(GRPOConfig):
     SmolLM2-135M with LoRA, at 8 prompts per step; it falls as training goes on). Set it a few times the learning rate
     you would give GRPO, more for longer runs, and watch `oblr/lr_mean`: on SmolLM2 the best eta_max was 1e-3 both over
     10 steps (1.8x GRPO's best lr there; 10x did not learn) and over 40 steps (6.7x GRPO's best there; it beat 2x by
-    5.4-8.5 points on held-out accuracy), applying about half to two-thirds of GRPO's best lr on average (README, "The SNR
-    estimator"). The default 2e-6, twice GRPO's 1e-6, is the short-run ratio: if `oblr/lr_mean` sits far below the lr
+    5.4-8.5 points on held-out accuracy), applying about half to two-thirds of GRPO's best lr on average (README, "The
+    SNR estimator"). The default 2e-6, twice GRPO's 1e-6, is the short-run ratio: if `oblr/lr_mean` sits far below the lr
     you would give GRPO, raise `learning_rate`. The SNR factor does not rescue a far larger one (on SmolLM2 both
     collapsed at 5-30x their best lr).
 
