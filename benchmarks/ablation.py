@@ -600,12 +600,18 @@ def verdict(diff: dict) -> str:
     return "better" if lo > 0 else "worse" if hi < 0 else "no difference detected"
 
 
-def long_table(runs: list[dict], window: int = 10) -> list[dict]:
+def long_table(runs: list[dict], window: int = 10, short: list[dict] = ()) -> list[dict]:
     """Per long run (arm, seed) and held-out evaluation: the step, the mean lr scale (the SNR factor; None without an
-    SNR step) and training reward over the `window` steps up to it, and held-out greedy and sampled accuracy (%)."""
+    SNR step) and training reward over the `window` steps up to it, and held-out greedy and sampled accuracy (%).
+    Each row also carries the run's greedy accuracy on the large set after it (`large`, %) and that of the `short`
+    run (the ablation's) of the same arm, lr and seed (`short_large`, with its steps `short_steps`); None if absent."""
     rows = []
     for r in sorted(runs, key=lambda r: (r["seed"], list(ARMS).index(r["arm"]))):
         by_step = {e["step"]: e for e in r["history"]}
+        twin = next((s for s in short if s["arm"] == r["arm"] and s["seed"] == r["seed"]
+                     and math.isclose(s["lr"], r["lr"]) and s.get("large_accuracy_after") is not None), None)
+        large = dict(large=percent(r.get("large_accuracy_after")),
+                     short_large=percent(twin and twin["large_accuracy_after"]), short_steps=twin and twin["steps"])
         for c in r.get("curve", []):
             steps = [by_step[t] for t in range(max(1, c["step"] - window + 1), c["step"] + 1) if t in by_step]
             scale = [e["oblr/lr_scale"] for e in steps if e.get("oblr/lr_scale") is not None]
@@ -613,8 +619,12 @@ def long_table(runs: list[dict], window: int = 10) -> list[dict]:
             rows.append(dict(arm=r["arm"], seed=r["seed"], step=c["step"], lr=r["lr"],
                              lr_scale=statistics.mean(scale) if scale else None,
                              reward=statistics.mean(reward) if reward else None,
-                             greedy=100 * c["accuracy"], sampled=100 * c["sampled_accuracy"]))
+                             greedy=100 * c["accuracy"], sampled=100 * c["sampled_accuracy"], **large))
     return rows
+
+
+def percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100 * fraction
 
 
 def long_summary(rows: list[dict]) -> list[str]:
@@ -629,9 +639,14 @@ def long_summary(rows: list[dict]) -> list[str]:
         scale = (f"lr scale {first['lr_scale']:.3f} (steps to {first['step']}) -> {last['lr_scale']:.3f} (last "
                  f"window), an applied lr of {first['lr'] * first['lr_scale']:.2g} -> {last['lr'] * last['lr_scale']:.2g}"
                  if first["lr_scale"] is not None else f"constant lr {first['lr']:.3g}")
+        large = ""
+        if last.get("large") is not None:
+            large = f"; greedy on the large set after it {last['large']:.1f}%"
+            if last.get("short_large") is not None:
+                large += f" (its {last['short_steps']}-step run, same lr and seed: {last['short_large']:.1f}%)"
         out.append(f"{arm} seed {seed}: {scale}; held-out greedy {mine[0]['greedy']:.0f}% -> {mid['greedy']:.0f}% "
                    f"(step {mid['step']}) -> {last['greedy']:.0f}% (step {last['step']}), a gain of "
-                   f"{last['greedy'] - mid['greedy']:+.0f} pts over the second half.")
+                   f"{last['greedy'] - mid['greedy']:+.0f} pts over the second half{large}.")
     return out
 
 
@@ -1165,7 +1180,7 @@ def tabulate(args, runner_log: list[str]) -> None:
                         for p in args.records.glob("large_before_seed*.json")}
         before[label] = statistics.mean(per_seed.values()) if per_seed else math.nan
     all_runs = runs
-    long_rows = long_table([r for r in runs if r["long"]])
+    long_rows = long_table([r for r in runs if r["long"]], short=[r for r in runs if not r["long"]])
     runs = [r for r in runs if not r["long"]]
     main_runs = [r for r in runs if r["seed"] in args.seeds]
     eta = args.eta_multiple

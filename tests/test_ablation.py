@@ -375,6 +375,13 @@ def test_long_runs_get_their_own_table_sentence_and_plot_and_stay_out_of_the_abl
     assert "| OBLR-PO | 0.001 | 0 | - +- -" in text  # the long run is not the 40-step cell
     assert "**Over a long run**" in a.out.with_name("ablation_when.md").read_text()
     assert a.out.with_name("ablation_long.png").stat().st_size > 10_000
+    assert sentence.endswith("; greedy on the large set after it 50.0%.")  # no 40-step run of its cell yet
+    write_run(ab, a.run_dir, "OBLR-PO", 1e-3, 0, 0.45, large=0.4)  # the ablation's run of the same arm, lr and seed
+    ab.tabulate(a, [])
+    runs = ab.load_runs(a.records)
+    (sentence,) = ab.long_summary(ab.long_table([r for r in runs if r["long"]], short=[r for r in runs if not r["long"]]))
+    assert sentence.endswith("; greedy on the large set after it 50.0% (its 40-step run, same lr and seed: 40.0%).")
+    assert sentence in a.out.with_suffix(".md").read_text()
 
 
 def test_a_job_starts_only_when_the_expected_peaks_fit_in_memory(ab):
