@@ -629,7 +629,8 @@ def percent(fraction: float | None) -> float | None:
 
 def long_summary(rows: list[dict]) -> list[str]:
     """Per long run, one sentence: how the lr scale moved from the first to the last evaluation window, and what
-    held-out greedy accuracy did over each half of the run."""
+    held-out greedy accuracy did over each half of the run, then greedy accuracy on the large set after it (beside its
+    short run's, when both were scored)."""
     out = []
     for (arm, seed) in dict.fromkeys((r["arm"], r["seed"]) for r in rows):
         mine = [r for r in rows if r["arm"] == arm and r["seed"] == seed]
