@@ -600,18 +600,17 @@ def verdict(diff: dict) -> str:
     return "better" if lo > 0 else "worse" if hi < 0 else "no difference detected"
 
 
-def long_table(runs: list[dict], window: int = 10, short: list[dict] = ()) -> list[dict]:
+def long_table(runs: list[dict], window: int = 10, short: list[dict] = (), short_steps: int = 40) -> list[dict]:
     """Per long run (arm, seed) and held-out evaluation: the step, the mean lr scale (the SNR factor; None without an
     SNR step) and training reward over the `window` steps up to it, and held-out greedy and sampled accuracy (%).
     Each row also carries the run's greedy accuracy on the large set after it (`large`, %) and that of the `short`
-    run (the ablation's) of the same arm, lr and seed (`short_large`, with its steps `short_steps`); None if absent."""
+    run (the ablation's, `short_steps` long) of the same arm, lr and seed (`short_large`); None if not scored."""
     rows = []
     for r in sorted(runs, key=lambda r: (r["seed"], list(ARMS).index(r["arm"]))):
         by_step = {e["step"]: e for e in r["history"]}
-        twin = next((s for s in short if s["arm"] == r["arm"] and s["seed"] == r["seed"]
-                     and math.isclose(s["lr"], r["lr"]) and s.get("large_accuracy_after") is not None), None)
-        large = dict(large=percent(r.get("large_accuracy_after")),
-                     short_large=percent(twin and twin["large_accuracy_after"]), short_steps=twin and twin["steps"])
+        large = dict(large=by_seed([r], r["arm"], r["lr"], "large_accuracy_after").get(r["seed"]),
+                     short_large=by_seed(short, r["arm"], r["lr"], "large_accuracy_after").get(r["seed"]),
+                     short_steps=short_steps)
         for c in r.get("curve", []):
             steps = [by_step[t] for t in range(max(1, c["step"] - window + 1), c["step"] + 1) if t in by_step]
             scale = [e["oblr/lr_scale"] for e in steps if e.get("oblr/lr_scale") is not None]
@@ -621,10 +620,6 @@ def long_table(runs: list[dict], window: int = 10, short: list[dict] = ()) -> li
                              reward=statistics.mean(reward) if reward else None,
                              greedy=100 * c["accuracy"], sampled=100 * c["sampled_accuracy"], **large))
     return rows
-
-
-def percent(fraction: float | None) -> float | None:
-    return None if fraction is None else 100 * fraction
 
 
 def long_summary(rows: list[dict]) -> list[str]:
@@ -1181,7 +1176,8 @@ def tabulate(args, runner_log: list[str]) -> None:
                         for p in args.records.glob("large_before_seed*.json")}
         before[label] = statistics.mean(per_seed.values()) if per_seed else math.nan
     all_runs = runs
-    long_rows = long_table([r for r in runs if r["long"]], short=[r for r in runs if not r["long"]])
+    long_rows = long_table([r for r in runs if r["long"]], short=[r for r in runs if not r["long"]],
+                           short_steps=args.max_steps)
     runs = [r for r in runs if not r["long"]]
     main_runs = [r for r in runs if r["seed"] in args.seeds]
     eta = args.eta_multiple
