@@ -857,6 +857,7 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
     return "\n".join(lines)
 
 
+POWER_GOAL = 0.8  # a contrast is "powered" when its paired t-test would detect delta points this often
 BASELINE_CONTRAST = CONTRASTS[5][0]  # the gradient-weighted baseline against RLOO's, same lr, no SNR step
 INGREDIENTS = [name for name, _, _ in CONTRASTS[5:]]  # each half alone, the rest held fixed
 
@@ -881,17 +882,20 @@ def render_baseline(contrasts: list[dict], planned_seeds: int, delta: float, ear
             else f"over {d['n']}{planned} seeds, {difference_text(d, delta)}"))
     text = ("**In training** (the paired ablation, \"When to use OBLR-PO\" above: baseline-only against RLOO at the "
             f"same lr, no SNR step, {TITLES[PRIMARY]}): " + "; ".join(said) + ".")
-    verdicts = [c[PRIMARY] for c, _, _ in rounds if c[PRIMARY]["ci"] is not None]
-    if any(d["verdict"] == "worse" for d in verdicts):
-        weak = any(d.get("power", 0.0) < 0.8 for d in verdicts if d["verdict"] == "worse")
-        text += (" **So far the default gradient-weighted baseline learns worse than RLOO's plain leave-one-out mean on "
-                 "this task where a verdict exists, although its gradient variance at fixed parameters ties RLOO's "
-                 "(above).** The default stays until the planned seeds are in"
-                 + (" (a verdict at this power can still move)" if weak else "")
+    found = [(c, d) for c, _, _ in rounds if (d := c[PRIMARY])["ci"] is not None
+             and (d["verdict"] in ("worse", "better") or d.get("power", 0.0) >= POWER_GOAL)]
+    if found:  # each lr's verdict in words, where it is one: worse, better, or a tie powered to see delta points
+        said = [(f"learns {d['verdict']} than RLOO's plain leave-one-out mean" if d["verdict"] in ("worse", "better")
+                 else f"learns neither better nor worse than RLOO's plain leave-one-out mean (power {d['power']:.0%} to "
+                      f"detect {delta:g} pts)") + f" at lr {c['lr_a']:.3g}" for c, d in found]
+        text += (" **So far, on this task, the default gradient-weighted baseline " + "; it ".join(said)
+                 + ". Its gradient variance at fixed parameters ties RLOO's (above).**")
+    worse = [d for _, d in found if d["verdict"] == "worse"]
+    if worse:
+        text += (" The default stays until the planned seeds are in"
+                 + (" (a verdict at this power can still move)" if any(d.get("power", 0.0) < POWER_GOAL for d in worse) else "")
                  + "; `baseline=\"mean\"` (leave-one-out by default) trains with RLOO's baseline, with or without the "
                  "SNR step.")
-    elif any(d["verdict"] == "better" for d in verdicts):
-        text += " The default gradient-weighted baseline learns better than RLOO's mean here."
     return "# The baseline in training\n\n" + text + "\n"
 
 
@@ -930,7 +934,7 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
 
     n = max((c[PRIMARY]["n"] for c in contrasts), default=0)
     judged = [c for c in contrasts if c[PRIMARY]["n"] >= 3]  # a verdict needs 3 paired seeds
-    powered = [c for c in judged if c[PRIMARY].get("power", 0.0) >= 0.8]
+    powered = [c for c in judged if c[PRIMARY].get("power", 0.0) >= POWER_GOAL]
     lines = ["# When to use OBLR-PO", "",
              f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`), with GRPO at its "
              f"best lr on this task{f' ({grpo_lr:.3g})' if grpo_lr else ''} and every arm at its multiple of it: on "

@@ -565,10 +565,21 @@ def test_the_readme_says_what_the_default_baseline_does_in_training_from_the_con
     assert "can still move" not in powered
     tie = ab.render_baseline(contrasts(n=5, ci=(-3.0, 2.0), mean=-0.5, verdict="no difference detected", power=0.9),
                              5, 5.0)
-    assert "no difference detected (power 90% for 5 pts)." in tie and "learns" not in tie
+    assert "no difference detected (power 90% for 5 pts)." in tie and "stays" not in tie
+    assert ("the default gradient-weighted baseline learns neither better nor worse than RLOO's plain leave-one-out "
+            "mean (power 90% to detect 5 pts) at lr 0.00015.") in tie
+    weak_tie = ab.render_baseline(contrasts(n=3, ci=(-9.0, 8.0), mean=-0.5, verdict="no difference detected",
+                                            power=0.3), 5, 5.0)
+    assert "So far" not in weak_tie and "learns" not in weak_tie  # an underpowered tie is no finding
     # an earlier round's verdict (at its own lr) is said beside the design's, and its "worse" is not dropped
     earlier = [dict(contrasts=contrasts(5e-4, n=3, ci=(-11.6, -1.3), mean=-6.5, verdict="worse", power=0.59))]
     both = ab.render_baseline(contrasts(n=0, ci=None, verdict="too few seeds (0)"), 5, 5.0, earlier)
     assert "at lr 0.00015, 0 of 5 planned seeds, no verdict yet; at lr 0.0005 (the earlier round, GRPO's lr off its " \
            "best), over 3 seeds, -6.5 pts [-11.6, -1.3], worse (power 59% for 5 pts)." in both
     assert "learns worse than RLOO's" in both and "can still move" in both
+    # a powered tie at the design's lr and a worse verdict at the earlier round's are each said at their own lr
+    mixed = ab.render_baseline(contrasts(n=4, ci=(-1.5, 2.1), mean=0.3, verdict="no difference detected", power=1.0),
+                               5, 5.0, earlier)
+    assert ("baseline learns neither better nor worse than RLOO's plain leave-one-out mean (power 100% to detect 5 "
+            "pts) at lr 0.00015; it learns worse than RLOO's plain leave-one-out mean at lr 0.0005.") in mixed
+    assert "The default stays until the planned seeds are in (a verdict at this power can still move)" in mixed
