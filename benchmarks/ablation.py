@@ -891,11 +891,17 @@ def render_baseline(contrasts: list[dict], planned_seeds: int, delta: float, ear
         text += (" **So far, on this task, the default gradient-weighted baseline " + "; it ".join(said)
                  + ". Its gradient variance at fixed parameters ties RLOO's (above).**")
     worse = [d for _, d in found if d["verdict"] == "worse"]
+    design, rloo = rounds[0][0][PRIMARY], "`baseline=\"mean\"` (leave-one-out by default) trains with RLOO's baseline"
     if worse:
-        text += (" The default stays until the planned seeds are in"
-                 + (" (a verdict at this power can still move)" if any(d.get("power", 0.0) < POWER_GOAL for d in worse) else "")
-                 + "; `baseline=\"mean\"` (leave-one-out by default) trains with RLOO's baseline, with or without the "
-                 "SNR step.")
+        weak = " (a verdict at this power can still move)" if any(d.get("power", 0.0) < POWER_GOAL for d in worse) else ""
+        if design["n"] < planned_seeds:
+            text += f" The default stays until the planned seeds are in{weak}; {rloo}, with or without the SNR step."
+        elif design["verdict"] == "worse":
+            text += (" **With the planned seeds in, it learned worse at GRPO's best lr: set `baseline=\"mean\"`.** "
+                     f"{rloo[0].upper()}{rloo[1:]}, with or without the SNR step.")
+        else:
+            text += (" The default stays: with the planned seeds in, it did not learn worse at GRPO's best lr, the lr a "
+                     f"GRPO user has tuned. Where it did{weak}, {rloo}, with or without the SNR step.")
     return "# The baseline in training\n\n" + text + "\n"
 
 

@@ -583,3 +583,12 @@ def test_the_readme_says_what_the_default_baseline_does_in_training_from_the_con
     assert ("baseline learns neither better nor worse than RLOO's plain leave-one-out mean (power 100% to detect 5 "
             "pts) at lr 0.00015; it learns worse than RLOO's plain leave-one-out mean at lr 0.0005.") in mixed
     assert "The default stays until the planned seeds are in (a verdict at this power can still move)" in mixed
+    # with the design's planned seeds in, the default stays only where it did not learn worse at GRPO's best lr
+    done = ab.render_baseline(contrasts(n=5, ci=(-1.4, 1.5), mean=0.0, verdict="no difference detected", power=1.0),
+                              5, 5.0, earlier)
+    assert ("The default stays: with the planned seeds in, it did not learn worse at GRPO's best lr, the lr a GRPO "
+            "user has tuned. Where it did (a verdict at this power can still move), `baseline=\"mean\"`") in done
+    assert "until the planned seeds" not in done
+    lost = ab.render_baseline(contrasts(n=5, ci=(-9.0, -4.0), mean=-6.5, verdict="worse", power=0.9), 5, 5.0)
+    assert "**With the planned seeds in, it learned worse at GRPO's best lr: set `baseline=\"mean\"`.**" in lost
+    assert "stays" not in lost
