@@ -941,15 +941,23 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     n = max((c[PRIMARY]["n"] for c in contrasts), default=0)
     judged = [c for c in contrasts if c[PRIMARY]["n"] >= 3]  # a verdict needs 3 paired seeds
     powered = [c for c in judged if c[PRIMARY].get("power", 0.0) >= POWER_GOAL]
+    complete = bool(contrasts) and min(c[PRIMARY]["n"] for c in contrasts) >= planned_seeds
     lines = ["# When to use OBLR-PO", "",
              f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`), with GRPO at its "
              f"best lr on this task{f' ({grpo_lr:.3g})' if grpo_lr else ''} and every arm at its multiple of it: on "
              "the powered "
-             f"measurement ({TITLES[PRIMARY]}) the best-paired contrast has {n} of its {planned_seeds} planned seeds "
-             f"so far; {len(judged)} of the {len(contrasts)} contrasts {'has' if len(judged) == 1 else 'have'} the 3 "
-             "seeds a verdict needs."]
+             + (f"measurement ({TITLES[PRIMARY]}) every contrast has its {planned_seeds} planned seeds." if complete
+                else f"measurement ({TITLES[PRIMARY]}) the best-paired contrast has {n} of its {planned_seeds} planned "
+                     f"seeds so far; {len(judged)} of the {len(contrasts)} contrasts "
+                     f"{'has' if len(judged) == 1 else 'have'} the 3 seeds a verdict needs.")]
     if n < 3:
         lines[-1] += " **Too few seeds for any verdict yet: what follows is what the runs show, not a recommendation.**"
+    elif complete and len(powered) < len(contrasts):
+        weak = ", ".join(f"{c['name']}: {c[PRIMARY].get('power', 0.0):.0%}" for c in contrasts if c not in powered)
+        lines[-1] += (f" **With the planned seeds in, {len(powered)} of the {len(contrasts)} contrasts "
+                      f"{'reaches' if len(powered) == 1 else 'reach'} 80% power "
+                      f"to detect {delta:g} points; for the other {len(contrasts) - len(powered)} ({weak}), \"no "
+                      "difference detected\" is not evidence of no difference.**")
     elif len(powered) < len(contrasts):
         best = max(c[PRIMARY].get("power", 0.0) for c in judged)
         lines[-1] += (f" **Not powered yet: {len(powered)} of the {len(contrasts)} contrasts reach 80% power to detect "

@@ -296,7 +296,11 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     assert "| 0.00025 | 66 |" in text and "| 0.0005 | 60 |" in text  # OBLR-PO's and GRPO's mean applied lr, s/step
     assert "Not finished when this table was made" in text  # the other stability runs
     when = a.out.with_name("ablation_when.md").read_text()
-    assert "has 3 of its 3 planned seeds" in when and "**OBLR-PO vs GRPO** over 3 seeds: greedy (large set) +" in when
+    head = when.split("\n")[2]  # every seed planned is in: the header says so, and which contrasts stay underpowered
+    assert "every contrast has its 3 planned seeds." in head and "so far" not in head and "yet" not in head
+    assert "**With the planned seeds in, 1 of the 9 contrasts reaches 80% power to detect 5 points; for the other 8 " \
+        "(RLOO vs GRPO: 52%, " in head and "SNR-only vs GRPO: 20%, " in head and "OBLR-PO vs GRPO" not in head
+    assert "**OBLR-PO vs GRPO** over 3 seeds: greedy (large set) +" in when
     assert "over 3 seeds: greedy (large set) +10.3 pts" in when  # (51+59+56)/3 - (40+50+45)/3, large set first
     assert "SNR-only vs GRPO (greedy (100), sampled (100), greedy (large set))" in when.split("**Where it loses**")[1]
     assert "| OBLR-PO vs GRPO | 3 | +10.3 [" in text
