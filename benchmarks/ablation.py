@@ -885,10 +885,10 @@ def render_baseline(contrasts: list[dict], planned_seeds: int, delta: float, ear
     found = [(c, d) for c, _, _ in rounds if (d := c[PRIMARY])["ci"] is not None
              and (d["verdict"] in ("worse", "better") or d.get("power", 0.0) >= POWER_GOAL)]
     if found:  # each lr's verdict in words, where it is one: worse, better, or a tie powered to see delta points
-        said = [(f"learns {d['verdict']} than RLOO's plain leave-one-out mean" if d["verdict"] in ("worse", "better")
+        words = [(f"learns {d['verdict']} than RLOO's plain leave-one-out mean" if d["verdict"] in ("worse", "better")
                  else f"learns neither better nor worse than RLOO's plain leave-one-out mean (power {d['power']:.0%} to "
                       f"detect {delta:g} pts)") + f" at lr {c['lr_a']:.3g}" for c, d in found]
-        text += (" **So far, on this task, the default gradient-weighted baseline " + "; it ".join(said)
+        text += (" **So far, on this task, the default gradient-weighted baseline " + "; it ".join(words)
                  + ". Its gradient variance at fixed parameters ties RLOO's (above).**")
     worse = [d for _, d in found if d["verdict"] == "worse"]
     design, rloo = rounds[0][0][PRIMARY], "`baseline=\"mean\"` (leave-one-out by default) trains with RLOO's baseline"
@@ -945,23 +945,23 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     lines = ["# When to use OBLR-PO", "",
              f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`), with GRPO at its "
              f"best lr on this task{f' ({grpo_lr:.3g})' if grpo_lr else ''} and every arm at its multiple of it: on "
-             "the powered "
-             + (f"measurement ({TITLES[PRIMARY]}) every contrast has its {planned_seeds} planned seeds." if complete
-                else f"measurement ({TITLES[PRIMARY]}) the best-paired contrast has {n} of its {planned_seeds} planned "
-                     f"seeds so far; {len(judged)} of the {len(contrasts)} contrasts "
-                     f"{'has' if len(judged) == 1 else 'have'} the 3 seeds a verdict needs.")]
+             f"the powered measurement ({TITLES[PRIMARY]}) "
+             + (f"every contrast has its {planned_seeds} planned seeds." if complete
+                else f"the best-paired contrast has {n} of its {planned_seeds} planned seeds so far; {len(judged)} of "
+                     f"the {len(contrasts)} contrasts {'has' if len(judged) == 1 else 'have'} the 3 seeds a verdict "
+                     "needs.")]
     if n < 3:
         lines[-1] += " **Too few seeds for any verdict yet: what follows is what the runs show, not a recommendation.**"
     elif complete and len(powered) < len(contrasts):
         weak = ", ".join(f"{c['name']}: {c[PRIMARY].get('power', 0.0):.0%}" for c in contrasts if c not in powered)
         lines[-1] += (f" **With the planned seeds in, {len(powered)} of the {len(contrasts)} contrasts "
-                      f"{'reaches' if len(powered) == 1 else 'reach'} 80% power "
+                      f"{'reaches' if len(powered) == 1 else 'reach'} {POWER_GOAL:.0%} power "
                       f"to detect {delta:g} points; for the other {len(contrasts) - len(powered)} ({weak}), \"no "
                       "difference detected\" is not evidence of no difference.**")
     elif len(powered) < len(contrasts):
         best = max(c[PRIMARY].get("power", 0.0) for c in judged)
-        lines[-1] += (f" **Not powered yet: {len(powered)} of the {len(contrasts)} contrasts reach 80% power to detect "
-                      f"{delta:g} points (the best {best:.0%}). \"No difference detected\" below is not evidence of no "
+        lines[-1] += (f" **Not powered yet: {len(powered)} of the {len(contrasts)} contrasts reach {POWER_GOAL:.0%} "
+                      f"power to detect {delta:g} points (the best {best:.0%}). \"No difference detected\" below is not evidence of no "
                       "difference, and nothing here is a recommendation yet.**")
     intervals = sum(c[m]["ci"] is not None for c in contrasts for m in METRICS) + sum(  # and render_earlier's
         c[PRIMARY]["ci"] is not None for e in earlier
