@@ -676,11 +676,19 @@ def step_curves(runs: list[dict], arms: list[str], grpo_lr: float, *, eta: float
     return out
 
 
+def applied_lrs(run: dict, until: int) -> list[float]:
+    """The lr each optimizer step of a run applied, up to `until`: the SNR step's (eta_max x its factor) where it
+    logs one, else the scheduler's (constant here)."""
+    lrs = [e.get("oblr/lr", e.get("learning_rate")) for e in run.get("history", []) if e["step"] <= until]
+    return [lr for lr in lrs if lr is not None]
+
+
 def stability_table(runs: list[dict], arms: list[str], grpo_lr: float, multiples: list[float], seeds: list[int],
                     step: int, collapse_pts: float, *, eta: float) -> list[dict]:
     """Per arm and lr multiple (1 = its own lr): greedy held-out accuracy at `step` over `seeds` (mean, min; for the
-    arm's own lr, the 40-step run's evaluation at that step), the change from the arm's own lr in points, and the
-    runs that collapsed (accuracy at `step` below the starting model's by more than `collapse_pts`)."""
+    arm's own lr, the 40-step run's evaluation at that step), the change from the arm's own lr in points, the runs
+    that collapsed (accuracy at `step` below the starting model's by more than `collapse_pts`), and the lr the runs
+    applied up to `step` (`applied`: the mean over runs of each run's mean; `applied_max`: the largest step's)."""
     rows, base_mean = [], math.nan
     for arm in arms:
         for m in (1.0, *multiples):
@@ -695,10 +703,17 @@ def stability_table(runs: list[dict], arms: list[str], grpo_lr: float, multiples
             if m == 1.0:
                 base_mean = statistics.mean(values)
             collapsed = [r["seed"] for r, v in cell if 100 * r["accuracy_before"] - v > collapse_pts]
+            applied = [lrs for r, _ in cell if (lrs := applied_lrs(r, step))]
             rows.append(dict(arm=arm, multiple=m, lr=lr, n=len(cell), mean=statistics.mean(values), min=min(values),
-                             change=statistics.mean(values) - base_mean if m != 1.0 else 0.0, collapsed=collapsed))
+                             change=statistics.mean(values) - base_mean if m != 1.0 else 0.0, collapsed=collapsed,
+                             applied=statistics.mean(map(statistics.mean, applied)) if applied else math.nan,
+                             applied_max=max(map(max, applied)) if applied else math.nan))
         base_mean = math.nan
     return rows
+
+
+def lr_text(lr: float) -> str:
+    return "-" if math.isnan(lr) else f"{lr:.2g}"
 
 
 def fmt(x: float, signed: bool = False, digits: int = 1) -> str:
@@ -841,16 +856,20 @@ def render(arms: list[dict], contrasts: list[dict], stab: list[dict], curves: di
               + " and ".join(f"{m:.3g}x" for m in multiples) + " it, compared on greedy held-out accuracy at the "
               "stability runs' last step. A cell whose lr a 40-step run already ran (the 1x runs; the earlier round's "
               "at 3.33x) is that run's evaluation at that step: with a constant lr and the seed's problems in the "
-              "same order, its first steps are the shorter run's.", "",
-              "| arm | lr multiple | lr | seeds | greedy % (mean, min) | change from its own lr (pts) | collapsed |",
-              "|---|---|---|---|---|---|---|"]
+              "same order, its first steps are the shorter run's. The SNR arms' multiples are of eta_max; the lr "
+              "a run applied (eta_max x its SNR factor; the constant lr for the others) is given over the same steps, "
+              "as the mean over the cell's runs of each run's mean and as the largest single step's.", "",
+              "| arm | lr multiple | lr (eta_max) | seeds | greedy % (mean, min) | change from its own lr (pts) | "
+              "collapsed | applied lr, mean | applied lr, largest step |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in stab:
         if not r["n"]:
-            lines.append(f"| {r['arm']} | {r['multiple']:.3g}x | {r['lr']:.3g} | 0 | not run yet | | |")
+            lines.append(f"| {r['arm']} | {r['multiple']:.3g}x | {r['lr']:.3g} | 0 | not run yet | | | | |")
             continue
         lines.append(f"| {r['arm']} | {r['multiple']:.3g}x | {r['lr']:.3g} | {r['n']} | {fmt(r['mean'])} "
                      f"({fmt(r['min'])}) "
-                     f"| {fmt(r['change'], True)} | {len(r['collapsed'])}/{r['n']} |")
+                     f"| {fmt(r['change'], True)} | {len(r['collapsed'])}/{r['n']} | {lr_text(r['applied'])} "
+                     f"| {lr_text(r['applied_max'])} |")
     if missing:
         lines += ["", "Not finished when this table was made: " + "; ".join(missing) + "."]
     lines.append("")
@@ -930,9 +949,44 @@ def render_earlier(earlier: dict, grpo_lr: float, delta: float) -> list[str]:
     return lines + [""]
 
 
+def render_tolerance(stab: list[dict], steps: int, collapse_pts: float, planned_seeds: int) -> str:
+    """The README's word on a too-large lr, from the stability window: per arm, the collapses at each multiple of its
+    lr and the lr it applied there; then the largest lr applied in a run that held and the smallest in one that
+    collapsed, across arms (the SNR step's case: its arms apply a fraction of their eta_max)."""
+    tried = [r for r in stab if r["n"] and r["multiple"] != 1.0]
+    if not tried:
+        return "not measured yet (no stability run finished)."
+    per_arm = {}
+    for r in tried:
+        snr = r["arm"] in SNR_ARMS
+        per_arm.setdefault(r["arm"], []).append(
+            f"{len(r['collapsed'])}/{r['n']} at {r['multiple']:.3g}x ({'eta_max ' if snr else ''}{r['lr']:.3g}"
+            + (f", applied {lr_text(r['applied'])} on average, {lr_text(r['applied_max'])} at most" if snr else "")
+            + ")")
+    text = (f"runs of {steps} steps at multiples of each arm's lr; a run collapses when its greedy held-out accuracy "
+            f"ends more than {collapse_pts:g} points below the starting model's. Collapsed: "
+            + "; ".join(f"{arm} {', '.join(cells)}" for arm, cells in per_arm.items()) + ".")
+    held = [r for r in tried if len(r["collapsed"]) < r["n"] and not math.isnan(r["applied_max"])]
+    fell = [r for r in tried if r["collapsed"] and not math.isnan(r["applied"])]
+    if held:
+        top = max(held, key=lambda r: r["applied_max"])
+        text += (f" The largest lr any step applied in a cell where a run held: {lr_text(top['applied_max'])} "
+                 f"({top['arm']} at {top['multiple']:.3g}x)")
+        if fell:
+            low = min(fell, key=lambda r: r["applied"])
+            text += (f"; the smallest mean applied lr of a cell where a run collapsed: {lr_text(low['applied'])} "
+                     f"({low['arm']} at {low['multiple']:.3g}x)")
+        text += "."
+    short = [f"{r['arm']} {r['multiple']:.3g}x" for r in stab if r["multiple"] != 1.0 and r["n"] < planned_seeds]
+    if short:
+        text += f" Fewer than {planned_seeds} seeds so far: {', '.join(short)}."
+    return text
+
+
 def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, delta: float, before: dict,
                 long_rows: list[dict] = (), lr_warning: str | None = None, earlier: list[dict] = (),
-                eta_note: str | None = None) -> str:
+                eta_note: str | None = None, stab: list[dict] = (), stab_steps: int = 20, collapse_pts: float = 10.0,
+                stab_seeds: int = 3) -> str:
     """The README's "When to use OBLR-PO", written from the tables: what each half buys, what it costs, where it
     loses, and how far the evidence goes (at the design's lr, then in each earlier round)."""
     by_name = {c["name"]: c for c in contrasts}
@@ -1012,6 +1066,8 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
               "job, which the range shows); `benchmarks/results/step_cost.md` measures OBLR-PO's step against GRPO's "
               "in one process.",
               "", "**Where it loses**: " + loses + "."]
+    lines += ["", "**A too-large lr** (the stability window): " + render_tolerance(list(stab), stab_steps, collapse_pts,
+                                                                                  stab_seeds)]
     sentences = long_summary(list(long_rows))
     lines += ["", "**Over a long run** (does the shrinking step stall?): " + (" ".join(sentences) if sentences else
                                                                              "no long run finished yet.")]
@@ -1175,7 +1231,16 @@ def check_args(args) -> None:
                          f"got {len(args.earlier_eta_multiple)}: {args.earlier_eta_multiple}")
 
 
+def merged_log(saved: Path, runner_log: list[str]) -> list[str]:
+    """The runner's log kept in the tables' json (`saved`) followed by this machine's lines not yet in it: the log
+    outlives a lost --run_dir, as the records do."""
+    kept = json.loads(saved.read_text()).get("runner_log", []) if saved.exists() else []
+    seen = set(kept)
+    return kept + [line for line in runner_log if line not in seen]
+
+
 def tabulate(args, runner_log: list[str]) -> None:
+    runner_log = merged_log(args.out.with_suffix(".json"), runner_log)
     sync_records(args.run_dir, args.records)
     runs = load_runs(args.records)
     if not runs:
@@ -1255,7 +1320,8 @@ def tabulate(args, runner_log: list[str]) -> None:
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png`.\n")
     when = args.out.with_name(args.out.name + "_when.md")
     when.write_text(render_when(arms, contrasts, len(args.seeds), args.delta, before, long_rows, warning, earlier,
-                                eta_check_note(lr_check, lr_best)))
+                                eta_check_note(lr_check, lr_best), stab, args.stability_steps, args.collapse_pts,
+                                len(args.stability_seeds)))
     args.out.with_name(args.out.name + "_baseline.md").write_text(render_baseline(contrasts, len(args.seeds),
                                                                                    args.delta, earlier))
     compact = [{k: v for k, v in r.items() if k not in ("history", "large_eval")} for r in all_runs]  # records: the rest

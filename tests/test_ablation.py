@@ -51,8 +51,9 @@ def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False, large=N
                    sampled_accuracy_after=after, seconds_per_step=60.0 if arm == "GRPO" else 66.0, curve=curve,
                    steps=steps)
     (out / "summary.json").write_text(json.dumps(summary))
-    history = [dict(step=s, loss=0.0, reward=0.1 + s / 100, **({"oblr/lr_scale": 0.5 / s} if "SNR" in arm or
-                                                                 "OBLR" in arm else {})) for s in range(1, steps + 1)]
+    history = [dict(step=s, loss=0.0, reward=0.1 + s / 100, learning_rate=lr,
+                    **({"oblr/lr_scale": 0.5 / s, "oblr/lr": lr * 0.5 / s} if "SNR" in arm or "OBLR" in arm else {}))
+               for s in range(1, steps + 1)]
     (out / "log_history.json").write_text(json.dumps(history + [dict(step=steps, train_runtime=1.0)]))
     if large is not None:  # the first round(500 * large) problems right
         scores = [1.0] * round(500 * large) + [0.2] * (500 - round(500 * large))
@@ -292,7 +293,14 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     when = a.out.with_name("ablation_when.md").read_text()  # the cost: median s/step, with its range over the runs
     assert "GRPO 60 s (60-90), RLOO 66 s (66-66)," in when.split("**Cost**")[1]
     assert "the SNR arms at eta_max = 2 L = 0.001 (not checked)" in text  # no SNR arm among --lr_check_arms
-    assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 |" in text
+    assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 | 0.0009 | 0.005 |" in text  # applied: 0.01 x 0.5 / s
+    assert "| GRPO | 1x | 0.0005 | 3 |" in text and "| 0/3 | 0.0005 | 0.0005 |" in text  # constant lr
+    tolerance = when.split("**A too-large lr**")[1].split("\n\n")[0]
+    assert "Collapsed: OBLR-PO 2/3 at 10x (eta_max 0.01, applied 0.0009 on average, 0.005 at most)." in tolerance
+    assert "runs of 20 steps" in tolerance and "more than 10 points below" in tolerance
+    assert "held: 0.005 (OBLR-PO at 10x); the smallest mean applied lr of a cell where a run collapsed: 0.0009 " \
+        "(OBLR-PO at 10x)." in tolerance  # its seed 2 held
+    assert "Fewer than 3 seeds so far: GRPO 3x, GRPO 10x, RLOO 3x," in tolerance and "OBLR-PO 10x" not in tolerance
     assert "| 0.00025 | 66 |" in text and "| 0.0005 | 60 |" in text  # OBLR-PO's and GRPO's mean applied lr, s/step
     assert "Not finished when this table was made" in text  # the other stability runs
     when = a.out.with_name("ablation_when.md").read_text()
@@ -596,3 +604,30 @@ def test_the_readme_says_what_the_default_baseline_does_in_training_from_the_con
     lost = ab.render_baseline(contrasts(n=5, ci=(-9.0, -4.0), mean=-6.5, verdict="worse", power=0.9), 5, 5.0)
     assert "**With the planned seeds in, it learned worse at GRPO's best lr: set `baseline=\"mean\"`.**" in lost
     assert "stays" not in lost
+
+
+def test_the_when_sections_word_on_a_too_large_lr_compares_the_lr_runs_applied(ab):
+    def row(arm, multiple, lr, n, collapsed, applied, applied_max):
+        return dict(arm=arm, multiple=multiple, lr=lr, n=n, collapsed=collapsed, applied=applied,
+                    applied_max=applied_max, mean=50.0, min=40.0, change=0.0)
+
+    assert ab.render_tolerance([row("GRPO", 1.0, 1e-4, 3, [], 1e-4, 1e-4)], 20, 10.0, 3) == \
+        "not measured yet (no stability run finished)."
+    held = [row("GRPO", 1.0, 1e-4, 3, [], 1e-4, 1e-4), row("GRPO", 10.0, 1e-3, 3, [], 1e-3, 1e-3),
+            row("OBLR-PO", 10.0, 1e-2, 2, [], 4e-4, 2e-3)]
+    text = ab.render_tolerance(held, 20, 10.0, 3)
+    assert "Collapsed: GRPO 0/3 at 10x (0.001); OBLR-PO 0/2 at 10x (eta_max 0.01, applied 0.0004 on average, 0.002 " \
+        "at most)." in text
+    assert "held: 0.002 (OBLR-PO at 10x)." in text and "collapsed:" not in text  # no collapse: no smallest
+    assert text.endswith("Fewer than 3 seeds so far: OBLR-PO 10x.")
+    fell = held[:2] + [row("OBLR-PO", 10.0, 1e-2, 3, [0, 1, 2], 4e-4, 2e-3)]
+    text = ab.render_tolerance(fell, 20, 10.0, 3)
+    assert "held: 0.001 (GRPO at 10x); the smallest mean applied lr of a cell where a run collapsed: 0.0004 " \
+        "(OBLR-PO at 10x)." in text and "Fewer than" not in text  # every run of a collapsed cell fell: not "held"
+
+
+def test_the_runners_log_outlives_a_lost_run_dir(ab, tmp_path):
+    saved = tmp_path / "ablation.json"
+    assert ab.merged_log(saved, ["a", "b"]) == ["a", "b"]  # nothing kept yet
+    saved.write_text(json.dumps(dict(runner_log=["old 1", "a"])))
+    assert ab.merged_log(saved, ["a", "b"]) == ["old 1", "a", "b"]  # a new machine's log after the kept one, no repeats
