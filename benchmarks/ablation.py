@@ -53,7 +53,8 @@ small record in ``--records`` (committed: benchmarks/results/ablation_runs/), an
 evaluation is never run again. A run in flight on this machine is not started twice, and at most ``--parallel`` jobs
 (1 torch thread each) run on the machine. With ``--finish_by HH:MM`` a training run launches only when it is
 expected to end by then (a run killed with its session is lost whole). Large evaluations go first (minutes), then
-main-ablation runs, seed-major (every arm's seed 0, then every arm's seed 1, ...), then the stability runs.
+main-ablation runs, seed-major (every arm's seed 0, then every arm's seed 1, ...), then the stability runs;
+``--first_arms`` puts the named arms' training runs before the others'.
 
     python benchmarks/ablation.py                       # run what is missing, then tabulate
     python benchmarks/ablation.py --no_run              # tabulate what exists under --run_dir
@@ -186,8 +187,8 @@ def cell_state(args, out: Path) -> str:
 
 def pending(args) -> list[dict]:
     """Every job still to do as dict(kind, name, out, seed, argv), in launch order: the large evaluations (of the
-    model before RL per seed, then of trained runs), then the training runs in ``jobs`` order. `argv`: large_eval.py's
-    arguments, or examples/demo.py's beyond the seed and output."""
+    model before RL per seed, then of trained runs), then the training runs in ``jobs`` order, those of
+    ``--first_arms`` first. `argv`: large_eval.py's arguments, or examples/demo.py's beyond the seed and output."""
     quick, train = [], []
     large = [str(HERE / "large_eval.py"), "--size", str(args.large_size)]
     for seed in dict.fromkeys(job[2] for job in jobs(args)):
@@ -205,7 +206,7 @@ def pending(args) -> list[dict]:
         elif state == "train":
             train.append(dict(kind="train", name=name, out=out, seed=seed, arm=arm, steps=steps,
                               argv=demo_args(args, arm, lr, steps, long)))
-    return quick + train
+    return quick + sorted(train, key=lambda job: job["arm"] not in args.first_arms)  # stable: jobs' order within
 
 
 # Peak memory (GB of RSS) of one run on this 24 GB machine, measured on 2026-11-25/26: the arms with per-sequence norms
@@ -1182,6 +1183,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stability_steps", type=int, default=20,
                         help="steps of the stability runs (a collapse shows within them; half the ablation's cost)")
     parser.add_argument("--collapse_pts", type=float, default=10.0)
+    parser.add_argument("--first_arms", nargs="*", default=[], choices=list(ARMS),
+                        help="arms whose training runs launch before the others' (e.g. the SNR arms' stability "
+                             "cells, while a default waits on them); the tables are unchanged")
     parser.add_argument("--delta", type=float, default=5.0, help="the difference (points) the power is stated for")
     parser.add_argument("--parallel", type=int, default=2, help="real-model runs at a time on this machine")
     parser.add_argument("--min_free_gb", type=float, default=6.0)

@@ -29,7 +29,8 @@ def args_for(ab, tmp_path, **kw):
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
                 records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
                 long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[],
-                lr_check_first=False, eta_multiple=2.0, eta_check_multiples=[10 / 3], earlier_eta_multiple=[])
+                lr_check_first=False, eta_multiple=2.0, eta_check_multiples=[10 / 3], earlier_eta_multiple=[],
+                first_arms=[])
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -631,3 +632,16 @@ def test_the_runners_log_outlives_a_lost_run_dir(ab, tmp_path):
     assert ab.merged_log(saved, ["a", "b"]) == ["a", "b"]  # nothing kept yet
     saved.write_text(json.dumps(dict(runner_log=["old 1", "a"])))
     assert ab.merged_log(saved, ["a", "b"]) == ["old 1", "a", "b"]  # a new machine's log after the kept one, no repeats
+
+
+def test_first_arms_launch_their_training_runs_first_in_the_same_order(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0], stability_seeds=[0, 1], lr_check_seeds=[], long_seeds=[])
+    plain = [(j["kind"], j["name"]) for j in ab.pending(a)]
+    first = [(j["kind"], j["name"]) for j in ab.pending(args_for(ab, tmp_path, seeds=[0], stability_seeds=[0, 1],
+                                                                  lr_check_seeds=[], long_seeds=[],
+                                                                  first_arms=["OBLR-PO", "SNR-only"]))]
+    assert sorted(first) == sorted(plain) and first[0][0] == "base"  # the same jobs; evaluations still first
+    train = [name for kind, name in first if kind == "train"]
+    snr = [name for kind, name in plain if kind == "train" and name.split()[0] in ("OBLR-PO", "SNR-only")]
+    assert train[:len(snr)] == snr and len(snr) == 10  # each: seed 0 at 1x, the window's seeds 0-1 at 3x and 10x
+    assert train[len(snr):] == [name for kind, name in plain if kind == "train" and name not in snr]
