@@ -961,11 +961,12 @@ def render_tolerance(stab: list[dict], steps: int, collapse_pts: float, planned_
     for r in tried:
         snr = r["arm"] in SNR_ARMS
         per_arm.setdefault(r["arm"], []).append(
-            f"{len(r['collapsed'])}/{r['n']} at {r['multiple']:.3g}x ({'eta_max ' if snr else ''}{r['lr']:.3g}"
+            f"at {r['multiple']:.3g}x ({'eta_max ' if snr else ''}{r['lr']:.3g}"
             + (f", applied {lr_text(r['applied'])} on average, {lr_text(r['applied_max'])} at most" if snr else "")
-            + ")")
+            + f") {len(r['collapsed'])}/{r['n']} collapsed, {fmt(r['change'], True)} pts")
     text = (f"runs of {steps} steps at multiples of each arm's lr; a run collapses when its greedy held-out accuracy "
-            f"ends more than {collapse_pts:g} points below the starting model's. Collapsed: "
+            f"ends more than {collapse_pts:g} points below the starting model's; the points are the cell's mean "
+            f"change from the arm's own lr at step {steps}. "
             + "; ".join(f"{arm} {', '.join(cells)}" for arm, cells in per_arm.items()) + ".")
     held = [r for r in tried if len(r["collapsed"]) < r["n"] and not math.isnan(r["applied_max"])]
     fell = [r for r in tried if r["collapsed"] and not math.isnan(r["applied"])]

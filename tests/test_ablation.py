@@ -297,7 +297,9 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     assert "| OBLR-PO | 10x | 0.01 | 3 |" in text and "| 2/3 | 0.0009 | 0.005 |" in text  # applied: 0.01 x 0.5 / s
     assert "| GRPO | 1x | 0.0005 | 3 |" in text and "| 0/3 | 0.0005 | 0.0005 |" in text  # constant lr
     tolerance = when.split("**A too-large lr**")[1].split("\n\n")[0]
-    assert "Collapsed: OBLR-PO 2/3 at 10x (eta_max 0.01, applied 0.0009 on average, 0.005 at most)." in tolerance
+    change = 100 * (statistics.mean([0.05, 0.05, 0.5]) - (0.51 + 0.59 + 0.56) / 3 + 0.02)  # at step 20 (curves)
+    assert f"OBLR-PO at 10x (eta_max 0.01, applied 0.0009 on average, 0.005 at most) 2/3 collapsed, {change:+.1f} " \
+        "pts." in tolerance
     assert "runs of 20 steps" in tolerance and "more than 10 points below" in tolerance
     assert "held: 0.005 (OBLR-PO at 10x); the smallest mean applied lr of a cell where a run collapsed: 0.0009 " \
         "(OBLR-PO at 10x)." in tolerance  # its seed 2 held
@@ -617,8 +619,8 @@ def test_the_when_sections_word_on_a_too_large_lr_compares_the_lr_runs_applied(a
     held = [row("GRPO", 1.0, 1e-4, 3, [], 1e-4, 1e-4), row("GRPO", 10.0, 1e-3, 3, [], 1e-3, 1e-3),
             row("OBLR-PO", 10.0, 1e-2, 2, [], 4e-4, 2e-3)]
     text = ab.render_tolerance(held, 20, 10.0, 3)
-    assert "Collapsed: GRPO 0/3 at 10x (0.001); OBLR-PO 0/2 at 10x (eta_max 0.01, applied 0.0004 on average, 0.002 " \
-        "at most)." in text
+    assert "GRPO at 10x (0.001) 0/3 collapsed, +0.0 pts; OBLR-PO at 10x (eta_max 0.01, applied 0.0004 on average, " \
+        "0.002 at most) 0/2 collapsed, +0.0 pts." in text
     assert "held: 0.002 (OBLR-PO at 10x)." in text and "collapsed:" not in text  # no collapse: no smallest
     assert text.endswith("Fewer than 3 seeds so far: OBLR-PO 10x.")
     fell = held[:2] + [row("OBLR-PO", 10.0, 1e-2, 3, [0, 1, 2], 4e-4, 2e-3)]
