@@ -689,7 +689,8 @@ def stability_table(runs: list[dict], arms: list[str], grpo_lr: float, multiples
     """Per arm and lr multiple (1 = its own lr): greedy held-out accuracy at `step` over `seeds` (mean, min; for the
     arm's own lr, the 40-step run's evaluation at that step), the change from the arm's own lr in points, the runs
     that collapsed (accuracy at `step` below the starting model's by more than `collapse_pts`), and the lr the runs
-    applied up to `step` (`applied`: the mean over runs of each run's mean; `applied_max`: the largest step's)."""
+    applied up to `step` (`applied`: the mean over runs of each run's mean; `applied_max`: the largest step's;
+    `applied_per_run`: each run's seed, whether it collapsed, its mean and its largest step)."""
     rows, base_mean = [], math.nan
     for arm in arms:
         for m in (1.0, *multiples):
@@ -704,11 +705,13 @@ def stability_table(runs: list[dict], arms: list[str], grpo_lr: float, multiples
             if m == 1.0:
                 base_mean = statistics.mean(values)
             collapsed = [r["seed"] for r, v in cell if 100 * r["accuracy_before"] - v > collapse_pts]
-            applied = [lrs for r, _ in cell if (lrs := applied_lrs(r, step))]
+            applied = [dict(seed=r["seed"], collapsed=r["seed"] in collapsed, mean=statistics.mean(lrs), max=max(lrs))
+                       for r, _ in cell if (lrs := applied_lrs(r, step))]
             rows.append(dict(arm=arm, multiple=m, lr=lr, n=len(cell), mean=statistics.mean(values), min=min(values),
                              change=statistics.mean(values) - base_mean if m != 1.0 else 0.0, collapsed=collapsed,
-                             applied=statistics.mean(map(statistics.mean, applied)) if applied else math.nan,
-                             applied_max=max(map(max, applied)) if applied else math.nan))
+                             applied=statistics.mean(a["mean"] for a in applied) if applied else math.nan,
+                             applied_max=max(a["max"] for a in applied) if applied else math.nan,
+                             applied_per_run=applied))
         base_mean = math.nan
     return rows
 
@@ -952,8 +955,8 @@ def render_earlier(earlier: dict, grpo_lr: float, delta: float) -> list[str]:
 
 def render_tolerance(stab: list[dict], steps: int, collapse_pts: float, planned_seeds: int) -> str:
     """The README's word on a too-large lr, from the stability window: per arm, the collapses at each multiple of its
-    lr and the lr it applied there; then the largest lr applied in a run that held and the smallest in one that
-    collapsed, across arms (the SNR step's case: its arms apply a fraction of their eta_max)."""
+    lr and the lr it applied there; then, across arms, the largest mean applied lr of a run that held and the
+    smallest of one that collapsed (the SNR step's case: its arms apply a fraction of their eta_max)."""
     tried = [r for r in stab if r["n"] and r["multiple"] != 1.0]
     if not tried:
         return "not measured yet (no stability run finished)."
@@ -968,16 +971,17 @@ def render_tolerance(stab: list[dict], steps: int, collapse_pts: float, planned_
             f"ends more than {collapse_pts:g} points below the starting model's; the points are the cell's mean "
             f"change from the arm's own lr at step {steps}. "
             + "; ".join(f"{arm} {', '.join(cells)}" for arm, cells in per_arm.items()) + ".")
-    held = [r for r in tried if len(r["collapsed"]) < r["n"] and not math.isnan(r["applied_max"])]
-    fell = [r for r in tried if r["collapsed"] and not math.isnan(r["applied"])]
+    runs = [(r, a) for r in tried for a in r.get("applied_per_run", [])]
+    held = [(r, a) for r, a in runs if not a["collapsed"]]
+    fell = [(r, a) for r, a in runs if a["collapsed"]]
+
+    def which(r, a):
+        return f"{lr_text(a['mean'])} on average ({r['arm']} at {r['multiple']:.3g}x, seed {a['seed']})"
+
     if held:
-        top = max(held, key=lambda r: r["applied_max"])
-        text += (f" The largest lr any step applied in a cell where a run held: {lr_text(top['applied_max'])} "
-                 f"({top['arm']} at {top['multiple']:.3g}x)")
+        text += " The largest lr a run applied and held: " + which(*max(held, key=lambda ra: ra[1]["mean"]))
         if fell:
-            low = min(fell, key=lambda r: r["applied"])
-            text += (f"; the smallest mean applied lr of a cell where a run collapsed: {lr_text(low['applied'])} "
-                     f"({low['arm']} at {low['multiple']:.3g}x)")
+            text += "; the smallest a run applied and collapsed: " + which(*min(fell, key=lambda ra: ra[1]["mean"]))
         text += "."
     short = [f"{r['arm']} {r['multiple']:.3g}x" for r in stab if r["multiple"] != 1.0 and r["n"] < planned_seeds]
     if short:

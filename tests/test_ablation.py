@@ -301,8 +301,8 @@ def test_tabulate_writes_tables_the_when_section_and_counts_collapses(ab, tmp_pa
     assert f"OBLR-PO at 10x (eta_max 0.01, applied 0.0009 on average, 0.005 at most) 2/3 collapsed, {change:+.1f} " \
         "pts." in tolerance
     assert "runs of 20 steps" in tolerance and "more than 10 points below" in tolerance
-    assert "held: 0.005 (OBLR-PO at 10x); the smallest mean applied lr of a cell where a run collapsed: 0.0009 " \
-        "(OBLR-PO at 10x)." in tolerance  # its seed 2 held
+    assert "The largest lr a run applied and held: 0.0009 on average (OBLR-PO at 10x, seed 2); the smallest a run " \
+        "applied and collapsed: 0.0009 on average (OBLR-PO at 10x, seed 0)." in tolerance  # its seed 2 held
     assert "Fewer than 3 seeds so far: GRPO 3x, GRPO 10x, RLOO 3x," in tolerance and "OBLR-PO 10x" not in tolerance
     assert "| 0.00025 | 66 |" in text and "| 0.0005 | 60 |" in text  # OBLR-PO's and GRPO's mean applied lr, s/step
     assert "Not finished when this table was made" in text  # the other stability runs
@@ -610,9 +610,11 @@ def test_the_readme_says_what_the_default_baseline_does_in_training_from_the_con
 
 
 def test_the_when_sections_word_on_a_too_large_lr_compares_the_lr_runs_applied(ab):
-    def row(arm, multiple, lr, n, collapsed, applied, applied_max):
+    def row(arm, multiple, lr, n, collapsed, applied, applied_max, per_run=None):
+        per_run = per_run or [(s, applied, applied_max) for s in range(n)]  # (seed, its mean, its largest step)
         return dict(arm=arm, multiple=multiple, lr=lr, n=n, collapsed=collapsed, applied=applied,
-                    applied_max=applied_max, mean=50.0, min=40.0, change=0.0)
+                    applied_max=applied_max, mean=50.0, min=40.0, change=0.0,
+                    applied_per_run=[dict(seed=s, collapsed=s in collapsed, mean=m, max=top) for s, m, top in per_run])
 
     assert ab.render_tolerance([row("GRPO", 1.0, 1e-4, 3, [], 1e-4, 1e-4)], 20, 10.0, 3) == \
         "not measured yet (no stability run finished)."
@@ -621,12 +623,13 @@ def test_the_when_sections_word_on_a_too_large_lr_compares_the_lr_runs_applied(a
     text = ab.render_tolerance(held, 20, 10.0, 3)
     assert "GRPO at 10x (0.001) 0/3 collapsed, +0.0 pts; OBLR-PO at 10x (eta_max 0.01, applied 0.0004 on average, " \
         "0.002 at most) 0/2 collapsed, +0.0 pts." in text
-    assert "held: 0.002 (OBLR-PO at 10x)." in text and "collapsed:" not in text  # no collapse: no smallest
+    assert "held: 0.001 on average (GRPO at 10x, seed 0)." in text and "and collapsed" not in text  # none did
     assert text.endswith("Fewer than 3 seeds so far: OBLR-PO 10x.")
-    fell = held[:2] + [row("OBLR-PO", 10.0, 1e-2, 3, [0, 1, 2], 4e-4, 2e-3)]
-    text = ab.render_tolerance(fell, 20, 10.0, 3)
-    assert "held: 0.001 (GRPO at 10x); the smallest mean applied lr of a cell where a run collapsed: 0.0004 " \
-        "(OBLR-PO at 10x)." in text and "Fewer than" not in text  # every run of a collapsed cell fell: not "held"
+    fell = held[:2] + [row("OBLR-PO", 10.0, 1e-2, 3, [1, 2], 4e-4, 2e-3,
+                           per_run=[(0, 1.2e-3, 2e-3), (1, 3e-4, 5e-4), (2, 7e-4, 9e-4)])]
+    text = ab.render_tolerance(fell, 20, 10.0, 3)  # per run: seed 0 held at the cell's largest; 1 and 2 fell
+    assert "held: 0.0012 on average (OBLR-PO at 10x, seed 0); the smallest a run applied and collapsed: 0.0003 on " \
+        "average (OBLR-PO at 10x, seed 1)." in text and "Fewer than" not in text
 
 
 def test_the_runners_log_outlives_a_lost_run_dir(ab, tmp_path):
