@@ -48,12 +48,18 @@ The final, powered measurement: after each run, ``large_eval.py`` scores its sav
 for every arm of the seed; the model before RL once per seed). On the runs' own 100 problems alone the difference of
 two arms carries ~4-5 points of measurement noise, too much for any affordable number of seeds to detect 5 points.
 
+The power seeds (``--power_seeds``, default seed 5, of ``--power_arms``, default GRPO, SNR-only and OBLR-PO): with
+seeds 0-4 in, two contrasts, SNR-only vs GRPO and OBLR-PO vs GRPO, were short of 80% power to detect 5 points, and
+at their observed spread needed 6 seeds. Those arms run one more seed at full length; a contrast between two of them
+takes every seed both ran, every other contrast, the per-arm table and the curves keep seeds 0-4 (every arm paired).
+
 Resumable and shareable like ``real_compare.py``, and safe against losing the machine: each finished run is kept as a
 small record in ``--records`` (committed: benchmarks/results/ablation_runs/), and a cell whose record holds its large
 evaluation is never run again. A run in flight on this machine is not started twice, and at most ``--parallel`` jobs
 (1 torch thread each) run on the machine. With ``--finish_by HH:MM`` a training run launches only when it is
 expected to end by then (a run killed with its session is lost whole). Large evaluations go first (minutes), then
-main-ablation runs, seed-major (every arm's seed 0, then every arm's seed 1, ...), then the stability runs;
+main-ablation runs, seed-major (every arm's seed 0, then every arm's seed 1, ...), then the stability runs, then the
+power seeds;
 ``--first_arms`` puts the named arms' training runs before the others'.
 
     python benchmarks/ablation.py                       # run what is missing, then tabulate
@@ -100,6 +106,9 @@ TITLES = {"greedy": "greedy (100)", "sampled": "sampled (100)", "large": "greedy
 PRIMARY = "large"
 RECORDS = HERE / "results" / "ablation_runs"
 LONG_TAG = "_long"  # the folder and record suffix of a long run's cell
+POWER_SEEDS_WHY = ("added on 2026-11-27 because, with seeds 0-4 in, SNR-only vs GRPO and OBLR-PO vs GRPO were the "
+                   "contrasts short of 80% power to detect 5 points, at 6 seeds needed at their observed spread; the "
+                   "rule looked at the spread only, and the added seed is reported whatever it shows")
 HISTORY_KEYS = ("step", "reward", "oblr/lr_scale", "oblr/snr", "oblr/lr", "learning_rate")
 # (what it measures, arm, minus arm): every arm against GRPO, then each ingredient alone, the rest held fixed
 CONTRASTS = [
@@ -146,7 +155,8 @@ def jobs(args) -> list[tuple[str, float, int, int, Path]]:
     """(arm, lr, seed, steps, output folder) of every run, in launch order: the ablation seed-major, with the lr check
     (``--lr_check_arms`` at `check_multiples` of their lr, full length) right after the last seed it shares
     with the ablation, then the long runs (``--long_arms`` at their lr, ``--long_steps``, ``--long_seeds``), then
-    the stability window (3x before 10x, seed-major, ``--stability_steps`` each). ``--long_first``: the long runs
+    the stability window (3x before 10x, seed-major, ``--stability_steps`` each), then the power seeds
+    (``--power_seeds`` of ``--power_arms``, at their lr, full length). ``--long_first``: the long runs
     before everything (start a session with them: a 120-step run needs two hours of one); ``--lr_check_first``: the
     lr check before the ablation (while it decides L)."""
     eta = args.eta_multiple
@@ -162,6 +172,8 @@ def jobs(args) -> list[tuple[str, float, int, int, Path]]:
     out = long + out if args.long_first else out + long
     out += [(arm, lr_of(arm, args.grpo_lr, m, eta=eta), seed, args.stability_steps, False)
             for m in args.stability_multiples for seed in args.stability_seeds for arm in args.arms]
+    out += [(arm, lr_of(arm, args.grpo_lr, eta=eta), seed, args.max_steps, False)
+            for seed in args.power_seeds for arm in args.power_arms if arm in args.arms]
     return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed, long))
             for arm, lr, seed, steps, long in out]
 
@@ -489,10 +501,11 @@ def arm_table(runs: list[dict], arms: list[str], grpo_lr: float, seeds: list[int
 
 def contrast_row(runs: list[dict], name: str, a: str, lr_a: float, b: str, lr_b: float, seeds: list[int],
                  delta: float) -> dict:
-    """One contrast (arm `a` at `lr_a` minus arm `b` at `lr_b`), per metric: the per-seed differences (points), their
-    mean, sd, 95% interval, the power to detect `delta` points at the observed sd and n, and the seeds power 0.8 would
-    need; on the powered measurement also the problem-level measurement noise of a difference."""
-    row = dict(name=name, a=a, b=b, lr_a=lr_a, lr_b=lr_b)
+    """One contrast (arm `a` at `lr_a` minus arm `b` at `lr_b`) over `seeds` (its planned seeds), per metric: the
+    per-seed differences (points), their mean, sd, 95% interval, the power to detect `delta` points at the observed sd
+    and n, and the seeds power 0.8 would need; on the powered measurement also the problem-level measurement noise of
+    a difference."""
+    row = dict(name=name, a=a, b=b, lr_a=lr_a, lr_b=lr_b, planned=len(seeds))
     for label, key in METRICS.items():
         mine = {s: v for s, v in by_seed(runs, a, lr_a, f"{key}_after").items() if s in seeds}
         ref = {s: v for s, v in by_seed(runs, b, lr_b, f"{key}_after").items() if s in seeds}
@@ -508,10 +521,12 @@ def contrast_row(runs: list[dict], name: str, a: str, lr_a: float, b: str, lr_b:
 
 
 def contrast_table(runs: list[dict], grpo_lr: float, seeds: list[int], delta: float,
-                   contrasts=CONTRASTS, *, eta: float) -> list[dict]:
+                   contrasts=CONTRASTS, *, eta: float, power_seeds: list[int] = (),
+                   power_arms: list[str] = ()) -> list[dict]:
     """Every contrast of the design at GRPO's lr `grpo_lr` (each arm at its lr in the round, the SNR arms' eta_max
-    `eta` x it): `contrast_row`'s."""
-    return [contrast_row(runs, name, a, lr_of(a, grpo_lr, eta=eta), b, lr_of(b, grpo_lr, eta=eta), seeds, delta)
+    `eta` x it): `contrast_row`'s, over `seeds` and, where both its arms are among `power_arms`, `power_seeds` too."""
+    return [contrast_row(runs, name, a, lr_of(a, grpo_lr, eta=eta), b, lr_of(b, grpo_lr, eta=eta),
+                         [*seeds, *(power_seeds if a in power_arms and b in power_arms else ())], delta)
             for name, a, b in contrasts]
 
 
@@ -999,15 +1014,21 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     grpo_lr = next((r["lr"] for r in arms if r["arm"] == REFERENCE), None)
 
     n = max((c[PRIMARY]["n"] for c in contrasts), default=0)
+    best_planned = max((c.get("planned", planned_seeds) for c in contrasts if c[PRIMARY]["n"] == n),
+                       default=planned_seeds)
     judged = [c for c in contrasts if c[PRIMARY]["n"] >= 3]  # a verdict needs 3 paired seeds
     powered = [c for c in judged if c[PRIMARY].get("power", 0.0) >= POWER_GOAL]
-    complete = bool(contrasts) and min(c[PRIMARY]["n"] for c in contrasts) >= planned_seeds
+    complete = bool(contrasts) and all(c[PRIMARY]["n"] >= c.get("planned", planned_seeds) for c in contrasts)
+    more = sorted({c["planned"] for c in contrasts if c.get("planned", planned_seeds) > planned_seeds})
+    extra = [c["name"] for c in contrasts if c.get("planned", planned_seeds) > planned_seeds]
     lines = ["# When to use OBLR-PO", "",
              f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`), with GRPO at its "
              f"best lr on this task{f' ({grpo_lr:.3g})' if grpo_lr else ''} and every arm at its multiple of it: on "
              f"the powered measurement ({TITLES[PRIMARY]}) "
-             + (f"every contrast has its {planned_seeds} planned seeds." if complete
-                else f"the best-paired contrast has {n} of its {planned_seeds} planned seeds so far; {len(judged)} of "
+             + (f"every contrast has its {planned_seeds} planned seeds"
+                + (f" ({'/'.join(map(str, more))} for {', '.join(extra)}, the seeds added for power)" if more else "")
+                + "." if complete
+                else f"the best-paired contrast has {n} of its {best_planned} planned seeds so far; {len(judged)} of "
                      f"the {len(contrasts)} contrasts {'has' if len(judged) == 1 else 'have'} the 3 seeds a verdict "
                      "needs.")]
     if n < 3:
@@ -1188,6 +1209,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stability_steps", type=int, default=20,
                         help="steps of the stability runs (a collapse shows within them; half the ablation's cost)")
     parser.add_argument("--collapse_pts", type=float, default=10.0)
+    parser.add_argument("--power_seeds", type=int, nargs="*", default=[5],
+                        help="seeds run beyond --seeds for --power_arms only (full length, at their lr): "
+                             + POWER_SEEDS_WHY)
+    parser.add_argument("--power_arms", nargs="*", default=["GRPO", "SNR-only", "OBLR-PO"], choices=list(ARMS),
+                        help="the arms of the contrasts that --power_seeds serve")
     parser.add_argument("--first_arms", nargs="*", default=[], choices=list(ARMS),
                         help="arms whose training runs launch before the others' (e.g. the SNR arms' stability "
                              "cells, while a default waits on them); the tables are unchanged")
@@ -1271,14 +1297,16 @@ def tabulate(args, runner_log: list[str]) -> None:
     long_rows = long_table([r for r in runs if r["long"]], short=[r for r in runs if not r["long"]],
                            short_steps=args.max_steps)
     runs = [r for r in runs if not r["long"]]
-    main_runs = [r for r in runs if r["seed"] in args.seeds]
+    main_runs = [r for r in runs if r["seed"] in args.seeds or r["seed"] in args.power_seeds]
+    design_runs = [r for r in main_runs if r["seed"] in args.seeds]  # every arm paired on every seed
     eta = args.eta_multiple
     arms = arm_table(main_runs, args.arms, args.grpo_lr, args.seeds, eta=eta)
     design = [c for c in CONTRASTS if c[1] in args.arms and c[2] in args.arms]  # the contrasts of every round
-    contrasts = contrast_table(main_runs, args.grpo_lr, args.seeds, args.delta, design, eta=eta)
+    contrasts = contrast_table(main_runs, args.grpo_lr, args.seeds, args.delta, design, eta=eta,
+                               power_seeds=args.power_seeds, power_arms=args.power_arms)
     stab = stability_table(runs, args.arms, args.grpo_lr, args.stability_multiples, args.stability_seeds,
                            args.stability_steps, args.collapse_pts, eta=eta)
-    curves = step_curves(main_runs, args.arms, args.grpo_lr, eta=eta)
+    curves = step_curves(design_runs, args.arms, args.grpo_lr, eta=eta)
     lr_check = lr_check_table(runs, args)
     lr_best = lr_check_best(lr_check, args.lr_check_seeds)
     warning = lr_check_warning(lr_best)
@@ -1299,8 +1327,12 @@ def tabulate(args, runner_log: list[str]) -> None:
         + ("its best on this task in the lr check below" if lr_best.get(REFERENCE, {}).get("multiple") == 1.0 else
            "see the lr check below") + "); RLOO and the baseline alone run at L, the SNR arms at eta_max = "
         f"{args.eta_multiple:.3g} L = {args.eta_multiple * args.grpo_lr:.3g} ("
-        + eta_status + f"). Planned: seeds {','.join(map(str, args.seeds))} per arm; a seed fixes the problems and "
-        "their order, so every difference is taken per seed. The task: the demo's one-digit sums start at 50% greedy "
+        + eta_status + f"). Planned: seeds {','.join(map(str, args.seeds))} per arm"
+        + (f", and seed{'s' * (len(args.power_seeds) > 1)} {','.join(map(str, args.power_seeds))} of "
+           f"{', '.join(a for a in args.power_arms if a in args.arms)} for power ({POWER_SEEDS_WHY}; a contrast "
+           "between two of these arms takes every seed both ran, the others and the per-arm table and curves the "
+           "seeds every arm ran)" if args.power_seeds and args.power_arms else "")
+        + "; a seed fixes the problems and their order, so every difference is taken per seed. The task: the demo's one-digit sums start at 50% greedy "
         "and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
         "sampled, and leave room for 40 steps. GRPO and RLOO, whose loss is TRL's whole-batch pass (13 GB of memory), "
         "go through the backward in micro-batches of 16 since 2026-11-26 (`--micro_batch 16`: the same update up to "

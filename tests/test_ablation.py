@@ -30,7 +30,7 @@ def args_for(ab, tmp_path, **kw):
                 records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
                 long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[],
                 lr_check_first=False, eta_multiple=2.0, eta_check_multiples=[10 / 3], earlier_eta_multiple=[],
-                first_arms=[])
+                first_arms=[], power_seeds=[], power_arms=[])
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -650,3 +650,35 @@ def test_first_arms_launch_their_training_runs_first_in_the_same_order(ab, tmp_p
     snr = [name for kind, name in plain if kind == "train" and name.split()[0] in ("OBLR-PO", "SNR-only")]
     assert train[:len(snr)] == snr and len(snr) == 10  # each: seed 0 at 1x, the window's seeds 0-1 at 3x and 10x
     assert train[len(snr):] == [name for kind, name in plain if kind == "train" and name not in snr]
+
+
+def test_power_seeds_run_last_for_their_arms_and_serve_only_the_contrasts_between_them(ab, tmp_path):
+    a = args_for(ab, tmp_path, seeds=[0, 1, 2], stability_seeds=[0], lr_check_seeds=[], long_seeds=[],
+                 power_seeds=[3], power_arms=["GRPO", "OBLR-PO"])
+    order = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(a)]
+    assert order[-2:] == [("GRPO", 5e-4, 3, 40), ("OBLR-PO", 1e-3, 3, 40)]  # after the stability window
+    assert len(order) == 18 + 12 + 2
+    for arm, values in AFTER.items():
+        for seed in range(3):
+            write_run(ab, a.run_dir, arm, ab.lr_of(arm, a.grpo_lr, eta=2.0), seed, values[seed],
+                      large=values[seed] - 0.1)
+    write_run(ab, a.run_dir, "GRPO", 5e-4, 3, AFTER["GRPO"][3], large=AFTER["GRPO"][3] - 0.1)
+    ab.tabulate(a, [])
+    when = a.out.with_name("ablation_when.md").read_text()
+    head = when.split("\n")[2]  # OBLR-PO's seed 3 not run: the contrast it serves is short of its 4 planned seeds
+    assert "the best-paired contrast has 3 of its 4 planned seeds so far" in head
+    assert "; OBLR-PO lr 0.001 seeds 3." in a.out.with_suffix(".md").read_text()  # not finished (last, as launched)
+    write_run(ab, a.run_dir, "OBLR-PO", 1e-3, 3, AFTER["OBLR-PO"][3], large=AFTER["OBLR-PO"][3] - 0.1)
+    ab.tabulate(a, [])
+    text, when = a.out.with_suffix(".md").read_text(), a.out.with_name("ablation_when.md").read_text()
+    saved = json.loads(a.out.with_suffix(".json").read_text())
+    rows = {c["name"]: c for c in saved["contrasts"]}
+    assert rows["OBLR-PO vs GRPO"]["large"]["seeds"] == [0, 1, 2, 3] and rows["OBLR-PO vs GRPO"]["planned"] == 4
+    assert rows["OBLR-PO vs GRPO"]["large"]["diffs"][3] == pytest.approx(100 * (AFTER["OBLR-PO"][3] - AFTER["GRPO"][3]))
+    assert rows["RLOO vs GRPO"]["large"]["seeds"] == [0, 1, 2] and rows["RLOO vs GRPO"]["planned"] == 3
+    assert rows["the SNR step on OBLR-PO's baseline (OBLR-PO - baseline-only)"]["large"]["n"] == 3
+    assert all(r["large"]["n"] == 3 for r in saved["arms"])  # the per-arm table stays paired on every arm's seeds
+    assert saved["curves"]["GRPO"]["seeds"] == 3
+    assert "every contrast has its 3 planned seeds (4 for OBLR-PO vs GRPO, the seeds added for power)." \
+        in when.split("\n")[2]
+    assert "and seed 3 of GRPO, OBLR-PO for power (added on" in text and "OBLR-PO lr 0.001 seeds 3" not in text
