@@ -1018,7 +1018,9 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
                        default=planned_seeds)
     judged = [c for c in contrasts if c[PRIMARY]["n"] >= 3]  # a verdict needs 3 paired seeds
     powered = [c for c in judged if c[PRIMARY].get("power", 0.0) >= POWER_GOAL]
-    complete = bool(contrasts) and all(c[PRIMARY]["n"] >= c.get("planned", planned_seeds) for c in contrasts)
+    complete = bool(contrasts) and all(c[PRIMARY]["n"] >= planned_seeds for c in contrasts)
+    waiting = [f"{c['name']}: {c[PRIMARY]['n']} of {c['planned']}" for c in contrasts
+               if c[PRIMARY]["n"] < c.get("planned", planned_seeds)]  # short of the seeds added for power
     more = sorted({c["planned"] for c in contrasts if c.get("planned", planned_seeds) > planned_seeds})
     extra = [c["name"] for c in contrasts if c.get("planned", planned_seeds) > planned_seeds]
     lines = ["# When to use OBLR-PO", "",
@@ -1026,7 +1028,8 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
              f"best lr on this task{f' ({grpo_lr:.3g})' if grpo_lr else ''} and every arm at its multiple of it: on "
              f"the powered measurement ({TITLES[PRIMARY]}) "
              + (f"every contrast has its {planned_seeds} planned seeds"
-                + (f" ({'/'.join(map(str, more))} for {', '.join(extra)}, the seeds added for power)" if more else "")
+                + (f" ({'/'.join(map(str, more))} for {', '.join(extra)}, the seeds added for power"
+                   + (f"; not all in yet: {', '.join(waiting)}" if waiting else "") + ")" if more else "")
                 + "." if complete
                 else f"the best-paired contrast has {n} of its {best_planned} planned seeds so far; {len(judged)} of "
                      f"the {len(contrasts)} contrasts {'has' if len(judged) == 1 else 'have'} the 3 seeds a verdict "
