@@ -531,12 +531,14 @@ def contrast_table(runs: list[dict], grpo_lr: float, seeds: list[int], delta: fl
 
 
 def against_best(runs: list[dict], arms: list[str], earlier_lr: float, grpo_lr: float, seeds: list[int],
-                 delta: float, *, eta: float) -> list[dict]:
+                 delta: float, *, eta: float, power_seeds: list[int] = (), power_arms: list[str] = ()) -> list[dict]:
     """Each arm of an earlier round (at its lr in that round: L = `earlier_lr`, eta_max = `eta` x it) minus GRPO at
     the design's `grpo_lr`, its best lr on this task, per seed: what the earlier round's arms give against a GRPO
-    tuned on this task."""
+    tuned on this task. Over `seeds`, and `power_seeds` too where the arm and GRPO are among `power_arms` (the runs
+    there are at the design's lrs, so a cell the two rounds share gets the design's seeds)."""
     return [contrast_row(runs, f"{arm} at {lr_of(arm, earlier_lr, eta=eta):.3g} vs GRPO at {grpo_lr:.3g}", arm,
-                         lr_of(arm, earlier_lr, eta=eta), REFERENCE, grpo_lr, seeds, delta)
+                         lr_of(arm, earlier_lr, eta=eta), REFERENCE, grpo_lr,
+                         [*seeds, *(power_seeds if arm in power_arms and REFERENCE in power_arms else ())], delta)
             for arm in arms if arm != REFERENCE]
 
 
@@ -1355,7 +1357,8 @@ def tabulate(args, runner_log: list[str]) -> None:
     earlier = [dict(lr=lr, eta=e, plot=f"{args.out.name}_lr{lr:.3g}.png",
                     arms=arm_table(main_runs, args.arms, lr, args.seeds, eta=e),
                     contrasts=contrast_table(main_runs, lr, args.seeds, args.delta, design, eta=e),
-                    against=against_best(main_runs, args.arms, lr, args.grpo_lr, args.seeds, args.delta, eta=e))
+                    against=against_best(main_runs, args.arms, lr, args.grpo_lr, args.seeds, args.delta, eta=e,
+                                         power_seeds=args.power_seeds, power_arms=args.power_arms))
                for lr, e in zip(args.earlier_grpo_lr, args.earlier_eta_multiple)]
     rounds = [line for e in earlier for line in render_round(e, args.grpo_lr)]
     text = render(arms, contrasts, stab, curves, header, missing, before, args.delta, lr_check, long_rows, lr_best,

@@ -683,3 +683,7 @@ def test_power_seeds_run_last_for_their_arms_and_serve_only_the_contrasts_betwee
     assert "every contrast has its 3 planned seeds (4 for OBLR-PO vs GRPO, the seeds added for power)." \
         in when.split("\n")[2]
     assert "and seed 3 of GRPO, OBLR-PO for power (added on" in text and "OBLR-PO lr 0.001 seeds 3" not in text
+    against = {r["a"]: r for r in ab.against_best(ab.load_runs(a.records), ["GRPO", "RLOO", "OBLR-PO"], 5e-4, 5e-4,
+                                                  [0, 1, 2], 5.0, eta=2.0, power_seeds=[3],
+                                                  power_arms=["GRPO", "OBLR-PO"])}
+    assert against["OBLR-PO"]["large"]["seeds"] == [0, 1, 2, 3] and against["RLOO"]["large"]["seeds"] == [0, 1, 2]
