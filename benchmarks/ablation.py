@@ -1040,10 +1040,18 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
         lines[-1] += " **Too few seeds for any verdict yet: what follows is what the runs show, not a recommendation.**"
     elif complete and len(powered) < len(contrasts):
         weak = ", ".join(f"{c['name']}: {c[PRIMARY].get('power', 0.0):.0%}" for c in contrasts if c not in powered)
-        lines[-1] += (f" **With the planned seeds in, {len(powered)} of the {len(contrasts)} contrasts "
+        lines[-1] += (f" **{'So far' if waiting else 'With the planned seeds in'}, {len(powered)} of the "
+                      f"{len(contrasts)} contrasts "
                       f"{'reaches' if len(powered) == 1 else 'reach'} {POWER_GOAL:.0%} power "
                       f"to detect {delta:g} points; for the other {len(contrasts) - len(powered)} ({weak}), \"no "
                       "difference detected\" is not evidence of no difference.**")
+    elif complete and not waiting:  # every contrast powered
+        wide = ", ".join(f"{c['name']}: [{c[PRIMARY]['ci'][0]:+.1f}, {c[PRIMARY]['ci'][1]:+.1f}]" for c in contrasts
+                         if c[PRIMARY]["ci"] and max(-c[PRIMARY]["ci"][0], c[PRIMARY]["ci"][1]) >= delta)
+        lines[-1] += (f" **With the planned seeds in, all {len(contrasts)} contrasts reach {POWER_GOAL:.0%} power to "
+                      f"detect {delta:g} points at their observed spread** (a power estimated from the same runs)"
+                      + (f"; where a 95% interval still reaches {delta:g} points ({wide}), a difference that large is "
+                         "not ruled out." if wide else f"; every 95% interval lies within {delta:g} points of 0."))
     elif len(powered) < len(contrasts):
         best = max(c[PRIMARY].get("power", 0.0) for c in judged)
         lines[-1] += (f" **Not powered yet: {len(powered)} of the {len(contrasts)} contrasts reach {POWER_GOAL:.0%} "

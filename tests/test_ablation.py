@@ -687,3 +687,23 @@ def test_power_seeds_run_last_for_their_arms_and_serve_only_the_contrasts_betwee
                                                   [0, 1, 2], 5.0, eta=2.0, power_seeds=[3],
                                                   power_arms=["GRPO", "OBLR-PO"])}
     assert against["OBLR-PO"]["large"]["seeds"] == [0, 1, 2, 3] and against["RLOO"]["large"]["seeds"] == [0, 1, 2]
+
+
+def test_the_when_section_says_which_intervals_still_reach_delta_once_every_contrast_is_powered(ab):
+    def contrast(name, n, ci, power, planned=5):
+        d = dict(n=n, ci=ci, mean=sum(ci) / 2, verdict="no difference detected", power=power, sd=1.0)
+        return dict(name=name, planned=planned, **{m: d for m in ab.METRICS})
+
+    before = {m: 20.0 for m in ab.METRICS}
+    rows = [contrast("A vs GRPO", 5, (-2.0, 1.0), 0.99), contrast("B vs GRPO", 6, (-6.1, 0.6), 0.86, planned=6)]
+    head = ab.render_when([], rows, 5, 5.0, before).split("\n")[2]
+    assert "every contrast has its 5 planned seeds (6 for B vs GRPO, the seeds added for power)." in head
+    assert "**With the planned seeds in, all 2 contrasts reach 80% power to detect 5 points at their observed " \
+        "spread** (a power estimated from the same runs); where a 95% interval still reaches 5 points (B vs GRPO: " \
+        "[-6.1, +0.6]), a difference that large is not ruled out." in head
+    narrow = ab.render_when([], rows[:1], 5, 5.0, before).split("\n")[2]
+    assert "every 95% interval lies within 5 points of 0." in narrow
+    waiting = ab.render_when([], [rows[0], contrast("B vs GRPO", 5, (-6.1, 0.6), 0.74, planned=6)], 5, 5.0,
+                             before).split("\n")[2]
+    assert "not all in yet: B vs GRPO: 5 of 6" in waiting and "**So far, 1 of the 2 contrasts reaches 80%" in waiting
+    assert "With the planned seeds in" not in waiting
