@@ -520,13 +520,18 @@ def contrast_row(runs: list[dict], name: str, a: str, lr_a: float, b: str, lr_b:
     return row
 
 
+def pair_seeds(a: str, b: str, seeds: list[int], power_seeds: list[int] = (), power_arms: list[str] = ()) -> list[int]:
+    """The planned seeds of a contrast of arm `a` with arm `b`: `seeds`, and `power_seeds` where both are `power_arms`."""
+    return [*seeds, *(power_seeds if a in power_arms and b in power_arms else ())]
+
+
 def contrast_table(runs: list[dict], grpo_lr: float, seeds: list[int], delta: float,
                    contrasts=CONTRASTS, *, eta: float, power_seeds: list[int] = (),
                    power_arms: list[str] = ()) -> list[dict]:
     """Every contrast of the design at GRPO's lr `grpo_lr` (each arm at its lr in the round, the SNR arms' eta_max
     `eta` x it): `contrast_row`'s, over `seeds` and, where both its arms are among `power_arms`, `power_seeds` too."""
     return [contrast_row(runs, name, a, lr_of(a, grpo_lr, eta=eta), b, lr_of(b, grpo_lr, eta=eta),
-                         [*seeds, *(power_seeds if a in power_arms and b in power_arms else ())], delta)
+                         pair_seeds(a, b, seeds, power_seeds, power_arms), delta)
             for name, a, b in contrasts]
 
 
@@ -538,7 +543,7 @@ def against_best(runs: list[dict], arms: list[str], earlier_lr: float, grpo_lr: 
     there are at the design's lrs, so a cell the two rounds share gets the design's seeds)."""
     return [contrast_row(runs, f"{arm} at {lr_of(arm, earlier_lr, eta=eta):.3g} vs GRPO at {grpo_lr:.3g}", arm,
                          lr_of(arm, earlier_lr, eta=eta), REFERENCE, grpo_lr,
-                         [*seeds, *(power_seeds if arm in power_arms and REFERENCE in power_arms else ())], delta)
+                         pair_seeds(arm, REFERENCE, seeds, power_seeds, power_arms), delta)
             for arm in arms if arm != REFERENCE]
 
 
@@ -1023,14 +1028,14 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
     complete = bool(contrasts) and all(c[PRIMARY]["n"] >= planned_seeds for c in contrasts)
     waiting = [f"{c['name']}: {c[PRIMARY]['n']} of {c['planned']}" for c in contrasts
                if c[PRIMARY]["n"] < c.get("planned", planned_seeds)]  # short of the seeds added for power
-    more = sorted({c["planned"] for c in contrasts if c.get("planned", planned_seeds) > planned_seeds})
-    extra = [c["name"] for c in contrasts if c.get("planned", planned_seeds) > planned_seeds]
+    extra = [c for c in contrasts if c.get("planned", planned_seeds) > planned_seeds]  # served by the power seeds
+    more = sorted({c["planned"] for c in extra})
     lines = ["# When to use OBLR-PO", "",
              f"From the paired ablation on SmolLM2-135M-Instruct (`benchmarks/results/ablation.md`), with GRPO at its "
              f"best lr on this task{f' ({grpo_lr:.3g})' if grpo_lr else ''} and every arm at its multiple of it: on "
              f"the powered measurement ({TITLES[PRIMARY]}) "
              + (f"every contrast has its {planned_seeds} planned seeds"
-                + (f" ({'/'.join(map(str, more))} for {', '.join(extra)}, the seeds added for power"
+                + (f" ({'/'.join(map(str, more))} for {', '.join(c['name'] for c in extra)}, the seeds added for power"
                    + (f"; not all in yet: {', '.join(waiting)}" if waiting else "") + ")" if more else "")
                 + "." if complete
                 else f"the best-paired contrast has {n} of its {best_planned} planned seeds so far; {len(judged)} of "
@@ -1345,8 +1350,8 @@ def tabulate(args, runner_log: list[str]) -> None:
            f"{', '.join(a for a in args.power_arms if a in args.arms)} for power ({POWER_SEEDS_WHY}; a contrast "
            "between two of these arms takes every seed both ran, the others and the per-arm table and curves the "
            "seeds every arm ran)" if args.power_seeds and args.power_arms else "")
-        + "; a seed fixes the problems and their order, so every difference is taken per seed. The task: the demo's one-digit sums start at 50% greedy "
-        "and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
+        + "; a seed fixes the problems and their order, so every difference is taken per seed. The task: the demo's "
+        "one-digit sums start at 50% greedy and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
         "sampled, and leave room for 40 steps. GRPO and RLOO, whose loss is TRL's whole-batch pass (13 GB of memory), "
         "go through the backward in micro-batches of 16 since 2026-11-26 (`--micro_batch 16`: the same update up to "
         "float rounding, tested on the tiny model; the record says `micro_batch`), so that they fit beside another "
