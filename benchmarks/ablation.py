@@ -521,7 +521,7 @@ def contrast_row(runs: list[dict], name: str, a: str, lr_a: float, b: str, lr_b:
 
 
 def pair_seeds(a: str, b: str, seeds: list[int], power_seeds: list[int] = (), power_arms: list[str] = ()) -> list[int]:
-    """The planned seeds of a contrast of arm `a` with arm `b`: `seeds`, and `power_seeds` where both are `power_arms`."""
+    """The planned seeds of arm `a` against arm `b`: `seeds`, and `power_seeds` where both are among `power_arms`."""
     return [*seeds, *(power_seeds if a in power_arms and b in power_arms else ())]
 
 
@@ -1351,8 +1351,9 @@ def tabulate(args, runner_log: list[str]) -> None:
            "between two of these arms takes every seed both ran, the others and the per-arm table and curves the "
            "seeds every arm ran)" if args.power_seeds and args.power_arms else "")
         + "; a seed fixes the problems and their order, so every difference is taken per seed. The task: the demo's "
-        "one-digit sums start at 50% greedy and reach ~70% within 15 steps (no headroom over 40); sums with two-digit terms start at ~25% greedy, 6% "
-        "sampled, and leave room for 40 steps. GRPO and RLOO, whose loss is TRL's whole-batch pass (13 GB of memory), "
+        "one-digit sums start at 50% greedy and reach ~70% within 15 steps (no headroom over 40); sums with two-digit "
+        "terms start at ~25% greedy, 6% sampled, and leave room for 40 steps. GRPO and RLOO, whose loss is TRL's "
+        "whole-batch pass (13 GB of memory), "
         "go through the backward in micro-batches of 16 since 2026-11-26 (`--micro_batch 16`: the same update up to "
         "float rounding, tested on the tiny model; the record says `micro_batch`), so that they fit beside another "
         "arm: " + ", ".join(f"{sum(bool(r.get('micro_batch')) for r in all_runs if r['arm'] == arm)} of {arm}'s "
