@@ -90,8 +90,10 @@ SEAMS: tuple[Seam, ...] = (
          "overridden: appends the OBLR-PO section; oblr_trl/card.py fixes what its template writes for local models",
          "card.py's fix_trl_card patterns against the card it writes; _tag_names/_name/_paper still used"),
     Seam("_save_checkpoint", f"{GRPO}._save_checkpoint", "10fa449292ba1d3d",
-         "overridden: writes oblr_state.json into the checkpoint folder it created",
-         "the folder name (PREFIX_CHECKPOINT_DIR-global_step under _get_output_dir) and should_save"),
+         "overridden: writes oblr_state.json (atomically) into the checkpoint folder before the parent's save, whose "
+         "last write, trainer_state.json, marks a checkpoint complete (transformers' Trainer._save_checkpoint)",
+         "the folder name (PREFIX_CHECKPOINT_DIR-global_step under _get_output_dir), should_save, and that "
+         "trainer_state.json is still written last (oblr_trl/state_file.py; tests/integration/test_save_crash.py)"),
     Seam("_load_optimizer_and_scheduler", f"{GRPO}._load_optimizer_and_scheduler", "d6497323f7e1d3a4",
          "overridden: reads oblr_state.json on resume (called with the checkpoint folder, on every rank)",
          "that it is still called once on resume with the checkpoint path; tests/integration/test_resume.py"),
@@ -104,6 +106,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam("create_optimizer", "transformers.trainer.Trainer.create_optimizer", None,
          "overridden: registers the pre-step hook that refuses an unsized step",
          "if TRL now overrides it: that the optimizer it returns is the one stepped"),
+    Seam("train", "transformers.trainer.Trainer.train", None,
+         "overridden: resolves resume_from_checkpoint=True to the latest complete checkpoint (transformers takes the "
+         "highest-numbered folder, however incomplete), resets the step sizer, restores the lr after an exception",
+         "if TRL now overrides it: the resume argument's meaning; that train() may run twice on one trainer"),
     Seam("_get_output_dir", "transformers.trainer.Trainer._get_output_dir", None,
          "called by the _save_checkpoint override for the checkpoint folder",
          "if TRL now overrides it: the folder _save_checkpoint writes to"),
