@@ -48,6 +48,8 @@ def write_state(folder: str, global_step: int, snr_state: SNRState, lr_stats: Lr
     path, tmp = os.path.join(folder, STATE_NAME), os.path.join(folder, f".{STATE_NAME}.{os.getpid()}.tmp")
     payload = {"version": VERSION, "global_step": global_step, "snr_state": snr_state.to_dict(),
                "lr_stats": lr_stats.to_dict()}
+    for stale in [n for n in os.listdir(folder) if n.startswith(f".{STATE_NAME}.") and n.endswith(".tmp")]:
+        os.remove(os.path.join(folder, stale))  # a killed save's
     with open(tmp, "w") as f:
         json.dump(payload, f, allow_nan=False)  # a non-finite state is a bug: fail the save, write nothing
         f.flush()
