@@ -67,7 +67,11 @@ def _check_types(config) -> None:
         if not ok:
             hint = f" (pass {name}={str(value).strip().lower() in ('true', '1', 'yes', 'y', 'on')}, not a string)" \
                 if kind.startswith("bool") and isinstance(value, str) else ""
-            raise ValueError(f"OBLRPOConfig.{name}={value!r} must be a {kind}, not a {type(value).__name__}{hint}.")
+            raise ValueError(f"OBLRPOConfig.{name}={value!r} must be {_a(kind)}, not {_a(type(value).__name__)}{hint}.")
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 @dataclass
