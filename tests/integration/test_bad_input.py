@@ -77,7 +77,7 @@ def test_identical_groups_after_an_informative_step_scale_to_zero_and_warn(caplo
 
     def informative_then_flat(completions, **kwargs):
         calls.append(1)
-        return length_reward(completions) if len(calls) == 1 else [1.0] * len(completions)
+        return length_reward(completions) if len(calls) == 1 else [0.3] * len(completions)  # not a power of 2
 
     with caplog.at_level(logging.WARNING):
         trainer, _ = train_trainer(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=3, gradient_accumulation_steps=2)),
