@@ -45,8 +45,8 @@ def check_prompts(rows) -> None:
         prompt = row["prompt"]
         if not (isinstance(prompt, str) or isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
             raise TypeError(
-                f"OBLRPOTrainer: the dataset's `prompt` column holds {type(prompt).__name__} {prompt!r:.60} (row {i} of "
-                "a batch): each prompt must be a string or a list of chat messages ({'role': ..., 'content': ...}). "
+                f"OBLRPOTrainer: the dataset's `prompt` column holds {type(prompt).__name__} {prompt!r:.60} (row {i} "
+                "of a batch): each prompt must be a string or a list of chat messages ({'role': ..., 'content': ...}). "
                 "Convert the column, e.g. dataset.map(lambda x: {'prompt': str(x['prompt'])}).")
 
 

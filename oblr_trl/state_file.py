@@ -143,9 +143,10 @@ def read_state(checkpoint: str, global_step: int | None = None) -> tuple[tuple[S
     path = os.path.join(checkpoint, STATE_NAME)
     if not os.path.isfile(path):
         return None, (f"{checkpoint} has no {STATE_NAME}: it was saved by another trainer (e.g. GRPOTrainer), by "
-                      "oblr-trl 0.1.0 or earlier (which wrote the file after the rest of the checkpoint, so a crash during "
-                      "the save could leave it out), or the file was removed. The SNR estimate restarts from the next "
-                      "step's samples, and oblr/lr_mean, lr_scale_mean and skipped_fraction count from this step.")
+                      "oblr-trl 0.1.0 or earlier (which wrote the file after the rest of the checkpoint, so a crash "
+                      "during the save could leave it out), or the file was removed. The SNR estimate restarts from "
+                      "the next step's samples, and oblr/lr_mean, lr_scale_mean and skipped_fraction count from this "
+                      "step.")
     with open(path, encoding="utf-8", errors="replace") as f:
         state = parse_state(f.read(), path, global_step)
     if state is None:

@@ -55,9 +55,11 @@ SEAMS: tuple[Seam, ...] = (
          "the signature and the position of `args`; that DeepSpeed is still set up inside it (its ZeRO stage is "
          "checked right after it: oblr_trl/deepspeed_step.py)"),
     Seam("_calculate_rewards", f"{GRPO}._calculate_rewards", "5017fb893c0ca9dd",
-         "overridden: keeps the all-rank rewards_per_func it returns; trl_logs filters its all-None warning",
+         "overridden: keeps the all-rank rewards_per_func it returns; trl_logs filters its all-None warning; it "
+         "calls self.reward_funcs, which __init__ wraps to check each function's output (setup_checks)",
          "its return value is still every rank's (n, functions) rewards with NaN for None; the warning's wording "
-         "(oblr_trl/trl_logs.py ALL_NONE_MESSAGE)"),
+         "(oblr_trl/trl_logs.py ALL_NONE_MESSAGE); that it still calls self.reward_funcs (names from "
+         "reward_func_names, read at construction)"),
     Seam("_generate_and_score_completions", f"{GRPO}._generate_and_score_completions", "3d5cec813b83b396",
          "overridden: replaces output['advantages'] with r_i - b_i, adds oblr_* rows; relies on its output keys, "
          "the process slice of the rows and scale_rewards='none' giving rewards - group mean",

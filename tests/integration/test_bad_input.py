@@ -79,9 +79,9 @@ def test_identical_groups_after_an_informative_step_scale_to_zero_and_warn(caplo
         calls.append(1)
         return length_reward(completions) if len(calls) == 1 else [0.3] * len(completions)  # not a power of 2
 
+    args = OBLRPOConfig(**common_args(max_steps=3, gradient_accumulation_steps=2))
     with caplog.at_level(logging.WARNING):
-        trainer, _ = train_trainer(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=3, gradient_accumulation_steps=2)),
-                                   reward=informative_then_flat)
+        trainer, _ = train_trainer(OBLRPOTrainer, args, reward=informative_then_flat)
     scales = logged(trainer, "oblr/lr_scale")
     assert scales[0] > 0.05 and scales[1:] == [0.0, 0.0], scales
     assert logged(trainer, "oblr/skipped_fraction")[-1] == pytest.approx(2 / 3)
