@@ -108,7 +108,7 @@ def parse_state(text: str, path: str, global_step: int | None = None) -> tuple[S
         raise _refuse(path, f"not valid JSON (truncated or garbled: {e})") from None
     if not isinstance(saved, dict):
         raise _refuse(path, f"it holds a {type(saved).__name__}, not an object")
-    version = _number(saved.get("version", 1), path, "version", integer=True)
+    version = _number(saved.get("version"), path, "version", integer=True)  # every oblr-trl wrote one
     if version < 2:
         return None
     if version > VERSION:

@@ -47,6 +47,7 @@ def _damaged():
         "garbage": ("\x00\x13not json", "not valid JSON"),
         "truncated": (text[: len(text) // 2], "not valid JSON"),
         "a list": ("[1, 2]", "not an object"),
+        "an empty object": ("{}", "version is None"),
         "nan": (text.replace('"signal": 0.5', '"signal": NaN'), "NaN"),
         "inf": (text.replace('"lr_sum": 0.02', '"lr_sum": Infinity'), "Infinity"),
         "newer": (text.replace('"version": 2', '"version": 9'), "newer oblr-trl"),
@@ -63,6 +64,7 @@ def _damaged():
         ("skipped > steps", lambda d: d["lr_stats"].update(skipped=9), "exceeds lr_stats.steps"),
         ("recent", lambda d: d["snr_state"].update(recent=[[1.0]]), "snr_state.recent"),
         ("no step", lambda d: d.pop("global_step"), "global_step is None"),
+        ("no version", lambda d: d.pop("version"), "version is None"),
         ("other step", lambda d: d.update(global_step=4), "saved at step 4, but the checkpoint is at step 6"),
     ):
         saved = good()
