@@ -22,6 +22,18 @@ class AdvantageResult:
     warnings: tuple[str, ...]
 
 
+def identical_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per row: whether its group's scorable rewards (2 or more) are all equal. Their advantages are exactly 0: a
+    weighted mean of equal values is that value, but in floating point ``sum_j w_j r / sum_j w_j`` differs from
+    ``r`` by an ulp, and those ulps would make a step of identical groups look like a tiny gradient of pure noise
+    instead of the zero gradient it is (``status="zero_gradient"`` in :func:`.step_size.snr_step_size`)."""
+    r = rewards.reshape(-1, group_size)
+    valid = ~torch.isnan(r)
+    high = torch.where(valid, r, torch.full_like(r, -torch.inf)).amax(1)
+    low = torch.where(valid, r, torch.full_like(r, torch.inf)).amin(1)
+    return ((high == low) & (valid.sum(1) >= 2)).repeat_interleave(group_size)
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     lengths: torch.Tensor,
@@ -60,7 +72,8 @@ def compute_advantages(
         values = trl_advantages
     else:
         baseline, num_fallback = get_baseline(args.baseline)(rewards, weights, group_size, args.leave_one_out)
-        values = torch.nan_to_num(rewards - baseline, nan=0.0)[local]
+        values = torch.nan_to_num(rewards - baseline, nan=0.0)
+        values = torch.where(identical_groups(rewards, group_size), torch.zeros_like(values), values)[local]
     if num_fallback:
         warnings.append("fallback")
     if torch.isnan(rewards).any():

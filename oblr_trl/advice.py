@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from .step_size import STALL_SCALE, STALL_STEPS
+
 logger = logging.getLogger("oblr_trl.trainer")
 
 WEIGHT_RATIO_WARNING = 100.0  # a group's max/median baseline weight above this warns (baseline explosion)
@@ -31,6 +33,15 @@ WARNINGS = {
     "it; the next step is sized from its own samples.",
     "zero_snr": "SNR estimate is 0 (noise dominates): the step size collapses to lr_scale_min. If this persists, raise "
     "the batch (more prompts per step), set lr_scale_min, or pool steps with snr_estimator='ema' or 'window'.",
+    "zero_gradient": "An optimizer step's gradient was exactly 0 (every group's rewards identical, or no completion "
+    "scorable or left in the loss): nothing to size, so its lr scale is 0 (lr_scale_min if set) and the SNR estimate "
+    "is left as it was. If this persists the rewards do not vary within groups: check the reward functions, or raise "
+    "num_generations or the sampling temperature.",
+    "stalled": f"The applied learning rate has stayed below {STALL_SCALE:.0%} of the scheduled one (eta_max) for "
+    f"{STALL_STEPS} steps in a row: these steps barely move the model. The SNR estimate finds each step's gradient "
+    "mostly noise, or zero. Check that the rewards vary within groups and are finite (oblr/reward_mean, reward_std, "
+    "oblr/unscorable); give each step more prompts (per_device_train_batch_size, gradient_accumulation_steps); or set "
+    "lr_scale_min (e.g. 0.05) to keep a floor, or snr_lr=False for GRPO's constant step.",
     "group_span": "A group of {group} completions spans ranks (local batch {local}); the SNR uses each completion as a "
     "sample. Make per_device_train_batch_size * steps_per_generation a multiple of num_generations for the group "
     "estimate.",

@@ -8,8 +8,6 @@ the metrics to log and the warnings found; the formulas are :func:`.step_size.sn
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -17,9 +15,9 @@ from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
 from .estimators import unit_sq_norms
+from . import state_file
+from .state_file import STATE_NAME  # noqa: F401 (its old home: oblr_trl.snr_step.STATE_NAME)
 from .step_size import LrStats, SNRState, snr_step_size
-
-STATE_NAME = "oblr_state.json"  # OBLR-PO's cross-step state, beside trainer_state.json in each checkpoint
 
 
 @dataclass
@@ -45,6 +43,22 @@ class StepSamples:
         return total, n
 
 
+UNSIZED_STEP = (
+    "OBLRPOTrainer: an optimizer step is about to run without its SNR step size (snr_lr=True). The step size is set in "
+    "training_step at the step's last micro-batch; this training loop stepped the optimizer elsewhere. Report your "
+    "transformers/accelerate versions, or set snr_lr=False.")
+
+
+def guard_optimizer(optimizer, hook) -> None:
+    """Register ``hook`` (which refuses an unsized step) as a step pre-hook once, on the torch optimizer itself:
+    a second ``train()`` hands back Accelerate's wrapper, which has no hooks of its own."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    if not getattr(optimizer, "_oblr_guarded", False):
+        optimizer.register_step_pre_hook(hook)
+        optimizer._oblr_guarded = True
+
+
 def grad_sq_norm(parameters, scaler=None) -> float:
     """``||G||^2`` of the step's (all-reduced, pre-clip) gradient, on every rank (FSDP2 shards gathered; fp16's loss
     scale divided out)."""
@@ -64,11 +78,18 @@ class StepSizer:
 
     def __init__(self, args):
         self.args = args
-        self.samples = StepSamples()
-        self.snr_state = SNRState()
-        self.lr_stats = LrStats()
         self._saved: list[float] | None = None  # the scheduled lrs of the groups scaled this step
-        self._groups: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh run's state (``train()`` without a checkpoint: no samples, a fresh estimate and statistics)."""
+        self.abandon()
+        self.snr_state, self.lr_stats = SNRState(), LrStats()
+
+    def abandon(self) -> None:
+        """Leave a step unfinished (``train()`` ended by an exception): scheduled lrs back, this rank's samples gone."""
+        self.restore()
+        self.samples, self._groups = StepSamples(), []
 
     @property
     def sized(self) -> bool:
@@ -84,9 +105,10 @@ class StepSizer:
         """``one_backward``'s whole-unit ``||H_q||^2``, with the units' ids."""
         self.samples.formed.append((units.cpu(), unit_sq.double().cpu()))
 
-    def drop_samples(self) -> None:
-        """Forget the step's samples on every rank (DeepSpeed skipped the step)."""
+    def drop_samples(self) -> list[str]:
+        """Forget the step's samples on every rank (DeepSpeed skipped the step: an overflow); returns the warning."""
         self.samples.reduce_all_ranks()
+        return ["deepspeed_skipped"]
 
     def size(self, groups: list[dict], grad_sq_norm: float, unscored: bool = False) -> tuple[dict, list[str]]:
         """Scales the lr of ``groups`` by this step's SNR factor; returns the metrics to log (without the ``oblr/``
@@ -98,12 +120,15 @@ class StepSizer:
             a.snr_estimator, sum_sq, grad_sq_norm, n, self.snr_state, beta=a.snr_ema, window=a.snr_window,
             lr_scale_min=a.lr_scale_min,
         )
-        warnings = [] if step.status == "ok" or (step.status == "zero_snr" and unscored) else [step.status]
+        quiet = step.status == "ok" or (unscored and step.status in ("zero_snr", "zero_gradient"))  # no_rewards says
+        warnings = [] if quiet else [step.status]
         self._saved, self._groups = [group["lr"] for group in groups], groups
         for group in groups:
             group["lr"] = group["lr"] * step.scale
         applied = groups[0]["lr"]
         self.lr_stats = self.lr_stats.record(step.scale, applied)
+        if self.lr_stats.stalled:
+            warnings.append("stalled")
         metrics = {"lr_scale": step.scale, "num_samples": float(n), "lr": applied, **self.lr_stats.metrics()}
         if step.snr == step.snr:  # undefined (fewer than 2 samples, non-finite gradient): not logged, warned
             metrics["snr"] = step.snr
@@ -116,25 +141,20 @@ class StepSizer:
                 group["lr"] = lr
             self._saved = None
 
-    def save(self, folder: str, global_step: int) -> None:
-        with open(os.path.join(folder, STATE_NAME), "w") as f:  # the SNR estimator's state, lr statistics
-            json.dump({"version": 2, "global_step": global_step, "snr_state": self.snr_state.to_dict(),
-                       "lr_stats": self.lr_stats.to_dict()}, f)
+    def save(self, run_dir: str, global_step: int) -> None:
+        """Write the state into ``run_dir/checkpoint-<global_step>`` (atomically; :func:`.state_file.write_state`)."""
+        state_file.write_state(state_file.checkpoint_folder(run_dir, global_step), global_step, self.snr_state,
+                               self.lr_stats)
 
-    def load(self, checkpoint: str) -> str | None:
-        """Restore the state saved in ``checkpoint``; returns why it could not (a message to warn with), or None."""
-        path = os.path.join(checkpoint, STATE_NAME)
-        if not os.path.isfile(path):
-            if self.args.snr_lr and self.args.snr_estimator != "per_step":
-                return (f"{checkpoint} has no {STATE_NAME} (saved by another trainer or an older oblr-trl): the SNR "
-                        "EMA restarts from this step's samples.")
-            return None
-        with open(path) as f:
-            saved = json.load(f)
-        if "snr_state" not in saved:
-            return f"{path} predates the SNR estimator's state (an older oblr-trl): the estimate restarts."
-        self.snr_state = SNRState.from_dict(saved["snr_state"])
-        self.lr_stats = LrStats.from_dict(saved.get("lr_stats", {}))
+    def load(self, checkpoint: str, global_step: int | None = None) -> str | None:
+        """Restore the state saved in ``checkpoint`` (validated: a damaged file raises
+        :class:`.state_file.StateFileError`); returns why there was none to restore (a message to warn with), or
+        None. No note where the run would not use the estimator's state (``snr_lr=False``, ``"per_step"``)."""
+        state, note = state_file.read_state(checkpoint, global_step)
+        if state is None:
+            self.snr_state, self.lr_stats = SNRState(), LrStats()
+            return note if self.args.snr_lr and self.args.snr_estimator != "per_step" else None
+        self.snr_state, self.lr_stats = state
         return None
 
 

@@ -17,7 +17,10 @@ more samples than one step, and divide only then:
   ``E[max(S, 0)]`` for ``S ~ Normal(s_hat, se^2)``, ``se`` the standard error of the averaged signal (from an EMA of
   its square): the estimate of ``max(signal, 0)`` that minimises the squared error under a flat prior. Equal to
   ``"ema"`` where the signal is clearly positive (``s_hat >> se``); where the averaged signal is indistinguishable
-  from 0 it keeps a small step (``~0.4 se``) instead of none. Biased up by at most ``0.4 se`` in the signal.
+  from 0 it keeps a small step (``~0.4 se``) instead of none. Biased up by at most ``0.4 se`` in the signal. So it
+  never reports a zero SNR while the step estimates vary (``se > 0``): a step can shrink toward 0 (``se`` falls as
+  the estimates settle) without ever being 0. What says so is the trainer's stall warning: the scale below
+  ``STALL_SCALE`` (1%) for ``STALL_STEPS`` (10) steps in a row (:class:`LrStats`), under every estimator.
 * ``"window"``: the plain mean over the last ``window`` steps (a pooled estimate from ``window * N`` samples).
 * ``"per_step"``: the paper's, this step only.
 
@@ -77,19 +80,33 @@ class SNRState:
                    tuple((float(s), float(n)) for s, n in d.get("recent", ())))
 
 
+# A step whose applied lr is below STALL_SCALE of the scheduled one (eta_max at that point of the schedule) barely
+# moves the model; STALL_STEPS such steps in a row are warned (the schedule's own warmup and decay do not count).
+STALL_SCALE = 0.01
+STALL_STEPS = 10
+
+
 @dataclass(frozen=True)
 class LrStats:
     """Running statistics of the applied step over a run (JSON-serialisable, saved with checkpoints): steps sized,
-    steps at scale 0, and the sums behind the mean applied lr and the mean scale."""
+    steps at scale 0, the sums behind the mean applied lr and the mean scale, and ``low_streak``, the steps in a row
+    (up to the last) whose scale was below ``STALL_SCALE``."""
 
     steps: int = 0
     skipped: int = 0
     lr_sum: float = 0.0
     scale_sum: float = 0.0
+    low_streak: int = 0
 
     def record(self, scale: float, lr: float) -> "LrStats":
         """The statistics after one more step of ``scale`` (the SNR factor) applied as learning rate ``lr``."""
-        return LrStats(self.steps + 1, self.skipped + int(scale == 0.0), self.lr_sum + lr, self.scale_sum + scale)
+        return LrStats(self.steps + 1, self.skipped + int(scale == 0.0), self.lr_sum + lr, self.scale_sum + scale,
+                       self.low_streak + 1 if scale < STALL_SCALE else 0)
+
+    @property
+    def stalled(self) -> bool:
+        """Whether the last ``STALL_STEPS`` steps or more all had a scale below ``STALL_SCALE``."""
+        return self.low_streak >= STALL_STEPS
 
     def metrics(self) -> dict[str, float]:
         """``lr_mean``, ``lr_scale_mean``, ``skipped_fraction`` over the steps so far (empty before the first)."""
@@ -99,12 +116,13 @@ class LrStats:
                 "skipped_fraction": self.skipped / self.steps}
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps, "skipped": self.skipped, "lr_sum": self.lr_sum, "scale_sum": self.scale_sum}
+        return {"steps": self.steps, "skipped": self.skipped, "lr_sum": self.lr_sum, "scale_sum": self.scale_sum,
+                "low_streak": self.low_streak}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LrStats":
         return cls(int(d.get("steps", 0)), int(d.get("skipped", 0)), float(d.get("lr_sum", 0.0)),
-                   float(d.get("scale_sum", 0.0)))
+                   float(d.get("scale_sum", 0.0)), int(d.get("low_streak", 0)))
 
 
 @dataclass(frozen=True)
@@ -114,8 +132,9 @@ class SNRDecision:
     ``signal`` / ``noise``: the estimates of ``||grad J||^2`` and ``tr Sigma`` the scale was formed from (after
     averaging, before clipping at 0; NaN when undefined), ``step_signal`` / ``step_noise`` this step's own.
     ``snr`` is NaN where undefined. ``status``: ``"ok"``, ``"zero_snr"`` (the averaged signal is <= 0: scale 0 before
-    the floor), ``"few_samples"`` (fewer than 2 samples: lr left unscaled, state unchanged), ``"nonfinite_grad"``
-    (scale floored, state unchanged).
+    the floor), ``"zero_gradient"`` (the step's gradient and every sample's share of it are exactly 0: scale 0 before
+    the floor, state unchanged), ``"few_samples"`` (fewer than 2 samples: lr left unscaled, state unchanged),
+    ``"nonfinite_grad"`` (a non-finite gradient norm or estimate: scale floored, state unchanged).
     """
 
     scale: float
@@ -270,7 +289,7 @@ def check_estimator(estimator: str, beta: float = 0.9, window: int = 10) -> None
     if estimator.startswith("ema") and not 0.0 <= beta < 1.0:
         raise ValueError(f"snr_ema={beta} must lie in [0, 1) for snr_estimator={estimator!r}.")
     if estimator == "window" and not (isinstance(window, int) and window >= 1):
-        raise ValueError(f"snr_window={window} must be an integer >= 1 for snr_estimator='window'.")
+        raise ValueError(f"snr_window={window!r} must be an integer >= 1 for snr_estimator='window'.")
 
 
 def snr_step_size(
@@ -286,18 +305,33 @@ def snr_step_size(
         state: the previous step's :class:`SNRState` (``None``: the first step).
 
     Returns:
-        ``(decision, new_state)``. Degenerate steps (``n < 2``; a non-finite ``||G||^2`` or ``sum_sq``) leave the
-        state unchanged, so one bad step does not poison the average.
+        ``(decision, new_state)``. Degenerate steps (``n < 2``; a non-finite ``||G||^2``, ``sum_sq`` or estimate; a
+        gradient that is exactly 0) leave the state unchanged, so one bad step does not poison the average.
+
+    A step whose gradient is exactly 0 with every sample's share 0 (``||G||^2 = sum_sq = 0``: every group's rewards
+    identical, or no completion scorable or left in the loss) holds no evidence about the SNR and nothing to scale:
+    under every estimator its scale is 0 (``lr_scale_min`` if set), status ``"zero_gradient"``, and the averages are
+    not updated. (Averaging its zeros would keep the previous steps' ratio, so ``"ema"``/``"ema_soft"`` would go on
+    applying an earlier step's scale, through Adam's momentum, to a step with no gradient of its own.)
     """
     check_estimator(estimator, beta, window)
     state = state if state is not None else SNRState()
     nan = math.nan
     if n < 2:
         return SNRDecision(1.0, nan, n, nan, nan, nan, nan, "few_samples"), state
+    if grad_sq_norm == 0.0 and sum_sq == 0.0:
+        return SNRDecision(lr_scale_min, 0.0, n, 0.0, 0.0, 0.0, 0.0, "zero_gradient"), state
+    nonfinite = SNRDecision(lr_scale_min, nan, n, nan, nan, nan, nan, "nonfinite_grad"), state
     if not (math.isfinite(grad_sq_norm) and math.isfinite(sum_sq)):
-        return SNRDecision(lr_scale_min, nan, n, nan, nan, nan, nan, "nonfinite_grad"), state
+        return nonfinite
     step_s, step_v = step_signal_noise(float(sum_sq), float(grad_sq_norm), n)
-    signal, noise, state = SNR_ESTIMATORS[estimator](step_s, step_v, state, beta=beta, window=window)
+    signal, noise, new_state = SNR_ESTIMATORS[estimator](step_s, step_v, state, beta=beta, window=window)
+    if not all(map(math.isfinite, (signal, noise, *_floats(new_state)))):  # overflow: not an estimate to carry on
+        return nonfinite
     scale, snr = scale_from_signal_noise(signal, noise, n)
     status = "zero_snr" if scale == 0.0 else "ok"
-    return SNRDecision(max(scale, lr_scale_min), snr, n, signal, noise, step_s, step_v, status), state
+    return SNRDecision(max(scale, lr_scale_min), snr, n, signal, noise, step_s, step_v, status), new_state
+
+
+def _floats(state: SNRState) -> list[float]:
+    return [state.signal, state.noise, state.signal_sq, *(x for pair in state.recent for x in pair)]

@@ -8,7 +8,7 @@ Each override hands TRL's data to one function or object and back; none holds a 
   micro-batch (``training_step``), or inside ZeRO's optimizer step under DeepSpeed (:mod:`.deepspeed_step`); an
   optimizer pre-step hook refuses any step whose size was not set;
 * refusals at construction: :mod:`.setup_checks`; warnings, once each: :class:`.advice.Advice`; the model card and
-  the checkpointed SNR state: ``create_model_card``, ``_save_checkpoint``, ``_load_optimizer_and_scheduler``.
+  the checkpointed SNR state (:mod:`.state_file`): ``create_model_card``, ``_save_checkpoint``, ``train``, ...
 
 Every TRL internal used here is a seam listed and fingerprinted in :mod:`.trl_seam`.
 """
@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trl import GRPOTrainer
 
-from . import deepspeed_step, multimodal, norm_passes, one_backward
+from . import deepspeed_step, multimodal, norm_passes, one_backward, state_file
 from .advantages import compute_advantages
 from .advice import Advice
 from .card import PAPER, append_oblr_section
@@ -33,8 +31,9 @@ from .estimators import aggregate_rewards, baseline_metrics, weight_estimator
 from .grad_norms import validate
 from .loss_terms import loss_coefficients
 from .precision import PrecisionWatch
-from .setup_checks import AUX_LOSS_WARNING, check_inputs, fsdp1_refusal
-from .snr_step import RestoreScheduledLR, StepSizer, grad_sq_norm
+from .setup_checks import AUX_LOSS_WARNING, check_inputs, check_prompts, check_trainable, checked_reward_funcs
+from .setup_checks import fsdp1_refusal
+from .snr_step import UNSIZED_STEP, RestoreScheduledLR, StepSizer, grad_sq_norm, guard_optimizer
 from .trl_logs import install_all_none_reward_filter
 from .trl_seam import sequence_inputs
 
@@ -59,6 +58,8 @@ class OBLRPOTrainer(GRPOTrainer):
         bound.arguments["args"] = config_for(bound.arguments.get("args"), bound.arguments["model"])
         check_inputs(bound.arguments.get("model"), bound.arguments.get("train_dataset"))
         super().__init__(*bound.args[1:], **bound.kwargs)
+        check_trainable(self.model)
+        self.reward_funcs = checked_reward_funcs(self.reward_funcs, self.reward_func_names)  # each names itself
         fsdp1 = self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False)
         refusal = fsdp1_refusal(fsdp1, self._needs_norms) or (
             deepspeed_step.config_refusal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
@@ -120,6 +121,7 @@ class OBLRPOTrainer(GRPOTrainer):
         return self._rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
+        check_prompts(inputs)  # before the tokenizer fails on them, naming neither column nor row
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return output
@@ -238,12 +240,7 @@ class OBLRPOTrainer(GRPOTrainer):
         zero, base = deepspeed_step.zero_optimizer(self.model_wrapped)
         self._ds_sizer = deepspeed_step.StepSizer(
             zero, base, size=lambda sq: self._size_step(sq, groups=self._ds_sizer.groups),
-            restore=self.step_sizer.restore, skipped=self._drop_step_samples)
-
-    def _drop_step_samples(self) -> None:
-        """DeepSpeed skipped the optimizer step (an overflow): its SNR samples go with it (on every rank alike)."""
-        self.step_sizer.drop_samples()
-        self.advice("deepspeed_skipped")
+            restore=self.step_sizer.restore, skipped=lambda: self.advice(*self.step_sizer.drop_samples()))
 
     def _size_step(self, grad_sq_norm: float, groups: list[dict] | None = None) -> None:
         """Scales the lr of ``groups`` (default: the optimizer's param groups) by this step's SNR factor."""
@@ -259,18 +256,13 @@ class OBLRPOTrainer(GRPOTrainer):
     def create_optimizer(self, *args, **kwargs):
         optimizer = super().create_optimizer(*args, **kwargs)
         # under DeepSpeed the StepSizer's pre-hook on this optimizer sizes every step itself (training_step)
-        if self.args.snr_lr and not self.is_deepspeed_enabled and not getattr(optimizer, "_oblr_guarded", False):
-            optimizer.register_step_pre_hook(self._refuse_unsized_step)
-            optimizer._oblr_guarded = True
+        if self.args.snr_lr and not self.is_deepspeed_enabled:
+            guard_optimizer(optimizer, self._refuse_unsized_step)  # once, also when train() runs again
         return optimizer
 
     def _refuse_unsized_step(self, optimizer, args, kwargs) -> None:
         if self.model.training and not self.step_sizer.sized:
-            raise RuntimeError(
-                "OBLRPOTrainer: an optimizer step is about to run without its SNR step size (snr_lr=True). The "
-                "step size is set in training_step at the step's last micro-batch; this training loop stepped the "
-                "optimizer elsewhere. Report your transformers/accelerate versions, or set snr_lr=False."
-            )
+            raise RuntimeError(UNSIZED_STEP)
 
     # ------------------------------------------------------------- model card
     def create_model_card(self, *args, **kwargs):
@@ -283,17 +275,25 @@ class OBLRPOTrainer(GRPOTrainer):
             append_oblr_section(self.args.output_dir, self.args, self.state.log_history)
 
     # ------------------------------------------------------ checkpoint / resume
-    # The only OBLR-PO state that outlives a step is the step sizer's (the SNR smoothing state, lr statistics); saved
-    # and loaded as TRL does its adaptive-entropy state: after the parent's checkpoint, and with the optimizer.
+    # The only OBLR-PO state that outlives a step is the step sizer's (the SNR smoothing state, lr statistics).
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """TRL's, resuming from the latest *complete* checkpoint (:func:`.state_file.resume_point`); each call a fresh
+        run of the step sizer (or the checkpoint's), whose scaled lr no exception leaves in the optimizer."""
+        resume_from_checkpoint = state_file.resume_point(resume_from_checkpoint, self.args.output_dir, logger.warning)
+        self.step_sizer.reset()
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.step_sizer.abandon()  # after an exception between sizing a step and taking it: the scheduled lr
+
     def _save_checkpoint(self, model, trial):
+        if self.args.should_save:  # first, atomically: a checkpoint complete for transformers holds the whole file
+            self.step_sizer.save(self._get_output_dir(trial=trial), self.state.global_step)
         super()._save_checkpoint(model, trial)
-        if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            self.step_sizer.save(folder, self.state.global_step)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # called on every rank and with every backend when resuming (and only then), with the checkpoint folder
         super()._load_optimizer_and_scheduler(checkpoint)
-        problem = checkpoint and self.step_sizer.load(checkpoint)
+        problem = checkpoint and self.step_sizer.load(checkpoint, self.state.global_step)
         if problem:
             logger.warning(problem)

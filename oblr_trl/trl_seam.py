@@ -55,9 +55,11 @@ SEAMS: tuple[Seam, ...] = (
          "the signature and the position of `args`; that DeepSpeed is still set up inside it (its ZeRO stage is "
          "checked right after it: oblr_trl/deepspeed_step.py)"),
     Seam("_calculate_rewards", f"{GRPO}._calculate_rewards", "5017fb893c0ca9dd",
-         "overridden: keeps the all-rank rewards_per_func it returns; trl_logs filters its all-None warning",
+         "overridden: keeps the all-rank rewards_per_func it returns; trl_logs filters its all-None warning; it "
+         "calls self.reward_funcs, which __init__ wraps to check each function's output (setup_checks)",
          "its return value is still every rank's (n, functions) rewards with NaN for None; the warning's wording "
-         "(oblr_trl/trl_logs.py ALL_NONE_MESSAGE)"),
+         "(oblr_trl/trl_logs.py ALL_NONE_MESSAGE); that it still calls self.reward_funcs (names from "
+         "reward_func_names, read at construction)"),
     Seam("_generate_and_score_completions", f"{GRPO}._generate_and_score_completions", "3d5cec813b83b396",
          "overridden: replaces output['advantages'] with r_i - b_i, adds oblr_* rows; relies on its output keys, "
          "the process slice of the rows and scale_rewards='none' giving rewards - group mean",
@@ -90,8 +92,10 @@ SEAMS: tuple[Seam, ...] = (
          "overridden: appends the OBLR-PO section; oblr_trl/card.py fixes what its template writes for local models",
          "card.py's fix_trl_card patterns against the card it writes; _tag_names/_name/_paper still used"),
     Seam("_save_checkpoint", f"{GRPO}._save_checkpoint", "10fa449292ba1d3d",
-         "overridden: writes oblr_state.json into the checkpoint folder it created",
-         "the folder name (PREFIX_CHECKPOINT_DIR-global_step under _get_output_dir) and should_save"),
+         "overridden: writes oblr_state.json (atomically) into the checkpoint folder before the parent's save, whose "
+         "last write, trainer_state.json, marks a checkpoint complete (transformers' Trainer._save_checkpoint)",
+         "the folder name (PREFIX_CHECKPOINT_DIR-global_step under _get_output_dir), should_save, and that "
+         "trainer_state.json is still written last (oblr_trl/state_file.py; tests/integration/test_save_crash.py)"),
     Seam("_load_optimizer_and_scheduler", f"{GRPO}._load_optimizer_and_scheduler", "d6497323f7e1d3a4",
          "overridden: reads oblr_state.json on resume (called with the checkpoint folder, on every rank)",
          "that it is still called once on resume with the checkpoint path; tests/integration/test_resume.py"),
@@ -104,6 +108,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam("create_optimizer", "transformers.trainer.Trainer.create_optimizer", None,
          "overridden: registers the pre-step hook that refuses an unsized step",
          "if TRL now overrides it: that the optimizer it returns is the one stepped"),
+    Seam("train", "transformers.trainer.Trainer.train", None,
+         "overridden: resolves resume_from_checkpoint=True to the latest complete checkpoint (transformers takes the "
+         "highest-numbered folder, however incomplete), resets the step sizer, restores the lr after an exception",
+         "if TRL now overrides it: the resume argument's meaning; that train() may run twice on one trainer"),
     Seam("_get_output_dir", "transformers.trainer.Trainer._get_output_dir", None,
          "called by the _save_checkpoint override for the checkpoint folder",
          "if TRL now overrides it: the folder _save_checkpoint writes to"),

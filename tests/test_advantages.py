@@ -89,3 +89,21 @@ def test_mean_baseline_needs_no_norms_and_grpo_keeps_trls_advantages():
                               args=args(baseline="mean", leave_one_out=False, scale_rewards="group"),
                               loss_type="dapo", group_size=G, local=slice(0, 4), trl_advantages=trl)
     assert grpo.values is trl and grpo.parts[1].tolist() == [0.5] * 4  # logged baseline: the group mean
+
+
+def test_identical_groups_get_advantages_of_exactly_zero():
+    """issue 46: the weighted mean of equal rewards is that reward, but in floating point it misses by an ulp in most
+    draws; those ulps made a step of identical groups a tiny gradient of pure noise. A group whose scorable rewards
+    (2 or more) are all equal gets advantages of exactly 0; a lone scorable reward keeps its own (no baseline)."""
+    torch.manual_seed(0)
+    nan = float("nan")
+    rewards = torch.tensor([0.3] * G + [0.7, nan, 0.7, 0.7] + [nan, 0.9, nan, nan] + [0.1, 0.2, 0.3, 0.4])
+    weights = torch.rand(4 * G) * 10
+    a = dict(args=args(), loss_type="dr_grpo", group_size=G, local=slice(None))
+    values = compute_advantages(rewards, torch.full((4 * G,), 5), weights, **a).values
+    assert values[: 2 * G].tolist() == [0.0] * (2 * G)
+    assert values[2 * G + 1] == pytest.approx(0.9) and (values[3 * G :] != 0).all()
+    from oblr_trl import gradient_weighted_baseline
+
+    plain = rewards[:G] - gradient_weighted_baseline(rewards[:G], weights[:G], G, leave_one_out=True)[0]
+    assert (plain != 0).any()  # what the weighted mean alone gives here: ulps, not zeros

@@ -1,6 +1,7 @@
 """`OBLRPOConfig`: validation at construction (naming the option and the allowed values) and `upgrade_config`."""
 
 import dataclasses
+import re
 
 import pytest
 from trl import GRPOConfig
@@ -98,3 +99,36 @@ def test_a_step_the_snr_cannot_size_is_refused_at_construction():
 def test_a_negative_learning_rate_is_refused_at_construction():
     with pytest.raises(ValueError, match="learning_rate=-0.001 must be >= 0"):
         OBLRPOConfig(**common_args(learning_rate=-1e-3))
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("snr_lr", "false", "snr_lr='false' must be a bool, not a str (pass snr_lr=False, not a string)"),
+    ("leave_one_out", "True", "leave_one_out='True' must be a bool, not a str (pass leave_one_out=True"),
+    ("one_backward", "no", "one_backward='no' must be a bool or None, not a str (pass one_backward=False"),
+    ("one_backward", 1, "one_backward=1 must be a bool or None, not an int"),
+    ("snr_window", "10", "snr_window='10' must be an int, not a str"),
+    ("snr_window", 10.0, "snr_window=10.0 must be an int, not a float"),
+    ("lr_scale_min", "0.1", "lr_scale_min='0.1' must be a number, not a str"),
+    ("snr_ema", True, "snr_ema=True must be a number, not a bool"),
+    ("weight_clip", "10", "weight_clip='10' must be a number or None, not a str"),
+])
+def test_options_of_the_wrong_type_are_refused_naming_them(option, value, message):
+    """issue 46: a string "false" is truthy, so `snr_lr="false"` acted as True; and `snr_window="10"` was reported as
+    `snr_window=10 must be an integer`. Our options refuse any value of the wrong type, naming it with its quotes."""
+    with pytest.raises(ValueError, match=re.escape(f"OBLRPOConfig.{message}")):
+        OBLRPOConfig(**common_args(), **{option: value})
+
+
+def test_snr_window_of_the_window_estimator_is_shown_with_its_quotes():
+    from oblr_trl.step_size import check_estimator
+
+    with pytest.raises(ValueError, match=re.escape("snr_window='10' must be an integer")):
+        check_estimator("window", 0.9, "10")
+
+
+def test_a_grpo_config_keeps_its_lr_as_eta_max_and_says_so():
+    """issue 46: GRPO's lr (default 1e-6) becomes eta_max, of which each step applies a fraction: warned, with the
+    fix. The value itself is kept (README: every GRPOConfig option is kept)."""
+    with pytest.warns(UserWarning, match=r"learning_rate=1e-06 becomes eta_max.*a few times the lr"):
+        upgraded = upgrade_config(GRPOConfig(**{**common_args(), "learning_rate": 1e-6}))
+    assert upgraded.learning_rate == 1e-6

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oblr_trl.snr_step import STATE_NAME, StepSizer, grad_sq_norm
-from oblr_trl.step_size import snr_step_size
+from oblr_trl.step_size import STALL_SCALE, STALL_STEPS, snr_step_size
 
 
 def config(**kw):
@@ -55,13 +55,61 @@ def test_state_round_trips_through_a_checkpoint_folder(tmp_path):
     sizer = StepSizer(config(snr_estimator="ema"))
     record_units(sizer, [1.0, 2.0, 0.5, 1.5])
     sizer.size([{"lr": 1.0}], grad_sq_norm=9.0)
-    sizer.save(str(tmp_path), global_step=7)
-    assert json.loads((tmp_path / STATE_NAME).read_text())["global_step"] == 7
+    sizer.save(str(tmp_path), global_step=7)  # the run's folder: the file goes into its checkpoint-7
+    checkpoint = tmp_path / "checkpoint-7"
+    assert json.loads((checkpoint / STATE_NAME).read_text())["global_step"] == 7
+    assert [p.name for p in checkpoint.iterdir()] == [STATE_NAME]  # no temporary file left behind
     other = StepSizer(config(snr_estimator="ema"))
-    assert other.load(str(tmp_path)) is None
+    assert other.load(str(checkpoint), global_step=7) is None
     assert other.snr_state == sizer.snr_state and other.lr_stats == sizer.lr_stats
     missing = StepSizer(config(snr_estimator="ema")).load(str(tmp_path / "nothing"))
-    assert f"no {STATE_NAME}" in missing
+    assert f"no {STATE_NAME}" in missing and "another trainer" in missing and "crash" in missing
+
+
+def test_zero_gradient_step_scales_to_zero_and_warns_unless_unscored():
+    sizer = StepSizer(config(snr_estimator="ema_soft"))
+    record_units(sizer, [1.0, 2.0, 0.5, 1.5])
+    sizer.size([{"lr": 1.0}], grad_sq_norm=9.0)  # an informative step: a positive scale, a state to keep
+    sizer.restore()
+    state = sizer.snr_state
+    record_units(sizer, [0.0, 0.0, 0.0, 0.0])
+    metrics, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=0.0)
+    assert metrics["lr_scale"] == 0.0 and warnings == ["zero_gradient"] and sizer.snr_state == state
+    sizer.restore()
+    record_units(sizer, [0.0, 0.0, 0.0, 0.0])
+    assert sizer.size([{"lr": 1.0}], grad_sq_norm=0.0, unscored=True)[1] == []  # no_rewards says it
+
+
+def test_stall_is_warned_after_stall_steps_below_stall_scale():
+    """ema_soft on steps whose signal estimate is +-0.07 around 0 against a noise of ~16: each scale is small but not 0
+    (no zero-SNR warning): the stall warning is the one that says so, at the STALL_STEPS-th step in a row."""
+    sizer = StepSizer(config(snr_estimator="ema_soft"))
+    warned_at, scales = [], []
+    for step in range(STALL_STEPS + 3):
+        record_units(sizer, [1.0, 1.0, 1.0, 1.0])
+        metrics, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=4.05 if step % 2 else 3.95)
+        sizer.restore()
+        scales.append(metrics["lr_scale"])
+        warned_at += [step] if "stalled" in warnings else []
+        assert "zero_snr" not in warnings or step == 0
+    assert all(0.0 < s < STALL_SCALE for s in scales[1:]), scales
+    assert warned_at[0] == STALL_STEPS - 1, warned_at
+    record_units(sizer, [1.0, 2.0, 0.5, 1.5])
+    sizer.size([{"lr": 1.0}], grad_sq_norm=9.0)  # a clear step ends the streak
+    assert sizer.lr_stats.low_streak == 0
+
+
+def test_reset_and_abandon_leave_a_fresh_sizer_and_the_scheduled_lr():
+    sizer = StepSizer(config(snr_estimator="ema"))
+    groups = [{"lr": 1e-3}]
+    record_units(sizer, [1.0, 2.0, 0.5, 1.5])
+    sizer.size(groups, grad_sq_norm=9.0)
+    record_units(sizer, [1.0, 2.0])  # a next step's samples, recorded before an exception
+    sizer.abandon()
+    assert groups[0]["lr"] == 1e-3 and not sizer.sized and sizer.samples.formed == []
+    assert sizer.lr_stats.steps == 1  # the finished step still counts
+    sizer.reset()
+    assert sizer.lr_stats.steps == 0 and sizer.snr_state.steps == 0
 
 
 def test_grad_sq_norm_is_the_squared_total_norm_and_skips_parameters_without_grad():

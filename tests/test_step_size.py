@@ -157,8 +157,11 @@ def test_window_pools_exactly_the_last_steps():
 def test_degenerate_input_gives_defined_factors_and_leaves_the_state(estimator):
     kw = KW[estimator]
     _, state = snr_step_size(estimator, 3.0, 10.0, 8, None, **kw)
-    zero, after_zero = snr_step_size(estimator, 0.0, 0.0, 8, SNRState(), **kw)  # zero gradients: no signal
-    assert (zero.scale, zero.snr, zero.status) == (0.0, 0.0, "zero_snr") and after_zero.steps == 1
+    zero, after_zero = snr_step_size(estimator, 0.0, 0.0, 8, state, **kw)  # zero gradients: no signal, no evidence
+    assert (zero.scale, zero.snr, zero.status, after_zero) == (0.0, 0.0, "zero_gradient", state)
+    assert snr_step_size(estimator, 0.0, 0.0, 8, state, lr_scale_min=0.05, **kw)[0].scale == 0.05
+    overflow, same = snr_step_size(estimator, 1e308, 1e308, 8, state, **kw)  # n * sum_sq overflows: not an estimate
+    assert (overflow.status, same) == ("nonfinite_grad", state)
     for bad in (math.inf, math.nan):
         for args in ((3.0, bad), (bad, 10.0)):
             d, same = snr_step_size(estimator, *args, 8, state, lr_scale_min=0.05, **kw)
@@ -211,3 +214,17 @@ def test_lr_stats_record_means_and_round_trip():
     assert metrics["lr_scale_mean"] == pytest.approx(sum(scales) / 4)
     assert metrics["skipped_fraction"] == 0.25
     assert LrStats.from_dict(json.loads(json.dumps(stats.to_dict()))) == stats
+
+
+@pytest.mark.parametrize("estimator", list(KW))
+def test_a_zero_gradient_step_after_an_informative_one_is_not_given_its_scale(estimator):
+    """issue 46: under the EMAs a flat step averaged in as (signal 0, noise 0) kept the previous steps' ratio, so it
+    went on at the earlier scale (~0.25 here) without a word; now its scale is 0 under every estimator, the state is
+    kept as it was, and the next informative step continues from it."""
+    kw = KW[estimator]
+    first, state = snr_step_size(estimator, 3.0, 10.0, 8, None, **kw)
+    assert first.scale > 0.2
+    flat, kept = snr_step_size(estimator, 0.0, 0.0, 8, state, **kw)
+    assert (flat.scale, flat.status, kept) == (0.0, "zero_gradient", state)
+    again, _ = snr_step_size(estimator, 3.0, 10.0, 8, kept, **kw)
+    assert again == snr_step_size(estimator, 3.0, 10.0, 8, state, **kw)[0]

@@ -129,7 +129,8 @@ def test_identical_rewards_give_zero_advantages_and_zero_step(caplog):
     assert_finite_everywhere(trainer)
     assert all(g["advantages"].abs().max() == 0 for g in trainer.generations)
     assert logged(trainer, "oblr/lr_scale") == [0.0, 0.0]  # no signal: G = 0
-    assert "SNR estimate is 0" in caplog.text
+    assert logged(trainer, "oblr/skipped_fraction") == [1.0, 1.0]
+    assert "gradient was exactly 0" in caplog.text and "noise dominates" not in caplog.text
 
 
 def test_empty_completions_and_zero_gradients(caplog):
