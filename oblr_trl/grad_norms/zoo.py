@@ -83,6 +83,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                         shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
                         num_experts_per_tok=1)),
     "LFM2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention"], conv_L_cache=3)),
+    # Heads whose transform is found by observation (head_transform.py): xLSTM's output_logit_soft_cap (30); MPT's
+    # config logit_scale, which its model never reads.
+    "xLSTM": ("xLSTMConfig", "xLSTMForCausalLM",
+              dict(_NOT_LLAMA_NAMES, hidden_size=32, embedding_dim=32, num_heads=4, num_blocks=2, qk_dim_factor=0.5,
+                   chunk_size=4)),
+    "MPT": ("MptConfig", "MptForCausalLM",
+            dict(_NOT_LLAMA_NAMES, d_model=32, n_heads=4, n_layers=2, max_seq_len=64, logit_scale=0.5)),
+    # Refused by name: its expert banks split a flat token list by per-expert counts the per-row re-run cannot split.
+    "JetMoe": ("JetMoeConfig", "JetMoeForCausalLM", dict(kv_channels=8, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

@@ -108,11 +108,11 @@ def test_a_weight_used_by_its_module_and_functionally_is_refused_and_the_advice_
     _exact(model)
 
 
-def test_a_pass_that_fails_is_a_refusal_naming_the_model_and_the_module():
+def test_a_pass_that_fails_is_a_refusal_naming_every_module_by_path():
     model = _llama_with(BatchCentred)
     found = validate(model, strict=False)
-    assert len(found) == 1 and found[0].type == "LlamaForCausalLM"
-    assert "BatchCentred does not treat the sequences independently" in found[0].reason
+    assert [(f.name, f.type) for f in found] == [(f"model.layers.{i}.mlp.act_fn.1", "BatchCentred") for i in range(2)]
+    assert all("BatchCentred does not treat the sequences independently" in f.reason for f in found)
 
 
 def test_the_probe_leaves_grads_and_mode_as_they_were():
