@@ -20,9 +20,10 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
    0.2); a parameter that misses in float32 is looked at again with the whole model in float64, where rounding
    cannot explain a miss, and only a miss there is refused. A parameter where it does not hold (a share no hook
    sees, rows paired with the wrong sequence, a head transform the engine does not compute), or a pass that fails,
-   is refused by name before training. Before it, the head is checked by observation (:mod:`.head_transform`). This check also covers ``one_backward``: its update is the same per-sequence gradients,
-   weighted. Cost: one engine pass of that batch and one forward+backward per sequence, and three gradient-sized
-   buffers while it runs (before any optimizer state exists).
+   is refused by name before training. Before it, the head is checked by observation (:mod:`.head_transform`).
+   This check also covers ``one_backward``: its update is the same per-sequence gradients, weighted. Cost: one
+   engine pass of that batch and one forward+backward per sequence (twice where float32 misses), and three
+   gradient-sized buffers while it runs (before any optimizer state exists).
 """
 
 from __future__ import annotations

@@ -48,16 +48,22 @@ def trainable_names(lm: nn.Module) -> tuple[str, ...]:
 
 @contextmanager
 def plain_mode(lm: nn.Module):
-    """Eval mode (no dropout, no gradient checkpointing) and no autocast, for discovery and the probe; the train/eval
-    mode is put back after."""
-    was_training = lm.training
+    """Eval mode (no dropout, no gradient checkpointing), no autocast and full float32 matmuls (no TF32, whose 1e-3
+    rounding is above the probe's 1e-4), for discovery, the head's observation and the probe; the train/eval mode and
+    the matmul precision are put back after."""
+    was_training, precision = lm.training, torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
     device = lm.get_input_embeddings().weight.device
     lm.eval()
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
     try:
         with torch.autocast(device_type=device.type, enabled=False):
             yield
     finally:
         lm.train(was_training)
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
 @contextmanager

@@ -95,6 +95,32 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 }
 
 
+_ATTENTION = ["q_proj", "k_proj", "v_proj"]
+# PEFT adapters, on Qwen3's tiny model: name -> (family, peft config class, its arguments). Non-zero initial weights,
+# so that every adapter parameter has a gradient. The test zoo (tests/grad_norms/test_peft.py) and the support table
+# read this list.
+ADAPTERS: dict[str, tuple[str, str, dict]] = {
+    "LoRA (with embed_tokens)": ("Qwen3", "LoraConfig",
+                                 dict(r=4, target_modules=["embed_tokens", "q_proj", "down_proj"],
+                                      init_lora_weights=False)),
+    "DoRA (all-linear)": ("Qwen3", "LoraConfig", dict(r=4, target_modules="all-linear", use_dora=True,
+                                                      init_lora_weights=False)),
+    "VeRA": ("Qwen3", "VeraConfig", dict(r=4, target_modules=["q_proj", "v_proj"], init_weights=False)),
+    "LoHa": ("Qwen3", "LoHaConfig", dict(r=4, target_modules=_ATTENTION, init_weights=False)),
+    "LoKr": ("Qwen3", "LoKrConfig", dict(r=4, target_modules=_ATTENTION, init_weights=False)),
+    "IA3": ("Qwen3", "IA3Config", dict(target_modules=[*_ATTENTION, "down_proj"], feedforward_modules=["down_proj"],
+                                       init_ia3_weights=False)),
+}
+
+
+def build_adapted(adapter: str, tie: bool = False, seed: int = 0) -> torch.nn.Module:
+    """The adapter's family, tiny and random (:func:`build`), wrapped by PEFT with that adapter (needs peft)."""
+    import peft
+
+    family, config_cls, kwargs = ADAPTERS[adapter]
+    return peft.get_peft_model(build(family, tie, seed=seed), getattr(peft, config_cls)(**kwargs))
+
+
 def build(family: str, tie: bool = False, seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:
     """The family's tiny random model, in eval mode (no dropout), float32."""
     import transformers

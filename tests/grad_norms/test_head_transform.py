@@ -117,3 +117,21 @@ def test_the_probe_checks_the_total_too(monkeypatch):
     monkeypatch.setattr(coverage, "FLOOR", 1e4)  # a floor so wide that no single parameter is refused by itself
     found = validate(blind, strict=False)
     assert found and all("differ from autograd's" in f.reason for f in found)
+
+
+def test_the_check_and_the_probe_run_without_tf32_and_put_the_precision_back():
+    """TF32 matmuls (on GPUs) round to about 1e-3, above the 1e-4 the probe holds: off while it runs, then back."""
+    seen = []
+    model = build("Llama")
+    model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)))
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        assert validate(model) == []
+        assert seen and set(seen) == {("highest", False)}
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
