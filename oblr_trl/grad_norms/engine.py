@@ -129,7 +129,8 @@ class _Pass:
                  materialize: bool):
         self.head = output_head(lm)
         if not isinstance(self.head, nn.Linear):
-            raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(self.head).__name__}.")
+            raise UnsupportedModulesError([Unsupported("lm_head", type(self.head).__name__,
+                                                       "the LM head must be an nn.Linear")])
         self.hooked, self.whole_call, self.borrowed = _hooked_modules(lm)
         self.slot_of, self.slots, self.sharing = _slots(self.hooked, self.head, self.borrowed)
         self.batch, self.device, self.k, self.materialize = batch, device, stream_group_size, materialize
@@ -259,9 +260,11 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
     except RuntimeError as error:
         if "use_reentrant=True" not in str(error):
             raise
-        raise RuntimeError(
-            "Per-sequence gradient norms need non-reentrant gradient checkpointing: set "
-            "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default)."
+        raise UnsupportedModulesError(
+            [Unsupported("", type(backbone).__name__, "it runs under reentrant gradient checkpointing, which the "
+                         "per-sequence gradient pass cannot go through")],
+            advice="Per-sequence gradient norms need non-reentrant gradient checkpointing: set "
+                   "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default).",
         ) from error
 
 
