@@ -246,7 +246,7 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
                        borrowed: dict[nn.Module, tuple[str, ...]]) -> None:
     """The backward of ``<hidden, grad>`` to the hooked modules' inputs (their output gradients are all the rules
     need) plus the trainable parameters of modules whose input carries no gradient (the input embedding; the first
-    layer's adapters), their own and those they borrow (VeRA's, LoHa's, LoKr's, IA3's, in ``ParameterDict``\ s that
+    layer's adapters), their own and those they borrow (VeRA's, LoHa's, LoKr's and IA3's sit in ParameterDicts that
     their layer uses functionally; before, the backward stopped short of them, and their gradient was 0): no other
     parameter's gradient is computed, and no ``.grad`` is touched."""
     first_layer_params = [
