@@ -18,9 +18,9 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
    for parameters whose gradient is nearly 0) and over all parameters together. It runs in float32 (a bf16/fp16
    model is upcast while it runs, since bf16 logits are too coarse a reference; a quantized one runs as it is, at
    0.2); a parameter that misses in float32 is looked at again with the whole model in float64, where the model's
-   own rounding is gone (the engine's float32 products leave about 1e-7), and only a miss there is refused. A parameter where it does not hold (a share no hook
-   sees, rows paired with the wrong sequence, a head transform the engine does not compute), or a pass that fails,
-   is refused by name before training. Before it, the head is checked by observation (:mod:`.head_transform`).
+   own rounding is gone (the engine's float32 products leave about 1e-7), and only a miss there is refused. A
+   parameter where it does not hold (a share no hook sees, rows paired with the wrong sequence, a head transform the
+   engine does not compute), or a pass that fails, is refused by name before training. Before it, the head is checked by observation (:mod:`.head_transform`).
    This check also covers ``one_backward``: its update is the same per-sequence gradients, weighted. Cost: one
    engine pass of that batch and one forward+backward per sequence (twice where float32 misses), and three
    gradient-sized buffers while it runs (before any optimizer state exists).
