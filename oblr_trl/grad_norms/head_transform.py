@@ -181,8 +181,7 @@ def _observe(lm: nn.Module) -> tuple[HeadTransform, list[Unsupported]]:
                                              f"head's output h W^T + b on last_hidden_state {tuple(s.shape)}")]
     keep = attention.bool()
     config = text_config(lm)
-    caps = [c for c in (_number(getattr(config, n, None)) for n in dir(config) if "cap" in n.lower()
-                        and not n.startswith("_")) if c and c > 0]
+    caps = [c for c in (_number(v) for n, v in vars(config).items() if "cap" in n.lower()) if c and c > 0]
     transform, error, what = fit(s[keep], y[keep].double(), caps)
     if error <= TOLERANCE:
         return transform, []
