@@ -8,8 +8,9 @@ some config fields of the same names are read by nothing (MPT's ``logit_scale``)
 batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own output logits ``y`` are compared with
 ``s`` and one of these is fitted: ``y = a s``; ``y = a s + c_v`` (a per-vocabulary offset ``c``); ``y = P tanh(Q s)``
 (a soft cap: before or after a scale, it is ``alpha = P Q``, ``C = 1 / Q``; a config value within 1e-3 of ``C`` is
-taken exactly). The first that reproduces ``y`` to float precision (:data:`TOLERANCE`, relative, over the scored
-positions) is what the engine computes; none does, the model is refused naming the head and the difference. A
+taken exactly). The simplest that reproduces ``y`` to float precision (:data:`TOLERANCE`, relative, over the
+scored positions; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision) is what the
+engine computes; none does, the model is refused naming the head and the difference. A
 scale fitted to ``1 +- 1e-6`` is taken as 1. Cost: one forward of the backbone and one of the model on the probe
 batch, once per model. Models whose parameters are already shards (no plain forward) use the config's names
 (:func:`from_config`), which :func:`~.coverage.check_once` warns about.
@@ -28,6 +29,7 @@ from .lm import backbone_of, output_head, text_config, unwrap_causal_lm
 from .support import Unsupported, UnsupportedModulesError
 
 TOLERANCE = 1e-5  # relative (Frobenius) difference allowed between the engine's head logits and the model's own
+NATIVE_HALF_TOLERANCE = 2e-2  # where the model cannot be upcast (quantized weights): half-precision logits' rounding
 _CAP_NAMES = ("final_logit_softcapping", "output_logit_soft_cap", "logit_softcapping", "logits_soft_cap")
 
 
@@ -165,7 +167,7 @@ def fit(s: torch.Tensor, y: torch.Tensor, named_caps: list[float] = ()) -> tuple
     return transform, error, kind
 
 
-def _observe(lm: nn.Module) -> tuple[HeadTransform, list[Unsupported]]:
+def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsupported]]:
     head = output_head(lm)
     names = {m: n for n, m in lm.named_modules()}
     name, kind = names.get(head, "lm_head"), type(head).__name__
@@ -183,13 +185,13 @@ def _observe(lm: nn.Module) -> tuple[HeadTransform, list[Unsupported]]:
     config = text_config(lm)
     caps = [c for c in (_number(v) for n, v in vars(config).items() if "cap" in n.lower()) if c and c > 0]
     transform, error, what = fit(s[keep], y[keep].double(), caps)
-    if error <= TOLERANCE:
+    if error <= tolerance:
         return transform, []
     return HeadTransform(), [Unsupported(name, kind, (
         f"the model's own output logits differ from what the engine would compute from its head (h W^T + b on the "
         f"backbone's last_hidden_state) by a relative {_relative(y[keep].double(), s[keep]):.2g}, and no scale, "
         f"per-vocabulary offset or soft cap explains the difference (the closest, a {what}, leaves "
-        f"{error:.2g}, above {TOLERANCE:g})"))]
+        f"{error:.2g}, above {tolerance:g})"))]
 
 
 def check(model: nn.Module) -> list[Unsupported]:
@@ -198,8 +200,8 @@ def check(model: nn.Module) -> list[Unsupported]:
     lm = unwrap_causal_lm(model)
     if lm in _SEEN or not isinstance(output_head(lm), nn.Linear) or sharded(lm):
         return []
-    with plain_mode(lm), float32_mode(lm):
-        transform, refused = _observe(lm)
+    with plain_mode(lm), float32_mode(lm) as upcast:
+        transform, refused = _observe(lm, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)
     if not refused:
         _SEEN[lm] = transform
     return refused

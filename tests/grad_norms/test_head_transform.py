@@ -135,3 +135,14 @@ def test_the_check_and_the_probe_run_without_tf32_and_put_the_precision_back():
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_a_model_that_cannot_be_upcast_is_checked_at_half_precisions_rounding():
+    """Quantized weights (here: a frozen integer parameter) keep the model in bf16 while it is checked: its logits are
+    rounded to about 4e-3, so the head is held to NATIVE_HALF_TOLERANCE (as the probe to NATIVE_HALF_RTOL), and a
+    scale it applies is still found."""
+    model = _with_head_hook(build("Llama"), lambda out: 2.0 * out).to(torch.bfloat16)
+    model.register_parameter("codes", torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False))
+    assert validate(model) == []
+    assert head_transform.transform_of(model).scale == pytest.approx(2.0, rel=1e-2)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
