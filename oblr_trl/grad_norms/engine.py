@@ -234,9 +234,17 @@ class _Pass:
             with _fp32(self.device):
                 self.usages[self.slot_of[(head, "bias")]].append(Materialized(delta.cols(0, delta.width).sum(1)))
 
+    def refused(self, more: list[Unsupported] = ()) -> UnsupportedModulesError:
+        """Every module that failed in this pass, once each (its first reason), in the model's module order."""
+        order = {name: i for i, name in enumerate(self.names.values())}
+        first = {}
+        for entry in [*self.failed, *more]:
+            first.setdefault(entry.name, entry)
+        return UnsupportedModulesError(sorted(first.values(), key=lambda entry: order.get(entry.name, -1)))
+
     def result(self) -> PerSequenceGradients:
         if self.failed:
-            raise UnsupportedModulesError(list(dict.fromkeys(self.failed)))
+            raise self.refused()
         return PerSequenceGradients(self.usages, self.batch, self.device, self.streamed, slots=self.slots,
                                    self_done=self.self_done)
 
@@ -359,7 +367,7 @@ def per_sequence_grads(
                 full_grad[:, span] = grad_h.to(hidden.dtype)
                 _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone, run.borrowed)
     except hooks.RowsError as error:  # rows that cannot be paired with the sequences: refused by the module's path
-        raise UnsupportedModulesError(run.failed + [run.refusal(error.module, error)]) from error
+        raise run.refused([run.refusal(e.module, e) for e in (error, *error.more)]) from error
     run.collect(records)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
         run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, softcap), h, head_self_done)

@@ -66,6 +66,7 @@ class RowsError(NotImplementedError):
     def __init__(self, module: nn.Module, message: str):
         super().__init__(message)
         self.module = module
+        self.more: list[RowsError] = []  # the other modules found in the same pass (all are refused at once)
 
 
 class Call:
@@ -237,7 +238,8 @@ class _Capture:
 
     def check_paired(self) -> None:
         if self.failed:
-            raise self.failed[0]
+            first, *self.failed[0].more = self.failed
+            raise first
         unpaired = [r for queue in self.waiting.values() for r in queue if r.output_grad is not None]
         if unpaired:
             raise RowsError(unpaired[0].module,

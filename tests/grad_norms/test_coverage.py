@@ -269,3 +269,25 @@ def test_a_float32_miss_is_looked_at_again_in_float64(monkeypatch, family):
     assert judged == [torch.float32, torch.float64]
     after = dict(list(model.named_parameters()) + list(model.named_buffers()))
     assert all(after[n].dtype == t.dtype and torch.equal(after[n], t) for n, t in before.items())
+
+
+class Regrouped(nn.Module):
+    """Runs its child on the tokens regrouped in pairs: the child's rows are not the batch's sequences."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.lin(x.reshape(-1, 2, x.shape[-1])).reshape(x.shape)
+
+
+def test_rows_that_cannot_be_paired_are_refused_by_the_modules_path():
+    """Before: a bare NotImplementedError naming only the class (as DoRA's, at 5 sequences)."""
+    model = _llama_with(Regrouped)
+    found = validate(model, strict=False)
+    assert [(f.name, f.type) for f in found] == [(f"model.layers.{i}.mlp.act_fn.1.lin", "Linear") for i in range(2)]
+    assert all("Linear's input has leading dimension 8" in f.reason for f in found)
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    with pytest.raises(UnsupportedModulesError, match=r"'model.layers.0.mlp.act_fn.1.lin' \(Linear\)"):
+        per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
