@@ -7,11 +7,13 @@ their own transforms between ``s`` and the logits they return: Gemma 2's ``final
 some config fields of the same names are read by nothing (MPT's ``logit_scale``). So, once per model, on the probe
 batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own output logits ``y`` are compared with
 ``s`` and one of these is fitted: ``y = a s``; ``y = a s + c_v`` (a per-vocabulary offset ``c``); ``y = P tanh(Q s)``
-(a soft cap: before or after a scale, it is ``alpha = P Q``, ``C = 1 / Q``; a config value within 1e-3 of ``C`` is
-taken exactly). The simplest that reproduces ``y`` to float precision (:data:`TOLERANCE`, relative, over the
-scored positions; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision) is what the
-engine computes; none does, the model is refused naming the head and the difference. A
-scale fitted to ``1 +- 1e-6`` is taken as 1. Cost: one forward of the backbone and one of the model on the probe
+(a soft cap: before or after a scale, it is ``alpha = P Q``, ``C = 1 / Q``; a cap named by any config field with
+"cap" in its name is tried first and taken where it fits, else ``P`` and ``Q`` are fitted). The simplest that
+reproduces ``y`` as well as the best (:func:`fit`), within float precision (:data:`TOLERANCE`, relative, over the
+positions attended to; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision), is what
+the engine computes; where none does, the model is refused naming the head and the difference. A scale fitted to
+``1 +- 1e-6`` is taken as 1. The transform is remembered per model: a config changed afterwards (a cap set by hand)
+is not seen again. Cost: one forward of the backbone and one of the model on the probe
 batch, once per model. Models whose parameters are already shards (no plain forward) use the config's names
 (:func:`from_config`), which :func:`~.coverage.check_once` warns about.
 """
