@@ -177,6 +177,10 @@ def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsup
     with torch.no_grad():
         hidden = backbone_of(lm)(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
         y = lm(input_ids=ids, attention_mask=attention, use_cache=False).logits
+    if hidden.shape[-1] != head.weight.shape[-1]:
+        return HeadTransform(), [Unsupported(name, kind, (
+            f"its input width is {head.weight.shape[-1]}, the backbone's last_hidden_state {hidden.shape[-1]}: the "
+            "model transforms the hidden states between the backbone and the head"))]
     s = hidden.double() @ head.weight.detach().double().T
     if head.bias is not None:
         s = s + head.bias.detach().double()

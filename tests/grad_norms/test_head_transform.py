@@ -146,3 +146,18 @@ def test_a_model_that_cannot_be_upcast_is_checked_at_half_precisions_rounding():
     assert validate(model) == []
     assert head_transform.transform_of(model).scale == pytest.approx(2.0, rel=1e-2)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_a_head_whose_input_is_not_last_hidden_state_is_refused_by_name():
+    """ELECTRA's generator projects the hidden states (32) to its embedding width (16) before the head: before, a bare
+    'mat1 and mat2 shapes cannot be multiplied' naming only the model."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ElectraConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
+                                        is_decoder=True)
+    model = transformers.ElectraForCausalLM(config).eval()
+    found = validate(model, strict=False)
+    assert [(f.name, f.type) for f in found] == [("generator_lm_head", "Linear")]
+    assert "its input width is 16, the backbone's last_hidden_state 32" in found[0].reason
