@@ -31,6 +31,8 @@ from .lm import backbone_of, output_head, text_config, unwrap_causal_lm
 from .support import Unsupported, UnsupportedModulesError
 
 TOLERANCE = 1e-5  # relative (Frobenius) difference allowed between the engine's head logits and the model's own
+FLOAT_FLOOR = 1e-6  # float32 logits' own rounding (3e-7 on SmolLM2's 576-wide head): fits this close are as good
+FIT_SAMPLES = 1 << 16  # logits the soft cap's P and Q are fitted on (every k-th); its error is taken on all
 NATIVE_HALF_TOLERANCE = 2e-2  # where the model cannot be upcast (quantized weights): half-precision logits' rounding
 _CAP_NAMES = ("final_logit_softcapping", "output_logit_soft_cap", "logit_softcapping", "logits_soft_cap")
 
@@ -109,7 +111,8 @@ def _capped(s: torch.Tensor, y: torch.Tensor, named: list[float]) -> tuple[HeadT
     tried = [at(cap) for cap in named]
     if any(error <= TOLERANCE for _, error in tried):
         return min(tried, key=lambda found: found[1])
-    x, target = s.flatten(), y.flatten()
+    step = max(1, s.numel() // FIT_SAMPLES)
+    x, target = s.flatten()[::step], y.flatten()[::step]
     for p, q in _starts(x, target):
         p, q = _gauss_newton(x, target, p, q)
         if q > 0:
@@ -159,13 +162,16 @@ def _gauss_newton(x: torch.Tensor, y: torch.Tensor, p: float, q: float, steps: i
 def fit(s: torch.Tensor, y: torch.Tensor, named_caps: list[float] = ()) -> tuple[HeadTransform, float, str]:
     """Of a scale, a scale and per-vocabulary offset, and a soft cap (with a scale), the simplest that reproduces
     ``y`` (``(N, V)``, the model's logits) from ``s`` (the raw head output) as well as the best does (within twice its
-    error, or 1e-7); accepted by the caller if within :data:`TOLERANCE`. Returns it, its relative error, and what it
+    error, or :data:`FLOAT_FLOOR`; a scale that fits within it is taken without trying the others); accepted by the
+    caller if within :data:`TOLERANCE`. Returns it, its relative error, and what it
     is, in words."""
     s, y = s.double(), y.double()
-    tried = [("scale", *_linear(s, y)), ("scale and offset", *_offset(s, y)),
-             ("soft cap", *_capped(s, y, list(named_caps)))]
+    tried = [("scale", *_linear(s, y))]
+    if tried[0][2] <= FLOAT_FLOOR:  # a scale reproduces the logits to float32's rounding: nothing else to find
+        return tried[0][1], tried[0][2], tried[0][0]
+    tried += [("scale and offset", *_offset(s, y)), ("soft cap", *_capped(s, y, list(named_caps)))]
     best = min(error for _, _, error in tried)
-    kind, transform, error = next(t for t in tried if t[2] <= max(2 * best, 1e-7))
+    kind, transform, error = next(t for t in tried if t[2] <= max(2 * best, FLOAT_FLOOR))
     return transform, error, kind
 
 

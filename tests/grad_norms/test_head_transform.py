@@ -161,3 +161,14 @@ def test_a_head_whose_input_is_not_last_hidden_state_is_refused_by_name():
     found = validate(model, strict=False)
     assert [(f.name, f.type) for f in found] == [("generator_lm_head", "Linear")]
     assert "its input width is 16, the backbone's last_hidden_state 32" in found[0].reason
+
+
+@pytest.mark.parametrize(("cap", "scale"), [(30.0, 1.0), (5.0, 0.5)])
+def test_the_fit_finds_a_cap_on_a_large_vocabulary_from_a_sample(cap, scale):
+    """A 49k vocabulary (P and Q fitted on every k-th logit, the error taken on all): a cap of 30 on logits of a few
+    units moves them by about 1e-3, found to float precision without a config name."""
+    s = 3 * torch.randn(13, 49152, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = (scale * cap * torch.tanh(s / cap)).float()
+    found, error, kind = head_transform.fit(s, y)
+    assert kind == "soft cap" and error <= head_transform.TOLERANCE
+    assert found.softcap == pytest.approx(cap, rel=1e-4) and found.scale == pytest.approx(scale, rel=1e-4)
