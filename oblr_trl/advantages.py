@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from .advice import WEIGHT_RATIO_WARNING
-from .estimators import baseline_weights, clip_weights, get_baseline, max_weight_ratio, weight_estimator
+from .estimators import (baseline_uses_weights, baseline_weights, clip_weights, get_baseline, max_weight_ratio,
+                         weight_estimator)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def compute_advantages(
     if sq_norms is None and weight_estimator(args.grad_norm_estimator).needs is not None:
         sq_norms = torch.zeros_like(lengths, dtype=torch.float32)  # not formed: the baseline is the mean, no SNR
     weights = baseline_weights(args.grad_norm_estimator, loss_type, lengths, sq_norms)
-    if args.weight_clip is None and args.baseline == "gradient_weighted":
+    if args.weight_clip is None and baseline_uses_weights(args.baseline):
         if bool((max_weight_ratio(weights, group_size) > WEIGHT_RATIO_WARNING).any()):
             warnings.append("weight_spread")
     num_clipped = 0

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .estimators import BASELINES, GRAD_NORM_ESTIMATORS
+from .estimators import BASELINES, GRAD_NORM_ESTIMATORS, baseline_uses_weights
 from .loss_terms import LOSS_TYPES, terms_beyond_ratio_one
 from .step_size import SNR_ESTIMATORS, check_estimator
 
@@ -169,7 +169,7 @@ class OBLRPOConfig(GRPOConfig):
             "help": "Baseline subtracted from the rewards: 'gradient_weighted' (default; the variance-optimal "
             "baseline of Theorem 7, weighted by ||grad log pi||^2) or 'mean' (GRPO's group mean, RLOO's with "
             "leave_one_out).",
-            "choices": sorted(BASELINES),
+            "choices": BASELINES,  # the registry itself: entries registered later are allowed too
         },
     )
     leave_one_out: bool = field(
@@ -185,7 +185,7 @@ class OBLRPOConfig(GRPOConfig):
             "help": "Source of the baseline weights w_i: 'exact' (default; ||grad log pi(o_i|q)||^2 from one extra "
             "forward/backward, per-sample norms by ghost-norm rules), 'logit' (verl's optimal-token-baseline proxy "
             "sum_t (1 - 2 pi_t + sum pi^2), one forward without backward) or 'length' (verl OPO's proxy w_i = |o_i|).",
-            "choices": list(GRAD_NORM_ESTIMATORS),
+            "choices": GRAD_NORM_ESTIMATORS,  # live, as above
         },
     )
     snr_lr: bool = field(
@@ -219,7 +219,7 @@ class OBLRPOConfig(GRPOConfig):
             "estimates, divided only then), 'ema_soft' (default; the same, with the signal's clipping at 0 replaced "
             "by its expected positive part: no skipped steps), 'window' (their mean over the last snr_window steps) or "
             "'per_step' (the paper's: this step only; with few prompts per step it skips about half the steps).",
-            "choices": list(SNR_ESTIMATORS),
+            "choices": SNR_ESTIMATORS,  # live, as above
         },
     )
     snr_ema: float = field(
@@ -407,5 +407,5 @@ def config_for(args: GRPOConfig | None, model) -> OBLRPOConfig:
 def needs_norms(args: OBLRPOConfig) -> bool:
     """Whether the run needs per-sequence gradient norms: for the SNR step, or for gradient-weighted baseline weights
     formed from the norms."""
-    weighted = args.baseline == "gradient_weighted"
+    weighted = baseline_uses_weights(args.baseline)  # as the baseline's registry entry declares
     return args.snr_lr or (weighted and GRAD_NORM_ESTIMATORS.select(args.grad_norm_estimator).needs == "norms")

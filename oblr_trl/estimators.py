@@ -37,16 +37,40 @@ from .step_size import (  # the SNR formulas, once, where the trainer runs them;
 )
 
 BaselineFn = Callable[..., tuple[torch.Tensor, int]]
-BASELINES = Registry("baseline", "baseline")  # name -> BaselineFn, selected by OBLRPOConfig.baseline
+BASELINES = Registry("baseline", "baseline")  # name -> Baseline, selected by OBLRPOConfig.baseline
 
 
-def register_baseline(name: str) -> Callable[[BaselineFn], BaselineFn]:
-    """Register a baseline estimator under ``name`` (selected by ``OBLRPOConfig.baseline``); a taken name raises."""
-    return BASELINES.register(name)
+@dataclass(frozen=True)
+class Baseline:
+    """A registered baseline: ``fn(rewards, weights, group_size, leave_one_out) -> (baseline, num_fallback)``, and
+    whether it uses ``weights`` (the trainer then forms them, with the per-sequence norms the weight estimator needs,
+    even with ``snr_lr=False``; otherwise it may skip the norms and pass weights it did not form)."""
+
+    fn: BaselineFn
+    uses_weights: bool
+
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, int]:
+        return self.fn(*args, **kwargs)
+
+
+def register_baseline(name: str, *, uses_weights: bool = True) -> Callable[[BaselineFn], BaselineFn]:
+    """Register a baseline estimator under ``name`` (selected by ``OBLRPOConfig.baseline``); a taken name raises.
+    ``uses_weights``: whether it reads the weights ``w_i`` (default True: they are formed for it, at the norms' cost;
+    pass False for a baseline that ignores them, such as ``"mean"``). Returns the function unchanged."""
+    def add(fn: BaselineFn) -> BaselineFn:
+        BASELINES.add(name, Baseline(fn, bool(uses_weights)))
+        return fn
+
+    return add
 
 
 def get_baseline(name: str) -> BaselineFn:
     return BASELINES.select(name)
+
+
+def baseline_uses_weights(name: str) -> bool:
+    """Whether the baseline registered as ``name`` uses the weights (an entry added without declaring it: True)."""
+    return bool(getattr(BASELINES.select(name), "uses_weights", True))
 
 
 def _grouped_weighted_mean(
@@ -115,7 +139,7 @@ def gradient_weighted_baseline(
     return _grouped_weighted_mean(rewards, weights, group_size, leave_one_out)
 
 
-@register_baseline("mean")
+@register_baseline("mean", uses_weights=False)
 def mean_baseline(
     rewards: torch.Tensor, weights: torch.Tensor | None, group_size: int, leave_one_out: bool = False
 ) -> tuple[torch.Tensor, int]:

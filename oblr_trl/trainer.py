@@ -27,7 +27,7 @@ from .advantages import compute_advantages
 from .advice import Advice
 from .card import PAPER, append_oblr_section
 from .config import config_for, needs_norms
-from .estimators import aggregate_rewards, baseline_metrics, weight_estimator
+from .estimators import aggregate_rewards, baseline_metrics, baseline_uses_weights, weight_estimator
 from .grad_norms import validate
 from .loss_terms import loss_coefficients
 from .precision import PrecisionWatch
@@ -146,7 +146,7 @@ class OBLRPOTrainer(GRPOTrainer):
                                     self.accelerator.device, lambda t: self.accelerator.gather(t).min()))
         output["oblr_reward"] = rewards[rank * local_n : (rank + 1) * local_n]
         if weight_estimator(self.args.grad_norm_estimator).needs == "logit_proxy" and \
-                self.args.baseline == "gradient_weighted":  # the proxy weights stand in for the norms
+                baseline_uses_weights(self.args.baseline):  # the proxy weights stand in for the norms
             output["oblr_proxy"] = norm_passes.logit_proxy(
                 self.model, output, chunk=self.args.per_device_train_batch_size, temperature=self.temperature,
                 autocast=self.accelerator.autocast)

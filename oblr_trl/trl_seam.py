@@ -158,6 +158,10 @@ def drift(seams: tuple[Seam, ...] = SEAMS, trainer_cls: type = GRPOTrainer) -> l
 
 
 if __name__ == "__main__":  # the current hashes, to paste after re-checking a changed seam
+    import argparse
+
+    argparse.ArgumentParser(description="Print each TRL seam's owner and current source hash (to paste into SEAMS "
+                                        "after re-checking a changed seam).").parse_args()
     for seam in SEAMS:
         method = getattr(GRPOTrainer, seam.name, None)
         print(f"{seam.name:40s} {owner(method) if method else 'gone':70s} {source_hash(method) if method else ''}")

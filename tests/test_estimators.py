@@ -95,4 +95,5 @@ def test_max_weight_ratio_and_metrics():
 def test_registering_a_baseline_name_twice_raises():
     with pytest.raises(ValueError, match="'mean' is already registered"):
         register_baseline("mean")(lambda *a: None)
-    assert estimators.BASELINES["mean"] is estimators.mean_baseline
+    assert estimators.BASELINES["mean"].fn is estimators.mean_baseline
+    assert not estimators.baseline_uses_weights("mean") and estimators.baseline_uses_weights("gradient_weighted")

@@ -230,3 +230,41 @@ def test_register_weight_estimator_adds_an_entry_the_trainer_uses():
     finally:
         del estimators.GRAD_NORM_ESTIMATORS["ones"]
     assert len(calls) >= 1 and all(c is None for c in calls)  # called, and no norms were formed for it
+
+
+# ------------------------------------------------------------------------- registries that mean what they say
+@pytest.mark.parametrize("uses_weights", [True, False])
+def test_a_registered_baseline_gets_the_weights_it_declares(uses_weights):
+    """Before: needs_norms checked baseline == 'gradient_weighted' by name, so a user's weighted baseline with
+    snr_lr=False was handed zero weights, with no word said."""
+    seen = []
+
+    def mine(rewards, weights, group_size, leave_one_out=False):
+        seen.append(weights.clone())
+        return estimators.mean_baseline(rewards, weights, group_size, leave_one_out)
+
+    assert estimators.register_baseline("mine", uses_weights=uses_weights)(mine) is mine
+    try:
+        assert estimators.baseline_uses_weights("mine") is uses_weights
+        trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), baseline="mine", snr_lr=False))
+        assert trainer._needs_norms is uses_weights
+    finally:
+        del estimators.BASELINES["mine"]
+    assert seen
+    if uses_weights:  # the exact squared norms: positive for every completion with a token
+        assert all(bool((w > 0).all()) for w in seen)
+    else:  # not formed: zeros, and the baseline said it would not read them
+        assert all(bool((w == 0).all()) for w in seen)
+
+
+@pytest.mark.parametrize(("registry", "option"), REGISTRIES)
+def test_the_command_line_takes_an_entry_registered_after_import(registry, option, monkeypatch):
+    """The config's choices are the registry itself, read when the value is validated, not a list frozen at import."""
+    from transformers import HfArgumentParser
+
+    monkeypatch.setitem(registry, "later", registry[next(iter(registry))])
+    (config,) = HfArgumentParser(OBLRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/oblr-test", f"--{option}", "later", "--use_cpu", "True", "--report_to", "none"])
+    assert getattr(config, option) == "later"
+    with pytest.raises(SystemExit):
+        HfArgumentParser(OBLRPOConfig).parse_args_into_dataclasses(["--output_dir", "/tmp/x", f"--{option}", "nope"])

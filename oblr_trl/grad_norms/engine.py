@@ -28,15 +28,16 @@ from .factors import (
     per_sample_dtype,
 )
 from . import factors, generic, hooks
-from .head import lm_head_terms, logit_scale
+from .head import lm_head_terms
+from .head_transform import transform_of
 from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Slot, _fp32
 from .experts import routed_forwards
 from .recognise import find_rule
 from .rules import call_usages
 from .ledger import functional_owners
-from .lm import backbone_of, output_head, text_config as _text_config, unwrap_causal_lm
-from .support import UnsupportedModulesError, coverage_plan, refuse_outside_decoder
+from .lm import backbone_of, output_head, unwrap_causal_lm
+from .support import Unsupported, UnsupportedModulesError, coverage_plan, refuse_outside_decoder
 
 
 
@@ -128,10 +129,13 @@ class _Pass:
                  materialize: bool):
         self.head = output_head(lm)
         if not isinstance(self.head, nn.Linear):
-            raise NotImplementedError(f"The LM head must be an nn.Linear, got {type(self.head).__name__}.")
+            raise UnsupportedModulesError([Unsupported("lm_head", type(self.head).__name__,
+                                                       "the LM head must be an nn.Linear")])
         self.hooked, self.whole_call, self.borrowed = _hooked_modules(lm)
         self.slot_of, self.slots, self.sharing = _slots(self.hooked, self.head, self.borrowed)
         self.batch, self.device, self.k, self.materialize = batch, device, stream_group_size, materialize
+        self.names = {m: n for n, m in lm.named_modules()}
+        self.failed: list[Unsupported] = []
         self.usages: dict[Slot, list[Usage]] = defaultdict(list)
         self.cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
         self.parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
@@ -143,13 +147,34 @@ class _Pass:
             self.streamed = torch.zeros(batch // stream_group_size, stream_group_size, stream_group_size,
                                         device=device)
 
+    def refusal(self, module: nn.Module, error: Exception) -> Unsupported:
+        """A failure forming ``module``'s per-sequence gradients, as an entry of the library's refusal: its path and
+        the reason."""
+        what = str(error) if isinstance(error, hooks.RowsError) else f"{type(error).__name__}: {error}"
+        return Unsupported(self.names.get(module, ""), type(module).__name__,
+                           f"forming its per-sequence gradients fails: {what}")
+
+    @contextmanager
+    def refusing(self, module: nn.Module):
+        """A rule's or the per-row re-run's failure, kept (the pass goes on, so that :meth:`result` refuses every
+        failing module at once), never a bare error to the user."""
+        try:
+            yield
+        except UnsupportedModulesError as error:
+            self.failed.extend(error.modules)
+        except Exception as error:
+            self.failed.append(self.refusal(module, error))
+
     @property
     def on_grad_hook(self):
         return self.on_grad if self.streamed is not None or self.materialize else None
 
     def keep(self, record: Record, materialize_now: bool) -> None:
         """The record's per-sample gradients, by parameter: factored, or materialized where that saves memory."""
-        for name, usage in find_rule(record.module)(record.module, record.activation, record.output_grad).items():
+        found = {}
+        with self.refusing(record.module):
+            found = find_rule(record.module)(record.module, record.activation, record.output_grad)
+        for name, usage in found.items():
             usage = autocast_operands(usage, self.cast_cache)
             if materialize_now and materializing_saves_memory(usage):
                 with _fp32(self.device):
@@ -160,7 +185,7 @@ class _Pass:
         """A record complete during the backward: streamed (its products now), materialized, or kept for the end."""
         module = record.module
         if self.streamed is not None and calls[module] == 1 and module not in self.sharing:
-            with _fp32(self.device):
+            with _fp32(self.device), self.refusing(module):
                 for usage in find_rule(module)(module, record.activation, record.output_grad).values():
                     blocked = autocast_operands(usage, self.cast_cache).blocked(self.k)
                     self.parts.append(block_inner_products(blocked, blocked, self.k))
@@ -175,12 +200,14 @@ class _Pass:
         module = record.module
         if not any(g is not None for g in record.output_grad):
             return
-        if module in self.borrowed:
-            names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-            found = generic.per_row_usages(module, record.activation, record.output_grad, self.batch,
-                                           names + list(self.borrowed[module]))
-        else:
-            found = call_usages(module, record.activation, record.output_grad, self.batch)
+        found = {}
+        with self.refusing(module):
+            if module in self.borrowed:
+                names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+                found = generic.per_row_usages(module, record.activation, record.output_grad, self.batch,
+                                               names + list(self.borrowed[module]))
+            else:
+                found = call_usages(module, record.activation, record.output_grad, self.batch)
         for name, usage in found.items():
             self.usages[self.slot_of[_slot(module, name)]].append(usage)
 
@@ -207,18 +234,33 @@ class _Pass:
             with _fp32(self.device):
                 self.usages[self.slot_of[(head, "bias")]].append(Materialized(delta.cols(0, delta.width).sum(1)))
 
+    def refused(self, more: list[Unsupported] = ()) -> UnsupportedModulesError:
+        """Every module that failed in this pass, once each (its first reason), in the model's module order."""
+        order = {name: i for i, name in enumerate(self.names.values())}
+        first = {}
+        for entry in [*self.failed, *more]:
+            first.setdefault(entry.name, entry)
+        return UnsupportedModulesError(sorted(first.values(), key=lambda entry: order.get(entry.name, -1)))
+
     def result(self) -> PerSequenceGradients:
+        if self.failed:
+            raise self.refused()
         return PerSequenceGradients(self.usages, self.batch, self.device, self.streamed, slots=self.slots,
                                    self_done=self.self_done)
 
 
 def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
-                       inputs_with_grad: list[torch.Tensor], backbone: nn.Module) -> None:
+                       inputs_with_grad: list[torch.Tensor], backbone: nn.Module,
+                       borrowed: dict[nn.Module, tuple[str, ...]]) -> None:
     """The backward of ``<hidden, grad>`` to the hooked modules' inputs (their output gradients are all the rules
-    need) plus the trainable parameters of modules whose input carries no gradient (the input embedding): no other
+    need) plus the trainable parameters of modules whose input carries no gradient (the input embedding; the first
+    layer's adapters), their own and those they borrow (VeRA's, LoHa's, LoKr's and IA3's sit in ParameterDicts that
+    their layer uses functionally; before, the backward stopped short of them, and their gradient was 0): no other
     parameter's gradient is computed, and no ``.grad`` is touched."""
     first_layer_params = [
-        p for r in records if not r.input_has_grad for p in r.module.parameters(recurse=False) if p.requires_grad
+        p for r in records if not r.input_has_grad
+        for p in [*r.module.parameters(recurse=False), *map(r.module.get_parameter, borrowed.get(r.module, ()))]
+        if p.requires_grad
     ]
     targets = inputs_with_grad + first_layer_params or [p for p in backbone.parameters() if p.requires_grad]
     try:
@@ -226,9 +268,11 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
     except RuntimeError as error:
         if "use_reentrant=True" not in str(error):
             raise
-        raise RuntimeError(
-            "Per-sequence gradient norms need non-reentrant gradient checkpointing: set "
-            "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default)."
+        raise UnsupportedModulesError(
+            [Unsupported("", type(backbone).__name__, "it runs under reentrant gradient checkpointing, which the "
+                         "per-sequence gradient pass cannot go through")],
+            advice="Per-sequence gradient norms need non-reentrant gradient checkpointing: set "
+                   "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default).",
         ) from error
 
 
@@ -247,6 +291,22 @@ def _head_operands(lm: nn.Module, head: nn.Linear, hidden: torch.Tensor, span: s
     if head_dtype is not None:
         h, weight = h.to(head_dtype), weight.to(head_dtype)
     return h, weight, bias
+
+
+def _head_terms(run: _Pass, lm: nn.Module, hidden: torch.Tensor, span: slice, scored: tuple, alpha: float,
+                transform, gathered):
+    """The head's operands (its bias with the observed offset folded in, :mod:`.head_transform`), the log-sum-exp of
+    the scored logits and the head's output gradient. Streamed, the head weight's own products come with its output
+    gradient, from the same softmax chunks (added to the pass's parts; the last value returned says so)."""
+    head = run.head
+    h, weight, bias = _head_operands(lm, head, hidden, span, hidden.device.type, gathered)
+    bias = transform.bias(bias)
+    k = run.k if run.streamed is not None and head.weight.requires_grad else None
+    with _fp32(hidden.device):
+        lse, grad_h, head_self = lm_head_terms(h, *scored, weight, bias, alpha, transform.softcap, k)
+    if head_self is not None:
+        run.parts.append(head_self)
+    return h, weight, bias, lse, grad_h, head_self is not None
 
 
 def per_sequence_grads(
@@ -287,31 +347,28 @@ def per_sequence_grads(
         refuse_outside_decoder(lm, run.hooked, model_inputs)
     backbone, head = backbone_of(lm), run.head
     checkpointed = checkpointed_layers(backbone)
-    alpha = logit_scale(lm) / temperature
-    softcap = getattr(_text_config(lm), "final_logit_softcapping", None)
+    transform = transform_of(lm)  # the head's scale, soft cap and offset, as observed on the model's own logits
+    alpha, softcap = transform.scale / temperature, transform.softcap
     span = slice(length - completion_length - 1, length - 1)  # the positions that predict completion tokens
     labels, mask = input_ids[:, length - completion_length :], completion_mask.to(torch.float32)
     # expert banks outside checkpointed layers keep their routed pairs' factors from the forward (experts.py)
     in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
     banks = [m for m in run.whole_call if m not in in_checkpointed]
     zero3_head = _head_params(head)  # DeepSpeed ZeRO-3: the head gathered whole, before the pass
-    with _fsdp_root_unsharded(lm), routed_forwards(banks), \
-            capture(run.hooked, batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                          **(model_inputs or {})).last_hidden_state
-        h, head_weight, head_bias = _head_operands(lm, head, hidden, span, input_ids.device.type, zero3_head)
-        # Streamed, the head weight's own products come with its output gradient, from the same softmax chunks.
-        head_self_k = stream_group_size if run.streamed is not None and head.weight.requires_grad else None
-        with _fp32(input_ids.device):
-            lse, grad_h, head_self = lm_head_terms(h, labels, mask, head_weight, head_bias, alpha, softcap, head_self_k)
-        if head_self is not None:
-            run.parts.append(head_self)
-        if hidden.requires_grad:
-            full_grad = torch.zeros_like(hidden)
-            full_grad[:, span] = grad_h.to(hidden.dtype)
-            _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone)
+    try:
+        with _fsdp_root_unsharded(lm), routed_forwards(banks), capture(
+                run.hooked, batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                              **(model_inputs or {})).last_hidden_state
+            h, head_weight, head_bias, lse, grad_h, head_self_done = _head_terms(
+                run, lm, hidden, span, (labels, mask), alpha, transform, zero3_head)
+            if hidden.requires_grad:
+                full_grad = torch.zeros_like(hidden)
+                full_grad[:, span] = grad_h.to(hidden.dtype)
+                _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone, run.borrowed)
+    except hooks.RowsError as error:  # rows that cannot be paired with the sequences: refused by the module's path
+        raise run.refused([run.refusal(e.module, e) for e in (error, *error.more)]) from error
     run.collect(records)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, softcap), h,
-                     head_self is not None)
+        run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, softcap), h, head_self_done)
     return run.result()

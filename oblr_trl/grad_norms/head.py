@@ -1,5 +1,6 @@
 """The LM head, handled as TRL's fused head handles it: the ``(B, T, V)`` logits are never held; the log-sum-exp and
-the head's output gradient are formed in vocabulary chunks, with the model's logit scale and softcap."""
+the head's output gradient are formed in vocabulary chunks, with the model's logit scale, softcap and offset as
+observed (:mod:`.head_transform`)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,6 @@ from torch import nn
 
 from . import factors
 from .factors import VOCAB_CHUNK, Dense, Factored, SoftmaxDelta, as_operand, head_logits, mm32
-from .lm import text_config
-
-
-def logit_scale(lm: nn.Module) -> float:
-    config = text_config(lm)
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        if getattr(config, name, None) is not None:
-            return float(getattr(config, name))
-    if getattr(config, "logits_scaling", None) is not None:
-        return 1.0 / float(config.logits_scaling)
-    return 1.0
 
 
 @torch.no_grad()

@@ -59,6 +59,16 @@ def input_tensors(args, kwargs) -> list[torch.Tensor]:
     return [t for t in _tensors((args, kwargs)) if t.requires_grad]
 
 
+class RowsError(NotImplementedError):
+    """A module's rows cannot be paired with the batch's sequences; ``module`` names it (the engine refuses it by its
+    path, :class:`~.support.UnsupportedModulesError`)."""
+
+    def __init__(self, module: nn.Module, message: str):
+        super().__init__(message)
+        self.module = module
+        self.more: list[RowsError] = []  # the other modules found in the same pass (all are refused at once)
+
+
 class Call:
     """One recorded call: detached arguments and the outputs that carry a gradient."""
 
@@ -89,7 +99,7 @@ def batch_rows(t: torch.Tensor, batch: int, module: nn.Module, what: str) -> tor
         return t.expand(batch, *t.shape[1:])
     if lead and lead % batch == 0 and t.dim() <= 2:  # tokens flattened to (B*T, d) or (B*T,); a 3-D (T, B, d) is not
         return t.reshape(batch, lead // batch, *t.shape[1:])
-    raise NotImplementedError(
+    raise RowsError(module,
         f"{type(module).__name__}'s {what} has leading dimension {lead} (shape {tuple(t.shape)}), which is neither the "
         f"batch ({batch}), 1, nor a multiple of the batch: its rows cannot be paired with the sequences. Freeze its "
         "parameters (module.requires_grad_(False)) or use OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
@@ -126,6 +136,7 @@ class _Capture:
         # (and discarding) the parameters' gradients: inputs of hooked modules outside checkpointed layers, and the
         # inputs of the checkpointed layers (which checkpointing keeps anyway).
         self.inputs_with_grad: list[torch.Tensor] = []
+        self.failed: list[RowsError] = []  # calls whose rows cannot be paired, that a gradient reached
 
     def ready(self, record: Record) -> None:
         if self.on_grad is not None:
@@ -142,7 +153,7 @@ class _Capture:
         if not (in_backward() and self.waiting[module]) or not args or not torch.is_tensor(args[0]):
             return
         if self.calls[module] != 1:
-            raise NotImplementedError(
+            raise RowsError(module,
                 f"{type(module).__name__} runs {self.calls[module]} times in one forward inside a checkpointed layer; "
                 "per-sequence norms cannot pair its recomputed inputs. Disable gradient checkpointing."
             )
@@ -166,7 +177,7 @@ class _Capture:
         if not outputs:
             return None
         if batch > 1 and any(o.dim() == 0 or o.shape[0] == 1 for o in outputs):
-            raise NotImplementedError(
+            raise RowsError(module,
                 f"{type(module).__name__} returns an output shared by the whole batch inside a tuple: its per-sequence "
                 "gradients cannot be told apart. Freeze its parameters (module.requires_grad_(False)) or use "
                 "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
@@ -195,7 +206,11 @@ class _Capture:
         if in_backward() and module in self.in_checkpointed and self.calls[module]:
             return returned  # the recomputation of a module that ran in the forward: paired by the pre-hook
         deferred = module in self.in_checkpointed and not in_backward()
-        record = Record(module, None if deferred else batch_rows(args[0].detach(), self.batch, module, "input"))
+        try:
+            record = Record(module, None if deferred else batch_rows(args[0].detach(), self.batch, module, "input"))
+        except RowsError as error:  # refused only if a gradient flows back to it (DoRA's weight norm, on an identity
+            output.register_hook(lambda grad, error=error: self.failed.append(error))  # matrix, is detached)
+            return returned
         self.records.append(record)
         if not in_backward():
             self.calls[module] += 1
@@ -222,9 +237,12 @@ class _Capture:
         self.on_grad = None
 
     def check_paired(self) -> None:
+        if self.failed:
+            first, *self.failed[0].more = self.failed
+            raise first
         unpaired = [r for queue in self.waiting.values() for r in queue if r.output_grad is not None]
         if unpaired:
-            raise RuntimeError(
+            raise RowsError(unpaired[0].module,
                 f"{len(unpaired)} output gradient(s) of checkpointed modules never met their recomputed inputs "
                 f"(first: {type(unpaired[0].module).__name__}); the per-sequence norms would be incomplete."
             )

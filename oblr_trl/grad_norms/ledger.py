@@ -25,11 +25,13 @@ def probe_batch(lm: nn.Module, batch: int = PROBE_BATCH, prompt: int = PROBE_PRO
                 completion: int = PROBE_COMPLETION) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``input_ids``, ``attention_mask``, ``completion_mask`` of a small batch on the model's device: random token
     ids (never the pad id 0), the first row's prompt left-padded by 2, the last row's completion ending early."""
-    vocab = lm.get_input_embeddings().num_embeddings
+    embedding = lm.get_input_embeddings()
+    if hasattr(embedding, "get_base_layer"):  # PEFT's adapter on the embedding (LoRA): the nn.Embedding it wraps
+        embedding = embedding.get_base_layer()
+    vocab, device = embedding.weight.shape[0], embedding.weight.device
     head = output_head(lm)
     if isinstance(head, nn.Linear):  # ids the head can score too (CPM-Ant's embedding is wider than its vocabulary)
         vocab = min(vocab, head.out_features)
-    device = lm.get_input_embeddings().weight.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, max(2, min(vocab, 1000)), (batch, prompt + completion), generator=g)
     attention = torch.ones_like(ids)
@@ -46,16 +48,47 @@ def trainable_names(lm: nn.Module) -> tuple[str, ...]:
 
 @contextmanager
 def plain_mode(lm: nn.Module):
-    """Eval mode (no dropout, no gradient checkpointing) and no autocast, for discovery and the probe; the train/eval
-    mode is put back after."""
-    was_training = lm.training
+    """Eval mode (no dropout, no gradient checkpointing), no autocast and full float32 matmuls (no TF32, whose 1e-3
+    rounding is above the probe's 1e-4), for discovery, the head's observation and the probe; the train/eval mode and
+    the matmul precision are put back after."""
+    was_training, precision = lm.training, torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
     device = lm.get_input_embeddings().weight.device
     lm.eval()
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
     try:
         with torch.autocast(device_type=device.type, enabled=False):
             yield
     finally:
         lm.train(was_training)
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+@contextmanager
+def float32_mode(lm: nn.Module, dtype: torch.dtype = torch.float32):
+    """The model in ``dtype`` (float32, or float64 for the probe's second look) while inside, every floating parameter
+    and buffer put back in its own dtype after (a bf16/fp16/float32 value is exact in a wider type, so nothing
+    changes). In half precision the reference itself is too coarse to judge by: bf16 logits of a 49k vocabulary are
+    spaced 0.125 apart near 20, which moves each sequence's gradient by tens of percent. Yields whether the model runs
+    in ``dtype``; a model with non-floating weights (quantized) stays as it is (yields False)."""
+    tensors = list(lm.parameters()) + list(lm.buffers())
+    wide = (torch.float32, torch.float64) if dtype == torch.float32 else (torch.float64,)
+    if all(t.dtype in wide for t in tensors if t.is_floating_point()):
+        yield True
+        return
+    if any(not t.is_floating_point() for t in lm.parameters()):
+        yield False
+        return
+    dtypes = [(t, t.dtype) for t in tensors if t.is_floating_point()]
+    try:
+        for t, _ in dtypes:
+            t.data = t.data.to(dtype)
+        yield True
+    finally:
+        for t, old in dtypes:
+            t.data = t.data.to(old)
 
 
 def _discover(lm: nn.Module, backbone: nn.Module) -> dict[nn.Module, nn.Module]:

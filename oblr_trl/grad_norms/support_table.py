@@ -1,9 +1,9 @@
 """Write the README's table of supported architecture families: ``python -m oblr_trl.grad_norms.support_table``.
 
-For each family of :mod:`.zoo` (tiny, random, tied and untied, a padded batch) it records whether :func:`validate`
-accepts it, which layer classes take a rule and which the exact per-row path, and the largest relative error of the
-per-sequence squared norms against one ``torch.autograd.grad`` per row. The table goes between
-``<!-- support:begin -->`` and ``<!-- support:end -->`` in README.md (``--check`` fails if it is out of date).
+For each family of :mod:`.zoo` (tiny, random, tied and untied, a padded batch), and each PEFT adapter of its
+``ADAPTERS``, it records whether :func:`validate` accepts it, which layer classes take a rule and which the exact
+per-row path, and the largest relative error of the per-sequence squared norms against one ``torch.autograd.grad``
+per row. The table goes between ``<!-- support:begin -->`` and ``<!-- support:end -->`` in README.md (``--check`` fails if it is out of date).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from .engine import per_sequence_grad_sq_norms, unwrap_causal_lm
+from .api import per_sequence_grad_sq_norms
+from .lm import unwrap_causal_lm
 from .oracle import per_row_sq_norms
 from .coverage import functional_owners, validate
 from .rules import find_call_rule
 from .support import coverage_plan
-from .zoo import FAMILIES, VOCAB, build
+from .zoo import ADAPTERS, FAMILIES, VOCAB, build, build_adapted
 
 BEGIN, END = "<!-- support:begin -->", "<!-- support:end -->"
 
@@ -35,11 +36,13 @@ def _batch(batch: int = 4, prompt: int = 5, completion: int = 6):
     return ids, attention, mask
 
 
-def family_row(family: str) -> list[str]:
+def family_row(family: str, make=build) -> list[str]:
+    """The table's row of ``family`` (a :data:`~.zoo.FAMILIES` name, or an :data:`~.zoo.ADAPTERS` one with
+    ``make=build_adapted``)."""
     errors, status = [], "exact"
     layers: dict[str, set[str]] = {"rule": set(), "routed": set(), "per-row": set()}
     for tie in (True, False):
-        model = build(family, tie)
+        model = make(family, tie)
         refused = validate(model, strict=False)
         if refused:
             status = "refused: " + "; ".join(sorted({m.reason.split(" (")[0] for m in refused}))
@@ -59,12 +62,13 @@ def family_row(family: str) -> list[str]:
         errors.append(float(((ours - reference).abs() / reference).max()))
     error = f"{max(errors):.1e}" if errors else "—"
     by_rule = sorted(layers["rule"]) + sorted(layers["routed"])
-    return [family, status, error, ", ".join(by_rule) or "—", ", ".join(sorted(layers["per-row"])) or "—"]
+    name = family if make is build else f"{ADAPTERS[family][0]} + {family} (PEFT)"
+    return [name, status, error, ", ".join(by_rule) or "—", ", ".join(sorted(layers["per-row"])) or "—"]
 
 
 def table() -> str:
     torch.set_num_threads(1)
-    rows = [family_row(f) for f in FAMILIES]
+    rows = [family_row(f) for f in FAMILIES] + [family_row(a, build_adapted) for a in ADAPTERS]
     lines = [
         "| family | status | max rel. error | layers by rule | layers on the exact per-row path |",
         "|---|---|---|---|---|",

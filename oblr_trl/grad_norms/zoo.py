@@ -83,7 +83,42 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                         shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
                         num_experts_per_tok=1)),
     "LFM2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention"], conv_L_cache=3)),
+    # Heads whose transform is found by observation (head_transform.py): xLSTM's output_logit_soft_cap (30); MPT's
+    # config logit_scale, which its model never reads.
+    "xLSTM": ("xLSTMConfig", "xLSTMForCausalLM",
+              dict(_NOT_LLAMA_NAMES, hidden_size=32, embedding_dim=32, num_heads=4, num_blocks=2, qk_dim_factor=0.5,
+                   chunk_size=4)),
+    "MPT": ("MptConfig", "MptForCausalLM",
+            dict(_NOT_LLAMA_NAMES, d_model=32, n_heads=4, n_layers=2, max_seq_len=64, logit_scale=0.5)),
+    # Refused by name: its expert banks split a flat token list by per-expert counts the per-row re-run cannot split.
+    "JetMoe": ("JetMoeConfig", "JetMoeForCausalLM", dict(kv_channels=8, num_local_experts=4, num_experts_per_tok=2)),
 }
+
+
+_ATTENTION = ["q_proj", "k_proj", "v_proj"]
+# PEFT adapters, on Qwen3's tiny model: name -> (family, peft config class, its arguments). Non-zero initial weights,
+# so that every adapter parameter has a gradient. The test zoo (tests/grad_norms/test_peft.py) and the support table
+# read this list.
+ADAPTERS: dict[str, tuple[str, str, dict]] = {
+    "LoRA (with embed_tokens)": ("Qwen3", "LoraConfig",
+                                 dict(r=4, target_modules=["embed_tokens", "q_proj", "down_proj"],
+                                      init_lora_weights=False)),
+    "DoRA (all-linear)": ("Qwen3", "LoraConfig", dict(r=4, target_modules="all-linear", use_dora=True,
+                                                      init_lora_weights=False)),
+    "VeRA": ("Qwen3", "VeraConfig", dict(r=4, target_modules=["q_proj", "v_proj"], init_weights=False)),
+    "LoHa": ("Qwen3", "LoHaConfig", dict(r=4, target_modules=_ATTENTION, init_weights=False)),
+    "LoKr": ("Qwen3", "LoKrConfig", dict(r=4, target_modules=_ATTENTION, init_weights=False)),
+    "IA3": ("Qwen3", "IA3Config", dict(target_modules=[*_ATTENTION, "down_proj"], feedforward_modules=["down_proj"],
+                                       init_ia3_weights=False)),
+}
+
+
+def build_adapted(adapter: str, tie: bool = False, seed: int = 0) -> torch.nn.Module:
+    """The adapter's family, tiny and random (:func:`build`), wrapped by PEFT with that adapter (needs peft)."""
+    import peft
+
+    family, config_cls, kwargs = ADAPTERS[adapter]
+    return peft.get_peft_model(build(family, tie, seed=seed), getattr(peft, config_cls)(**kwargs))
 
 
 def build(family: str, tie: bool = False, seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:

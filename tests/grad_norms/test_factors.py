@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms
-from oblr_trl.grad_norms import register_grad_norm_rule
+from oblr_trl.grad_norms import UnsupportedModulesError, register_grad_norm_rule
 import reference
 from reference import per_sample_grads, per_sample_sq_norms, within_group_products
 
@@ -100,7 +100,7 @@ def test_reentrant_checkpointing_is_refused_with_the_option_to_set():
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     ids, attention, completion_mask = padded_batch()
-    with pytest.raises(RuntimeError, match="use_reentrant': False"):
+    with pytest.raises(UnsupportedModulesError, match="use_reentrant': False"):
         per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
 
 

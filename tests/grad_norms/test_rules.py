@@ -154,9 +154,13 @@ def test_a_leading_dimension_that_is_not_the_batch_is_refused_by_name():
 
     model = Odd()
     x = torch.randn(3, 4, D)  # a batch of 3 sequences of 4 tokens regrouped as 4 rows of 3: 4 is no multiple of 3
-    with pytest.raises(NotImplementedError, match="Linear's input has leading dimension 4"):
+    with pytest.raises(hooks.RowsError, match="Linear's input has leading dimension 4") as refused:
         with hooks.capture([model.lin], 3) as _:
-            model(x)
+            model(x).sum().backward()
+    assert refused.value.module is model.lin
+    with hooks.capture([model.lin], 3) as (records, _):  # no gradient reaches it (as DoRA's detached weight norm):
+        model(x).detach()  # no refusal, nothing recorded
+    assert records == []
 
 
 def test_registering_a_rule_twice_raises():
@@ -175,6 +179,6 @@ def test_a_sequence_first_layout_is_refused_not_mistaken_for_flattened_tokens():
     from oblr_trl.grad_norms import hooks
 
     lin = nn.Linear(D, D)
-    with pytest.raises(NotImplementedError, match="Linear's input has leading dimension 8"):
+    with pytest.raises(hooks.RowsError, match="Linear's input has leading dimension 8"):
         with hooks.capture([lin], 4) as _:
-            lin(torch.randn(8, 4, D))  # sequence-first: 8 tokens of a batch of 4
+            lin(torch.randn(8, 4, D)).sum().backward()  # sequence-first: 8 tokens of a batch of 4

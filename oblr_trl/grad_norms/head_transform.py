@@ -1,0 +1,232 @@
+"""What the LM head computes, found by observation, not assumed by config name.
+
+The engine scores completions with ``z = alpha * C * tanh(s / C)`` (or ``alpha * s`` without a cap) of the raw head
+output ``s = h W^T + b`` (:func:`~.factors.head_logits`), ``h`` the backbone's ``last_hidden_state``. Models put
+their own transforms between ``s`` and the logits they return: Gemma 2's ``final_logit_softcapping``, xLSTM's
+``output_logit_soft_cap``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, a fixed per-vocabulary offset; and
+some config fields of the same names are read by nothing (MPT's ``logit_scale``). So, once per model, on the probe
+batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own output logits ``y`` are compared with
+``s`` and one of these is fitted: ``y = a s``; ``y = a s + c_v`` (a per-vocabulary offset ``c``); ``y = P tanh(Q s)``
+(a soft cap: before or after a scale, it is ``alpha = P Q``, ``C = 1 / Q``; a cap named by any config field with
+"cap" in its name is tried first and taken where it fits, else ``P`` and ``Q`` are fitted). The simplest that
+reproduces ``y`` as well as the best (:func:`fit`), within float precision (:data:`TOLERANCE`, relative, over the
+positions attended to; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision), is what
+the engine computes; where none does, the model is refused naming the head and the difference. A scale fitted to
+``1 +- 1e-6`` is taken as 1. The transform is remembered per model: a config changed afterwards (a cap set by hand)
+is not seen again. Cost: one forward of the backbone and one of the model on the probe
+batch, once per model. Models whose parameters are already shards (no plain forward) use the config's names
+(:func:`from_config`), which :func:`~.coverage.check_once` warns about.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .ledger import float32_mode, plain_mode, probe_batch, sharded
+from .lm import backbone_of, output_head, text_config, unwrap_causal_lm
+from .support import Unsupported, UnsupportedModulesError
+
+TOLERANCE = 1e-5  # relative (Frobenius) difference allowed between the engine's head logits and the model's own
+FLOAT_FLOOR = 1e-6  # float32 logits' own rounding (3e-7 on SmolLM2's 576-wide head): fits this close are as good
+FIT_SAMPLES = 1 << 16  # logits the soft cap's P and Q are fitted on (every k-th); its error is taken on all
+NATIVE_HALF_TOLERANCE = 2e-2  # where the model cannot be upcast (quantized weights): half-precision logits' rounding
+_CAP_NAMES = ("final_logit_softcapping", "output_logit_soft_cap", "logit_softcapping", "logits_soft_cap")
+
+
+@dataclass(frozen=True, eq=False)
+class HeadTransform:
+    """``z = scale * C * tanh((s + offset) / C)`` (``scale * (s + offset)`` when ``softcap`` is None) of the raw head
+    output ``s = h W^T + b``; ``offset`` is per vocabulary entry, in the raw logits' units, or None."""
+    scale: float = 1.0
+    softcap: float | None = None
+    offset: torch.Tensor | None = None
+    observed: bool = False
+
+    def bias(self, head_bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The head's bias with the offset folded in (its gradient is the same: ``d/db = d/ds``)."""
+        if self.offset is None:
+            return head_bias
+        offset = self.offset.to(self.offset.device if head_bias is None else head_bias.device)
+        return offset if head_bias is None else head_bias.float() + offset
+
+
+_SEEN: "weakref.WeakKeyDictionary[nn.Module, HeadTransform]" = weakref.WeakKeyDictionary()
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def from_config(lm: nn.Module) -> HeadTransform:
+    """The transform the config's names suggest (used only where no forward can run: sharded parameters)."""
+    config = text_config(lm)
+    scale = 1.0
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if _number(getattr(config, name, None)) is not None:
+            scale = _number(getattr(config, name))
+            break
+    else:
+        if _number(getattr(config, "logits_scaling", None)):
+            scale = 1.0 / _number(config.logits_scaling)
+    caps = [_number(getattr(config, n, None)) for n in _CAP_NAMES]
+    return HeadTransform(scale, next((c for c in caps if c), None))
+
+
+def _snap(scale: float) -> float:
+    """1 where the fit is 1 but for rounding (float32 logits fit a scale to about 1e-8)."""
+    return 1.0 if abs(scale - 1) < 1e-6 else scale
+
+
+def _relative(y: torch.Tensor, fit: torch.Tensor) -> float:
+    return float((y - fit).norm() / y.norm().clamp_min(1e-300))
+
+
+def _linear(s: torch.Tensor, y: torch.Tensor) -> tuple[HeadTransform, float]:
+    scale = _snap(float((s * y).sum() / (s * s).sum().clamp_min(1e-300)))
+    return HeadTransform(scale, observed=True), _relative(y, scale * s)
+
+
+def _offset(s: torch.Tensor, y: torch.Tensor) -> tuple[HeadTransform, float]:
+    """``y = a s + c_v`` over ``(N, V)`` rows: ``a`` from the column-centred values, ``c`` the columns' mean rest."""
+    sc, yc = s - s.mean(0), y - y.mean(0)
+    scale = float((sc * yc).sum() / (sc * sc).sum().clamp_min(1e-300))
+    offset = (y - scale * s).mean(0)
+    if not scale:
+        return HeadTransform(observed=True), float("inf")
+    return HeadTransform(scale, offset=(offset / scale).float(), observed=True), _relative(y, scale * s + offset)
+
+
+def _capped(s: torch.Tensor, y: torch.Tensor, named: list[float]) -> tuple[HeadTransform, float]:
+    """``y = P tanh(Q s)``: a cap the config names, where it fits (``P = a C`` fitted), else Gauss-Newton on ``(P, Q)``
+    from the cubic term of ``tanh`` (``y ~ P Q s - P Q^3 s^3 / 3``)."""
+    def at(cap: float) -> tuple[HeadTransform, float]:
+        t = cap * torch.tanh(s / cap)
+        scale = _snap(float((t * y).sum() / (t * t).sum().clamp_min(1e-300)))
+        return HeadTransform(scale, cap, observed=True), _relative(y, scale * t)
+
+    tried = [at(cap) for cap in named]
+    if any(error <= TOLERANCE for _, error in tried):
+        return min(tried, key=lambda found: found[1])
+    step = max(1, s.numel() // FIT_SAMPLES)
+    x, target = s.flatten()[::step], y.flatten()[::step]
+    for p, q in _starts(x, target):
+        p, q = _gauss_newton(x, target, p, q)
+        if q > 0:
+            tried.append(at(1 / q))
+    return min(tried, key=lambda found: found[1], default=(HeadTransform(observed=True), float("inf")))
+
+
+def _starts(x: torch.Tensor, y: torch.Tensor) -> list[tuple[float, float]]:
+    """Starting points for ``y = P tanh(Q x)``: from the cubic term of tanh (``y ~ P Q x - P Q^3 x^3 / 3``, a cap
+    barely reached), and from the largest logit (``P`` just above it, ``Q`` by least squares on ``atanh(y / P)``, a cap
+    that bites)."""
+    starts = []
+    coef = torch.linalg.lstsq(torch.stack([x, -(x**3) / 3], 1), y[:, None]).solution.flatten()  # P Q, P Q^3
+    if coef[0] * coef[1] > 0:
+        q = float((coef[1] / coef[0]) ** 0.5)
+        starts.append((float(coef[0]) / q, q))
+    p = float(y.abs().max()) * 1.01
+    u = torch.atanh(y / p)
+    if p > 0 and float((x * x).sum()) > 0:
+        starts.append((p, float((x * u).sum() / (x * x).sum())))
+    return starts
+
+
+def _gauss_newton(x: torch.Tensor, y: torch.Tensor, p: float, q: float, steps: int = 100) -> tuple[float, float]:
+    """Least squares of ``y = P tanh(Q x)`` from ``(p, q)``: Gauss-Newton, each step halved until it lowers the
+    residual."""
+    def residual(p, q):
+        return float((y - p * torch.tanh(q * x)).pow(2).sum())
+
+    current = residual(p, q)
+    for _ in range(steps):
+        t = torch.tanh(q * x)
+        step = torch.linalg.lstsq(torch.stack([t, p * x * (1 - t * t)], 1), (y - p * t)[:, None]).solution.flatten()
+        dp, dq = float(step[0]), float(step[1])
+        for _ in range(30):
+            if residual(p + dp, q + dq) <= current:
+                break
+            dp, dq = dp / 2, dq / 2
+        else:
+            break
+        p, q, before, current = p + dp, q + dq, current, residual(p + dp, q + dq)
+        if before - current <= 1e-15 * before:
+            break
+    return p, q
+
+
+def fit(s: torch.Tensor, y: torch.Tensor, named_caps: list[float] = ()) -> tuple[HeadTransform, float, str]:
+    """Of a scale, a scale and per-vocabulary offset, and a soft cap (with a scale), the simplest that reproduces
+    ``y`` (``(N, V)``, the model's logits) from ``s`` (the raw head output) as well as the best does (within twice its
+    error, or :data:`FLOAT_FLOOR`; a scale that fits within it is taken without trying the others); accepted by the
+    caller if within :data:`TOLERANCE`. Returns it, its relative error, and what it
+    is, in words."""
+    s, y = s.double(), y.double()
+    tried = [("scale", *_linear(s, y))]
+    if tried[0][2] <= FLOAT_FLOOR:  # a scale reproduces the logits to float32's rounding: nothing else to find
+        return tried[0][1], tried[0][2], tried[0][0]
+    tried += [("scale and offset", *_offset(s, y)), ("soft cap", *_capped(s, y, list(named_caps)))]
+    best = min(error for _, _, error in tried)
+    kind, transform, error = next(t for t in tried if t[2] <= max(2 * best, FLOAT_FLOOR))
+    return transform, error, kind
+
+
+def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsupported]]:
+    head = output_head(lm)
+    names = {m: n for n, m in lm.named_modules()}
+    name, kind = names.get(head, "lm_head"), type(head).__name__
+    ids, attention, _ = probe_batch(lm)
+    with torch.no_grad():
+        hidden = backbone_of(lm)(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+        y = lm(input_ids=ids, attention_mask=attention, use_cache=False).logits
+    if hidden.shape[-1] != head.weight.shape[-1]:
+        return HeadTransform(), [Unsupported(name, kind, (
+            f"its input width is {head.weight.shape[-1]}, the backbone's last_hidden_state {hidden.shape[-1]}: the "
+            "model transforms the hidden states between the backbone and the head"))]
+    s = hidden.double() @ head.weight.detach().double().T
+    if head.bias is not None:
+        s = s + head.bias.detach().double()
+    if y.shape != s.shape:
+        return HeadTransform(), [Unsupported(name, kind, f"the model's own logits have shape {tuple(y.shape)}, its "
+                                             f"head's output h W^T + b on last_hidden_state {tuple(s.shape)}")]
+    keep = attention.bool()
+    config = text_config(lm)
+    caps = [c for c in (_number(v) for n, v in vars(config).items() if "cap" in n.lower()) if c and c > 0]
+    transform, error, what = fit(s[keep], y[keep].double(), caps)
+    if error <= tolerance:
+        return transform, []
+    return HeadTransform(), [Unsupported(name, kind, (
+        f"the model's own output logits differ from what the engine would compute from its head (h W^T + b on the "
+        f"backbone's last_hidden_state) by a relative {_relative(y[keep].double(), s[keep]):.2g}, and no scale, "
+        f"per-vocabulary offset or soft cap explains the difference (the closest, a {what}, leaves "
+        f"{error:.2g}, above {tolerance:g})"))]
+
+
+def check(model: nn.Module) -> list[Unsupported]:
+    """The head's transform observed (remembered for the engine), or the refusal naming the head and the difference;
+    empty where there is nothing to observe (no Linear head, sharded parameters)."""
+    lm = unwrap_causal_lm(model)
+    if lm in _SEEN or not isinstance(output_head(lm), nn.Linear) or sharded(lm):
+        return []
+    with plain_mode(lm), float32_mode(lm) as upcast:
+        transform, refused = _observe(lm, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)
+    if not refused:
+        _SEEN[lm] = transform
+    return refused
+
+
+def transform_of(model: nn.Module) -> HeadTransform:
+    """What the engine's head computes for ``model``: observed once (:func:`check`), or, for sharded parameters
+    never observed before sharding, :func:`from_config`. Raises :class:`~.support.UnsupportedModulesError` naming the
+    head where no transform reproduces the model's logits."""
+    lm = unwrap_causal_lm(model)
+    if lm not in _SEEN and sharded(lm):
+        return from_config(lm)
+    refused = check(lm)
+    if refused:
+        raise UnsupportedModulesError(refused)
+    return _SEEN.get(lm, HeadTransform())

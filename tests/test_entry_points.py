@@ -1,0 +1,50 @@
+"""Every module of the package imports, and every ``python -m oblr_trl...`` entry point answers ``--help``.
+Before: ``python -m oblr_trl.grad_norms.support_table``, the README table's generator, failed with an ImportError
+(``per_sequence_grad_sq_norms`` had moved to ``api.py``) and no test imported it."""
+
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import oblr_trl
+
+MODULES = sorted(m.name for m in pkgutil.walk_packages(oblr_trl.__path__, "oblr_trl."))
+ROOT = Path(oblr_trl.__file__).parent
+
+
+def _entry_points() -> list[str]:
+    """Modules that run as ``python -m``: those with a ``__main__`` block, and packages' ``__main__`` modules."""
+    found = []
+    for name in MODULES:
+        path = ROOT.joinpath(*name.split(".")[1:])
+        source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        if name.endswith(".__main__") or 'if __name__ == "__main__"' in source.read_text():
+            found.append(name.removesuffix(".__main__"))
+    return found
+
+
+def test_every_module_imports():
+    code = ("import importlib, sys\n"
+            f"for name in {MODULES!r}:\n"
+            "    try:\n        importlib.import_module(name)\n"
+            "    except Exception as error:\n        print(f'{name}: {type(error).__name__}: {error}')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
+    assert "oblr_trl.grad_norms.support_table" in MODULES and len(MODULES) > 30
+
+
+def test_the_entry_points_are_found():
+    assert {"oblr_trl.grad_norms.support_table", "oblr_trl.trl_seam"} <= set(_entry_points())
+
+
+@pytest.mark.parametrize("module", _entry_points())
+def test_every_entry_point_answers_help(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage:")
