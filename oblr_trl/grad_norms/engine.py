@@ -136,6 +136,7 @@ class _Pass:
         self.cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
         self.parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
         self.self_done: set[int] = set()
+        self.presummed = None  # without streaming: the head's own (B, 1, 1) products, formed with its output gradient
         self.streamed = None
         if stream_group_size is not None:
             if batch % stream_group_size:
@@ -209,7 +210,7 @@ class _Pass:
 
     def result(self) -> PerSequenceGradients:
         return PerSequenceGradients(self.usages, self.batch, self.device, self.streamed, slots=self.slots,
-                                   self_done=self.self_done)
+                                   self_done=self.self_done, presummed=self.presummed)
 
 
 def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
@@ -300,12 +301,17 @@ def per_sequence_grads(
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                           **(model_inputs or {})).last_hidden_state
         h, head_weight, head_bias = _head_operands(lm, head, hidden, span, input_ids.device.type, zero3_head)
-        # Streamed, the head weight's own products come with its output gradient, from the same softmax chunks.
-        head_self_k = stream_group_size if run.streamed is not None and head.weight.requires_grad else None
+        # The head weight's own products come with its output gradient, from the same softmax chunks: streamed, in
+        # blocks of the stream's group; with materialize (one_backward, which needs the norms), each row's alone.
+        head_self_k = (stream_group_size if run.streamed is not None else 1 if materialize else None) \
+            if head.weight.requires_grad else None
         with _fp32(input_ids.device):
             lse, grad_h, head_self = lm_head_terms(h, labels, mask, head_weight, head_bias, alpha, softcap, head_self_k)
         if head_self is not None:
-            run.parts.append(head_self)
+            if run.streamed is not None:
+                run.parts.append(head_self)
+            else:
+                run.presummed = head_self
         if hidden.requires_grad:
             full_grad = torch.zeros_like(hidden)
             full_grad[:, span] = grad_h.to(hidden.dtype)
