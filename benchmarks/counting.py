@@ -91,7 +91,8 @@ class Shapes(TorchDispatchMode):
         if "device" in meta_kwargs:
             meta_kwargs["device"] = torch.device("meta")
         out = func(*meta_args, **meta_kwargs)
-        mutated = [a for a, s in zip(args, func._schema.arguments) if s.alias_info is not None and s.alias_info.is_write]
+        mutated = [a for a, s in zip(args, func._schema.arguments)
+                   if s.alias_info is not None and s.alias_info.is_write]
         if mutated and isinstance(out, torch.Tensor) and mutated[0].shape == out.shape:
             return mutated[0]  # an in-place or out= operator: its target, untouched (values are not computed)
         return tree_map(lambda o: self._wrap(o) if isinstance(o, torch.Tensor) else o, out)
