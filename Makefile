@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install install-dev demo demo-real demo-tiny demo-seeds test test-floors bench clean
+.PHONY: install install-dev demo demo-real demo-tiny demo-seeds test test-floors bench bench-counts clean
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -63,6 +63,13 @@ bench: install-dev
 	$(PY) benchmarks/step_cost.py --quick
 	$(PY) benchmarks/grad_variance.py --quick
 	$(PY) benchmarks/compare.py --quick --fresh --run_dir outputs/bench_compare_runs_quick
+	$(PY) benchmarks/update_readme.py
+
+# The update's FLOPs, peak bytes and operator calls, GRPOTrainer vs OBLRPOTrainer, counted (nothing timed): about
+# 4 minutes on 2 busy CPU cores (not part of `bench`, which is at its 15-minute budget); tables into
+# benchmarks/results/cost_counts.md and benchmarks/README.md.
+bench-counts: install-dev
+	$(PY) benchmarks/cost_counts.py --quick
 	$(PY) benchmarks/update_readme.py
 
 clean:

@@ -140,6 +140,7 @@ class _Pass:
         self.cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
         self.parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
         self.self_done: set[int] = set()
+        self.presummed = None  # without streaming: the head's own (B, 1, 1) products, formed with its output gradient
         self.streamed = None
         if stream_group_size is not None:
             if batch % stream_group_size:
@@ -246,7 +247,7 @@ class _Pass:
         if self.failed:
             raise self.refused()
         return PerSequenceGradients(self.usages, self.batch, self.device, self.streamed, slots=self.slots,
-                                   self_done=self.self_done)
+                                   self_done=self.self_done, presummed=self.presummed)
 
 
 def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
@@ -297,15 +298,19 @@ def _head_terms(run: _Pass, lm: nn.Module, hidden: torch.Tensor, span: slice, sc
                 transform, gathered):
     """The head's operands (its bias with the observed offset folded in, :mod:`.head_transform`), the log-sum-exp of
     the scored logits and the head's output gradient. Streamed, the head weight's own products come with its output
-    gradient, from the same softmax chunks (added to the pass's parts; the last value returned says so)."""
+    gradient, from the same softmax chunks: streamed, in blocks of the stream's group (added to the pass's parts);
+    with materialize (one_backward, which needs the norms), each row's alone (kept as the pass's presummed products).
+    The last value returned says whether they were formed."""
     head = run.head
     h, weight, bias = _head_operands(lm, head, hidden, span, hidden.device.type, gathered)
     bias = transform.bias(bias)
-    k = run.k if run.streamed is not None and head.weight.requires_grad else None
+    k = (run.k if run.streamed is not None else 1 if run.materialize else None) if head.weight.requires_grad else None
     with _fp32(hidden.device):
         lse, grad_h, head_self = lm_head_terms(h, *scored, weight, bias, alpha, transform.softcap, k)
-    if head_self is not None:
+    if head_self is not None and run.streamed is not None:
         run.parts.append(head_self)
+    elif head_self is not None:
+        run.presummed = head_self
     return h, weight, bias, lse, grad_h, head_self is not None
 
 

@@ -35,11 +35,13 @@ class PerSequenceGradients:
     """
 
     def __init__(self, usages: dict[Slot, list[Usage]], batch: int, device, streamed: torch.Tensor | None = None,
-                 slots: list[Slot] = (), self_done: set[int] = frozenset()):
+                 slots: list[Slot] = (), self_done: set[int] = frozenset(), presummed: torch.Tensor | None = None):
         self.usages, self.batch, self.device = usages, batch, device
-        # ids of usages whose products with themselves are already in ``streamed`` (the LM head's, formed with its
-        # output gradient)
+        # ids of usages whose products with themselves are already in ``streamed`` or ``presummed`` (the LM head's,
+        # formed with its output gradient)
         self.self_done = set(self_done)
+        # without streaming: those products, ``(B/k, k, k)``, used by inner_products(k) (other k form them again)
+        self.presummed = presummed
         # inner products already summed during the backward (layers whose factors were consumed as they arrived)
         self.streamed = streamed
         self.slots = list(slots) or list(usages)  # every trainable parameter, in module order
@@ -58,11 +60,15 @@ class PerSequenceGradients:
         out = torch.zeros(self.batch // group_size, group_size, group_size, device=self.device)
         if self.streamed is not None:
             out += self.streamed
+        presummed = self.presummed is not None and self.presummed.shape[1] == group_size
+        if presummed:
+            out += self.presummed
         with _fp32(self.device):
-            self._add_inner_products(out, group_size)
+            self._add_inner_products(out, group_size, self.self_done if presummed or self.streamed is not None
+                                     else set())
         return out
 
-    def _add_inner_products(self, out: torch.Tensor, group_size: int) -> None:
+    def _add_inner_products(self, out: torch.Tensor, group_size: int, done: set[int]) -> None:
         for param_usages in self.usages.values():
             if any(isinstance(u, Materialized) for u in param_usages):
                 param_usages = [
@@ -70,7 +76,7 @@ class PerSequenceGradients:
                 ]
             blocked = [u.blocked(group_size) for u in param_usages]
             for a in range(len(blocked)):
-                if id(param_usages[a]) not in self.self_done:
+                if id(param_usages[a]) not in done:
                     out += block_inner_products(blocked[a], blocked[a], group_size)
                 for b in range(a + 1, len(blocked)):
                     cross = block_inner_products(blocked[a], blocked[b], group_size)

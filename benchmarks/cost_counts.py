@@ -1,0 +1,363 @@
+"""The update's cost counted, device-independent: FLOPs, peak live bytes and ATen operator calls of one
+``training_step`` of TRL's ``GRPOTrainer`` and of ``OBLRPOTrainer`` (``one_backward``, two passes), with the FLOP
+model's prediction beside each count.
+
+Design:
+* Models: random Qwen3s of Qwen3-0.6B's and Qwen3-1.7B's widths with their real 151,936-token heads, tied (as they
+  ship) and untied, float32, full fine-tuning or LoRA r=16 on all linear layers, TRL's gradient checkpointing on/off.
+* Path: the trainers' own ``training_step`` (TRL's ``_prepare_inputs``, OBLR-PO's norms, advantages and update, the
+  loss, the backward), on a prepared batch: generation is replaced by a fixed batch of ``B`` completions of ``C``
+  tokens after ``P`` prompt tokens (``_generate_and_score_completions`` of GRPOTrainer returns it; OBLR-PO's own
+  override runs on top, so its two-pass norms are counted). One group of 8 completions per 8 rows.
+* Counting (``counting.py``): ``FlopCounterMode`` (with the CPU flash-attention kernels added), peak live bytes of
+  operator outputs (weights not included; gradients are), ATen operator calls. Under ``counting.Shapes`` every large
+  tensor is a shape without data, so the full shapes cost nothing; values are not computed (see counting.py).
+* Depth: each configuration is counted at 1 and 2 layers; the cost at 28 layers is ``c1 + 27 (c2 - c1)`` (per layer
+  ``c2 - c1``, the rest ``2 c1 - c2``: the head, the embedding, the loss). Peak bytes are extrapolated the same way
+  (the activations kept per layer grow linearly; the head's transient sits at the end of the forward).
+* Where TRL's fused head scores every position on a CPU (all ``P + C`` of them; on a GPU only the ``C`` completion
+  positions), GRPO's head is counted as it runs here: keep ``P`` short (32) so that the difference is small.
+
+Run: ``python benchmarks/cost_counts.py --quick`` (Qwen3-0.6B width, B=8, C=256, a few minutes) or without ``--quick``
+(both widths, 8 x 512, 64 x 512 and 8 x 4096; ``--stem cost_counts_full``). Writes
+``benchmarks/results/<stem>.{json,md}`` (default stem ``cost_counts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's oblr_trl
+import harness  # noqa: E402
+from counting import LiveBytes, OpCounter, Shapes  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DEPTH = 28
+GROUP = 8
+PROMPT = 32
+WIDTHS = {
+    "Qwen3-0.6B": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936),
+    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936),
+}
+MODES = {"grpo": None, "one_backward": True, "two_passes": False}
+
+
+class _NoModules:
+    """In place of FlopCounterMode's module tracker, whose gradient hooks on module inputs refuse the engine's
+    ``autograd.grad`` when a leaf enters a module (LoRA under checkpointing: the embedding's output made to require
+    grad): totals only, no per-module breakdown."""
+
+    parents = {"Global"}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
+
+
+def flop_counter():
+    """``FlopCounterMode`` with :func:`extra_flops`, without its module tracker (:class:`_NoModules`)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=extra_flops())
+    counter.mod_tracker = _NoModules()
+    return counter
+
+
+def extra_flops() -> dict:
+    """FlopCounterMode's formulas for what it misses: the in-place ``addmm_`` (TRL's fused head forms its output and
+    weight gradients with it on a CPU) and the CPU flash-attention kernels (it counts the CUDA ones only)."""
+    from torch.utils.flop_counter import addmm_flop, sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def fwd(q, k, v, *a, out_val=None, **kw):
+        return sdpa_flop_count(q, k, v)  # shapes (FlopCounterMode passes them)
+
+    def bwd(g, q, k, v, *a, out_val=None, **kw):
+        return sdpa_backward_flop_count(g, q, k, v)
+
+    def addmm_(acc, a, b, *args, out_val=None, **kw):
+        return addmm_flop(acc, a, b)
+
+    return {aten.addmm_: addmm_, aten._scaled_dot_product_flash_attention_for_cpu: fwd,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd}
+
+
+def build_model(width: str, layers: int, tied: bool, shapes: Shapes):
+    """A Qwen3 of ``width`` with ``layers`` layers: built on meta, then each large weight a Phantom, the rest real."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**WIDTHS[width], num_hidden_layers=layers, tie_word_embeddings=tied,
+                         max_position_embeddings=8192, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.numel() >= shapes.big:
+                new = torch.nn.Parameter(shapes.phantom(p))
+            else:
+                new = torch.nn.Parameter(torch.ones(p.shape) if "norm" in name else torch.randn(p.shape) * 0.02)
+            setattr(module, name, new)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=config)  # its inv_freq on the CPU
+    return model
+
+
+def prepared_batch(batch: int, completion: int, vocab: int) -> tuple[dict, torch.Tensor]:
+    """What GRPOTrainer's ``_generate_and_score_completions`` returns for ``batch`` completions of ``completion``
+    tokens (no padding), and the rewards it computed (with spread inside each group)."""
+    g = torch.Generator().manual_seed(0)
+    out = dict(prompt_ids=torch.randint(3, vocab, (batch, PROMPT), generator=g),
+               prompt_mask=torch.ones(batch, PROMPT, dtype=torch.long),
+               completion_ids=torch.randint(3, vocab, (batch, completion), generator=g),
+               completion_mask=torch.ones(batch, completion, dtype=torch.long),
+               num_items_in_batch=torch.tensor(batch * completion))
+    rewards = torch.rand(batch, 1, generator=g)
+    out["advantages"] = (rewards[:, 0] - rewards[:, 0].reshape(-1, GROUP).mean(1).repeat_interleave(GROUP))
+    return out, rewards
+
+
+def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt: bool):
+    """A GRPOTrainer or OBLRPOTrainer whose generation returns the prepared batch."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+    from oblr_trl.grad_norms import coverage
+    from oblr_trl.grad_norms.lm import unwrap_causal_lm
+    from oblr_trl.tiny import build_tokenizer
+
+    prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size)
+
+    class PreparedGRPO(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            self._rewards_per_func = rewards  # what _calculate_rewards would have kept (OBLR-PO reads it)
+            return dict(prepared)
+
+    common = dict(output_dir="/tmp/cost_counts", per_device_train_batch_size=batch, num_generations=GROUP,
+                  max_completion_length=completion, gradient_accumulation_steps=1, steps_per_generation=1,
+                  report_to="none", use_cpu=True, bf16=False, save_strategy="no", logging_steps=1,
+                  gradient_checkpointing=ckpt, disable_tqdm=True)
+    if mode == "grpo":
+        cls, args = PreparedGRPO, GRPOConfig(**common)
+    else:
+        cls = type("PreparedOBLRPO", (OBLRPOTrainer, PreparedGRPO), {})
+        args = OBLRPOConfig(**common, one_backward=MODES[mode])
+    peft = None
+    if lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    dataset = Dataset.from_list([{"prompt": "x"}] * batch)
+    # The construction-time probe (per-sequence gradients against autograd's on 2 sequences) needs values, which a
+    # counted model has not: the type checks run, the probe is skipped; the update itself runs unchanged.
+    with mock.patch("oblr_trl.trainer.validate", lambda m: coverage.validate(m, run_probe=False)):
+        trainer = cls(model=model, args=args, reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                      train_dataset=dataset, processing_class=build_tokenizer(), peft_config=peft)
+    lm = unwrap_causal_lm(trainer.model)
+    coverage._PROBED[lm] = coverage.trainable_names(lm)
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # as train() sets it, and its checkpointing:
+    if ckpt:
+        kwargs = {k: v for k, v in (args.activation_checkpointing_kwargs or {}).items()
+                  if k not in ("every_n_layers", "offload")}
+        enable = getattr(trainer.model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs or None)
+        else:
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+    return trainer
+
+
+def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, completion: int, lora: bool,
+               ckpt: bool) -> dict:
+    """FLOPs, peak live bytes and operator calls of one training_step."""
+    shapes = Shapes()
+    with shapes:
+        model = build_model(width, layers, tied, shapes)
+        trainer = trainer_for(mode, model, batch, completion, lora, ckpt)
+        trainer.model.train()
+        flops, live, ops = flop_counter(), LiveBytes(), OpCounter()
+        gc.collect()
+        gc.disable()  # garbage in reference cycles stays counted until the end, the same in every run
+        # one_backward's chunks under checkpointing read the process's peak memory (a CPU's RSS here): 0, so that
+        # the count does not depend on what this process did before
+        try:
+            with flops, live, ops, mock.patch("oblr_trl.one_backward.process_peak_bytes", lambda device: 0):
+                trainer.training_step(trainer.model, [{}] * batch, torch.tensor(batch * completion))
+        finally:
+            gc.enable()
+        row = dict(flops=flops.get_total_flops(), peak_bytes=live.peak, ops=ops.total,
+                   mm_calls=sum(ops.calls[k] for k in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm")))
+    del trainer, model
+    gc.collect()
+    return row
+
+
+def linear_shapes(c: dict) -> list[tuple[int, int]]:
+    """``(in, out)`` of a layer's linear maps."""
+    d, f, q, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"] * c["head_dim"], \
+        c["num_key_value_heads"] * c["head_dim"]
+    return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+
+
+def predict(width: str, layers: int, mode: str, batch: int, completion: int, lora: bool, ckpt: bool) -> float:
+    """The FLOP model: matmul and attention FLOPs of the update (the floor OBLR-PO's modes aim at).
+
+    GRPO: per layer 6 N P (forward, input and weight gradients; LoRA: 4 N P of the frozen base plus the adapters'
+    6 N r (in + out)), attention forward and backward, plus the forward again under checkpointing; the fused head 4
+    logits products over all ``P + C - 1`` scored positions (3 with a frozen head). ``one_backward`` adds each linear
+    map's per-sequence norm at the cheaper of ghost (``2 T^2 (in + out)``) and instantiation (``2 T in out``), the
+    head's likewise over the ``C`` completion positions, and one recomputed logits product (the update's); its head
+    runs over ``C`` positions: log-sum-exp, delta, output gradient, delta again and the weight gradient (3 products
+    with a frozen head). Two passes: GRPO plus a norms pass (forward, input gradients, norms; head 3 products)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    c = WIDTHS[width]
+    d, V, h, dh = c["hidden_size"], c["vocab_size"], c["num_attention_heads"], c["head_dim"]
+    T, B = PROMPT + completion, batch
+    N = B * T
+    lin = linear_shapes(c)
+    P = sum(i * o for i, o in lin)
+    q, kv = (B, h, T, dh), (B, h, T, dh)
+    att_f, att_b = sdpa_flop_count(q, kv, kv), sdpa_backward_flop_count(q, q, kv, kv)
+    adapters = 2 * N * 16 * sum(i + o for i, o in lin)  # one pass of the LoRA adapters
+    base_fwd = 2 * N * P + (adapters if lora else 0)
+    layer_grpo = (2 * base_fwd + (0 if lora else 2 * N * P) + (adapters if lora else 0) + att_f + att_b
+                  + (base_fwd + att_f if ckpt else 0))
+    logits = lambda n: 2 * n * d * V  # noqa: E731
+    head_grpo = (3 if lora else 4) * logits(B * (T - 1))
+    if mode == "grpo":
+        return layers * layer_grpo + head_grpo
+    norms = sum(B * min(2 * T * T * (i + o), 2 * T * i * o) for i, o in (
+        [(i, 16) for i, _ in lin] + [(16, o) for _, o in lin] if lora else lin))
+    head_norm = 0 if lora else B * min(2 * completion ** 2 * (d + V), 2 * completion * d * V)
+    head_ob = (3 if lora else 5) * logits(B * completion) + head_norm
+    if mode == "one_backward":
+        return layers * (layer_grpo + norms) + head_ob
+    pass_layer = 2 * base_fwd + att_f + att_b + norms + (base_fwd + att_f if ckpt else 0)
+    return layers * (layer_grpo + pass_layer) + head_grpo + 3 * logits(B * completion) + head_norm
+
+
+def at_depth(c1: float, c2: float, depth: int = DEPTH) -> float:
+    """The count at ``depth`` layers from those at 1 and 2 layers: ``c1 + (depth - 1) (c2 - c1)``."""
+    return c1 + (depth - 1) * (c2 - c1)
+
+
+def configurations(quick: bool) -> list[dict]:
+    if quick:
+        sizes = [("Qwen3-0.6B", 8, 256)]
+    else:
+        sizes = [(w, b, c) for w in WIDTHS for b, c in ((8, 512), (64, 512), (8, 4096))]
+    return [dict(width=w, batch=b, completion=c, tied=t, lora=lo, ckpt=ck) for w, b, c in sizes
+            for t in (True, False) for lo in (False, True) for ck in (False, True)]
+
+
+def measure(cfg: dict, log) -> dict:
+    row = dict(cfg, modes={})
+    for mode in MODES:
+        try:
+            counts = [count_step(cfg["width"], n, cfg["tied"], mode, cfg["batch"], cfg["completion"], cfg["lora"],
+                                 cfg["ckpt"]) for n in (1, 2)]
+        except RuntimeError as error:  # said in the table, row by row
+            row["modes"][mode] = dict(error=str(error).splitlines()[0][:160])
+            log(f"{cfg} {mode}: counting failed: {error}")
+            continue
+        deep = {k: at_depth(counts[0][k], counts[1][k]) for k in counts[0]}
+        deep["predicted_flops"] = at_depth(*(predict(cfg["width"], n, mode, cfg["batch"], cfg["completion"],
+                                                     cfg["lora"], cfg["ckpt"]) for n in (1, 2)))
+        for k in ("flops", "ops", "peak_bytes"):
+            deep[f"per_layer_{k}"], deep[f"rest_{k}"] = counts[1][k] - counts[0][k], 2 * counts[0][k] - counts[1][k]
+        row["modes"][mode] = deep
+    g = row["modes"]["grpo"]
+    log(f"{cfg}: " + ", ".join(
+        f"{m} flops {v['flops'] / g['flops']:.2f}x (model {v['predicted_flops'] / g['predicted_flops']:.2f}x) "
+        f"bytes {v['peak_bytes'] / g['peak_bytes']:.2f}x ops {v['ops'] / g['ops']:.2f}x"
+        for m, v in row["modes"].items() if m != "grpo" and "error" not in v))
+    return row
+
+
+TARGETS = dict(flops_full=1.3, flops_lora=1.05, bytes_ckpt=1.1, bytes=1.2, ops=1.5)
+
+
+def render(res: dict) -> str:
+    head = ["width", "B x C", "head", "tuning", "ckpt", "mode", "FLOPs (T)", "model (T)", "FLOPs / GRPO",
+            "model / GRPO", "per layer / GRPO", "head+rest / GRPO", "peak GiB", "bytes / GRPO", "ops", "ops / GRPO",
+            "meets targets"]
+    rows = []
+    for r in res["rows"]:
+        g = r["modes"]["grpo"]
+        for mode, v in r["modes"].items():
+            if "error" in v:
+                rows.append([r["width"], f"{r['batch']} x {r['completion']}", "tied" if r["tied"] else "untied",
+                             "LoRA r=16" if r["lora"] else "full", "on" if r["ckpt"] else "off", mode,
+                             f"counting failed: {v['error']}"] + [""] * (len(head) - 7))
+                continue
+            f, b, o = v["flops"] / g["flops"], v["peak_bytes"] / g["peak_bytes"], v["ops"] / g["ops"]
+            ok = "" if mode == "grpo" else ("yes" if f <= TARGETS["flops_lora" if r["lora"] else "flops_full"]
+                                            and b <= TARGETS["bytes_ckpt" if r["ckpt"] else "bytes"]
+                                            and o <= TARGETS["ops"] else "no")
+            rows.append([r["width"], f"{r['batch']} x {r['completion']}", "tied" if r["tied"] else "untied",
+                         "LoRA r=16" if r["lora"] else "full", "on" if r["ckpt"] else "off", mode,
+                         f"{v['flops'] / 1e12:.2f}", f"{v['predicted_flops'] / 1e12:.2f}", f"{f:.2f}x",
+                         f"{v['predicted_flops'] / g['predicted_flops']:.2f}x",
+                         f"{v['per_layer_flops'] / g['per_layer_flops']:.2f}x",
+                         f"{v['rest_flops'] / g['rest_flops']:.2f}x", f"{v['peak_bytes'] / 2**30:.2f}", f"{b:.2f}x",
+                         f"{v['ops']:,.0f}", f"{o:.2f}x", ok])
+    m = res["machine"]
+    return "\n".join([
+        "# The update's cost, counted (FLOPs, peak live bytes, operator calls)", "",
+        f"Counted {m['date']} with `{res['command']}` (torch {m['torch']}, transformers {m['transformers']}, trl "
+        f"{m['trl']}); device-independent: nothing is timed. One `training_step` of TRL's GRPOTrainer and of "
+        "OBLRPOTrainer on a prepared batch (generation excluded), float32, one group per 8 completions, "
+        f"{PROMPT} prompt tokens. Counts at 1 and 2 layers, extrapolated to {DEPTH} layers as c1 + 27 (c2 - c1); "
+        "`per layer` and `head+rest` are the two parts. `model`: the FLOP model's prediction "
+        "(`predict` in benchmarks/cost_counts.py). Peak bytes: live operator outputs (weights not included). "
+        f"Targets: FLOPs <= {TARGETS['flops_full']}x GRPO (full), <= {TARGETS['flops_lora']}x (LoRA); peak bytes "
+        f"<= {TARGETS['bytes_ckpt']}x with checkpointing, <= {TARGETS['bytes']}x without; operator calls <= "
+        f"{TARGETS['ops']}x.", "",
+        *harness.md_table(head, rows), ""])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="Qwen3-0.6B width, 8 x 256 only (a few minutes)")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--stem", default="cost_counts")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    for name in ("transformers", "trl", "oblr_trl", "accelerate", "peft"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    log = harness.Log()
+    rows = [measure(cfg, log) for cfg in configurations(args.quick)]
+    res = dict(machine=harness.machine_info(), rows=rows,
+               command=" ".join(["python benchmarks/cost_counts.py", *(sys.argv[1:] if argv is None else argv)]))
+    js, md = harness.write_results(args.out, args.stem, res, render(res))
+    log(f"wrote {js} and {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""benchmarks/counting.py and cost_counts.py: the counters give known counts on known operators, and Shapes counts
+what the real tensors would."""
+
+import contextlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+counting = load("counting")
+
+
+def matmul_step(x, w):
+    y = torch.nn.functional.linear(x, w)
+    loss = torch.logsumexp(y, -1).sum()
+    loss.backward()
+    return loss
+
+
+def test_counters_on_a_known_matmul_and_backward():
+    x, w = torch.randn(8, 64, 32), torch.randn(128, 32, requires_grad=True)
+    flops, live, ops = FlopCounterMode(display=False), counting.LiveBytes(), counting.OpCounter()
+    with flops, live, ops:
+        matmul_step(x, w)
+    assert flops.get_total_flops() == 2 * (2 * 8 * 64 * 32 * 128)  # forward, and the weight gradient only
+    assert ops.calls["aten.mm"] == 2 and ops.total > 2
+    logits = 8 * 64 * 128 * 4
+    assert 2 * logits <= live.peak <= 5 * logits  # logits-sized temporaries only, never the weights (made before)
+
+
+def test_live_bytes_follows_frees_and_autograd_saves():
+    x = torch.randn(1 << 16, requires_grad=True)
+    with counting.LiveBytes() as live:
+        a = x.exp()
+        b = a.exp()  # exp saves its output: a and b stay alive through the graph
+        del a
+        assert live.live == 2 * x.nbytes
+        s = b.sum()
+        del b, s  # the graph goes with them
+        assert live.live == 0
+    assert 2 * x.nbytes <= live.peak <= 2 * x.nbytes + 64  # and the scalar sum
+
+
+def test_shapes_counts_what_real_tensors_count():
+    """The same step on real tensors and under Shapes (as phantoms): equal FLOPs, operator calls and peak bytes."""
+    x, w = torch.randn(8, 300, 64), torch.randn(4096, 64)
+    counts = []
+    for phantom in (False, True):
+        shapes = counting.Shapes(big=1 << 14)
+        with shapes if phantom else contextlib.nullcontext():
+            weight = torch.nn.Parameter(shapes.phantom(w) if phantom else w.clone())
+            flops, live, ops = FlopCounterMode(display=False), counting.LiveBytes(), counting.OpCounter()
+            with flops, live, ops:
+                loss = matmul_step(x, weight)
+            counts.append((flops.get_total_flops(), ops.total, live.peak))
+            assert isinstance(weight.grad, counting.Phantom) == phantom
+            assert torch.isfinite(loss)  # small outputs are real (filled), so Python can branch on them
+    assert counts[0] == counts[1]
+
+
+def test_shapes_indexes_with_a_real_boolean_mask():
+    shapes = counting.Shapes(big=16)
+    with shapes:
+        x = shapes.phantom(torch.empty(10, 4))
+        mask = torch.arange(10) % 3 == 0
+        assert tuple(x[mask].shape) == (4, 4)
+
+
+def test_extrapolation_and_flop_model():
+    cost = load("cost_counts")
+    assert cost.at_depth(10.0, 13.0, depth=28) == 10.0 + 27 * 3.0
+    grpo = cost.predict("Qwen3-0.6B", 2, "grpo", 8, 256, lora=False, ckpt=False)
+    lora = cost.predict("Qwen3-0.6B", 2, "grpo", 8, 256, lora=True, ckpt=False)
+    assert lora < grpo < cost.predict("Qwen3-0.6B", 2, "two_passes", 8, 256, lora=False, ckpt=False)
