@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from oblr_trl.tiny import build_model, build_tokenizer
+from oblr_trl.demo.tiny import build_model, build_tokenizer
 
 TOKENIZER = build_tokenizer()
 GROUP = 4

@@ -188,7 +188,7 @@ def test_the_trainer_changes_every_parameter(family, one_backward):
     conv1d stayed frozen under one_backward, and on the miniature mixer."""
     from test_zoo import _trainer
 
-    from oblr_trl.tiny import build_tokenizer
+    from oblr_trl.demo.tiny import build_tokenizer
 
     vocab = len(build_tokenizer())
     model = (build(family, tie=True, vocab_size=vocab) if family != "functional-conv"
