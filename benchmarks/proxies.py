@@ -49,8 +49,8 @@ sys.path.insert(0, HERE)
 from grad_variance import completion_score, gram_stats, spearman  # noqa: E402
 
 from oblr_trl import gradient_weighted_baseline, mean_baseline  # noqa: E402
-from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs  # noqa: E402
 from oblr_trl.demo.tasks import make_dataset, make_reward_func  # noqa: E402
+from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs  # noqa: E402
 
 METHODS = ["grpo", "dr_grpo", "rloo", "length", "length_loo", "logit", "logit_loo", "exact", "exact_loo"]
 BASELINED = METHODS[1:]  # r - b with a baseline b (GRPO also divides by the group's std)

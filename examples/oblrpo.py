@@ -198,11 +198,11 @@ def main(script_args, training_args, model_args):
     from trl import get_peft_config, get_quantization_config
 
     from oblr_trl import OBLRPOTrainer
-    from oblr_trl.demo import make_dataset
-    from oblr_trl.plotting import plot_training
     from oblr_trl.card import append_oblr_section
+    from oblr_trl.demo import make_dataset
     from oblr_trl.demo.tasks import without_questions_of
     from oblr_trl.demo.tiny import load_or_build_warm_model
+    from oblr_trl.plotting import plot_training
     from oblr_trl.trl_logs import install_all_none_reward_filter
 
     template = prompt_template(script_args)

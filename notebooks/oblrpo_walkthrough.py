@@ -277,8 +277,8 @@ for example in examples:
 # held-out accuracy marked on the reward panel).
 
 # %%
-from oblr_trl.plotting import plot_training
 from oblr_trl.card import append_oblr_section
+from oblr_trl.plotting import plot_training
 
 output_dir = oblr_args.output_dir
 oblr_trainer.save_model(output_dir)

@@ -114,3 +114,16 @@ def test_the_demo_room_holds_the_demo_and_the_top_level_none_of_it():
     assert {"tiny.py", "tasks.py", "reference_model.py", "defaults.py", "card.py"} <= {
         f.name for f in (PACKAGE / "demo").glob("*.py")}
     assert not {"tiny.py", "tasks.py", "reference_model.py", "defaults.py"} & {f.name for f in PACKAGE.glob("*.py")}
+
+
+def test_no_test_module_imports_another():
+    """Shared builders live in tests/helpers.py (or fixtures); a test module imported by another would run its
+    module-level setup twice and tie the two files' names together (issue 48)."""
+    tests, found = Path(__file__).resolve().parent, []
+    names = {f.stem for f in tests.rglob("test_*.py")}
+    for f in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            imported = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                        else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{f.relative_to(tests)}: {name}" for name in imported if name.split(".")[-1] in names]
+    assert found == []

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from oblr_trl.plotting import plot_training
 from oblr_trl.demo.tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
 from oblr_trl.demo.tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
+from oblr_trl.plotting import plot_training
 
 
 @pytest.fixture(scope="module")
