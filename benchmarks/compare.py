@@ -89,8 +89,8 @@ def single_run(task: str, method: str, seed: int, args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer
-    from oblr_trl.tasks import evaluate_accuracy, make_dataset, make_reward_func
-    from oblr_trl.tiny import load_or_build_warm_model
+    from oblr_trl.demo.tasks import evaluate_accuracy, make_dataset, make_reward_func
+    from oblr_trl.demo.tiny import load_or_build_warm_model
 
     start = time.time()
     set_seed(seed)

@@ -16,7 +16,7 @@ import time
 import reasoning_gym as rg
 import torch
 
-from oblr_trl import load_reference_model
+from oblr_trl.demo import load_reference_model
 
 
 def expr(e):

@@ -54,9 +54,9 @@ sys.path.insert(0, HERE)
 from harness import host, host_id, utc_now  # noqa: E402
 
 from oblr_trl import gradient_weighted_baseline, mean_baseline  # noqa: E402
+from oblr_trl.demo.tasks import make_dataset, make_reward_func  # noqa: E402
+from oblr_trl.demo.tiny import load_or_build_warm_model  # noqa: E402
 from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs  # noqa: E402
-from oblr_trl.tasks import make_dataset, make_reward_func  # noqa: E402
-from oblr_trl.tiny import load_or_build_warm_model  # noqa: E402
 
 # The tasks (and their difficulty) the warm models are built for; the same as benchmarks/compare.py.
 TASKS = {

@@ -39,7 +39,7 @@ def first_distinct(questions: list[str], size: int) -> list[int]:
 def large_held_out(seed: int, size: int, pool: int = 5000, num_train: int = NUM_TRAIN, eval_seed: int = EVAL_SEED):
     """The large held-out set of training seed `seed`: `size` distinct problems of held-out seed `eval_seed` (drawn
     from `pool` generated ones) none of whose questions is among that seed's `num_train` training problems."""
-    from oblr_trl.tasks import PROMPT_TEMPLATES, make_dataset, without_questions_of
+    from oblr_trl.demo.tasks import PROMPT_TEMPLATES, make_dataset, without_questions_of
 
     template = PROMPT_TEMPLATES[TEMPLATE]
     held = make_dataset(TASK, size=pool, seed=eval_seed, prompt_template=template, **TASK_CONFIG)
@@ -54,7 +54,7 @@ def large_held_out(seed: int, size: int, pool: int = 5000, num_train: int = NUM_
 def check_run(run_dir: Path) -> None:
     """Refuse a run trained on another task, wording or reply length than the large set is built for (its scores
     would not be comparable), naming what differs."""
-    from oblr_trl.tasks import PROMPT_TEMPLATES
+    from oblr_trl.demo.tasks import PROMPT_TEMPLATES
 
     summary = json.loads((run_dir / "summary.json").read_text())
     task = json.loads((run_dir / "model" / "oblr_task.json").read_text())
@@ -76,7 +76,7 @@ def questions_digest(dataset) -> str:
 def load_model(run_dir: Path | None):
     """SmolLM2-135M-Instruct (the package's offline copy), with the run's LoRA adapter merged when `run_dir` is
     given."""
-    from oblr_trl import load_reference_model
+    from oblr_trl.demo import load_reference_model
 
     model, tokenizer = load_reference_model("smollm2")
     if run_dir is not None:
@@ -88,7 +88,7 @@ def load_model(run_dir: Path | None):
 
 def score(model, tokenizer, dataset) -> dict:
     """Greedy accuracy (exact answers) and per-problem scores on `dataset`, with the time taken."""
-    from oblr_trl.tasks import evaluate_held_out
+    from oblr_trl.demo.tasks import evaluate_held_out
 
     t = time.time()
     result = evaluate_held_out(model, tokenizer, dataset, max_new_tokens=MAX_NEW_TOKENS)

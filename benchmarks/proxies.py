@@ -49,8 +49,8 @@ sys.path.insert(0, HERE)
 from grad_variance import completion_score, gram_stats, spearman  # noqa: E402
 
 from oblr_trl import gradient_weighted_baseline, mean_baseline  # noqa: E402
+from oblr_trl.demo.tasks import make_dataset, make_reward_func  # noqa: E402
 from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs  # noqa: E402
-from oblr_trl.tasks import make_dataset, make_reward_func  # noqa: E402
 
 METHODS = ["grpo", "dr_grpo", "rloo", "length", "length_loo", "logit", "logit_loo", "exact", "exact_loo"]
 BASELINED = METHODS[1:]  # r - b with a baseline b (GRPO also divides by the group's std)
@@ -282,7 +282,7 @@ def main():
     gen = torch.Generator().manual_seed(args.seed)
     from peft import LoraConfig, get_peft_model
 
-    from oblr_trl import load_reference_model
+    from oblr_trl.demo import load_reference_model
 
     base, tokenizer = load_reference_model(args.model)
     model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=args.rank, lora_dropout=0.0, target_modules=[

@@ -59,7 +59,7 @@ from oblr_trl.grad_norms import (  # noqa: E402
     per_sequence_grad_sq_norms,
     per_sequence_grads,
 )
-from oblr_trl.tiny import build_model, build_tokenizer  # noqa: E402
+from oblr_trl.demo.tiny import build_model, build_tokenizer  # noqa: E402
 
 GROUP = 8
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -134,7 +134,7 @@ def load_model(spec: str, device, fused: bool = True):
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from oblr_trl import resolve_model_path
+        from oblr_trl.demo import resolve_model_path
 
         spec = resolve_model_path(spec)  # "smollm2": the reference model, fetched and converted once (offline)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)

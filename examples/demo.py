@@ -58,7 +58,7 @@ def parse_args(argv=None):
     parser.add_argument("--task", default="chain_sum", help="reasoning-gym task name.")
     parser.add_argument(
         "--task_config", type=json.loads, default={},
-        help="The reasoning-gym task's options as JSON, over oblr_trl.tasks.DEFAULT_TASK_KWARGS (e.g. "
+        help="The reasoning-gym task's options as JSON, over oblr_trl.demo.tasks.DEFAULT_TASK_KWARGS (e.g. "
         "'{\"max_digits\": 2}' for chain_sum sums of one- and two-digit numbers); training and held-out problems alike.",
     )
     parser.add_argument(
@@ -96,11 +96,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--prompt_template", default=None,
         help="Question wording: a str.format template over reasoning-gym's `question` and the entry's metadata (e.g. "
-        "'What is {expression}? Reply with only the number.'), a task name for oblr_trl.tasks.PROMPT_TEMPLATES[task], "
+        "'What is {expression}? Reply with only the number.'), a task name for oblr_trl.demo.tasks.PROMPT_TEMPLATES[task], "
         "or 'none' for reasoning-gym's own wording.",
     )
     parser.add_argument("--format_reward", type=float, default=None,
-                        help="Weight of oblr_trl.tasks.make_format_reward (reply is a bare number) added to the verifier's "
+                        help="Weight of oblr_trl.demo.tasks.make_format_reward (reply is a bare number) added to the verifier's "
                         "reward in training; 0 = the verifier alone. Held-out accuracy is the verifier alone.")
     parser.add_argument("--lr_scheduler_type", default=None, help="transformers schedule of eta_max (constant, linear, ...).")
     parser.add_argument(
@@ -217,7 +217,7 @@ def load_before(path, args, model_name):
 # The held-out metrics: accuracy = exact-answer rate (verifier full credit), mean score = mean verifier score.
 METRICS = ("accuracy", "sampled_accuracy", "mean_score", "sampled_mean_score")
 METRICS_BEFORE = tuple(f"{m}_before" for m in METRICS)
-ANSWER_EXTRACTOR = "final_number"  # oblr_trl.tasks.extract_answer's default, used by the reward and the metrics
+ANSWER_EXTRACTOR = "final_number"  # oblr_trl.demo.tasks.extract_answer's default, used by the reward and the metrics
 
 
 def metrics(greedy, sampled, when):
@@ -351,11 +351,12 @@ def main(args):
 
     from trl import GRPOConfig, GRPOTrainer
 
-    from oblr_trl import OBLRPOConfig, OBLRPOTrainer, load_reference_model
-    from oblr_trl.card import write_model_card
-    from oblr_trl.reference_model import REFERENCE_MODELS
+    from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+    from oblr_trl.demo import load_reference_model
+    from oblr_trl.demo.card import write_model_card
+    from oblr_trl.demo.reference_model import REFERENCE_MODELS
     from oblr_trl.plotting import plot_training
-    from oblr_trl.tasks import (
+    from oblr_trl.demo.tasks import (
         PROMPT_TEMPLATES,
         evaluate_held_out,
         make_dataset,
@@ -363,7 +364,7 @@ def main(args):
         make_reward_func,
         without_questions_of,
     )
-    from oblr_trl.tiny import load_or_build_warm_model
+    from oblr_trl.demo.tiny import load_or_build_warm_model
 
     # A quiet console: one progress bar and a table, not library chatter.
     transformers.utils.logging.set_verbosity_error()
@@ -602,7 +603,7 @@ def main(args):
           f"{lr_scale}, {summary['steps_with_lr_scale_0']} steps skipped (scale 0), mean applied lr "
           f"{summary['mean_applied_lr'] or 0:.3g}")
     print(f"Accuracy: the verifier's full credit for the reply's final number ({ANSWER_EXTRACTOR} extractor, "
-          "oblr_trl.tasks.extract_answer); mean score: the verifier's mean score, partial credit included.")
+          "oblr_trl.demo.tasks.extract_answer); mean score: the verifier's mean score, partial credit included.")
     if summary["examples"]:
         print("\nHeld-out replies (greedy), before -> after:")
         for ex in summary["examples"]:

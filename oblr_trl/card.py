@@ -9,13 +9,13 @@ BibTeX from `OBLRPOTrainer._tag_names/_name/_paper`. `append_oblr_section` then
 * adds what only OBLR-PO knows: a table of the OBLR-PO options and the GRPO options its theory constrains; the metrics
   over the run (reward, the mean lr scale, the fraction of steps at lr scale 0, the applied lr's mean, the SNR),
   never failing on a metric logged as None (TRL logs `reward: None` when every reward of a step is None); links to the
-  training plots; and held-out results when the folder has them (below).
+  training plots; and held-out results: the card's own results file in the output folder, `eval_results.json`, shaped
+  as ``{"model": str, "decoding": str, "results": [{"benchmark": str, "accuracy": float, "mean_score": float
+  (optional), "problems": int} or {"benchmark": str, "skipped": str}, ...]}`` (accuracy: the exact-answer rate; mean
+  score: the mean verifier score), so that a later checkpoint's card keeps them, plus any lines a caller passes.
 
-Held-out results: `eval_results.json` in the output folder (written by `examples/evaluate.py`), shaped as
-``{"model": str, "decoding": str, "results": [{"benchmark": str, "accuracy": float, "mean_score": float (optional),
-"problems": int} or {"benchmark": str, "skipped": str}, ...]}`` (accuracy: the exact-answer rate; mean score: the mean
-verifier score), and/or the demo's `summary.json` (`accuracy_before`/`_after`, `sampled_accuracy_*`, `mean_score_*`,
-`sampled_mean_score_*`, `num_eval`, `task`). `write_held_out_results` writes the first and refreshes the card's section.
+Who writes that file, and what the demo's own outputs (`summary.json`) show, is the demo's business:
+`oblr_trl.demo.card` (`write_held_out_results`, `write_model_card`). This module knows no example script's files.
 
 The section sits between two HTML comments, so appending again (a later checkpoint, a push that rewrote the card)
 replaces it instead of stacking copies.
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 SECTION_START = "<!-- oblr-po:start -->"
 SECTION_END = "<!-- oblr-po:end -->"
 HELD_OUT_FILE = "eval_results.json"
-DEMO_SUMMARY_FILE = "summary.json"
 
 # The paper, for TRL's card generation (`OBLRPOTrainer._paper`). Authors as listed for arXiv 2511.23310 (v2).
 PAPER = {
@@ -83,8 +82,7 @@ RUN_METRICS = (
     ("oblr/baseline_mean", "baseline mean"),
 )
 WINDOW = 10  # steps in the "first" and "last" columns
-METRIC_NOTE = ("Accuracy: the share of exact answers (the verifier's full credit for the reply's final number, "
-               "`oblr_trl.tasks.extract_answer`). Mean score: the verifier's mean score, partial credit included.")
+
 
 
 def oblr_option_names(config) -> list[str]:
@@ -104,7 +102,7 @@ def _fmt(value) -> str:
     return f"`{value}`"
 
 
-def _number(value) -> float | None:
+def as_number(value) -> float | None:
     """`value` as a float, or None for what is not a number (None, strings): a log entry may hold `reward: None`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
@@ -113,7 +111,7 @@ def _number(value) -> float | None:
 
 def metric_values(log_history: list[dict], key: str) -> list[float]:
     """The numeric values logged under `key`, in order; entries without it, or holding None, are skipped."""
-    values = (_number(entry.get(key)) for entry in log_history if key in entry)
+    values = (as_number(entry.get(key)) for entry in log_history if key in entry)
     return [v for v in values if v is not None]
 
 
@@ -160,45 +158,31 @@ def step_size_summary(log_history: list[dict], config) -> list[str]:
     return lines
 
 
-def load_held_out_results(output_dir: str | os.PathLike) -> list[str]:
-    """Markdown lines of the held-out results found in `output_dir` (see the module docstring), or []."""
-    lines = []
+def held_out_file_rows(output_dir: str | os.PathLike) -> list[str]:
+    """Markdown lines of `output_dir`/`HELD_OUT_FILE` (the shape in the module docstring), or [] without the file."""
     path = os.path.join(output_dir, HELD_OUT_FILE)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        lines += [f"From `{HELD_OUT_FILE}` ({data.get('decoding', 'decoding not recorded')}):", ""]
-        lines += ["| benchmark | accuracy (exact answers) | mean score | problems |", "|---|---|---|---|"]
-        for row in data.get("results", []):
-            if "skipped" in row:
-                lines.append(f"| {row['benchmark']} | {row['skipped']} |  | 0 |")
-            else:
-                score = _number(row.get("mean_score"))
-                lines.append(f"| {row['benchmark']} | {float(row['accuracy']):.1%} | "
-                             f"{'' if score is None else f'{score:.3f}'} | {int(row['problems'])} |")
-        lines.append("")
-    path = os.path.join(output_dir, DEMO_SUMMARY_FILE)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        pairs = [("accuracy (exact answers), greedy", "accuracy", "{:.1%}"),
-                 ("accuracy, sampled at temperature 1", "sampled_accuracy", "{:.1%}"),
-                 ("mean score, greedy", "mean_score", "{:.3f}"),
-                 ("mean score, sampled at temperature 1", "sampled_mean_score", "{:.3f}")]
-        rows = [f"| {label} | {fmt.format(float(data[k + '_before']))} | {fmt.format(float(data[k + '_after']))} |"
-                for label, k, fmt in pairs
-                if _number(data.get(k + "_before")) is not None and _number(data.get(k + "_after")) is not None]
-        if rows:
-            what = f"{data.get('num_eval', '?')} held-out {data.get('task', '')} problems".replace("  ", " ")
-            lines += [f"From `{DEMO_SUMMARY_FILE}` ({what}):", "", "| metric | before RL | after RL |", "|---|---|---|",
-                      *rows, "", METRIC_NOTE, ""]
-    return lines
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    lines = [f"From `{HELD_OUT_FILE}` ({data.get('decoding', 'decoding not recorded')}):", ""]
+    lines += ["| benchmark | accuracy (exact answers) | mean score | problems |", "|---|---|---|---|"]
+    for row in data.get("results", []):
+        if "skipped" in row:
+            lines.append(f"| {row['benchmark']} | {row['skipped']} |  | 0 |")
+        else:
+            score = as_number(row.get("mean_score"))
+            lines.append(f"| {row['benchmark']} | {float(row['accuracy']):.1%} | "
+                         f"{'' if score is None else f'{score:.3f}'} | {int(row['problems'])} |")
+    return lines + [""]
 
 
 def oblr_card_section(
-    config, log_history: list[dict], plot_paths: list[str] | None = None, output_dir: str | os.PathLike | None = None
+    config, log_history: list[dict], plot_paths: list[str] | None = None, output_dir: str | os.PathLike | None = None,
+    held_out: list[str] | None = None,
 ) -> str:
-    """Markdown for the card: OBLR-PO settings, metrics over the run, plot links, held-out results of `output_dir`.
+    """Markdown for the card: OBLR-PO settings, metrics over the run, plot links, and held-out results: those of
+    `output_dir`'s `HELD_OUT_FILE`, then `held_out` (markdown lines a caller adds, e.g. the demo's summary).
 
     `plot_paths` are shown by file name, i.e. relative to the card (the plots lie next to README.md in output_dir).
     """
@@ -227,7 +211,7 @@ def oblr_card_section(
     else:
         lines.append("No metrics were logged.")
 
-    held_out = load_held_out_results(output_dir) if output_dir is not None else []
+    held_out = (held_out_file_rows(output_dir) if output_dir is not None else []) + (held_out or [])
     if held_out:
         lines += ["", "### Held-out results", "", *held_out]
     if plot_paths:
@@ -289,82 +273,4 @@ def append_oblr_section(
         card = card.rstrip("\n") + ("\n\n" if card else "") + section
     with open(path, "w", encoding="utf-8") as f:
         f.write(card)
-    return path
-
-
-def has_oblr_section(folder: str | os.PathLike) -> bool:
-    """Whether `folder`/README.md exists and holds the OBLR-PO section (what `write_held_out_results` updates)."""
-    path = os.path.join(folder, "README.md")
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as f:
-        card = f.read()
-    return SECTION_START in card and SECTION_END in card
-
-
-def write_held_out_results(output_dir: str | os.PathLike, results: dict) -> str:
-    """Write `results` (the `eval_results.json` shape above) into `output_dir` and show them on its card.
-
-    The card's OBLR-PO section, if present, gets its "Held-out results" block added or replaced in place; a card
-    without the section (or no card) is left alone. Returns the JSON file's path.
-    """
-    path = os.path.join(output_dir, HELD_OUT_FILE)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
-    readme = os.path.join(output_dir, "README.md")
-    if os.path.isfile(readme):
-        with open(readme, encoding="utf-8") as f:
-            card = f.read()
-        start, end = card.find(SECTION_START), card.find(SECTION_END)
-        if start != -1 and end > start:
-            section = card[start:end]
-            block_start = section.find("\n### Held-out results\n")
-            if block_start != -1:
-                block_end = section.find("\n### ", block_start + 1)
-                section = section[:block_start] + (section[block_end:] if block_end != -1 else "\n")
-            held_out = "\n".join(["", "### Held-out results", "", *load_held_out_results(output_dir)])
-            plots = section.find("\n### Training curves\n")
-            if plots != -1:
-                section = section[:plots] + held_out + section[plots:]
-            else:
-                section = section.rstrip("\n") + "\n" + held_out + "\n"
-            card = card[:start] + section + card[end:]
-            with open(readme, "w", encoding="utf-8") as f:
-                f.write(card)
-    return path
-
-
-def write_model_card(folder: str | os.PathLike, config, log_history: list[dict], base_model: str, title: str,
-                     description: str = "", library: str = "transformers", plot_paths: list[str] | None = None) -> str:
-    """Write `folder`/README.md as this package's card, replacing any template there (PEFT's `save_pretrained` writes
-    a blank one): front matter naming `base_model` (a Hub id), `title`, `description`, how to load it, the OBLR-PO
-    section (settings, metrics over the run, held-out results of `folder`, plots) and the paper's citation.
-    Returns the README's path; `write_held_out_results` later refreshes its held-out block."""
-    tags = ["oblr-po", "trl", "reinforcement-learning"] + (["lora", "peft"] if library == "peft" else [])
-    on_hub = "/" in base_model and not os.path.exists(base_model)  # an `owner/name` Hub id, not a local path
-    header = [
-        "---",
-        *([f"base_model: {base_model}"] if on_hub else []),
-        f"library_name: {library}",
-        "tags:",
-        *[f"- {tag}" for tag in tags],
-        "---",
-        "",
-        f"# {title}",
-        "",
-        f"Fine-tuned from {f'[{base_model}](https://huggingface.co/{base_model})' if on_hub else base_model} with "
-        "[OBLR-PO](https://arxiv.org/abs/2511.23310) (oblr-trl's `OBLRPOTrainer`, a TRL `GRPOTrainer` subclass).",
-        "",
-    ]
-    if description:
-        header += [description.strip(), ""]
-    load = ("from peft import AutoPeftModelForCausalLM\n\nmodel = AutoPeftModelForCausalLM.from_pretrained(FOLDER)"
-            if library == "peft" else
-            "from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained(FOLDER)")
-    header += ["## Use", "", "```python", load.replace("FOLDER", json.dumps(os.fspath(folder))), "```", "", ""]
-    section = oblr_card_section(config, log_history, plot_paths, output_dir=folder)
-    citation = ["", "## Citation", "", "```bibtex", PAPER["citation"], "```", ""]
-    path = os.path.join(folder, "README.md")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(header) + section + "\n".join(citation))
     return path

@@ -73,7 +73,7 @@ def plot_training(
     the first and last step, so training reward and held-out accuracy share the axis. Missing keys are skipped (the
     panel says "not logged"); `None` or non-finite values are gaps.
     """
-    Figure = require("matplotlib.figure", "matplotlib", "oblr_trl.plot_training").Figure
+    Figure = require("matplotlib.figure", "matplotlib", "oblr_trl.plotting.plot_training").Figure
 
     os.makedirs(out_dir, exist_ok=True)
     fig = Figure(figsize=(14, 7.5), layout="constrained")

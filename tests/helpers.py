@@ -5,13 +5,18 @@ Test modules import from here (tests/ is on sys.path, see conftest.py), never fr
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from oblr_trl.tiny import build_model, build_tokenizer
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+from oblr_trl.demo.tiny import build_model, build_tokenizer
 
 TOKENIZER = build_tokenizer()
 GROUP = 4
@@ -110,3 +115,33 @@ def assert_finite_everywhere(trainer, inf_snr_ok=False):
             elif k.startswith("oblr/") or k in ("loss", "grad_norm"):
                 assert math.isfinite(v), (k, v)
     assert all(0.0 <= s <= 1.0 for s in logged(trainer, "oblr/lr_scale"))
+
+
+# ------------------------------------------------------------ the zoo's trainer (tests/grad_norms: test_zoo, test_coverage)
+def zoo_trainer(model, **overrides):
+    """An `OBLRPOTrainer` on `model` (a zoo family's miniature) with the tiny tokenizer, 16 prompts and a length
+    reward; `overrides` go to `OBLRPOConfig`."""
+    tokenizer = build_tokenizer()
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 3}"}]} for i in range(16)])
+    args = dict(output_dir="/tmp/oblr-zoo-test", per_device_train_batch_size=4, num_generations=2,
+                max_completion_length=4, max_steps=2, logging_steps=1, report_to="none", use_cpu=True,
+                save_strategy="no", seed=0, data_seed=0, disable_tqdm=True)
+    args.update(overrides)
+    return OBLRPOTrainer(model=model, processing_class=tokenizer, args=OBLRPOConfig(**args), train_dataset=dataset,
+                         reward_funcs=[lambda completions, **kw: [float(len(c[0]["content"])) for c in completions]])
+
+
+# ------------------------------------------------- torchrun equivalence runs (tests/integration: distributed, deepspeed)
+EQUIVALENCE_SCRIPT = os.path.join(os.path.dirname(__file__), "integration", "distributed", "equivalence_run.py")
+
+
+def run_equivalence(tmp_path, nproc: int, per_device: int, mode: str = "ddp") -> dict:
+    """`EQUIVALENCE_SCRIPT` under torchrun on `nproc` CPU processes (gloo), `per_device` completions each, in `mode`;
+    returns the JSON it writes."""
+    out = tmp_path / f"{mode}-{nproc}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           EQUIVALENCE_SCRIPT, str(out), str(per_device), mode]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())

@@ -10,15 +10,16 @@ import pytest
 import torch
 import yaml
 
-from oblr_trl import OBLRPOConfig, OBLRPOTrainer, build_model, build_tokenizer, make_dataset
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.card import (
     PAPER,
     SECTION_END,
     SECTION_START,
     append_oblr_section,
     oblr_card_section,
-    write_held_out_results,
 )
+from oblr_trl.demo import build_model, build_tokenizer, make_dataset
+from oblr_trl.demo.card import write_held_out_results, write_model_card
 from oblr_trl.trl_logs import ALL_NONE_MESSAGE, NOTE, install_all_none_reward_filter
 
 HISTORY = [
@@ -102,15 +103,18 @@ def test_demo_summary_is_shown_as_before_and_after(tmp_path):
                "sampled_accuracy_before": 0.194, "sampled_accuracy_after": 0.266, "mean_score_before": 0.4,
                "mean_score_after": 0.5}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    card = Path(append_oblr_section(tmp_path, config(tmp_path), HISTORY)).read_text()
-    assert "1000 held-out chain_sum problems" in card
+    # the demo's file is the demo's business (issue 48): its card shows it, the trainer's card section does not
+    trainer_card = Path(append_oblr_section(tmp_path, config(tmp_path), HISTORY)).read_text()
+    assert "summary.json" not in trainer_card and "Held-out results" not in trainer_card
+    card = Path(write_model_card(tmp_path, config(tmp_path), HISTORY, base_model=str(tmp_path), title="t")).read_text()
+    assert "1000 held-out chain_sum problems" in card and "`oblr_trl.demo.tasks.extract_answer`" in card
     assert "| accuracy (exact answers), greedy | 34.2% | 44.5% |" in card
     assert "| accuracy, sampled at temperature 1 | 19.4% | 26.6% |" in card
     assert "| mean score, greedy | 0.400 | 0.500 |" in card and "mean score, sampled" not in card  # not recorded
 
 
 def test_write_model_card_replaces_a_template_and_names_the_hub_base_model(tmp_path):
-    from oblr_trl.card import has_oblr_section, write_model_card
+    from oblr_trl.demo.card import has_oblr_section
 
     (tmp_path / "README.md").write_text("# Model Card for Model ID\n[More Information Needed]\n")  # PEFT's template
     assert not has_oblr_section(tmp_path)

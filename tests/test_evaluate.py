@@ -30,7 +30,7 @@ class Built(Exception):
 
 def warm_model_call(monkeypatch, run):
     """The arguments `run()` passes to `load_or_build_warm_model` (stopped right there)."""
-    import oblr_trl.tiny
+    import oblr_trl.demo.tiny
 
     calls = []
 
@@ -38,7 +38,7 @@ def warm_model_call(monkeypatch, run):
         calls.append((args, kwargs))
         raise Built
 
-    monkeypatch.setattr(oblr_trl.tiny, "load_or_build_warm_model", record)
+    monkeypatch.setattr(oblr_trl.demo.tiny, "load_or_build_warm_model", record)
     with pytest.raises(Built):
         run()
     return calls[0]
@@ -54,7 +54,7 @@ def test_default_start_is_the_demos_the_scripts_and_the_notebooks(monkeypatch):
     (task,), kwargs = demo_call
     assert (task, kwargs["seed"], kwargs["steps"]) == ("chain_sum", 0, 200)
 
-    from oblr_trl.defaults import TINY_TASK, TINY_WARMUP_SEED, TINY_WARMUP_STEPS
+    from oblr_trl.demo.defaults import TINY_TASK, TINY_WARMUP_SEED, TINY_WARMUP_STEPS
 
     assert (task, kwargs["seed"], kwargs["steps"]) == (TINY_TASK, TINY_WARMUP_SEED, TINY_WARMUP_STEPS)
     # examples/oblrpo.py --model_name_or_path tiny (warm seed = the run's seed, 0 by default), its tiny recipe
@@ -93,7 +93,7 @@ def test_scores_a_peft_adapter_folder_and_records_the_results_on_it(tmp_path):
     """The folder a LoRA run saves (adapter only, no tokenizer): merged into its base model, then scored."""
     from peft import LoraConfig, get_peft_model
 
-    from oblr_trl import build_model, build_tokenizer
+    from oblr_trl.demo import build_model, build_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
@@ -121,8 +121,8 @@ def test_prompt_template_asks_the_held_out_problems_in_that_wording(tmp_path, mo
     as examples/demo.py does, so the demo's re-score command scores the problems the demo scored."""
     import torch
 
-    from oblr_trl.tasks import PROMPT_TEMPLATES
-    from oblr_trl.tiny import build_model, build_tokenizer
+    from oblr_trl.demo.tasks import PROMPT_TEMPLATES
+    from oblr_trl.demo.tiny import build_model, build_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
@@ -131,7 +131,7 @@ def test_prompt_template_asks_the_held_out_problems_in_that_wording(tmp_path, mo
     tokenizer.save_pretrained(model_dir)
     evaluate = load_script("evaluate")
     asked = []
-    import oblr_trl.tasks as tasks
+    import oblr_trl.demo.tasks as tasks
 
     real = tasks.evaluate_held_out
 

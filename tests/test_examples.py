@@ -101,7 +101,7 @@ def test_script_trains_smollm2_by_default_and_saves_the_adapter_with_its_card(tm
     """smollm2_cpu.yaml without its `model_name_or_path` line (so the script's default model), one step of 16
     completions and an evaluation on 2 held-out problems (16 completions): a LoRA adapter on the resolved SmolLM2
     folder, with its card."""
-    from oblr_trl.reference_model import resolve_model_path
+    from oblr_trl.demo.reference_model import resolve_model_path
 
     recipe = (EXAMPLES / "recipes" / "smollm2_cpu.yaml").read_text()
     assert "\nmodel_name_or_path: smollm2\n" in recipe

@@ -52,18 +52,18 @@ print("TRAINED", trainer.state.global_step)
 
 @pytest.mark.parametrize("call", ["make_dataset", "make_reward_func", "plot_training"])
 def test_the_demo_helpers_name_the_extra_when_its_packages_are_missing(monkeypatch, tmp_path, call):
-    import oblr_trl
+    import oblr_trl.demo
 
     for name in BLOCKED:
         monkeypatch.setitem(sys.modules, name, None)
     args = {"make_dataset": ("chain_sum",), "make_reward_func": ("chain_sum",), "plot_training": ([], tmp_path)}[call]
     with pytest.raises(ImportError, match=r'oblr-trl\[demo\]') as info:
-        getattr(oblr_trl, call)(*args)
-    assert f"oblr_trl.{call}" in str(info.value)
+        getattr(oblr_trl.demo, call)(*args)
+    assert f"{'oblr_trl.plotting' if call == 'plot_training' else 'oblr_trl.demo'}.{call}" in str(info.value)
 
 
 def test_the_reference_model_names_the_extra_without_gguf(monkeypatch, tmp_path):
-    from oblr_trl import reference_model
+    from oblr_trl.demo import reference_model
 
     monkeypatch.setitem(sys.modules, "gguf", None)
     spec = reference_model.REFERENCE_MODELS["smollm2"]

@@ -28,7 +28,7 @@ def test_first_distinct_keeps_order_and_drops_repeats(le):
 def test_a_run_on_another_task_is_refused_naming_what_differs(le, tmp_path):
     import json
 
-    from oblr_trl.tasks import PROMPT_TEMPLATES
+    from oblr_trl.demo.tasks import PROMPT_TEMPLATES
 
     (tmp_path / "model").mkdir()
     (tmp_path / "summary.json").write_text(json.dumps(dict(task_config={"max_digits": 1}, seed=0)))
@@ -43,7 +43,7 @@ def test_a_run_on_another_task_is_refused_naming_what_differs(le, tmp_path):
 
 def test_large_held_out_is_unseen_by_its_seed_and_the_same_for_every_arm(le):
     pytest.importorskip("reasoning_gym")
-    from oblr_trl.tasks import PROMPT_TEMPLATES, make_dataset
+    from oblr_trl.demo.tasks import PROMPT_TEMPLATES, make_dataset
 
     held = le.large_held_out(seed=1, size=300, pool=2000)
     questions = [p[-1]["content"] for p in held["prompt"]]

@@ -3,6 +3,8 @@ long one is a mechanism that wants its own object), and a trainer of at most 300
 
 import ast
 import collections
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "oblr_trl"
@@ -81,3 +83,47 @@ def test_no_function_in_the_package_over_60_lines():
 def test_the_trainer_is_overrides_only_in_at_most_300_lines():
     """The trainer holds no mechanism: each override hands TRL's data to a function or an object elsewhere."""
     assert len((PACKAGE / "trainer.py").read_text().splitlines()) <= 300
+
+
+# ------------------------------------------------------------------------------- the demo in its own room (issue 48)
+def test_no_module_of_the_trainer_package_imports_the_demo_room():
+    """The arrows point one way: oblr_trl.demo may use the trainer package, never the reverse (at the top or lazily)."""
+    into_demo = {(name, target) for name, targets in import_graph().items() if not _in_demo(name)
+                 for target in targets if _in_demo(target)}
+    assert into_demo == set()
+
+
+def _in_demo(module: str) -> bool:
+    return module == "oblr_trl.demo" or module.startswith("oblr_trl.demo.")
+
+
+def test_the_graph_sees_an_import_of_the_demo_room():
+    """The check above can fail: the demo's own modules import each other, and the graph has those edges."""
+    assert "oblr_trl.demo.tiny" in import_graph()["oblr_trl.demo.reference_model"]
+
+
+def test_importing_the_trainer_loads_neither_the_demo_room_nor_its_packages():
+    code = ("import sys, oblr_trl, oblr_trl.trainer; from oblr_trl import *; "
+            "print(sorted(m for m in sys.modules if m == 'oblr_trl.demo' or m.startswith('oblr_trl.demo.') "
+            "or m.split('.')[0] in ('reasoning_gym', 'matplotlib', 'gguf')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_demo_room_holds_the_demo_and_the_top_level_none_of_it():
+    assert {"tiny.py", "tasks.py", "reference_model.py", "defaults.py", "card.py"} <= {
+        f.name for f in (PACKAGE / "demo").glob("*.py")}
+    assert not {"tiny.py", "tasks.py", "reference_model.py", "defaults.py"} & {f.name for f in PACKAGE.glob("*.py")}
+
+
+def test_no_test_module_imports_another():
+    """Shared builders live in tests/helpers.py (or fixtures); a test module imported by another would run its
+    module-level setup twice and tie the two files' names together (issue 48)."""
+    tests, found = Path(__file__).resolve().parent, []
+    names = {f.stem for f in tests.rglob("test_*.py")}
+    for f in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            imported = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                        else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{f.relative_to(tests)}: {name}" for name in imported if name.split(".")[-1] in names]
+    assert found == []

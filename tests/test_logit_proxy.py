@@ -9,8 +9,8 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
+from oblr_trl.demo.tiny import build_model, build_tokenizer
 from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs
-from oblr_trl.tiny import build_model, build_tokenizer
 
 
 def brute_force(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -8,8 +8,8 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from helpers import DATASET, TOKENIZER, common_args, length_reward
+from oblr_trl.demo.tiny import build_model
 from oblr_trl.loss_terms import LOSS_TYPES, loss_coefficients, sequence_shape
-from oblr_trl.tiny import build_model
 
 
 def trl_loss_gradient(loss_type, mask, advantages, accumulation=2, steps_per_generation=2, **config):

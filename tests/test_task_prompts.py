@@ -1,4 +1,4 @@
-"""oblr_trl.tasks: question templates, held-out questions kept out of training, the bare-number format reward."""
+"""oblr_trl.demo.tasks: question templates, held-out questions kept out of training, the bare-number format reward."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from oblr_trl.tasks import PROMPT_TEMPLATES, make_dataset, make_format_reward, make_reward_func, without_questions_of
+from oblr_trl.demo.tasks import (
+    PROMPT_TEMPLATES,
+    make_dataset,
+    make_format_reward,
+    make_reward_func,
+    without_questions_of,
+)
 
 
 def test_prompt_template_rewrites_the_question_and_keeps_the_verifier_entry():

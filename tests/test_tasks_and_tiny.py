@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from oblr_trl.demo.tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
+from oblr_trl.demo.tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
 from oblr_trl.plotting import plot_training
-from oblr_trl.tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
-from oblr_trl.tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_a_reply_with_the_sum_done_right_scores_full_credit():
 
 
 def test_accuracy_counts_exact_answers_and_mean_score_averages():
-    from oblr_trl.tasks import exact_answer_rate, mean_score
+    from oblr_trl.demo.tasks import exact_answer_rate, mean_score
 
     scores = [1.0, 0.2, 0.11, 0.0]
     assert exact_answer_rate(scores) == 0.25 and mean_score(scores) == pytest.approx(0.3275)

@@ -10,8 +10,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from helpers import DATASET, TOKENIZER, assert_finite_everywhere, common_args, length_reward, logged, train
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer, gradient_weighted_baseline, step_scale_from_contributions
+from oblr_trl.demo.tiny import build_model
 from oblr_trl.loss_terms import loss_coefficients
-from oblr_trl.tiny import build_model
 from reference import per_sample_grads
 
 Recorder = OBLRPOTrainer  # helpers.train records every trainer it builds

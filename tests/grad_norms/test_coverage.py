@@ -186,9 +186,9 @@ def _spread(completions, **kwargs):  # rewards that differ within a group
 def test_the_trainer_changes_every_parameter(family, one_backward):
     """TRL's own check on its subclasses (test_train: every parameter changed after training), on the family where
     conv1d stayed frozen under one_backward, and on the miniature mixer."""
-    from test_zoo import _trainer
+    from helpers import zoo_trainer as _trainer
 
-    from oblr_trl.tiny import build_tokenizer
+    from oblr_trl.demo.tiny import build_tokenizer
 
     vocab = len(build_tokenizer())
     model = (build(family, tie=True, vocab_size=vocab) if family != "functional-conv"

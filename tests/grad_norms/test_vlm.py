@@ -143,7 +143,7 @@ def test_row_inputs_refuses_other_image_layouts_and_passes_text_fields():
 
 # ------------------------------------------------------------------- OBLRPOTrainer on image prompts (TRL's VLM path)
 def _vlm_trainer_parts():
-    """A tiny Qwen2-VL with a processor built offline (the character tokenizer of oblr_trl.tiny plus the vision
+    """A tiny Qwen2-VL with a processor built offline (the character tokenizer of oblr_trl.demo.tiny plus the vision
     tokens, the PIL image processor; no video processor, which needs torchvision) and 8 image prompts of 8 x 8 pixels
     (one 4 x 4 patch grid: 4 image tokens each)."""
     import numpy as np
@@ -153,7 +153,7 @@ def _vlm_trainer_parts():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.processing_utils import ProcessorMixin
 
-    from oblr_trl.tiny import build_tokenizer
+    from oblr_trl.demo.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

@@ -4,6 +4,7 @@ per-row autograd, or refused by validate() with advice that is applied here and 
 import pytest
 import torch
 
+from helpers import zoo_trainer as _trainer
 from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import UnsupportedModulesError
 from oblr_trl.grad_norms.zoo import FAMILIES, VOCAB, build
@@ -74,22 +75,6 @@ def test_peft_lora_and_dora():
 
 
 # ------------------------------------------------------------------ the trainer: validate at construction, and advice
-def _trainer(model, **overrides):
-    from datasets import Dataset
-
-    from oblr_trl import OBLRPOConfig, OBLRPOTrainer
-    from oblr_trl.tiny import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i % 3}"}]} for i in range(16)])
-    args = dict(output_dir="/tmp/oblr-zoo-test", per_device_train_batch_size=4, num_generations=2,
-                max_completion_length=4, max_steps=2, logging_steps=1, report_to="none", use_cpu=True,
-                save_strategy="no", seed=0, data_seed=0, disable_tqdm=True)
-    args.update(overrides)
-    return OBLRPOTrainer(model=model, processing_class=tokenizer, args=OBLRPOConfig(**args), train_dataset=dataset,
-                         reward_funcs=[lambda completions, **kw: [float(len(c[0]["content"])) for c in completions]])
-
-
 class Gain(torch.nn.Module):
     def __init__(self, n):
         super().__init__()
@@ -100,8 +85,8 @@ class Gain(torch.nn.Module):
 
 
 def _with_unsupported_gains(monkeypatch):
+    from oblr_trl.demo.tiny import build_model, build_tokenizer
     from oblr_trl.grad_norms import generic
-    from oblr_trl.tiny import build_model, build_tokenizer
 
     monkeypatch.setattr(generic, "MAX_NUMEL", 0)  # no per-row path: a module without a rule is unsupported
     model = build_model(build_tokenizer())
@@ -141,7 +126,7 @@ def test_the_length_proxy_alone_still_needs_norms(monkeypatch):
 
 @pytest.mark.parametrize("family", ["GPT-Neo", "Qwen3-MoE"])
 def test_two_trainer_steps(family):
-    from oblr_trl.tiny import build_tokenizer
+    from oblr_trl.demo.tiny import build_tokenizer
 
     model = build(family, tie=True, vocab_size=len(build_tokenizer()))
     trainer = _trainer(model)
@@ -170,7 +155,7 @@ def test_gemma2_softcapped_head_with_a_cap_that_bites(tie):
 def test_one_backward_equals_two_passes_through_the_per_row_path(family):
     """Families whose small parameters take the exact per-row path (expert banks, attention sinks) or whose position
     embedding runs on (1, T) ids: the update one_backward forms equals the two-pass path's (fp32, SGD)."""
-    from oblr_trl.tiny import build_tokenizer
+    from oblr_trl.demo.tiny import build_tokenizer
 
     def spread(completions, **kwargs):  # rewards that differ within a group
         return [float(sum(map(ord, c[0]["content"])) % 5) for c in completions]

@@ -21,7 +21,7 @@ from transformers.trainer_callback import TrainerState  # noqa: E402
 
 from helpers import DATASET, TOKENIZER, length_reward  # noqa: E402
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
-from oblr_trl.tiny import build_model  # noqa: E402
+from oblr_trl.demo.tiny import build_model  # noqa: E402
 
 output_dir, point, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = f"checkpoint-{step}"

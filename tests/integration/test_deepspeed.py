@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from test_distributed import SCRIPT, run
+from helpers import EQUIVALENCE_SCRIPT as SCRIPT, run_equivalence as run
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test here runs torchrun (one or two processes)
 

@@ -7,19 +7,10 @@ import sys
 
 import pytest
 
+from helpers import EQUIVALENCE_SCRIPT as SCRIPT, run_equivalence as run
+
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "equivalence_run.py")
-
-
-def run(tmp_path, nproc: int, per_device: int, mode: str = "ddp") -> dict:
-    out = tmp_path / f"{mode}-{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           SCRIPT, str(out), str(per_device), mode]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from helpers import DATASET, TOKENIZER, common_args, length_reward, logged, train
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+from oblr_trl.demo.tiny import build_model
 from oblr_trl.loss_terms import LOSS_TYPES
-from oblr_trl.tiny import build_model
 
 BOTH = [GRPOTrainer, OBLRPOTrainer]
 

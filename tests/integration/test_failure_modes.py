@@ -24,7 +24,7 @@ from helpers import DATASET, GROUP, TOKENIZER, assert_finite_everywhere, common_
 from helpers import train as train_trainer
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer, clip_weights, gradient_weighted_baseline
 from oblr_trl import norm_passes
-from oblr_trl.tiny import build_model
+from oblr_trl.demo.tiny import build_model
 
 digit_reward = length_reward  # the count of '1' and '2' digits
 

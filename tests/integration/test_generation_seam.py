@@ -4,7 +4,7 @@ step counter (which TRL's vLLM weight sync keys on)."""
 
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
-from oblr_trl.tiny import build_model
+from oblr_trl.demo.tiny import build_model
 from helpers import DATASET, TOKENIZER, common_args, length_reward
 
 PRODUCED = []

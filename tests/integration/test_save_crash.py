@@ -19,8 +19,8 @@ import torch
 
 from helpers import DATASET, TOKENIZER, length_reward
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+from oblr_trl.demo.tiny import build_model
 from oblr_trl.state_file import STATE_NAME, TRAINER_STATE_NAME
-from oblr_trl.tiny import build_model
 
 CHILD = os.path.join(os.path.dirname(__file__), "save_crash_child.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))

@@ -45,7 +45,7 @@ def test_num_iterations_reuses_samples_with_a_warning():
 def test_peft_lora_trains_with_exact_adapter_norms():
     """A LoRA model through the trainer: the norms pass covers the adapters only, everything finite, lr scaled."""
     import peft  # an install requirement (setup.cfg): missing is a failure, not a skip
-    from oblr_trl.tiny import build_model
+    from oblr_trl.demo.tiny import build_model
 
     model = build_model(TOKENIZER)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")

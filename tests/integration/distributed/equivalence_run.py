@@ -30,7 +30,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
-from oblr_trl.tiny import build_model, build_tokenizer
+from oblr_trl.demo.tiny import build_model, build_tokenizer
 
 GROUP = 4
 TOKENIZER = build_tokenizer()

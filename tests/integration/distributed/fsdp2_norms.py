@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from reference import per_sample_sq_norms  # noqa: E402
 
 from oblr_trl import per_sequence_grad_sq_norms  # noqa: E402
-from oblr_trl.tiny import build_model, build_tokenizer  # noqa: E402
+from oblr_trl.demo.tiny import build_model, build_tokenizer  # noqa: E402
 
 
 def main(out_path: str):

