@@ -1,6 +1,6 @@
 """Training comparison through TRL (issue 4): GRPO, Dr. GRPO, RLOO, OPO, OBLR-PO and its ablations, several seeds.
 
-Every run: the same warm tiny Qwen3 (`oblr_trl.tiny.load_or_build_warm_model`, the demo's), the same reasoning-gym
+Every run: the same warm tiny Qwen3 (`oblr_trl.demo.tiny.load_or_build_warm_model`, the demo's), the same reasoning-gym
 task and verifier reward, the same sampling (8 prompts x 8 completions per step, temperature 1, top_k 0, at most 8
 new tokens), the same optimizer (TRL's default AdamW, linear decay, max_grad_norm 1.0), loss_type "dapo", beta 0,
 num_iterations 1, and the same number of steps. Only the advantage / step-size rule differs:

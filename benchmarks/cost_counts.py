@@ -142,7 +142,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer
     from oblr_trl.grad_norms import coverage
     from oblr_trl.grad_norms.lm import unwrap_causal_lm
-    from oblr_trl.tiny import build_tokenizer
+    from oblr_trl.demo.tiny import build_tokenizer
 
     prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size)
 

@@ -63,7 +63,7 @@ TASKS = {
     "chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
     "basic_arithmetic": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
 }
-# kwargs passed to load_or_build_warm_model (its cache key): chain_sum's are oblr_trl.tasks' defaults, passed
+# kwargs passed to load_or_build_warm_model (its cache key): chain_sum's are oblr_trl.demo.tasks' defaults, passed
 # implicitly so that the demo's cached warm model is the one measured.
 WARM_KWARGS = {"chain_sum": {}, "basic_arithmetic": TASKS["basic_arithmetic"]}
 METHODS = ["reinforce", "grpo", "dr_grpo", "rloo", "opo", "opo_loo", "logit", "logit_loo", "oblr", "oblr_loo", "oracle"]

@@ -18,7 +18,7 @@ One run, same batch and model for every measurement of a configuration (model x 
 The headline (the JSON object printed last) gives the DEFAULT mode's ratios under the historical keys
 (``update_vs_grpo``, ``peak_mem_vs_grpo``, ``step_vs_grpo``, ...; ``--default-mode``, ``one_backward`` unless told)
 and every mode's under keys that name it (``update_two_pass_vs_grpo``, ``step_one_backward_vs_grpo``, ...).
-Models: ``tiny``/``small`` (``oblr_trl.tiny``), ``medium`` (a 32k-vocab Qwen3), random-initialised models of real
+Models: ``tiny``/``small`` (``oblr_trl.demo.tiny``), ``medium`` (a 32k-vocab Qwen3), random-initialised models of real
 shapes (``smollm2-135m``, ``qwen3-0.6b``, ``qwen3-1.7b``), or any Hugging Face folder or name with ``--model``.
 
 Timings are medians of repeats that interleave the measured functions (so slow drifts of a shared machine hit all of

@@ -165,8 +165,13 @@ def test_sampled_accuracy_at_near_zero_temperature_is_the_greedy_accuracy(tokeni
     """The sampled mode scores each of the num_samples completions against its own problem: at T -> 0 sampling is
     argmax, so it must reproduce the greedy accuracy exactly (a misaligned problem/completion pairing would not)."""
     model = build_model(tokenizer, seed=0)
-    warmup_sft(model, tokenizer, dataset, steps=150, batch_size=16, log_every=0)  # memorize the 16 problems, partly
-    greedy = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=4, batch_size=8)
+    # memorize the 16 problems, partly: how many steps that takes depends on the CPU's float arithmetic (150 steps
+    # memorized all 16 on an AMX machine), so train in rounds until some, not all, are answered
+    for _ in range(12):
+        warmup_sft(model, tokenizer, dataset, steps=25, batch_size=16, log_every=0)
+        greedy = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=4, batch_size=8)
+        if 0.0 < greedy < 1.0:
+            break
     assert 0.0 < greedy < 1.0
     near_greedy = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=4, batch_size=8, temperature=1e-4,
                                     num_samples=3)

@@ -6,7 +6,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from oblr_trl.grad_norms import per_sequence_grads
-from oblr_trl.tiny import build_model, build_tokenizer
+from oblr_trl.demo.tiny import build_model, build_tokenizer
 from reference import padded_batch, per_sample_sq_norms
 
 
