@@ -179,7 +179,7 @@ def render(rows: list[dict], summaries: dict[str, dict], tests: list[dict], args
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], summaries: dict[str, dict], path: Path, tolerance: float) -> None:
+def plot(rows: list[dict], summaries: dict[str, dict], path: Path, tolerance: float, before: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,6 +195,8 @@ def plot(rows: list[dict], summaries: dict[str, dict], path: Path, tolerance: fl
                                                                                 ablation.ARMS[arm][1] else ""))
         ax.fill_between(x, [r["min"] for r in cells], [r["max"] for r in cells], color=line.get_color(), alpha=0.2)
         ax.axhline(s["best_mean"] - tolerance, color=line.get_color(), ls=":", lw=1)
+    if before == before:
+        ax.axhline(before, color="gray", ls="--", lw=1, label="before RL (mean over seeds)")
     ax.set_xscale("log")
     ax.set_xlabel("learning rate (OBLR-PO: eta_max)")
     ax.set_ylabel("greedy held-out accuracy after 20 steps (%)")
@@ -224,7 +226,9 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, summaries=summaries, tests=tests), indent=1))
-    plot(rows, summaries, args.out.with_suffix(".png"), args.tolerance)
+    starts = {r["seed"]: 100 * r["accuracy_before"] for r in runs if r["seed"] in args.window_seeds}
+    plot(rows, summaries, args.out.with_suffix(".png"), args.tolerance,
+         statistics.mean(starts.values()) if starts else math.nan)
     print(text)
 
 
