@@ -162,8 +162,11 @@ def headline(tables: dict[str, dict]) -> dict | None:
             if ci is None:
                 continue
             if best is None or row["ratio"][HEADLINE] < best["ratio"]:
-                best = dict(table=name, bucket=b, ratio=row["ratio"][HEADLINE], reduction=1 - row["ratio"][HEADLINE],
+                best = dict(table=name, bucket=b, candidates=0, ratio=row["ratio"][HEADLINE], reduction=1 - row["ratio"][HEADLINE],
                             reduction_ci=[1 - ci[1], 1 - ci[0]], groups=row["groups"], prompts=row["prompts"])
+    if best is not None:
+        best["candidates"] = sum(row["ci"][HEADLINE] is not None for t in tables.values() for b, row in t.items()
+                                 if b != "all groups")
     return best
 
 
@@ -253,6 +256,8 @@ def measure(args) -> None:
 
 
 def fmt_cell(row: dict, m: str) -> str:
+    if m == "rloo":
+        return "1 (reference)"
     ci = row["ci"][m]
     text = f"{row['ratio'][m]:.2f}" if row["ratio"][m] == row["ratio"][m] else "n/a"
     return text + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else " (too few)")
@@ -308,9 +313,10 @@ def render(records: list[dict], args) -> str:
         lines.append(
             f"Largest variance reduction of OBLR-PO's default (exact, leave-one-out) against RLOO in any bucket with an "
             f"interval: **{100 * best['reduction']:+.0f}% [{100 * best['reduction_ci'][0]:+.0f}%, "
-            f"{100 * best['reduction_ci'][1]:+.0f}%]** in the {best['table']} bucket '{best['bucket']}' "
-            f"({best['groups']} groups, {best['prompts']} prompts); a negative reduction is an increase. The largest of "
-            "several buckets is chosen after seeing them, so its point estimate is biased upwards.")
+            f"{100 * best['reduction_ci'][1]:+.0f}%]** in '{best['bucket']}' of the {best['table']} table "
+            f"({best['groups']} groups, {best['prompts']} prompts; {best['candidates']} buckets besides 'all groups' "
+            "had an interval); a negative reduction is an increase. The largest of several buckets is chosen after "
+            "seeing them, so its point estimate is biased upwards.")
     return "\n".join(lines) + "\n"
 
 

@@ -181,3 +181,18 @@ def test_a_prompt_is_done_when_its_record_exists(tmp_path):
     variance_long.record_path(tmp_path, 0).with_suffix(".tmp").write_text("{}")  # interrupted while writing
     assert variance_long.pending(tmp_path, 4) == [0, 1, 3]
     assert variance_long.load_records(tmp_path) == [{}]
+
+
+def test_render_marks_a_partial_run_and_names_the_headline(tmp_path):
+    records, _ = synthetic_records(12)
+    for i, rec in enumerate(records):
+        rec.update(index=i, max_new_tokens=256, seconds=1.0, peak_rss_gb=1.0, ended=[[True] * rec["G"]] * rec["K"],
+                   rewards=[[0.0] * rec["G"]] * rec["K"])
+    args = variance_long.parse_args(["--prompts", "24", "--bootstrap", "100", "--records", str(tmp_path)])
+    text = variance_long.render(records, args)
+    assert "PARTIAL" in text and "12 of 24 planned prompts" in text
+    assert "| >=128 | 48 | 12 |" in text and "1 (reference)" in text
+    best = variance_long.headline({"length": variance_long.bucket_table(records, 0, 100, 0, 3, 10)})
+    assert f"**{100 * best['reduction']:+.0f}%" in text and "'>=128' of the" in text
+    args.prompts = 12
+    assert "PARTIAL" not in variance_long.render(records, args)
