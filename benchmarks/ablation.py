@@ -124,6 +124,21 @@ CONTRASTS = [
 ]
 
 
+# The lr window (issue 49): each arm's held-out accuracy after --window_steps steps over a grid of lrs ~3x apart, as
+# multiples of its lr in the design (L, or eta_max for an SNR arm), from "learns too slowly" to "collapses". The
+# grid holds the cells that exist: L/3, 10 L/3 and 10 L of the lr check and stability window, 0.3 eta_max of the eta
+# check; a 40-step run at a constant lr (or under the SNR step, which looks only at past steps) is a 20-step run
+# evaluated at step 20, so those runs serve. Opt-in (--window_seeds) so that the ablation's own tables are unchanged.
+WINDOW_ARMS = ["GRPO", "RLOO", "OBLR-PO"]
+WINDOW_MULTIPLES = [0.1, 1 / 3, 1.0, 10 / 3, 10.0, 100 / 3]  # of L, for the arms without an SNR step
+WINDOW_ETA_MULTIPLES = [0.1, 0.3, 1.0, 10 / 3, 10.0, 100 / 3]  # of eta_max, for the SNR arms
+
+
+def window_multiples(arm: str) -> list[float]:
+    """The lr window's multiples of an arm's lr (``WINDOW_ETA_MULTIPLES`` for an SNR arm)."""
+    return WINDOW_ETA_MULTIPLES if ARMS[arm][1] else WINDOW_MULTIPLES
+
+
 def lr_of(arm: str, grpo_lr: float, multiple: float = 1.0, *, eta: float) -> float:
     """An arm's lr in a round (GRPO's lr `grpo_lr` = L, the SNR arms' eta_max = `eta` x L), times `multiple`."""
     return float(f"{(eta if ARMS[arm][1] else 1.0) * grpo_lr * multiple:.3g}")
@@ -174,6 +189,10 @@ def jobs(args) -> list[tuple[str, float, int, int, Path]]:
             for m in args.stability_multiples for seed in args.stability_seeds for arm in args.arms]
     out += [(arm, lr_of(arm, args.grpo_lr, eta=eta), seed, args.max_steps, False)
             for seed in args.power_seeds for arm in args.power_arms if arm in args.arms]
+    listed = {(arm, lr, seed, long) for arm, lr, seed, _, long in out}  # the window's cells already listed serve
+    window = [(arm, lr_of(arm, args.grpo_lr, m, eta=eta), seed) for seed in args.window_seeds
+              for arm in args.window_arms for m in window_multiples(arm)]
+    out += [(arm, lr, seed, args.window_steps, False) for arm, lr, seed in window if (arm, lr, seed, False) not in listed]
     return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed, long))
             for arm, lr, seed, steps, long in out]
 
@@ -1232,6 +1251,12 @@ def build_parser() -> argparse.ArgumentParser:
                              + POWER_SEEDS_WHY)
     parser.add_argument("--power_arms", nargs="*", default=["GRPO", "SNR-only", "OBLR-PO"], choices=list(ARMS),
                         help="the arms of the contrasts that --power_seeds serve")
+    parser.add_argument("--window_arms", nargs="*", default=WINDOW_ARMS, choices=list(ARMS),
+                        help="arms of the lr window (issue 49; benchmarks/lr_window.py tabulates it)")
+    parser.add_argument("--window_seeds", type=int, nargs="*", default=[],
+                        help="seeds of the lr window's cells (WINDOW_MULTIPLES of each arm's lr; 0 1 2 to run it; "
+                             "none by default, so that the ablation's tables do not list its cells as missing)")
+    parser.add_argument("--window_steps", type=int, default=20, help="steps of the lr window's runs")
     parser.add_argument("--first_arms", nargs="*", default=[], choices=list(ARMS),
                         help="arms whose training runs launch before the others' (e.g. the SNR arms' stability "
                              "cells, while a default waits on them); the tables are unchanged")

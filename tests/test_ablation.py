@@ -30,7 +30,8 @@ def args_for(ab, tmp_path, **kw):
                 records=tmp_path / "records", large_size=500, long_arms=["OBLR-PO", "GRPO"], long_steps=120,
                 long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[],
                 lr_check_first=False, eta_multiple=2.0, eta_check_multiples=[10 / 3], earlier_eta_multiple=[],
-                first_arms=[], power_seeds=[], power_arms=[])
+                first_arms=[], power_seeds=[], power_arms=[], window_arms=["GRPO", "RLOO", "OBLR-PO"], window_seeds=[],
+                window_steps=20)
     return argparse.Namespace(**{**base, **kw})
 
 

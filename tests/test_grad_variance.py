@@ -75,3 +75,124 @@ def test_logit_methods_are_the_weighted_baseline_with_proxy_weights():
             b = sum(proxy[k, j] * r[k, j] for j in others) / sum(proxy[k, j] for j in others)
             assert float(got[k, i]) == pytest.approx(float(r[k, i] - b))
     assert "logit_loo" in grad_variance.METHODS and "logit" in grad_variance.LABELS
+
+
+# benchmarks/variance_long.py (issue 49): the per-group variance shares, their buckets, the paired hierarchical
+# bootstrap and the resume rule, on synthetic records whose group estimates are known vectors.
+LONG_SPEC = importlib.util.spec_from_file_location(
+    "variance_long", Path(__file__).resolve().parents[1] / "benchmarks" / "variance_long.py"
+)
+variance_long = importlib.util.module_from_spec(LONG_SPEC)
+LONG_SPEC.loader.exec_module(variance_long)
+
+
+def test_bucket_label_is_half_open_and_refuses_values_outside():
+    edges = [0, 64, 128, float("inf")]
+    assert variance_long.bucket_label(0, edges) == "0-64"
+    assert variance_long.bucket_label(63.9, edges) == "0-64"
+    assert variance_long.bucket_label(64, edges) == "64-128"
+    assert variance_long.bucket_label(1e6, edges, "x") == ">=128x"
+    assert variance_long.bucket_order(edges, "x") == ["0-64x", "64-128x", ">=128x"]
+    with pytest.raises(ValueError, match="outside the buckets"):
+        variance_long.bucket_label(-1, edges)
+
+
+def test_group_contributions_are_scaled_squared_deviations_and_average_to_tr_cov():
+    g = torch.Generator().manual_seed(2)
+    vectors = torch.randn(6, 11, generator=g, dtype=torch.float64)
+    got = variance_long.group_contributions(vectors @ vectors.T)
+    for k in range(6):
+        expected = 6 / 5 * float(((vectors[k] - vectors.mean(0)) ** 2).sum())
+        assert float(got[k]) == pytest.approx(expected)
+    assert float(got.mean()) == pytest.approx(grad_variance.gram_stats(vectors @ vectors.T)[0])
+    idx = torch.tensor([3, 3, 0, 5, 1, 3])
+    resampled = vectors[idx]
+    brute = [6 / 5 * float(((resampled[k] - resampled.mean(0)) ** 2).sum()) for k in range(6)]
+    assert variance_long.group_contributions(vectors @ vectors.T, idx).tolist() == pytest.approx(brute)
+
+
+def synthetic_records(n_prompts, K=8, G=4, dim=5, seed=0, long_factor=0.5):
+    """Records whose group estimates are explicit vectors: every method is RLOO's noise times a factor, except the
+    headline method, whose noise is scaled by ``long_factor`` in long groups (mean length >= 128) only. Half the
+    groups are long with norm spread 20x, half short with spread 1.5x; group 0 of every prompt has equal rewards."""
+    g = torch.Generator().manual_seed(seed)
+    records, vectors = [], []
+    for j in range(n_prompts):
+        mean = torch.randn(dim, generator=g, dtype=torch.float64)
+        noise = torch.randn(K, dim, generator=g, dtype=torch.float64)
+        long = torch.tensor([k % 2 == 1 for k in range(K)])
+        per_method = {}
+        for m in variance_long.METHODS:
+            scale = torch.ones(K, 1, dtype=torch.float64) * (1.3 if m == "grpo" else 1.0)
+            if m == variance_long.HEADLINE:
+                scale[long] = long_factor
+            per_method[m] = mean + noise * scale
+        lengths = [[200] * G if long[k] else [40] * G for k in range(K)]
+        w = [None if k == 0 else ([1.0] * (G - 1) + [20.0] if long[k] else [1.0] * (G - 1) + [1.5]) for k in range(K)]
+        records.append(dict(K=K, G=G, lengths=lengths, w_exact=w,
+                            gram={m: (v @ v.T).tolist() for m, v in per_method.items()}))
+        vectors.append(per_method)
+    return records, vectors
+
+
+def test_bucket_table_ratios_match_brute_force_and_find_the_regime():
+    records, vectors = synthetic_records(12)
+    table = variance_long.bucket_table(records, 0, bootstrap=300, seed=0, min_prompts=3, min_groups=10)
+    for bucket, wanted_long in (("0-32", None), ("32-64", False), (">=128", True)):
+        if bucket == "0-32":
+            assert bucket not in table
+            continue
+        num = den = 0.0
+        for rec, vec in zip(records, vectors):
+            for k in range(rec["K"]):
+                if (rec["lengths"][k][0] >= 128) == wanted_long:
+                    for m, acc in ((variance_long.HEADLINE, "num"), ("rloo", "den")):
+                        v = vec[m]
+                        c = rec["K"] / (rec["K"] - 1) * float(((v[k] - v.mean(0)) ** 2).sum())
+                        num, den = (num + c, den) if acc == "num" else (num, den + c)
+        assert table[bucket]["ratio"][variance_long.HEADLINE] == pytest.approx(num / den)
+        assert table[bucket]["groups"] == 12 * 4 and table[bucket]["prompts"] == 12
+    lo, hi = table[">=128"]["ci"][variance_long.HEADLINE]
+    assert hi < 1.0 and lo <= table[">=128"]["ratio"][variance_long.HEADLINE] <= hi  # the regime where it pays
+    assert table["32-64"]["ratio"][variance_long.HEADLINE] > 0.85  # elsewhere little gain (the mean moves a bit)
+    assert table["all groups"]["groups"] == 12 * 8
+    spread = variance_long.bucket_table(records, 1, bootstrap=50, seed=0, min_prompts=3, min_groups=10)
+    assert spread[variance_long.EQUAL]["groups"] == 12 and spread["16-32x"]["groups"] == 12 * 4
+    assert spread["1-4x"]["groups"] == 12 * 3
+
+
+def test_small_buckets_get_no_interval_and_the_headline_skips_them():
+    records, _ = synthetic_records(2)
+    table = variance_long.bucket_table(records, 0, bootstrap=50, seed=0, min_prompts=3, min_groups=10)
+    assert all(row["ci"][m] is None for row in table.values() for m in variance_long.METHODS)
+    assert variance_long.headline({"length": table}) is None
+    records, _ = synthetic_records(12, long_factor=0.5)
+    tables = {"length": variance_long.bucket_table(records, 0, 200, 0, 3, 10),
+              "spread": variance_long.bucket_table(records, 1, 200, 0, 3, 10)}
+    best = variance_long.headline(tables)
+    assert best["bucket"] in (">=128", "16-32x") and best["reduction"] > 0.5
+    assert best["reduction_ci"][0] <= best["reduction"] <= best["reduction_ci"][1]
+
+
+def test_a_prompt_is_done_when_its_record_exists(tmp_path):
+    assert variance_long.pending(tmp_path, 4) == [0, 1, 2, 3]
+    variance_long.record_path(tmp_path, 2).write_text("{}")
+    variance_long.record_path(tmp_path, 2).with_suffix(".tmp").write_text("{}")
+    variance_long.record_path(tmp_path, 0).with_suffix(".tmp").write_text("{}")  # interrupted while writing
+    assert variance_long.pending(tmp_path, 4) == [0, 1, 3]
+    assert variance_long.load_records(tmp_path) == [{}]
+
+
+def test_render_marks_a_partial_run_and_names_the_headline(tmp_path):
+    records, _ = synthetic_records(12)
+    for i, rec in enumerate(records):
+        rec.update(index=i, max_new_tokens=256, seconds=1.0, peak_rss_gb=1.0, ended=[[True] * rec["G"]] * rec["K"],
+                   rewards=[[0.0] * rec["G"]] * rec["K"])
+    args = variance_long.parse_args(["--prompts", "24", "--bootstrap", "100", "--records", str(tmp_path)])
+    text = variance_long.render(records, args)
+    assert "PARTIAL" in text and "12 of 24 planned prompts" in text
+    assert "| >=128 | 48 | 12 |" in text and "1 (reference)" in text
+    best = variance_long.headline({"length": variance_long.bucket_table(records, 0, 100, 0, 3, 10)})
+    assert f"**{100 * best['reduction']:+.0f}%" in text and "'>=128' of the" in text
+    args.prompts = 12
+    assert "PARTIAL" not in variance_long.render(records, args)
