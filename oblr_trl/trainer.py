@@ -79,7 +79,7 @@ class OBLRPOTrainer(GRPOTrainer):
         self._unscored_batch = False  # the last generation batch had no reward at all (no_rewards)
         self.one_backward_plan, why, loud = one_backward.Plan.for_trainer(
             self.args, needs_norms=self._needs_norms, fsdp1=fsdp1, aux_loss=self.aux_loss_enabled,
-            deepspeed=self.is_deepspeed_enabled, device_type=self.accelerator.device.type)
+            deepspeed=self.is_deepspeed_enabled)
         if why:  # DeepSpeed switches off even the automatic choice: said once, as a warning
             logger.log(logging.WARNING if loud else logging.INFO, why)
         self.add_callback(RestoreScheduledLR(self.step_sizer))
