@@ -128,7 +128,8 @@ def all_reduce_grads(parameters, bucket_elements: int = ALL_REDUCE_BUCKET) -> No
 def describe(model: torch.nn.Module, rows: int, prompt: int, completion: int, itemsize: int,
              checkpointing: bool, group: int) -> cost_model.Shape:
     """``model``'s and a micro-batch's shapes for :mod:`.cost_model`: its decoder layers (those gradient checkpointing
-    wraps; their count, the first one's linear maps and LoRA adapters), hidden width, attention heads and LM head."""
+    wraps; their count, the first one's linear maps (``nn.Linear``, GPT-2's ``Conv1D``) and LoRA adapters), hidden
+    width, attention heads and LM head. Other weights (experts' banks, convolutions) are not in the model."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -138,12 +139,15 @@ def describe(model: torch.nn.Module, rows: int, prompt: int, completion: int, it
     config = config.get_text_config() if config is not None else None
     linears, adapters = [], []
     for name, m in (layers[0] if layers else model).named_modules():
-        if isinstance(m, torch.nn.Linear) and m is not head:
-            if "lora_" in name:
-                if m.weight.requires_grad:
-                    adapters.append((m.in_features, m.out_features))
-            else:
-                linears.append((m.in_features, m.out_features, m.weight.requires_grad))
+        if m is head or not isinstance(getattr(m, "weight", None), torch.Tensor) or m.weight.dim() != 2 or \
+                not isinstance(m, torch.nn.Linear) and type(m).__name__ != "Conv1D":
+            continue
+        n_in, n_out = (m.in_features, m.out_features) if isinstance(m, torch.nn.Linear) else m.weight.shape  # GPT-2
+        if "lora_" in name:
+            if m.weight.requires_grad:
+                adapters.append((n_in, n_out))
+        else:
+            linears.append((n_in, n_out, m.weight.requires_grad))
     vocab, hidden = head.weight.shape if head is not None else (0, getattr(config, "hidden_size", 0))
     heads = getattr(config, "num_attention_heads", 0) or 0
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)

@@ -110,3 +110,14 @@ def test_describe_reads_a_model_and_its_lora_adapters():
     s = describe(lora, 4, 5, 7, 2, True, 2)
     assert all(not t for _, _, t in s.linears) and not s.head_trainable
     assert sorted(s.adapters) == sorted([(32, 2), (2, 32), (48, 2), (2, 32)])
+
+
+def test_describe_reads_gpt2s_conv1d_maps():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from oblr_trl.one_backward import describe
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50, n_positions=32))
+    s = describe(model, 2, 3, 4, 4, False, 2)
+    assert s.layers == 2 and s.tied and s.vocab == 50 and s.heads == 2 and s.head_dim == 8
+    assert sorted(s.linears) == sorted([(16, 48, True), (16, 16, True), (16, 64, True), (64, 16, True)])
