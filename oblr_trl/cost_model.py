@@ -10,7 +10,7 @@ counts, so the table verifies the function training runs.
   activation size and the head's transients are fitted to the counted Qwen3 rows (``benchmarks/results/
   cost_counts*.md`` prints model and count side by side).
 * :func:`choose`: ``one_backward`` and its chunk where its predicted peak stays within the memory target and its
-  FLOPs within the FLOP target of GRPO's; two passes otherwise.
+  FLOPs within the FLOP target of GRPO's; two passes otherwise (:func:`norms_chunk`: their norms pass's chunk).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class Shape:
     """A decoder's and a micro-batch's shapes.
 
     ``linears``: one layer's linear maps as ``(in, out, trainable)``; ``adapters``: its LoRA adapters' maps ``(in, r)``,
-    ``(r, out)``, all trainable (their activations are small: not counted); ``head_trainable``: the LM head's weight is trained (tied: counted once);
+    ``(r, out)``, all trainable (their activations are small: not counted); ``head_trainable``: the LM head's weight
+    is trained (tied: counted once);
     ``rows`` x (``prompt`` + ``completion``) tokens; ``itemsize``: the activations' bytes per element; ``group``:
     completions per prompt (``one_backward`` chunks hold whole groups)."""
 
@@ -108,24 +109,35 @@ def kept_per_row(s: Shape) -> int:
 
 def peak_bytes(s: Shape, mode: str, chunk: int = 0) -> float:
     """Peak live bytes of operator outputs (weights not included) of one micro-batch's update; ``one_backward`` runs
-    in chunks of ``chunk`` rows (0: all). The layers' part is exact under checkpointing (their inputs; and
-    ``one_backward``'s factors, :func:`kept_per_row`) and fitted without (:data:`ACTIVATION`); the head's and the
-    rest's part is fitted (:data:`GRPO_REST`, :data:`ONE_BACKWARD_REST`)."""
+    in chunks of ``chunk`` rows (0: all), as does the two-pass path's norms pass. The layers' part is exact under
+    checkpointing (their inputs; ``one_backward``'s factors, :func:`kept_per_row`; the norms pass also holds each
+    layer's output gradient) and fitted without (:data:`ACTIVATION`); the head's and the rest's part is fitted
+    (:data:`GRPO_REST`, :data:`ONE_BACKWARD_REST`). Two passes: the larger of GRPO's loss pass and the norms pass."""
+    if mode == "grpo":
+        return _peak(s, s.rows, False)
+    if mode == "one_backward":
+        return _peak(s, chunk or s.rows, True)
+    if mode == "two_passes":
+        if not s.checkpointing:
+            return _peak(s, s.rows, False)
+        c = chunk or s.rows
+        extra = 0 if s.adapters else s.layers * c * s.tokens * s.hidden * s.itemsize  # output gradients
+        return max(_peak(s, s.rows, False), _peak(s, c, False) + extra)
+    raise ValueError(f"mode={mode!r}: one of 'grpo', 'one_backward', 'two_passes'")
+
+
+def _peak(s: Shape, rows: int, one_backward: bool) -> float:
     d, V, T = s.hidden, s.vocab, s.tokens
     act = ACTIVATION * sum(i + o for i, o, _ in s.linears)
     head_grads = V * d * (1 if s.tied else 2) * 4 if s.head_trainable else 0
-    if mode in ("grpo", "two_passes"):
-        n, k, tiles = s.rows * T, GRPO_REST, min(s.rows * (T - 1), HEAD_TILE)
-        layer = n * (d if s.checkpointing else act) * s.itemsize
-    elif mode == "one_backward":
-        c = chunk or s.rows
-        n, k, tiles = c * T, ONE_BACKWARD_REST, min(c * s.completion, HEAD_TILE)
-        layer = (n * d + c * kept_per_row(s) if s.checkpointing else n * act) * s.itemsize
+    n = rows * T
+    if one_backward:
+        k, tiles = ONE_BACKWARD_REST, min(rows * s.completion, HEAD_TILE)
+        layer = (n * d + rows * kept_per_row(s) if s.checkpointing else n * act) * s.itemsize
     else:
-        raise ValueError(f"mode={mode!r}: one of 'grpo', 'one_backward', 'two_passes'")
+        k, tiles = GRPO_REST, min(rows * (T - 1), HEAD_TILE)
+        layer = n * (d if s.checkpointing else act) * s.itemsize
     hidden = k["hidden_ckpt" if s.checkpointing else "hidden"] * n * d * s.itemsize
-    if mode == "two_passes" and s.checkpointing and not s.adapters:  # the norms pass keeps a layer's output gradient
-        layer += n * d * s.itemsize
     return s.layers * layer + k["tiles"] * tiles * V * 4 + k["head_grad"] * head_grads + hidden
 
 
@@ -161,6 +173,15 @@ def fitting_chunk(s: Shape) -> tuple[int, float]:
         if ratio <= limit:
             return size, ratio
     return 0, ratio
+
+
+def norms_chunk(s: Shape) -> int:
+    """Rows per chunk of the two-pass path's norms pass: the largest (whole groups) whose predicted peak stays within
+    the memory target of GRPO's; the smallest where none does."""
+    limit = BYTES_TARGET if s.checkpointing else BYTES_TARGET_NO_CKPT
+    sizes = chunk_sizes(s.rows, s.group)
+    grpo = peak_bytes(s, "grpo")
+    return next((size for size in sizes if peak_bytes(s, "two_passes", size) <= limit * grpo), sizes[-1])
 
 
 def choose(s: Shape) -> Choice:

@@ -166,10 +166,11 @@ class Plan:
     Set at construction from :func:`initial_choice`; the automatic choice (and, under gradient checkpointing, the
     chunks of ``one_backward=True``) is decided at the first generation by :meth:`decide`, from the shapes."""
 
-    def __init__(self, enabled: bool | None, gradient_checkpointing: bool):
+    def __init__(self, enabled: bool | None, gradient_checkpointing: bool, needs_norms: bool = True):
         self.enabled = enabled  # None: the automatic choice, until decide()
         self.chunk_rows = 0
-        self.decided = enabled is False or (enabled is True and not gradient_checkpointing)
+        self.norms_chunk = 0  # rows per chunk of the two-pass path's norms pass (0: the micro-batch's)
+        self.decided = not needs_norms or (enabled is not None and not gradient_checkpointing)
 
     @classmethod
     def for_trainer(cls, args, *, needs_norms: bool, fsdp1: bool, aux_loss: bool,
@@ -177,7 +178,7 @@ class Plan:
         """The plan at construction, the message saying why (``""``: nothing to say) and whether it is a warning
         (asked for, or under DeepSpeed, and refused)."""
         if args.one_backward is False or not needs_norms:
-            return cls(False, args.gradient_checkpointing), "", False
+            return cls(False, args.gradient_checkpointing, needs_norms), "", False
         reasons = blockers(args, fsdp1=fsdp1, aux_loss=aux_loss, deepspeed=deepspeed)
         enabled, why = initial_choice(args.one_backward, reasons)
         return cls(enabled, args.gradient_checkpointing), why, bool(reasons and (args.one_backward or deepspeed))
@@ -200,7 +201,11 @@ class Plan:
                          2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
         choice = cost_model.choose(shape)
         chunk = choice.chunk if self.enabled is None else cost_model.fitting_chunk(shape)[0]
-        chunk = int(gather_min(torch.tensor([chunk], device=device)))
+        chunk, self.norms_chunk = (int(c) for c in gather_min(torch.tensor([chunk, cost_model.norms_chunk(shape)],
+                                                                              device=device)))
+        if self.enabled is False:
+            self.decided = True
+            return f"OBLR-PO (two passes, gradient checkpointing on): norms pass in chunks of {self.norms_chunk} rows."
         if self.enabled is None:
             self.enabled = chunk > 0
         elif chunk == 0:  # one_backward=True: as little at a time as whole groups allow

@@ -143,7 +143,7 @@ class OBLRPOTrainer(GRPOTrainer):
             plan.switch_off()
         if not plan.decided:
             logger.info(plan.decide(self.model, output, self.args, self.num_generations, self.max_completion_length,
-                                    self.accelerator.device, lambda t: self.accelerator.gather(t).min()))
+                                    self.accelerator.device, lambda t: self.accelerator.gather(t[None]).min(0).values))
         output["oblr_reward"] = rewards[rank * local_n : (rank + 1) * local_n]
         if weight_estimator(self.args.grad_norm_estimator).needs == "logit_proxy" and \
                 baseline_uses_weights(self.args.baseline):  # the proxy weights stand in for the norms
@@ -155,7 +155,7 @@ class OBLRPOTrainer(GRPOTrainer):
         sq_norms = bad = None
         if self._needs_norms:
             unit = self._unit(local_n)
-            chunk = max(unit, -(-self.args.per_device_train_batch_size // unit) * unit)
+            chunk = plan.norms_chunk or max(unit, -(-self.args.per_device_train_batch_size // unit) * unit)
             products, bad = norm_passes.norm_products(self.model, output, unit=unit, chunk=chunk,
                                                       temperature=self.temperature, autocast=self.accelerator.autocast)
             if bad.any():

@@ -121,3 +121,14 @@ def test_describe_reads_gpt2s_conv1d_maps():
     s = describe(model, 2, 3, 4, 4, False, 2)
     assert s.layers == 2 and s.tied and s.vocab == 50 and s.heads == 2 and s.head_dim == 8
     assert sorted(s.linears) == sorted([(16, 48, True), (16, 16, True), (16, 64, True), (64, 16, True)])
+
+
+def test_the_two_pass_norms_pass_is_chunked_where_the_whole_micro_batch_exceeds_the_target():
+    # counted: two passes at 64 x 512 under checkpointing hold 1.39x GRPO's peak (the norms pass keeps each layer's
+    # output gradient too); half the rows per norms chunk hold what GRPO's loss pass does
+    big = qwen3(rows=64)
+    assert cm.peak_bytes(big, "two_passes") / cm.peak_bytes(big, "grpo") > cm.BYTES_TARGET
+    chunk = cm.norms_chunk(big)
+    assert chunk < 64 and cm.peak_bytes(big, "two_passes", chunk) <= cm.BYTES_TARGET * cm.peak_bytes(big, "grpo")
+    assert cm.norms_chunk(qwen3(rows=8)) == 8  # one group: nothing to split
+    assert cm.norms_chunk(qwen3(rows=64, ckpt=False)) == 64  # without checkpointing GRPO holds more

@@ -187,6 +187,23 @@ def test_the_default_takes_two_passes_where_one_backwards_flops_exceed_the_targe
     assert not trainer.uses_one_backward and "oblr_gram" in trainer.generations[0]
 
 
+def test_the_two_pass_norms_pass_runs_in_the_cost_models_chunks(monkeypatch):
+    """Two passes under checkpointing: the norms pass takes cost_model.norms_chunk's rows at a time (here 4 of 8)."""
+    from oblr_trl import cost_model, norm_passes
+
+    chunks = []
+    real = norm_passes.norm_products
+
+    def spy(*args, chunk, **kwargs):
+        chunks.append(chunk)
+        return real(*args, chunk=chunk, **kwargs)
+
+    monkeypatch.setattr(cost_model, "norms_chunk", lambda shape: GROUP)
+    monkeypatch.setattr(norm_passes, "norm_products", spy)
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=False))
+    assert trainer.args.gradient_checkpointing and chunks == [GROUP] < [trainer.args.per_device_train_batch_size]
+
+
 def test_one_backward_true_under_checkpointing_runs_one_group_at_a_time_where_none_fits(monkeypatch):
     from oblr_trl import cost_model
 
