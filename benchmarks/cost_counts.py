@@ -214,7 +214,7 @@ def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, compl
         row = dict(flops=flops.get_total_flops(), peak_bytes=live.peak, ops=ops.total,
                    mm_calls=sum(ops.calls[k] for k in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm")),
                    ran=("grpo" if plan is None else f"one_backward/{plan.chunk_rows or batch}" if plan.on
-                        else "two_passes"))
+                        else f"two_passes/{plan.norms_chunk or batch}"))
     del trainer, model
     gc.collect()
     return row
@@ -337,8 +337,8 @@ def render(res: dict) -> str:
         "`per layer` and `head+rest` are the two parts. `model`: the prediction of `oblr_trl/cost_model.py` (the "
         "model OBLR-PO's default chooses by), at 1 and 2 layers combined the same way, for the path that ran. "
         f"`auto`: OBLR-PO's default (`one_backward=None`), its choice made for the {DEPTH}-layer model; `ran`: the "
-        "path and rows per chunk each mode took (`one_backward=True` under checkpointing: the largest chunk the model "
-        "says fits, else one group). Peak bytes: live operator outputs (weights not included). "
+        "path and rows per chunk each mode took (`one_backward`'s chunks, or the two-pass path's norms-pass chunks; "
+        "`one_backward=True` under checkpointing: the largest chunk the model says fits, else one group). Peak bytes: live operator outputs (weights not included). "
         f"Targets: FLOPs <= {TARGETS['flops_full']}x GRPO (full), <= {TARGETS['flops_lora']}x (LoRA); peak bytes "
         f"<= {TARGETS['bytes_ckpt']}x with checkpointing, <= {TARGETS['bytes']}x without; operator calls <= "
         f"{TARGETS['ops']}x.", "",

@@ -155,7 +155,7 @@ class OBLRPOTrainer(GRPOTrainer):
         sq_norms = bad = None
         if self._needs_norms:
             unit = self._unit(local_n)
-            chunk = plan.norms_chunk or max(unit, -(-self.args.per_device_train_batch_size // unit) * unit)
+            chunk = max(unit, -(-(plan.norms_chunk or self.args.per_device_train_batch_size) // unit) * unit)
             products, bad = norm_passes.norm_products(self.model, output, unit=unit, chunk=chunk,
                                                       temperature=self.temperature, autocast=self.accelerator.autocast)
             if bad.any():
