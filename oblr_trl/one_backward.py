@@ -257,6 +257,7 @@ def loss_and_grads(model, batch: dict, coefficients: torch.Tensor, *, unit: int,
         # the gradient of TRL's loss at ratio 1, and each unit's ||H_q||^2 = ||sum_{i in q} a_i u_i||^2 with it;
         # a unit of one row needs no block of its own: a_i^2 ||u_i||^2, from the norms above
         unit_sq = grads.accumulate_grad(-a, group_size=unit if snr and unit > 1 else None)
+        del grads  # this chunk's factors: freed before the next chunk's forward, not when it returns
         if snr and unit == 1:
             dtype = torch.float32 if a.device.type == "mps" else torch.float64
             unit_sq = a.to(dtype).pow(2) * products.reshape(-1).to(dtype)
