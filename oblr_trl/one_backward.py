@@ -194,8 +194,9 @@ class Plan:
                gather_min) -> str:
         """The automatic choice (:func:`.cost_model.choose`: ``one_backward`` in the largest chunk of whole groups
         whose predicted peak bytes and FLOPs stay within the targets against GRPO's, else two passes), or, for
-        ``one_backward=True``, that chunk (one group where none fits); the same on every rank (``gather_min``: the
-        minimum over ranks of a 1-element tensor). Returns the message to log."""
+        ``one_backward=True``, that chunk (one group where none fits); and the two-pass path's norms-pass chunk
+        (:func:`.cost_model.norms_chunk`). The same on every rank (``gather_min``: the elementwise minimum over ranks
+        of a 1-D tensor). Returns the message to log."""
         rows = min(batch["prompt_ids"].shape[0], args.per_device_train_batch_size)
         shape = describe(model, rows, batch["prompt_ids"].shape[1], max_completion_length,
                          2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
