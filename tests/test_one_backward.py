@@ -187,6 +187,32 @@ def test_the_default_takes_two_passes_where_one_backwards_flops_exceed_the_targe
     assert not trainer.uses_one_backward and "oblr_gram" in trainer.generations[0]
 
 
+def test_each_chunks_factors_are_freed_before_the_next_chunks_forward(monkeypatch):
+    """In chunks, the previous chunk's per-sequence gradients (every layer's factors) are gone when the next chunk's
+    forward starts: otherwise two chunks' factors are held at the peak."""
+    import gc
+    import weakref
+
+    import oblr_trl.one_backward as ob
+    from oblr_trl import cost_model
+
+    real, alive_at_call = ob.per_sequence_grads, []
+    earlier: list[weakref.ref] = []
+
+    def spy(*args, **kwargs):
+        gc.collect()
+        alive_at_call.append(sum(ref() is not None for ref in earlier))
+        grads = real(*args, **kwargs)
+        earlier.append(weakref.ref(grads))
+        return grads
+
+    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape: (0, float("inf")))
+    monkeypatch.setattr(ob, "per_sequence_grads", spy)
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=True))
+    assert trainer.one_backward_plan.chunk_rows == GROUP and len(alive_at_call) == 2
+    assert alive_at_call == [0, 0]
+
+
 def test_the_two_pass_norms_pass_runs_in_the_cost_models_chunks(monkeypatch):
     """Two passes under checkpointing: the norms pass takes cost_model.norms_chunk's rows at a time (here 4 of 8)."""
     from oblr_trl import cost_model, norm_passes
