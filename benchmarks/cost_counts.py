@@ -1,6 +1,6 @@
 """The update's cost counted, device-independent: FLOPs, peak live bytes and ATen operator calls of one
-``training_step`` of TRL's ``GRPOTrainer`` and of ``OBLRPOTrainer`` (``one_backward``, two passes), with the FLOP
-model's prediction beside each count.
+``training_step`` of TRL's ``GRPOTrainer`` and of ``OBLRPOTrainer`` (``one_backward``, two passes, and the default,
+``auto``), with the prediction of ``oblr_trl/cost_model.py`` (the model the default chooses by) beside each count.
 
 Design:
 * Models: random Qwen3s of Qwen3-0.6B's and Qwen3-1.7B's widths with their real 151,936-token heads, tied (as they
@@ -51,7 +51,7 @@ WIDTHS = {
     "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936),
 }
-MODES = {"grpo": None, "one_backward": True, "two_passes": False}
+MODES = {"grpo": None, "one_backward": True, "two_passes": False, "auto": None}  # auto: OBLR-PO's default
 
 
 class _NoModules:
@@ -144,7 +144,12 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     from oblr_trl.grad_norms.lm import unwrap_causal_lm
     from oblr_trl.demo.tiny import build_tokenizer
 
+    from oblr_trl.grad_norms import head_transform
+
     prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size)
+    # The head's transform is observed on real logits at construction; a counted model has no values: its
+    # config's transform (Qwen3: none) stands in, as for sharded heads
+    head_transform._SEEN[model] = head_transform.from_config(model)
 
     class PreparedGRPO(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -189,6 +194,8 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
 def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, completion: int, lora: bool,
                ckpt: bool) -> dict:
     """FLOPs, peak live bytes and operator calls of one training_step."""
+    from oblr_trl import one_backward
+
     shapes = Shapes()
     with shapes:
         model = build_model(width, layers, tied, shapes)
@@ -197,18 +204,28 @@ def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, compl
         flops, live, ops = flop_counter(), LiveBytes(), OpCounter()
         gc.collect()
         gc.disable()  # garbage in reference cycles stays counted until the end, the same in every run
-        # one_backward's chunks under checkpointing read the process's peak memory (a CPU's RSS here): 0, so that
-        # the count does not depend on what this process did before
         try:
-            with flops, live, ops, mock.patch("oblr_trl.one_backward.process_peak_bytes", lambda device: 0):
-                trainer.training_step(trainer.model, [{}] * batch, torch.tensor(batch * completion))
+            # the default's choice is made for the model at its real depth (DEPTH layers), then counted at this one
+            with flops, live, ops, mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)):
+                trainer.training_step(trainer.model, [{"prompt": "x"}] * batch, torch.tensor(batch * completion))
         finally:
             gc.enable()
+        plan = getattr(trainer, "one_backward_plan", None)
         row = dict(flops=flops.get_total_flops(), peak_bytes=live.peak, ops=ops.total,
-                   mm_calls=sum(ops.calls[k] for k in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm")))
+                   mm_calls=sum(ops.calls[k] for k in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm")),
+                   ran=("grpo" if plan is None else f"one_backward/{plan.chunk_rows or batch}" if plan.on
+                        else f"two_passes/{plan.norms_chunk or batch}"))
     del trainer, model
     gc.collect()
     return row
+
+
+def at_real_depth(describe):
+    """``describe`` (``oblr_trl.one_backward.describe``) with the layer count set to :data:`DEPTH`: the default
+    chooses for the model whose cost the table reports."""
+    import dataclasses
+
+    return lambda *args, **kwargs: dataclasses.replace(describe(*args, **kwargs), layers=DEPTH)
 
 
 def linear_shapes(c: dict) -> list[tuple[int, int]]:
@@ -218,42 +235,26 @@ def linear_shapes(c: dict) -> list[tuple[int, int]]:
     return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
 
 
-def predict(width: str, layers: int, mode: str, batch: int, completion: int, lora: bool, ckpt: bool) -> float:
-    """The FLOP model: matmul and attention FLOPs of the update (the floor OBLR-PO's modes aim at).
+def shape_of(width: str, layers: int, batch: int, completion: int, lora: bool, ckpt: bool, tied: bool = True):
+    """The :class:`oblr_trl.cost_model.Shape` of a counted configuration."""
+    from oblr_trl.cost_model import Shape
 
-    GRPO: per layer 6 N P (forward, input and weight gradients; LoRA: 4 N P of the frozen base plus the adapters'
-    6 N r (in + out)), attention forward and backward, plus the forward again under checkpointing; the fused head 4
-    logits products over all ``P + C - 1`` scored positions (3 with a frozen head). ``one_backward`` adds each linear
-    map's per-sequence norm at the cheaper of ghost (``2 T^2 (in + out)``) and instantiation (``2 T in out``), the
-    head's likewise over the ``C`` completion positions, and one recomputed logits product (the update's); its head
-    runs over ``C`` positions: log-sum-exp, delta, output gradient, delta again and the weight gradient (3 products
-    with a frozen head). Two passes: GRPO plus a norms pass (forward, input gradients, norms; head 3 products)."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+    c, lin = WIDTHS[width], linear_shapes(WIDTHS[width])
+    adapters = tuple((i, 16) for i, _ in lin) + tuple((16, o) for _, o in lin) if lora else ()
+    return Shape(layers=layers, hidden=c["hidden_size"], vocab=c["vocab_size"], heads=c["num_attention_heads"],
+                 head_dim=c["head_dim"], linears=tuple((i, o, not lora) for i, o in lin), adapters=adapters,
+                 head_trainable=not lora, tied=tied, rows=batch, prompt=PROMPT, completion=completion, itemsize=4,
+                 checkpointing=ckpt, group=GROUP)
 
-    c = WIDTHS[width]
-    d, V, h, dh = c["hidden_size"], c["vocab_size"], c["num_attention_heads"], c["head_dim"]
-    T, B = PROMPT + completion, batch
-    N = B * T
-    lin = linear_shapes(c)
-    P = sum(i * o for i, o in lin)
-    q, kv = (B, h, T, dh), (B, h, T, dh)
-    att_f, att_b = sdpa_flop_count(q, kv, kv), sdpa_backward_flop_count(q, q, kv, kv)
-    adapters = 2 * N * 16 * sum(i + o for i, o in lin)  # one pass of the LoRA adapters
-    base_fwd = 2 * N * P + (adapters if lora else 0)
-    layer_grpo = (2 * base_fwd + (0 if lora else 2 * N * P) + (adapters if lora else 0) + att_f + att_b
-                  + (base_fwd + att_f if ckpt else 0))
-    logits = lambda n: 2 * n * d * V  # noqa: E731
-    head_grpo = (3 if lora else 4) * logits(B * (T - 1))
-    if mode == "grpo":
-        return layers * layer_grpo + head_grpo
-    norms = sum(B * min(2 * T * T * (i + o), 2 * T * i * o) for i, o in (
-        [(i, 16) for i, _ in lin] + [(16, o) for _, o in lin] if lora else lin))
-    head_norm = 0 if lora else B * min(2 * completion ** 2 * (d + V), 2 * completion * d * V)
-    head_ob = (3 if lora else 5) * logits(B * completion) + head_norm
-    if mode == "one_backward":
-        return layers * (layer_grpo + norms) + head_ob
-    pass_layer = 2 * base_fwd + att_f + att_b + norms + (base_fwd + att_f if ckpt else 0)
-    return layers * (layer_grpo + pass_layer) + head_grpo + 3 * logits(B * completion) + head_norm
+
+def predict(width: str, layers: int, mode: str, batch: int, completion: int, lora: bool, ckpt: bool,
+            tied: bool = True, what: str = "flops", chunk: int = 0) -> float:
+    """The model's prediction (``oblr_trl/cost_model.py``, the one the trainer's default runs): FLOPs or, with
+    ``what="bytes"``, peak bytes (``one_backward`` in chunks of ``chunk`` rows; 0: all)."""
+    from oblr_trl import cost_model
+
+    shape = shape_of(width, layers, batch, completion, lora, ckpt, tied)
+    return cost_model.flops(shape, mode) if what == "flops" else cost_model.peak_bytes(shape, mode, chunk)
 
 
 def at_depth(c1: float, c2: float, depth: int = DEPTH) -> float:
@@ -280,9 +281,15 @@ def measure(cfg: dict, log) -> dict:
             row["modes"][mode] = dict(error=str(error).splitlines()[0][:160])
             log(f"{cfg} {mode}: counting failed: {error}")
             continue
+        ran = counts[0].pop("ran")
+        assert counts[1].pop("ran") == ran, "the choice is made at the real depth: the same at 1 and 2 layers"
         deep = {k: at_depth(counts[0][k], counts[1][k]) for k in counts[0]}
-        deep["predicted_flops"] = at_depth(*(predict(cfg["width"], n, mode, cfg["batch"], cfg["completion"],
-                                                     cfg["lora"], cfg["ckpt"]) for n in (1, 2)))
+        deep["ran"] = ran
+        run, chunk = (ran.split("/") + ["0"])[:2]
+        for what in ("flops", "bytes"):
+            deep[f"predicted_{what}"] = at_depth(*(predict(cfg["width"], n, run, cfg["batch"], cfg["completion"],
+                                                           cfg["lora"], cfg["ckpt"], cfg["tied"], what, int(chunk))
+                                                   for n in (1, 2)))
         for k in ("flops", "ops", "peak_bytes"):
             deep[f"per_layer_{k}"], deep[f"rest_{k}"] = counts[1][k] - counts[0][k], 2 * counts[0][k] - counts[1][k]
         row["modes"][mode] = deep
@@ -298,29 +305,28 @@ TARGETS = dict(flops_full=1.3, flops_lora=1.05, bytes_ckpt=1.1, bytes=1.2, ops=1
 
 
 def render(res: dict) -> str:
-    head = ["width", "B x C", "head", "tuning", "ckpt", "mode", "FLOPs (T)", "model (T)", "FLOPs / GRPO",
-            "model / GRPO", "per layer / GRPO", "head+rest / GRPO", "peak GiB", "bytes / GRPO", "ops", "ops / GRPO",
-            "meets targets"]
+    head = ["width", "B x C", "head", "tuning", "ckpt", "mode", "ran (rows per chunk)", "FLOPs (T)", "model (T)",
+            "FLOPs / GRPO", "model / GRPO", "per layer / GRPO", "head+rest / GRPO", "peak GiB", "model GiB",
+            "bytes / GRPO", "model bytes / GRPO", "ops", "ops / GRPO", "meets targets"]
     rows = []
     for r in res["rows"]:
         g = r["modes"]["grpo"]
         for mode, v in r["modes"].items():
+            where = [r["width"], f"{r['batch']} x {r['completion']}", "tied" if r["tied"] else "untied",
+                     "LoRA r=16" if r["lora"] else "full", "on" if r["ckpt"] else "off", mode]
             if "error" in v:
-                rows.append([r["width"], f"{r['batch']} x {r['completion']}", "tied" if r["tied"] else "untied",
-                             "LoRA r=16" if r["lora"] else "full", "on" if r["ckpt"] else "off", mode,
-                             f"counting failed: {v['error']}"] + [""] * (len(head) - 7))
+                rows.append(where + [f"counting failed: {v['error']}"] + [""] * (len(head) - 7))
                 continue
             f, b, o = v["flops"] / g["flops"], v["peak_bytes"] / g["peak_bytes"], v["ops"] / g["ops"]
             ok = "" if mode == "grpo" else ("yes" if f <= TARGETS["flops_lora" if r["lora"] else "flops_full"]
                                             and b <= TARGETS["bytes_ckpt" if r["ckpt"] else "bytes"]
                                             and o <= TARGETS["ops"] else "no")
-            rows.append([r["width"], f"{r['batch']} x {r['completion']}", "tied" if r["tied"] else "untied",
-                         "LoRA r=16" if r["lora"] else "full", "on" if r["ckpt"] else "off", mode,
-                         f"{v['flops'] / 1e12:.2f}", f"{v['predicted_flops'] / 1e12:.2f}", f"{f:.2f}x",
-                         f"{v['predicted_flops'] / g['predicted_flops']:.2f}x",
-                         f"{v['per_layer_flops'] / g['per_layer_flops']:.2f}x",
-                         f"{v['rest_flops'] / g['rest_flops']:.2f}x", f"{v['peak_bytes'] / 2**30:.2f}", f"{b:.2f}x",
-                         f"{v['ops']:,.0f}", f"{o:.2f}x", ok])
+            rows.append(where + [
+                v["ran"].replace("/", " / "), f"{v['flops'] / 1e12:.2f}", f"{v['predicted_flops'] / 1e12:.2f}",
+                f"{f:.2f}x", f"{v['predicted_flops'] / g['predicted_flops']:.2f}x",
+                f"{v['per_layer_flops'] / g['per_layer_flops']:.2f}x", f"{v['rest_flops'] / g['rest_flops']:.2f}x",
+                f"{v['peak_bytes'] / 2**30:.2f}", f"{v['predicted_bytes'] / 2**30:.2f}", f"{b:.2f}x",
+                f"{v['predicted_bytes'] / g['predicted_bytes']:.2f}x", f"{v['ops']:,.0f}", f"{o:.2f}x", ok])
     m = res["machine"]
     return "\n".join([
         "# The update's cost, counted (FLOPs, peak live bytes, operator calls)", "",
@@ -328,8 +334,11 @@ def render(res: dict) -> str:
         f"{m['trl']}); device-independent: nothing is timed. One `training_step` of TRL's GRPOTrainer and of "
         "OBLRPOTrainer on a prepared batch (generation excluded), float32, one group per 8 completions, "
         f"{PROMPT} prompt tokens. Counts at 1 and 2 layers, extrapolated to {DEPTH} layers as c1 + 27 (c2 - c1); "
-        "`per layer` and `head+rest` are the two parts. `model`: the FLOP model's prediction "
-        "(`predict` in benchmarks/cost_counts.py). Peak bytes: live operator outputs (weights not included). "
+        "`per layer` and `head+rest` are the two parts. `model`: the prediction of `oblr_trl/cost_model.py` (the "
+        "model OBLR-PO's default chooses by), at 1 and 2 layers combined the same way, for the path that ran. "
+        f"`auto`: OBLR-PO's default (`one_backward=None`), its choice made for the {DEPTH}-layer model; `ran`: the "
+        "path and rows per chunk each mode took (`one_backward`'s chunks, or the two-pass path's norms-pass chunks; "
+        "`one_backward=True` under checkpointing: the largest chunk the model says fits, else one group). Peak bytes: live operator outputs (weights not included). "
         f"Targets: FLOPs <= {TARGETS['flops_full']}x GRPO (full), <= {TARGETS['flops_lora']}x (LoRA); peak bytes "
         f"<= {TARGETS['bytes_ckpt']}x with checkpointing, <= {TARGETS['bytes']}x without; operator calls <= "
         f"{TARGETS['ops']}x.", "",

@@ -145,22 +145,21 @@ class OBLRPOConfig(GRPOConfig):
         one_backward (`bool` or `None`, defaults to `None`):
             Take the per-sequence norms and the policy update from a single forward and backward instead of a norms
             pass and then TRL's loss pass (same result, tested; about one pass less). `None` (default): automatic,
-            used wherever it is valid and its memory fits (see below), the two-pass path elsewhere, the choice logged
-            once with its reason; `True`: used wherever valid (a warning says why where it is not); `False`: never.
-            Valid where each completion's per-token loss coefficient is constant (on-policy: `num_iterations=1`,
-            `beta=0`, no vLLM importance-sampling correction, no token masks, no entropy bonus or router auxiliary
-            loss), on one process, DDP or FSDP2 (not FSDP1); with gradient accumulation `steps_per_generation` must
-            divide `gradient_accumulation_steps`, and where a generation spans several micro-batches
-            `per_device_train_batch_size` must be a multiple of `num_generations` (micro-batches are then re-split
-            into whole groups). Memory: it keeps each layer's input and output gradient (or, where smaller, its
-            per-sample gradients) until the update is formed, as a backward without gradient checkpointing does.
-            Under gradient checkpointing (TRL's default) it therefore runs each micro-batch in chunks of whole groups,
-            each keeping at most what GRPO's checkpointed loss pass holds for the whole micro-batch plus a tenth of a
-            lower bound on GRPO's peak memory (estimated at the first generation from the batch's shape; same result,
-            tested). The automatic choice follows the measurements (`benchmarks/README.md`): on a CPU, where it is
-            faster, it takes it without gradient checkpointing, and with checkpointing where at least one group fits
-            that budget (else the two-pass path, keeping checkpointing's savings); on a GPU, where it was measured no
-            faster, it keeps the two-pass path. `True` under checkpointing runs one group at a time where none fits.
+            by counted cost, the choice logged once with its reason; `True`: used wherever valid (a warning says why
+            where it is not); `False`: never. Valid where each completion's per-token loss coefficient is constant
+            (on-policy: `num_iterations=1`, `beta=0`, no vLLM importance-sampling correction, no token masks, no
+            entropy bonus or router auxiliary loss), on one process, DDP or FSDP2 (not FSDP1); with gradient
+            accumulation `steps_per_generation` must divide `gradient_accumulation_steps`, and where a generation spans
+            several micro-batches `per_device_train_batch_size` must be a multiple of `num_generations`
+            (micro-batches are then re-split into whole groups). Memory: it keeps each layer's input and output
+            gradient (or, where smaller, its per-sample gradients) until the update is formed, as a backward without
+            gradient checkpointing does, so under checkpointing it may run a micro-batch in chunks of whole groups
+            (same result, tested). The automatic choice, at the first generation, on any device: from the model's and
+            the batch's shapes, `oblr_trl/cost_model.py` predicts the FLOPs and peak bytes of `one_backward` (per
+            chunk) and of GRPO's update (the model `benchmarks/cost_counts.py` checks against counts); it takes
+            `one_backward` in the largest chunk whose peak is at most 1.1x GRPO's under checkpointing (1.2x without)
+            with FLOPs at most 1.3x GRPO's, and the two-pass path otherwise (with full fine-tuning under
+            checkpointing, usually). `True` takes that chunk, or one group at a time where none fits.
     """
 
     baseline: str = field(
@@ -237,10 +236,10 @@ class OBLRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Norms and update from one forward/backward instead of a norms pass then TRL's loss pass (same "
-            "result, one pass less). Default None: automatic, by measurement: on a CPU wherever valid and its memory "
-            "fits (always without gradient checkpointing; with it, in chunks of whole groups keeping at most what "
-            "GRPO's checkpointed pass holds plus a tenth, where one group fits); on a GPU never (measured no faster "
-            "there). True: wherever valid; False: never. The choice is logged once with its reason."
+            "result, one pass less). Default None: automatic, by counted cost on any device: one_backward (in chunks "
+            "of whole groups) where its predicted peak bytes stay within 1.1x GRPO's under gradient checkpointing "
+            "(1.2x without) and its FLOPs within 1.3x (oblr_trl/cost_model.py), else two passes. "
+            "True: wherever valid; False: never. The choice is logged once with its reason."
         },
     )
 

@@ -8,10 +8,8 @@ No trainer state: the trainer calls these with what it holds, and they return wh
 * :func:`blockers`: why a configuration cannot use it (then the two-pass path runs, and says why).
 * :func:`whole_group_micro_batches`: TRL's shuffled micro-batches re-split so each holds whole groups.
 * :func:`all_reduce_grads`: what DDP's backward hooks would have done, once per optimizer step.
-* :func:`kept_bytes`, :func:`checkpointed_bytes`, :func:`chunk_budget`, :func:`chunk_rows`: under gradient
-  checkpointing, chunks of whole groups whose kept memory (estimated before it runs) is at most what GRPO's
-  checkpointed loss pass holds for the micro-batch, plus a tenth of a lower bound on GRPO's peak memory (the margin
-  the memory goal allows).
+* :func:`describe`: the model's and the batch's shapes, from which :mod:`.cost_model` predicts the cost of each path
+  and the default chooses (``one_backward`` and its chunks where they stay within the cost targets against GRPO's).
 """
 
 from __future__ import annotations
@@ -19,8 +17,10 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import split_tensor_dict
 
+from . import cost_model
 from .estimators import mask_nonfinite_products
 from .grad_norms import per_sequence_grads
+from .grad_norms.lm import output_head, unwrap_causal_lm
 from .loss_terms import terms_beyond_ratio_one
 from .trl_seam import sequence_inputs
 
@@ -61,28 +61,17 @@ def blockers(args, *, fsdp1: bool = False, aux_loss: bool = False, deepspeed: bo
     return reasons
 
 
-def initial_choice(
-    requested: bool | None, reasons: list[str], device_type: str, gradient_checkpointing: bool
-) -> tuple[bool | None, str]:
-    """``one_backward``'s path at construction, and why: ``True``, ``False``, or ``None`` (the automatic choice under
-    gradient checkpointing on a CPU, decided at the first generation by :func:`chunk_rows`: whether one group's kept
-    memory fits :func:`chunk_budget`).
+def initial_choice(requested: bool | None, reasons: list[str]) -> tuple[bool | None, str]:
+    """``one_backward``'s path at construction, and why: ``True``, ``False``, or ``None`` (the automatic choice,
+    decided at the first generation from the model's and the batch's shapes by :func:`.cost_model.choose`).
 
-    ``requested``: ``OBLRPOConfig.one_backward``; ``reasons``: :func:`blockers`. The automatic choice follows the
-    measurements (``benchmarks/README.md``): faster on a CPU, no faster and heavier on a GPU.
-    """
+    ``requested``: ``OBLRPOConfig.one_backward``; ``reasons``: :func:`blockers`."""
     if reasons:
         why = "; ".join(reasons)
         if requested:
             return False, f"one_backward=True falls back to two passes (norms pass, then the loss pass): {why}."
         return False, f"OBLR-PO takes the two-pass path (norms pass, then the loss pass): {why}."
-    if requested is None and device_type != "cpu":
-        return False, (
-            f"OBLR-PO takes the two-pass path on {device_type} (one_backward=None): on a GPU one_backward was measured "
-            "no faster and, under gradient checkpointing, 2-3.5x GRPO's memory (benchmarks/README.md); set "
-            "one_backward=True to use it."
-        )
-    if requested or not gradient_checkpointing:
+    if requested:
         return True, "OBLR-PO takes norms and update from one forward/backward (one_backward)."
     return None, ""
 
@@ -136,122 +125,62 @@ def all_reduce_grads(parameters, bucket_elements: int = ALL_REDUCE_BUCKET) -> No
             p.grad.copy_(part.view_as(p))
 
 
-def kept_bytes(model: torch.nn.Module, rows: int, tokens: int, itemsize: int) -> int:
-    """What ``one_backward`` keeps until the update: per layer with trainable weights, the smaller of its input and
-    output gradient (``rows * tokens * (n_in + n_out)``) and its per-sample gradients (``rows * n_in * n_out``).
-
-    An upper bound for the layers' kept factors (an input several layers share is counted for each); embeddings keep
-    their token ids only and count 0; the LM head keeps its input (``rows * tokens * n_in``): its output gradient is
-    formed again in vocabulary chunks, never held (:mod:`.grad_norms.engine`). ``itemsize``: the activations' bytes
-    per element (2 under bf16 autocast, 4 in fp32).
-    """
-    head = output_head(model)
-    total = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.nn.Parameter) or not weight.requires_grad or weight.dim() != 2:
-            continue
-        if isinstance(module, torch.nn.Embedding):
-            continue
-        n_out, n_in = weight.shape  # nn.Linear's layout (GPT-2's Conv1D is the transpose: the same sum)
-        if module is head:
-            total += rows * tokens * n_in
-            continue
-        total += rows * min(tokens * (n_in + n_out), n_in * n_out)
-    return total * itemsize
-
-
-def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The model's LM head (``get_output_embeddings()``), or None where it has none."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    return get_head() if callable(get_head) else None
-
-
-def checkpointed_bytes(model: torch.nn.Module, rows: int, tokens: int, completion_tokens: int, itemsize: int) -> int:
-    """What a loss pass under gradient checkpointing (GRPO's) holds for a micro-batch of ``rows x tokens``: each
-    checkpointed layer's input (``rows * tokens * hidden``, ``itemsize`` bytes) and the float32 logits of the
-    completion tokens (``rows * completion_tokens * vocab``). A model without checkpointed layers counts its hidden
-    states once. An estimate of the same kind as :func:`kept_bytes`, for the budget of :func:`chunk_budget`."""
+def describe(model: torch.nn.Module, rows: int, prompt: int, completion: int, itemsize: int,
+             checkpointing: bool, group: int) -> cost_model.Shape:
+    """``model``'s and a micro-batch's shapes for :mod:`.cost_model`: its decoder layers (those gradient checkpointing
+    wraps; their count, the first one's linear maps (``nn.Linear``, GPT-2's ``Conv1D``) and LoRA adapters), hidden
+    width, attention heads and LM head. Other weights (experts' banks, convolutions) are not in the model."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    vocab, hidden = model.get_input_embeddings().weight.shape
-    head = output_head(model)
-    if getattr(head, "weight", None) is not None:
-        vocab = head.weight.shape[0]
-    layers = max(1, sum(isinstance(m, GradientCheckpointingLayer) for m in model.modules()))
-    return rows * (tokens * layers * hidden * itemsize + completion_tokens * vocab * 4)
-
-
-def training_state_bytes(model: torch.nn.Module) -> int:
-    """The model's weights, and for each trainable weight its gradient and Adam's two moments: what a training
-    process holds whatever the batch."""
-    total = 0
-    for p in model.parameters():
-        total += p.numel() * p.element_size() * (4 if p.requires_grad else 1)
-    return total
-
-
-def process_peak_bytes(device: torch.device) -> int:
-    """The most memory this process has held so far where the activations live: the accelerator's peak allocation,
-    or the peak RSS on a CPU (0 where unknown). At the first generation it counts the weights and generation."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    if device.type == "cpu":
-        try:
-            import resource
-            import sys
-
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
-        except (ImportError, OSError):
-            return 0
-    return 0
-
-
-def chunk_budget(model: torch.nn.Module, rows: int, tokens: int, completion_tokens: int, itemsize: int,
-                 process_peak: int = 0) -> int:
-    """What ``one_backward`` may keep per chunk under gradient checkpointing: what the checkpointed loss pass holds
-    for the micro-batch, plus the margin the memory goal allows (peak memory at most 1.1x GRPO's under the same
-    checkpointing setting): a tenth of a lower bound on GRPO's peak, the larger of that pass plus the training state
-    (:func:`training_state_bytes`) and the process's peak so far (``process_peak``, :func:`process_peak_bytes`: a
-    GRPO step generates too)."""
-    held = checkpointed_bytes(model, rows, tokens, completion_tokens, itemsize)
-    return held + max(held + training_state_bytes(model), process_peak) // 10
-
-
-def chunk_rows(rows: int, group_size: int, kept_per_row: int, budget: int) -> int:
-    """Rows per chunk of ``one_backward``'s micro-batch so that what a chunk keeps (``kept_per_row`` each) is at most
-    ``budget``: ``rows`` where all fit; else whole groups of ``group_size``, as few chunks as fit and of equal size as
-    far as they divide; ``0`` where not even one group fits or the rows are not whole groups (a group spans ranks)."""
-    if rows * kept_per_row <= budget:
-        return rows
-    if rows % group_size or group_size * kept_per_row > budget:
-        return 0
-    groups, fit = rows // group_size, budget // (group_size * kept_per_row)
-    chunks = -(-groups // fit)
-    return -(-groups // chunks) * group_size
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    lm = unwrap_causal_lm(model)
+    head = output_head(lm)
+    config = getattr(lm, "config", None)
+    config = config.get_text_config() if config is not None else None
+    linears, adapters = [], []
+    for name, m in (layers[0] if layers else model).named_modules():
+        if m is head or not isinstance(getattr(m, "weight", None), torch.Tensor) or m.weight.dim() != 2 or \
+                not isinstance(m, torch.nn.Linear) and type(m).__name__ != "Conv1D":
+            continue
+        n_in, n_out = (m.in_features, m.out_features) if isinstance(m, torch.nn.Linear) else m.weight.shape  # GPT-2
+        if "lora_" in name:
+            if m.weight.requires_grad:
+                adapters.append((n_in, n_out))
+        else:
+            linears.append((n_in, n_out, m.weight.requires_grad))
+    vocab, hidden = head.weight.shape if head is not None else (0, getattr(config, "hidden_size", 0))
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
+    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    return cost_model.Shape(
+        layers=max(1, len(layers)), hidden=hidden, vocab=vocab, heads=heads, head_dim=head_dim,
+        linears=tuple(linears), adapters=tuple(adapters),
+        head_trainable=head is not None and head.weight.requires_grad,
+        tied=head is not None and embeddings is not None and head.weight is embeddings.weight, rows=rows,
+        prompt=prompt, completion=completion, itemsize=itemsize, checkpointing=checkpointing, group=group)
 
 
 class Plan:
     """Whether ``one_backward`` runs, and in chunks of how many rows (0: the whole micro-batch).
 
-    Set at construction from :func:`initial_choice`; under gradient checkpointing the chunks (and, for the automatic
-    choice, whether it runs at all) are decided at the first generation by :meth:`decide`, from the batch's shape."""
+    Set at construction from :func:`initial_choice`; the automatic choice (and, under gradient checkpointing, the
+    chunks of ``one_backward=True``) is decided at the first generation by :meth:`decide`, from the shapes."""
 
-    def __init__(self, enabled: bool | None, gradient_checkpointing: bool):
+    def __init__(self, enabled: bool | None, gradient_checkpointing: bool, needs_norms: bool = True):
         self.enabled = enabled  # None: the automatic choice, until decide()
         self.chunk_rows = 0
-        self.decided = not (enabled is not False and gradient_checkpointing)
+        self.norms_chunk = 0  # rows per chunk of the two-pass path's norms pass (0: the micro-batch's)
+        self.decided = not needs_norms or (enabled is not None and not gradient_checkpointing)
 
     @classmethod
-    def for_trainer(cls, args, *, needs_norms: bool, fsdp1: bool, aux_loss: bool, deepspeed: bool,
-                    device_type: str) -> tuple["Plan", str, bool]:
+    def for_trainer(cls, args, *, needs_norms: bool, fsdp1: bool, aux_loss: bool,
+                    deepspeed: bool) -> tuple["Plan", str, bool]:
         """The plan at construction, the message saying why (``""``: nothing to say) and whether it is a warning
         (asked for, or under DeepSpeed, and refused)."""
         if args.one_backward is False or not needs_norms:
-            return cls(False, args.gradient_checkpointing), "", False
+            return cls(False, args.gradient_checkpointing, needs_norms), "", False
         reasons = blockers(args, fsdp1=fsdp1, aux_loss=aux_loss, deepspeed=deepspeed)
-        enabled, why = initial_choice(args.one_backward, reasons, device_type, args.gradient_checkpointing)
+        enabled, why = initial_choice(args.one_backward, reasons)
         return cls(enabled, args.gradient_checkpointing), why, bool(reasons and (args.one_backward or deepspeed))
 
     @property
@@ -263,30 +192,37 @@ class Plan:
 
     def decide(self, model, batch: dict, args, group_size: int, max_completion_length: int, device,
                gather_min) -> str:
-        """Chunks of whole groups keeping at most what GRPO's checkpointed loss pass holds for the micro-batch, plus a
-        tenth of a lower bound on GRPO's peak memory (:func:`chunk_budget`), the same on every rank (``gather_min``:
-        the minimum over ranks of a 1-element tensor). The automatic choice takes the two-pass path where not even one
-        group fits; ``one_backward=True`` then runs one group at a time. Returns the message to log."""
+        """The automatic choice (:func:`.cost_model.choose`: ``one_backward`` in the largest chunk of whole groups
+        whose predicted peak bytes and FLOPs stay within the targets against GRPO's, else two passes), or, for
+        ``one_backward=True``, that chunk (one group where none fits); and the two-pass path's norms-pass chunk
+        (:func:`.cost_model.norms_chunk`). The same on every rank (``gather_min``: the elementwise minimum over ranks
+        of a 1-D tensor). Returns the message to log."""
         rows = min(batch["prompt_ids"].shape[0], args.per_device_train_batch_size)
-        tokens = batch["prompt_ids"].shape[1] + max_completion_length
-        itemsize = 2 if (args.bf16 or args.fp16) else 4
-        kept = kept_bytes(model, 1, tokens, itemsize)
-        budget = chunk_budget(model, rows, tokens, max_completion_length, itemsize, process_peak_bytes(device))
-        chunk = int(gather_min(torch.tensor([chunk_rows(rows, group_size, kept, budget)], device=device)))
+        shape = describe(model, rows, batch["prompt_ids"].shape[1], max_completion_length,
+                         2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
+        choice = cost_model.choose(shape)
+        chunk = choice.chunk if self.enabled is None else cost_model.fitting_chunk(shape)[0]
+        chunk, self.norms_chunk = (int(c) for c in gather_min(torch.tensor([chunk, cost_model.norms_chunk(shape)],
+                                                                              device=device)))
+        if self.enabled is False:
+            self.decided = True
+            return f"OBLR-PO (two passes, gradient checkpointing on): norms pass in chunks of {self.norms_chunk} rows."
         if self.enabled is None:
             self.enabled = chunk > 0
         elif chunk == 0:  # one_backward=True: as little at a time as whole groups allow
-            chunk = group_size if rows % group_size == 0 else rows
+            chunk = cost_model.chunk_sizes(rows, group_size)[-1]
         self.chunk_rows, self.decided = (chunk if self.enabled else 0), True
         if self.enabled:
             how = ("one forward/backward per micro-batch." if chunk >= rows else
                    f"one forward/backward per chunk of {chunk} rows ({chunk // group_size} groups).")
         else:
-            how = "two passes, keeping checkpointing's savings."
-        return (f"OBLR-PO (one_backward={args.one_backward}, gradient checkpointing on): one_backward keeps "
-                f"~{rows * kept / 2**30:.2f} GiB per micro-batch of {rows} x {tokens} tokens against a budget of "
-                f"~{budget / 2**30:.2f} GiB (what GRPO's checkpointed pass holds, plus a tenth of a lower bound on "
-                "GRPO's peak memory): " + how)
+            how = "two passes (norms pass, then the loss pass)."
+        limit = cost_model.BYTES_TARGET if args.gradient_checkpointing else cost_model.BYTES_TARGET_NO_CKPT
+        return (f"OBLR-PO (one_backward={args.one_backward}, gradient checkpointing "
+                f"{'on' if args.gradient_checkpointing else 'off'}): for {rows} x {shape.tokens} tokens, "
+                f"one_backward's predicted cost against GRPO's is {choice.flops_ratio:.2f}x the FLOPs (target "
+                f"<= {cost_model.FLOPS_TARGET}x) and {choice.bytes_ratio:.2f}x the peak bytes (target <= {limit}x; "
+                "oblr_trl/cost_model.py, verified by benchmarks/cost_counts.py): " + how)
 
 
 def rows_of(batch: dict, index, n: int) -> dict:
@@ -322,6 +258,7 @@ def loss_and_grads(model, batch: dict, coefficients: torch.Tensor, *, unit: int,
         # the gradient of TRL's loss at ratio 1, and each unit's ||H_q||^2 = ||sum_{i in q} a_i u_i||^2 with it;
         # a unit of one row needs no block of its own: a_i^2 ||u_i||^2, from the norms above
         unit_sq = grads.accumulate_grad(-a, group_size=unit if snr and unit > 1 else None)
+        del grads  # this chunk's factors: freed before the next chunk's forward, not when it returns
         if snr and unit == 1:
             dtype = torch.float32 if a.device.type == "mps" else torch.float64
             unit_sq = a.to(dtype).pow(2) * products.reshape(-1).to(dtype)

@@ -79,7 +79,7 @@ class OBLRPOTrainer(GRPOTrainer):
         self._unscored_batch = False  # the last generation batch had no reward at all (no_rewards)
         self.one_backward_plan, why, loud = one_backward.Plan.for_trainer(
             self.args, needs_norms=self._needs_norms, fsdp1=fsdp1, aux_loss=self.aux_loss_enabled,
-            deepspeed=self.is_deepspeed_enabled, device_type=self.accelerator.device.type)
+            deepspeed=self.is_deepspeed_enabled)
         if why:  # DeepSpeed switches off even the automatic choice: said once, as a warning
             logger.log(logging.WARNING if loud else logging.INFO, why)
         self.add_callback(RestoreScheduledLR(self.step_sizer))
@@ -143,7 +143,7 @@ class OBLRPOTrainer(GRPOTrainer):
             plan.switch_off()
         if not plan.decided:
             logger.info(plan.decide(self.model, output, self.args, self.num_generations, self.max_completion_length,
-                                    self.accelerator.device, lambda t: self.accelerator.gather(t).min()))
+                                    self.accelerator.device, lambda t: self.accelerator.gather(t[None]).min(0).values))
         output["oblr_reward"] = rewards[rank * local_n : (rank + 1) * local_n]
         if weight_estimator(self.args.grad_norm_estimator).needs == "logit_proxy" and \
                 baseline_uses_weights(self.args.baseline):  # the proxy weights stand in for the norms
@@ -155,7 +155,7 @@ class OBLRPOTrainer(GRPOTrainer):
         sq_norms = bad = None
         if self._needs_norms:
             unit = self._unit(local_n)
-            chunk = max(unit, -(-self.args.per_device_train_batch_size // unit) * unit)
+            chunk = max(unit, -(-(plan.norms_chunk or self.args.per_device_train_batch_size) // unit) * unit)
             products, bad = norm_passes.norm_products(self.model, output, unit=unit, chunk=chunk,
                                                       temperature=self.temperature, autocast=self.accelerator.autocast)
             if bad.any():

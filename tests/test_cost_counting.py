@@ -86,3 +86,20 @@ def test_extrapolation_and_flop_model():
     grpo = cost.predict("Qwen3-0.6B", 2, "grpo", 8, 256, lora=False, ckpt=False)
     lora = cost.predict("Qwen3-0.6B", 2, "grpo", 8, 256, lora=True, ckpt=False)
     assert lora < grpo < cost.predict("Qwen3-0.6B", 2, "two_passes", 8, 256, lora=False, ckpt=False)
+
+
+def test_the_tables_model_column_uses_the_shape_the_trainer_describes():
+    """cost_counts.py's 'model' column and the trainer's default read the same Shape of the same model: the table
+    verifies the function training runs."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from oblr_trl.one_backward import describe
+
+    cost = load("cost_counts")
+    config = Qwen3Config(**cost.WIDTHS["Qwen3-0.6B"], num_hidden_layers=2, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    got = describe(model, 8, cost.PROMPT, 256, 4, True, cost.GROUP)
+    assert got == cost.shape_of("Qwen3-0.6B", 2, 8, 256, lora=False, ckpt=True, tied=False)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    assert describe(model, 8, cost.PROMPT, 256, 4, True, cost.GROUP).tied

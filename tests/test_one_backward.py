@@ -136,37 +136,104 @@ def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
 
 
 # ------------------------------------------------------------------------------------- the automatic choice
-def test_the_default_takes_one_backward_without_checkpointing(caplog):
+def test_the_default_follows_the_cost_model(caplog):
+    """Whatever the device, the automatic choice is cost_model.choose of the model's and the batch's shapes, made at
+    the first generation and logged with the predicted ratios."""
+    from oblr_trl import cost_model
+    from oblr_trl.one_backward import describe
+
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
         trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, gradient_checkpointing=False)))
-    assert trainer.args.one_backward is None and trainer.uses_one_backward
-    assert "one forward/backward" in caplog.text
+    batch = trainer.generations[0]
+    args = trainer.args
+    shape = describe(trainer.model, args.per_device_train_batch_size, batch["prompt_ids"].shape[1],
+                     trainer.max_completion_length, 2 if args.bf16 else 4, False, GROUP)
+    assert shape.layers == trainer.model.config.num_hidden_layers and shape.vocab == trainer.model.config.vocab_size
+    choice = cost_model.choose(shape)
+    assert trainer.args.one_backward is None and trainer.uses_one_backward is choice.one_backward
+    assert trainer.one_backward_plan.chunk_rows == choice.chunk
+    assert f"{choice.flops_ratio:.2f}x the FLOPs" in caplog.text
 
 
-@pytest.mark.parametrize("budget_groups, chunk", [(100, 8), (1, 4), (0, 0)],
+@pytest.mark.parametrize("grpo_bytes, chunk", [(800, 8), (4, 4), (1, 0)],
                          ids=["micro-batch-fits", "one-group-per-chunk", "not-one-group"])
-def test_the_default_under_checkpointing_chunks_by_memory(budget_groups, chunk, monkeypatch, caplog):
-    """Under checkpointing the default keeps at most the budget per chunk of whole groups: the whole micro-batch of 8
-    (2 groups of 4) where it fits, one group at a time where only one does, the two-pass path where not even one."""
-    import oblr_trl.one_backward as ob
+def test_the_default_chunks_by_the_cost_models_bytes(grpo_bytes, chunk, monkeypatch, caplog):
+    """The default runs the largest chunk of whole groups whose predicted peak is within 1.1x GRPO's under
+    checkpointing: the whole micro-batch of 8 (2 groups of 4) where it fits, one group at a time where only one does,
+    the two-pass path where not even one (the byte model replaced by one where a chunk of ``c`` rows costs ``c``)."""
+    from oblr_trl import cost_model
 
-    monkeypatch.setattr(ob, "kept_bytes", lambda model, rows, tokens, itemsize: 1000 * rows)
-    monkeypatch.setattr(ob, "chunk_budget", lambda *a: 1000 * GROUP * budget_groups)
+    def bytes_(shape, mode, chunk=0):
+        return (chunk or shape.rows) if mode == "one_backward" else grpo_bytes
+
+    monkeypatch.setattr(cost_model, "peak_bytes", bytes_)
+    monkeypatch.setattr(cost_model, "flops", lambda shape, mode: 1.0)
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
         trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=2)))
     assert trainer.args.gradient_checkpointing  # TRL's default
     assert trainer.uses_one_backward is (chunk > 0) and trainer.one_backward_plan.chunk_rows == chunk
     assert ("oblr_gram" in trainer.generations[0]) is (chunk == 0)  # the norms pass ran only on the two-pass path
     expected = {8: "one forward/backward per micro-batch.", 4: "per chunk of 4 rows (1 groups)",
-                0: "keeping checkpointing's savings"}[chunk]
+                0: "two passes (norms pass, then the loss pass)."}[chunk]
     assert expected in caplog.text
     assert len(logged(trainer, "oblr/lr_scale")) == 2
 
 
-def test_one_backward_true_under_checkpointing_runs_one_group_at_a_time_where_none_fits(monkeypatch):
-    import oblr_trl.one_backward as ob
+def test_the_default_takes_two_passes_where_one_backwards_flops_exceed_the_target(monkeypatch):
+    from oblr_trl import cost_model
 
-    monkeypatch.setattr(ob, "chunk_budget", lambda *a: 0)
+    monkeypatch.setattr(cost_model, "flops", lambda shape, mode: 1.31 if mode == "one_backward" else 1.0)
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, gradient_checkpointing=False)))
+    assert not trainer.uses_one_backward and "oblr_gram" in trainer.generations[0]
+
+
+def test_each_chunks_factors_are_freed_before_the_next_chunks_forward(monkeypatch):
+    """In chunks, the previous chunk's per-sequence gradients (every layer's factors) are gone when the next chunk's
+    forward starts: otherwise two chunks' factors are held at the peak."""
+    import gc
+    import weakref
+
+    import oblr_trl.one_backward as ob
+    from oblr_trl import cost_model
+
+    real, alive_at_call = ob.per_sequence_grads, []
+    earlier: list[weakref.ref] = []
+
+    def spy(*args, **kwargs):
+        gc.collect()
+        alive_at_call.append(sum(ref() is not None for ref in earlier))
+        grads = real(*args, **kwargs)
+        earlier.append(weakref.ref(grads))
+        return grads
+
+    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape: (0, float("inf")))
+    monkeypatch.setattr(ob, "per_sequence_grads", spy)
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=True))
+    assert trainer.one_backward_plan.chunk_rows == GROUP and len(alive_at_call) == 2
+    assert alive_at_call == [0, 0]
+
+
+def test_the_two_pass_norms_pass_runs_in_the_cost_models_chunks(monkeypatch):
+    """Two passes under checkpointing: the norms pass takes cost_model.norms_chunk's rows at a time (here 4 of 8)."""
+    from oblr_trl import cost_model, norm_passes
+
+    chunks = []
+    real = norm_passes.norm_products
+
+    def spy(*args, chunk, **kwargs):
+        chunks.append(chunk)
+        return real(*args, chunk=chunk, **kwargs)
+
+    monkeypatch.setattr(cost_model, "norms_chunk", lambda shape: GROUP)
+    monkeypatch.setattr(norm_passes, "norm_products", spy)
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=False))
+    assert trainer.args.gradient_checkpointing and chunks == [GROUP] < [trainer.args.per_device_train_batch_size]
+
+
+def test_one_backward_true_under_checkpointing_runs_one_group_at_a_time_where_none_fits(monkeypatch):
+    from oblr_trl import cost_model
+
+    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape: (0, float("inf")))
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=True))
     assert trainer.uses_one_backward and trainer.one_backward_plan.chunk_rows == GROUP
 
@@ -175,9 +242,9 @@ def test_one_backward_true_under_checkpointing_runs_one_group_at_a_time_where_no
 def test_one_backward_in_chunks_matches_two_passes(loss_type, monkeypatch):
     """One group per chunk under checkpointing: the same advantages, SNR terms, gradient and step as the two-pass
     path (a token-mean loss's denominator spans the whole micro-batch, not the chunk)."""
-    import oblr_trl.one_backward as ob
+    from oblr_trl import cost_model
 
-    monkeypatch.setattr(ob, "chunk_budget", lambda *a: 0)
+    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape: (0, float("inf")))
     kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
     two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
@@ -186,71 +253,6 @@ def test_one_backward_in_chunks_matches_two_passes(loss_type, monkeypatch):
         assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key
     for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_chunk_rows_table():
-    from oblr_trl.one_backward import chunk_rows
-
-    assert chunk_rows(64, 8, 10, 640) == 64  # all fit
-    assert chunk_rows(64, 8, 10, 639) == 32  # 4 groups fit: 2 chunks of 4
-    assert chunk_rows(64, 8, 10, 300) == 24  # 3 groups fit: chunks of 3, 3, 2 groups
-    assert chunk_rows(64, 8, 10, 79) == 0  # not one group
-    assert chunk_rows(12, 8, 10, 100) == 0  # a group spans ranks: no whole groups to chunk by
-
-
-def test_chunk_budget_is_the_checkpointed_pass_plus_a_tenth_of_a_lower_bound_on_grpos_peak():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from oblr_trl.one_backward import checkpointed_bytes, chunk_budget, training_state_bytes
-
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=50))
-    model.model.embed_tokens.weight.requires_grad_(False)
-    rows, tokens, completion = 4, 10, 6
-    # each of 3 layers' input (rows x tokens x 16 x 2 bytes) and the fp32 logits of the completion tokens
-    assert checkpointed_bytes(model, rows, tokens, completion, 2) == rows * (tokens * 3 * 16 * 2 + completion * 50 * 4)
-    params = sum(p.numel() for p in model.parameters())
-    frozen = model.model.embed_tokens.weight.numel()
-    assert training_state_bytes(model) == 4 * (frozen + 4 * (params - frozen))
-    held = checkpointed_bytes(model, rows, tokens, completion, 2)
-    assert chunk_budget(model, rows, tokens, completion, 2) == held + (held + training_state_bytes(model)) // 10
-    # a process that already peaked higher (generation, data) allows a tenth of that peak instead
-    assert chunk_budget(model, rows, tokens, completion, 2, process_peak=10**9) == held + 10**8
-
-
-def test_process_peak_bytes_is_at_least_what_was_just_allocated():
-    from oblr_trl.one_backward import process_peak_bytes
-
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    assert process_peak_bytes(torch.device("cpu")) >= block.numel() * 4
-    assert process_peak_bytes(torch.device("meta")) == 0
-
-
-def test_kept_bytes_counts_each_trainable_layer_once():
-    from oblr_trl.one_backward import kept_bytes
-
-    model = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 32), torch.nn.Linear(32, 8, bias=False),
-                                torch.nn.Linear(8, 8))
-    model[3].weight.requires_grad_(False)
-    rows, tokens = 3, 5
-    # Linear(8, 32): min(5 * 40, 8 * 32) = 200; Linear(32, 8): min(200, 256) = 200; embedding and frozen: 0
-    assert kept_bytes(model, rows, tokens, itemsize=4) == 3 * (200 + 200) * 4
-    # long sequences: per-sample gradients are smaller than the activations
-    assert kept_bytes(model, rows, 1000, itemsize=2) == 3 * (256 + 256) * 2
-
-
-def test_kept_bytes_counts_the_lm_head_by_its_input():
-    """The head's output gradient (vocabulary-wide) is formed again in chunks, never kept: only its input counts."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from oblr_trl.one_backward import kept_bytes
-
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=500))
-    rows, tokens = 2, 5
-    layer = sum(min(tokens * sum(m.weight.shape), m.weight.numel()) for m in model.model.layers[0].modules()
-                if isinstance(m, torch.nn.Linear))
-    assert kept_bytes(model, rows, tokens, itemsize=4) == rows * (layer + tokens * 16) * 4
 
 
 def test_one_backward_option_parses_as_a_three_way_flag():
@@ -262,30 +264,11 @@ def test_one_backward_option_parses_as_a_three_way_flag():
         assert config.one_backward is expected, argv
 
 
-def test_the_default_keeps_two_passes_on_an_accelerator(monkeypatch, caplog):
-    """On a GPU one_backward was measured no faster (benchmarks/README.md): the automatic choice keeps two passes there.
-    The device is faked after the trainer's construction has set up everything else on the CPU."""
-    import accelerate
-
-    real = accelerate.Accelerator.device
-    monkeypatch.setattr(accelerate.Accelerator, "device", property(lambda self: torch.device("meta")))
-    with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
-        try:
-            OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[lambda **k: [0.0]],
-                          args=OBLRPOConfig(**common_args(gradient_checkpointing=False)), train_dataset=DATASET)
-        except Exception:  # a meta device cannot hold the model; the choice was made and logged before that matters
-            pass
-    monkeypatch.setattr(accelerate.Accelerator, "device", real)
-    assert "two-pass path on meta" in caplog.text
-
-
 def test_initial_choice_table():
     from oblr_trl.one_backward import initial_choice
 
-    assert initial_choice(None, [], "cpu", False)[0] is True
-    assert initial_choice(None, [], "cpu", True) == (None, "")  # decided at the first generation, by memory
-    assert initial_choice(None, [], "cuda", False)[0] is False
-    assert initial_choice(True, [], "cuda", True)[0] is True
-    choice, why = initial_choice(True, ["beta=0.1 (a KL term in the loss)"], "cpu", False)
+    assert initial_choice(None, []) == (None, "")  # decided at the first generation, by the cost model
+    assert initial_choice(True, [])[0] is True
+    choice, why = initial_choice(True, ["beta=0.1 (a KL term in the loss)"])
     assert choice is False and "falls back" in why and "beta=0.1" in why
-    assert initial_choice(None, ["fp16=True"], "cpu", False)[0] is False
+    assert initial_choice(None, ["fp16=True"])[0] is False

@@ -149,14 +149,14 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     flags = set(mode.split("+"))
     assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk", "zero0", "zero1",
                      "zero2", "zero3", "offload", "save", "resume", "ema"}, mode
-    if "chunk" in flags:  # no budget: one_backward under checkpointing (on here) runs one group at a time
-        import oblr_trl.one_backward
+    if "chunk" in flags:  # no chunk fits: one_backward under checkpointing (on here) runs one group at a time
+        import oblr_trl.cost_model
 
-        oblr_trl.one_backward.chunk_budget = lambda *a: 0
+        oblr_trl.cost_model.fitting_chunk = lambda shape: (0, float("inf"))
     extra = {"bf16": False} if "fp32" in flags else {}
     if "ga2" in flags:  # two micro-batches per optimizer step, one generation batch for both
         extra["gradient_accumulation_steps"] = 2
-    extra["one_backward"] = "one_backward" in flags  # the two-pass path unless asked (the default chooses by device)
+    extra["one_backward"] = "one_backward" in flags  # the two-pass path unless asked (the default chooses by the cost model)
     if "degenerate" in flags:
         DEGENERATE_FROM = 8  # the global batch is 16: the second half
         NAN_FOR_EMPTY = "nan" in flags

@@ -1,0 +1,193 @@
+"""The update's cost from shapes alone: FLOPs and peak live bytes of GRPO's update and of OBLR-PO's two modes, and the
+default's choice between them. Pure: no model, no device; the trainer describes its model and batch as a
+:class:`Shape` (:func:`.one_backward.describe`), and ``benchmarks/cost_counts.py`` prints these predictions beside its
+counts, so the table verifies the function training runs.
+
+* :func:`flops`: matmul and attention FLOPs (the floor the modes aim at; matches the counts within 4%).
+* :func:`peak_bytes`: peak live bytes of operator outputs, weights not included: per layer (the checkpointed inputs
+  or, without checkpointing, the saved activations; ``one_backward`` also keeps each trainable weight's factors, the
+  smaller of its input and output gradient and its per-sample gradients) plus the head and the rest. The per-layer
+  activation size and the head's transients are fitted to the counted Qwen3 rows (``benchmarks/results/
+  cost_counts*.md`` prints model and count side by side).
+* :func:`choose`: ``one_backward`` and its chunk where its predicted peak stays within the memory target and its
+  FLOPs within the FLOP target of GRPO's; two passes otherwise (:func:`norms_chunk`: their norms pass's chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOPS_TARGET = 1.3  # one_backward's FLOPs at most this times GRPO's
+BYTES_TARGET = 1.1  # its peak bytes at most this times GRPO's, under gradient checkpointing
+BYTES_TARGET_NO_CKPT = 1.2  # and without
+HEAD_TILE = 4096  # tokens per tile of TRL's fused LM head (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE)
+ACTIVATION = 1.4  # elements a layer saves per token without checkpointing, per element of its linear maps' in + out
+# the head and the rest, fitted to the counted rows: logits-sized tiles, head-weight gradients, hidden-sized tensors
+GRPO_REST = dict(tiles=1.9, head_grad=0.55, hidden=5.0, hidden_ckpt=10.0)
+ONE_BACKWARD_REST = dict(tiles=0.5, head_grad=0.4, hidden=20.0, hidden_ckpt=30.0)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's and a micro-batch's shapes.
+
+    ``linears``: one layer's linear maps as ``(in, out, trainable)``; ``adapters``: its LoRA adapters' maps ``(in, r)``,
+    ``(r, out)``, all trainable (their activations are small: not counted); ``head_trainable``: the LM head's weight
+    is trained (tied: counted once);
+    ``rows`` x (``prompt`` + ``completion``) tokens; ``itemsize``: the activations' bytes per element; ``group``:
+    completions per prompt (``one_backward`` chunks hold whole groups)."""
+
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    head_dim: int
+    linears: tuple[tuple[int, int, bool], ...]
+    adapters: tuple[tuple[int, int], ...]
+    head_trainable: bool
+    tied: bool
+    rows: int
+    prompt: int
+    completion: int
+    itemsize: int
+    checkpointing: bool
+    group: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.completion
+
+    @property
+    def maps(self) -> list[tuple[int, int, bool]]:
+        """Every linear map of a layer, the adapters' included, as ``(in, out, trainable)``."""
+        return [*self.linears, *((i, o, True) for i, o in self.adapters)]
+
+
+def _attention_flops(s: Shape, rows: int) -> tuple[float, float]:
+    """Scaled dot-product attention's forward and backward FLOPs (both products, all T x T positions)."""
+    forward = 4 * rows * s.heads * s.tokens ** 2 * s.head_dim
+    return forward, 2.5 * forward
+
+
+def flops(s: Shape, mode: str) -> float:
+    """Matmul and attention FLOPs of one micro-batch's update, ``mode`` one of ``grpo``, ``one_backward``,
+    ``two_passes``.
+
+    GRPO: per layer each linear map's forward and input gradient (``4 N in out``) and, where trained, its weight
+    gradient (``2 N in out``), attention forward and backward, and the forward again under checkpointing; the fused
+    head 4 logits products over all ``T - 1`` scored positions (3 with a frozen head). ``one_backward`` adds each
+    trainable map's per-sequence norm at the cheaper of ghost (``2 T^2 (in + out)``) and instantiation
+    (``2 T in out``), the head's likewise over the ``C`` completion positions, and runs its head over ``C`` positions:
+    5 logits products (3 with a frozen head). Two passes: GRPO plus a norms pass (forward, input gradients, norms;
+    head 3 products)."""
+    B, T, C, d, V = s.rows, s.tokens, s.completion, s.hidden, s.vocab
+    N = B * T
+    fwd = sum(2 * N * i * o for i, o, _ in s.maps)
+    wgrad = sum(2 * N * i * o for i, o, t in s.maps if t)
+    att_f, att_b = _attention_flops(s, B)
+    recompute = fwd + att_f if s.checkpointing else 0
+    layer = 2 * fwd + wgrad + att_f + att_b + recompute
+    logits = lambda n: 2 * n * d * V  # noqa: E731
+    head = (4 if s.head_trainable else 3) * logits(B * (T - 1))
+    if mode == "grpo":
+        return s.layers * layer + head
+    norms = sum(B * min(2 * T * T * (i + o), 2 * T * i * o) for i, o, t in s.maps if t)
+    head_norm = B * min(2 * C * C * (d + V), 2 * C * d * V) if s.head_trainable else 0
+    if mode == "one_backward":
+        return s.layers * (layer + norms) + (5 if s.head_trainable else 3) * logits(B * C) + head_norm
+    if mode == "two_passes":
+        norm_pass = 2 * fwd + att_f + att_b + norms + recompute
+        return s.layers * (layer + norm_pass) + head + 3 * logits(B * C) + head_norm
+    raise ValueError(f"mode={mode!r}: one of 'grpo', 'one_backward', 'two_passes'")
+
+
+def kept_per_row(s: Shape) -> int:
+    """Elements ``one_backward`` keeps per row and layer for the update: each trainable map's smaller of its factors
+    (``T (in + out)``) and its per-sample gradient (``in out``)."""
+    return sum(min(s.tokens * (i + o), i * o) for i, o, t in s.maps if t)
+
+
+def peak_bytes(s: Shape, mode: str, chunk: int = 0) -> float:
+    """Peak live bytes of operator outputs (weights not included) of one micro-batch's update; ``one_backward`` runs
+    in chunks of ``chunk`` rows (0: all), as does the two-pass path's norms pass. The layers' part is exact under
+    checkpointing (their inputs; ``one_backward``'s factors, :func:`kept_per_row`; the norms pass also holds each
+    layer's output gradient) and fitted without (:data:`ACTIVATION`); the head's and the rest's part is fitted
+    (:data:`GRPO_REST`, :data:`ONE_BACKWARD_REST`). Two passes: the larger of GRPO's loss pass and the norms pass."""
+    if mode == "grpo":
+        return _peak(s, s.rows, False)
+    if mode == "one_backward":
+        return _peak(s, chunk or s.rows, True)
+    if mode == "two_passes":
+        if not s.checkpointing:
+            return _peak(s, s.rows, False)
+        c = chunk or s.rows
+        extra = 0 if s.adapters else s.layers * c * s.tokens * s.hidden * s.itemsize  # output gradients
+        return max(_peak(s, s.rows, False), _peak(s, c, False) + extra)
+    raise ValueError(f"mode={mode!r}: one of 'grpo', 'one_backward', 'two_passes'")
+
+
+def _peak(s: Shape, rows: int, one_backward: bool) -> float:
+    d, V, T = s.hidden, s.vocab, s.tokens
+    act = ACTIVATION * sum(i + o for i, o, _ in s.linears)
+    head_grads = V * d * (1 if s.tied else 2) * 4 if s.head_trainable else 0
+    n = rows * T
+    if one_backward:
+        k, tiles = ONE_BACKWARD_REST, min(rows * s.completion, HEAD_TILE)
+        layer = (n * d + rows * kept_per_row(s) if s.checkpointing else n * act) * s.itemsize
+    else:
+        k, tiles = GRPO_REST, min(rows * (T - 1), HEAD_TILE)
+        layer = n * (d if s.checkpointing else act) * s.itemsize
+    hidden = k["hidden_ckpt" if s.checkpointing else "hidden"] * n * d * s.itemsize
+    return s.layers * layer + k["tiles"] * tiles * V * 4 + k["head_grad"] * head_grads + hidden
+
+
+def chunk_sizes(rows: int, group: int) -> list[int]:
+    """``one_backward``'s possible chunks, largest first: all ``rows``, then whole groups in as few chunks of equal
+    size (as far as they divide) as give each size; only ``rows`` where the rows are not whole groups."""
+    if rows % group:
+        return [rows]
+    groups, sizes = rows // group, []
+    for chunks in range(1, groups + 1):
+        size = -(-groups // chunks) * group
+        if size not in sizes:
+            sizes.append(size)
+    return sizes
+
+
+@dataclass(frozen=True)
+class Choice:
+    one_backward: bool
+    chunk: int  # rows per chunk (the micro-batch's rows where it runs whole); 0 on the two-pass path
+    flops_ratio: float  # one_backward's predicted FLOPs / GRPO's
+    bytes_ratio: float  # its predicted peak bytes (at ``chunk``, or at the smallest chunk) / GRPO's
+
+
+def fitting_chunk(s: Shape) -> tuple[int, float]:
+    """The largest chunk whose predicted peak is within the memory target of GRPO's (0: none), and its ratio (the
+    smallest chunk's where none fits)."""
+    limit = BYTES_TARGET if s.checkpointing else BYTES_TARGET_NO_CKPT
+    grpo = peak_bytes(s, "grpo")
+    ratio = float("inf")
+    for size in chunk_sizes(s.rows, s.group):
+        ratio = peak_bytes(s, "one_backward", size) / grpo
+        if ratio <= limit:
+            return size, ratio
+    return 0, ratio
+
+
+def norms_chunk(s: Shape) -> int:
+    """Rows per chunk of the two-pass path's norms pass: the largest (whole groups) whose predicted peak stays within
+    the memory target of GRPO's; the smallest where none does."""
+    limit = BYTES_TARGET if s.checkpointing else BYTES_TARGET_NO_CKPT
+    sizes = chunk_sizes(s.rows, s.group)
+    grpo = peak_bytes(s, "grpo")
+    return next((size for size in sizes if peak_bytes(s, "two_passes", size) <= limit * grpo), sizes[-1])
+
+
+def choose(s: Shape) -> Choice:
+    """The default: ``one_backward`` in the largest chunk within the memory target where its FLOPs are within the
+    FLOP target of GRPO's; two passes otherwise."""
+    flops_ratio = flops(s, "one_backward") / flops(s, "grpo")
+    chunk, bytes_ratio = fitting_chunk(s)
+    on = chunk > 0 and flops_ratio <= FLOPS_TARGET
+    return Choice(on, chunk if on else 0, flops_ratio, bytes_ratio)

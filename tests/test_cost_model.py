@@ -1,0 +1,134 @@
+"""oblr_trl/cost_model.py: the FLOP and byte model of the update, and the default's choice from it (issue 47, item 3).
+
+The choices are checked on shapes whose counted answer is known (benchmarks/results/cost_counts_full.md, Qwen3 widths
+at 28 layers, counted through training_step): each would fail if the rule picked the other path."""
+
+import pytest
+from oblr_trl import cost_model as cm
+
+
+def qwen3(width="0.6B", *, rows=8, completion=512, lora=False, ckpt=True, layers=28, prompt=32, vocab=151936):
+    d, f = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}[width]
+    q, kv = 2048, 1024
+    base = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+    adapters = tuple((i, 16) for i, _ in base) + tuple((16, o) for _, o in base) if lora else ()
+    return cm.Shape(layers=layers, hidden=d, vocab=vocab, heads=16, head_dim=128,
+                    linears=tuple((i, o, not lora) for i, o in base), adapters=adapters, head_trainable=not lora,
+                    tied=True, rows=rows, prompt=prompt, completion=completion, itemsize=4, checkpointing=ckpt,
+                    group=8)
+
+
+def test_without_checkpointing_the_default_takes_one_backward_whole():
+    # counted: 0.65-0.85x GRPO's peak bytes, 1.14-1.24x its FLOPs
+    choice = cm.choose(qwen3(ckpt=False))
+    assert choice.one_backward and choice.chunk == 8 and choice.flops_ratio <= cm.FLOPS_TARGET
+
+
+def test_full_fine_tuning_under_checkpointing_takes_two_passes():
+    # counted: one_backward 2.2-8.9x GRPO's peak bytes; even one group of 8 of 64 rows keeps more than GRPO's 1.1x
+    for shape in (qwen3(rows=8), qwen3(rows=64), qwen3("1.7B", rows=64)):
+        choice = cm.choose(shape)
+        assert not choice.one_backward and choice.chunk == 0 and choice.bytes_ratio > cm.BYTES_TARGET
+
+
+def test_lora_under_checkpointing_takes_one_backward_in_chunks_where_the_whole_batch_does_not_fit():
+    # counted: 0.37x at 8 x 512 (whole); 1.41x at 1.7B 64 x 512 whole, so fewer rows per chunk
+    small = cm.choose(qwen3(lora=True))
+    assert small.one_backward and small.chunk == 8
+    big = qwen3("1.7B", rows=64, lora=True)
+    assert cm.peak_bytes(big, "one_backward") / cm.peak_bytes(big, "grpo") > cm.BYTES_TARGET
+    choice = cm.choose(big)
+    assert choice.one_backward and 8 <= choice.chunk < 64 and choice.chunk % 8 == 0
+    assert choice.bytes_ratio <= cm.BYTES_TARGET
+
+
+def test_the_flop_target_sends_a_head_heavy_model_to_two_passes():
+    """One small layer under a 100k head, long completions: the head's norm (2 C d V) and its recomputed product make
+    one_backward's FLOPs about 1.5x GRPO's, though its memory is fine."""
+    shape = cm.Shape(layers=1, hidden=64, vocab=100_000, heads=1, head_dim=64, linears=((64, 64, True),), adapters=(),
+                     head_trainable=True, tied=False, rows=8, prompt=1, completion=4096, itemsize=4,
+                     checkpointing=False, group=8)
+    choice = cm.choose(shape)
+    assert choice.flops_ratio > cm.FLOPS_TARGET and choice.bytes_ratio <= cm.BYTES_TARGET_NO_CKPT
+    assert not choice.one_backward
+
+
+def test_flops_by_hand_on_one_linear_layer():
+    s = cm.Shape(layers=1, hidden=4, vocab=10, heads=1, head_dim=4, linears=((4, 6, True),), adapters=(),
+                 head_trainable=True, tied=True, rows=2, prompt=1, completion=3, itemsize=4, checkpointing=False,
+                 group=2)
+    N, T = 2 * 4, 4
+    att = 4 * 2 * 1 * T * T * 4
+    grpo = 6 * N * 24 + att * 3.5 + 4 * 2 * (2 * 3) * 4 * 10
+    assert cm.flops(s, "grpo") == pytest.approx(grpo)
+    norms = 2 * min(2 * T * T * 10, 2 * T * 24)
+    head_norm = 2 * min(2 * 9 * 14, 2 * 3 * 40)
+    layer = grpo - 4 * 2 * 6 * 40  # GRPO's head: 4 logits products over the 2 x 3 scored positions
+    assert cm.flops(s, "one_backward") == pytest.approx(layer + norms + 5 * 2 * 2 * 3 * 40 + head_norm)
+
+
+def test_bytes_per_layer_under_checkpointing_are_inputs_and_kept_factors():
+    s1, s2 = qwen3(layers=1), qwen3(layers=2)
+    n, d = 8 * 544, 1024
+    assert cm.peak_bytes(s2, "grpo") - cm.peak_bytes(s1, "grpo") == pytest.approx(n * d * 4)
+    # per row and layer: each trainable map's smaller of T (in + out) and in x out
+    kept = sum(min(544 * (i + o), i * o) for i, o, _ in s1.linears)
+    assert cm.kept_per_row(s1) == kept
+    assert cm.peak_bytes(s2, "one_backward", 4) - cm.peak_bytes(s1, "one_backward", 4) == pytest.approx(
+        (4 * 544 * d + 4 * kept) * 4)
+    # LoRA: the adapters' per-sample gradients, r (in + out) each, whatever the length
+    lora = qwen3(lora=True, layers=1)
+    assert cm.kept_per_row(lora) == sum(16 * i for i, _, _ in lora.linears) + sum(16 * o for _, o, _ in lora.linears)
+
+
+def test_chunk_sizes_table():
+    assert cm.chunk_sizes(64, 8) == [64, 32, 24, 16, 8]  # 1, 2, 3 (3+3+2 groups), 4 and 8 chunks
+    assert cm.chunk_sizes(8, 8) == [8]
+    assert cm.chunk_sizes(12, 8) == [12]  # a group spans ranks: the rows whole
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="one of 'grpo'"):
+        cm.flops(qwen3(), "three_passes")
+
+
+def test_describe_reads_a_model_and_its_lora_adapters():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from oblr_trl.one_backward import describe
+
+    config = Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=100, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config)
+    s = describe(model, 4, 5, 7, 2, True, 2)
+    assert (s.layers, s.hidden, s.vocab, s.heads, s.head_dim, s.tokens) == (3, 32, 100, 4, 8, 12)
+    assert sorted(s.linears) == sorted([(32, 32, True), (32, 16, True), (32, 16, True), (32, 32, True),
+                                        (32, 48, True), (32, 48, True), (48, 32, True)])
+    assert s.adapters == () and s.head_trainable and not s.tied
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "down_proj"]))
+    s = describe(lora, 4, 5, 7, 2, True, 2)
+    assert all(not t for _, _, t in s.linears) and not s.head_trainable
+    assert sorted(s.adapters) == sorted([(32, 2), (2, 32), (48, 2), (2, 32)])
+
+
+def test_describe_reads_gpt2s_conv1d_maps():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from oblr_trl.one_backward import describe
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50, n_positions=32))
+    s = describe(model, 2, 3, 4, 4, False, 2)
+    assert s.layers == 2 and s.tied and s.vocab == 50 and s.heads == 2 and s.head_dim == 8
+    assert sorted(s.linears) == sorted([(16, 48, True), (16, 16, True), (16, 64, True), (64, 16, True)])
+
+
+def test_the_two_pass_norms_pass_is_chunked_where_the_whole_micro_batch_exceeds_the_target():
+    # counted: two passes at 64 x 512 under checkpointing hold 1.39x GRPO's peak (the norms pass keeps each layer's
+    # output gradient too); half the rows per norms chunk hold what GRPO's loss pass does
+    big = qwen3(rows=64)
+    assert cm.peak_bytes(big, "two_passes") / cm.peak_bytes(big, "grpo") > cm.BYTES_TARGET
+    chunk = cm.norms_chunk(big)
+    assert chunk < 64 and cm.peak_bytes(big, "two_passes", chunk) <= cm.BYTES_TARGET * cm.peak_bytes(big, "grpo")
+    assert cm.norms_chunk(qwen3(rows=8)) == 8  # one group: nothing to split
+    assert cm.norms_chunk(qwen3(rows=64, ckpt=False)) == 64  # without checkpointing GRPO holds more
