@@ -55,7 +55,8 @@ test-floors:
 	$(FLOORS_VENV)/bin/python -m pip install -q -r .ci/floors.txt pytest hypothesis
 	$(FLOORS_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(FLOORS_VENV)/bin/python -m pip check
-	$(FLOORS_VENV)/bin/python -m pytest -q tests/test_loss_terms.py tests/test_trainer.py tests/integration/test_drop_in.py tests/test_one_backward.py
+	$(FLOORS_VENV)/bin/python -m pytest -q tests/test_loss_terms.py tests/test_trainer.py tests/integration/test_drop_in.py tests/test_one_backward.py \
+		tests/test_state_file.py tests/integration/test_resume.py
 
 # Quick modes, 12 minutes on a quiet 2-core CPU (2026-11-23); drop --quick for the full runs (see benchmarks/README.md).
 # compare.py trains afresh into outputs/ (the committed run folder also holds the 5-seed table's runs).

@@ -139,7 +139,10 @@ def parse_state(text: str, path: str, global_step: int | None = None) -> tuple[S
 def read_state(checkpoint: str, global_step: int | None = None) -> tuple[tuple[SNRState, LrStats] | None, str | None]:
     """``(state, note)`` of ``checkpoint``: the validated state (:func:`parse_state`), or ``None`` with a note to warn
     with where the checkpoint has no usable one (no file, or a version-1 file). Raises :class:`StateFileError` for
-    a damaged file."""
+    a damaged file. ``global_step`` defaults to the checkpoint's own (its ``trainer_state.json``): transformers 4.x
+    loads the optimizer before the trainer's state, when ``Trainer.state.global_step`` is still 0."""
+    if global_step is None and not incomplete(checkpoint):
+        global_step = checkpoint_step(checkpoint)
     path = os.path.join(checkpoint, STATE_NAME)
     if not os.path.isfile(path):
         return None, (f"{checkpoint} has no {STATE_NAME}: it was saved by another trainer (e.g. GRPOTrainer), by "

@@ -294,6 +294,6 @@ class OBLRPOTrainer(GRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         # called on every rank and with every backend when resuming (and only then), with the checkpoint folder
         super()._load_optimizer_and_scheduler(checkpoint)
-        problem = checkpoint and self.step_sizer.load(checkpoint, self.state.global_step)
+        problem = checkpoint and self.step_sizer.load(checkpoint)  # against the checkpoint's own step
         if problem:
             logger.warning(problem)

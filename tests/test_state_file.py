@@ -138,3 +138,15 @@ def test_no_complete_checkpoint_and_no_checkpoint(tmp_path):
     checkpoint(tmp_path, 2, trainer_state=None)
     with pytest.raises(ValueError, match="No complete checkpoint"):
         resume_point(True, str(tmp_path))
+
+
+def test_without_a_step_the_file_is_checked_against_the_checkpoints_own_step(tmp_path):
+    """transformers 4.x loads the optimizer (and the trainer this file) before its own state: ``Trainer.state`` is
+    still at step 0 then, so the step to check against is the checkpoint's ``trainer_state.json``."""
+    folder = tmp_path / "checkpoint-6"
+    write_state(str(folder), 6, SNR, STATS)
+    (folder / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": 6}))
+    assert read_state(str(folder)) == ((SNR, STATS), None)
+    (folder / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": 7}))
+    with pytest.raises(StateFileError, match="saved at step 6, but the checkpoint is at step 7"):
+        read_state(str(folder))
