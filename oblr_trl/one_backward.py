@@ -125,6 +125,11 @@ def all_reduce_grads(parameters, bucket_elements: int = ALL_REDUCE_BUCKET) -> No
             p.grad.copy_(part.view_as(p))
 
 
+def _full_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """A weight's whole shape, also where DeepSpeed ZeRO-3 holds only this rank's flat shard (its ``ds_shape``)."""
+    return tuple(getattr(weight, "ds_shape", None) or weight.shape)
+
+
 def describe(model: torch.nn.Module, rows: int, prompt: int, completion: int, itemsize: int,
              checkpointing: bool, group: int) -> cost_model.Shape:
     """``model``'s and a micro-batch's shapes for :mod:`.cost_model`: its decoder layers (those gradient checkpointing
@@ -139,16 +144,16 @@ def describe(model: torch.nn.Module, rows: int, prompt: int, completion: int, it
     config = config.get_text_config() if config is not None else None
     linears, adapters = [], []
     for name, m in (layers[0] if layers else model).named_modules():
-        if m is head or not isinstance(getattr(m, "weight", None), torch.Tensor) or m.weight.dim() != 2 or \
-                not isinstance(m, torch.nn.Linear) and type(m).__name__ != "Conv1D":
+        if m is head or not isinstance(getattr(m, "weight", None), torch.Tensor) or len(_full_shape(m.weight)) != 2 \
+                or not isinstance(m, torch.nn.Linear) and type(m).__name__ != "Conv1D":
             continue
-        n_in, n_out = (m.in_features, m.out_features) if isinstance(m, torch.nn.Linear) else m.weight.shape  # GPT-2
+        n_in, n_out = (m.in_features, m.out_features) if isinstance(m, torch.nn.Linear) else _full_shape(m.weight)
         if "lora_" in name:
             if m.weight.requires_grad:
                 adapters.append((n_in, n_out))
         else:
             linears.append((n_in, n_out, m.weight.requires_grad))
-    vocab, hidden = head.weight.shape if head is not None else (0, getattr(config, "hidden_size", 0))
+    vocab, hidden = _full_shape(head.weight) if head is not None else (0, getattr(config, "hidden_size", 0))
     heads = getattr(config, "num_attention_heads", 0) or 0
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
     embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
@@ -178,10 +183,16 @@ class Plan:
         """The plan at construction, the message saying why (``""``: nothing to say) and whether it is a warning
         (asked for, or under DeepSpeed, and refused)."""
         if args.one_backward is False or not needs_norms:
-            return cls(False, args.gradient_checkpointing, needs_norms), "", False
-        reasons = blockers(args, fsdp1=fsdp1, aux_loss=aux_loss, deepspeed=deepspeed)
-        enabled, why = initial_choice(args.one_backward, reasons)
-        return cls(enabled, args.gradient_checkpointing), why, bool(reasons and (args.one_backward or deepspeed))
+            plan, why, loud = cls(False, args.gradient_checkpointing, needs_norms), "", False
+        else:
+            reasons = blockers(args, fsdp1=fsdp1, aux_loss=aux_loss, deepspeed=deepspeed)
+            enabled, why = initial_choice(args.one_backward, reasons)
+            plan, loud = cls(enabled, args.gradient_checkpointing), bool(reasons and (args.one_backward or deepspeed))
+        # Under DeepSpeed the norms pass keeps TRL's micro-batches (no cost-model chunks): ZeRO-3 fetches and releases
+        # parameters per forward/backward, and back-to-back norms passes over smaller chunks left a gathered
+        # parameter active ("Cannot free a ZeRO-3 parameter while it is still active in submodules")
+        plan.decided = plan.decided or deepspeed
+        return plan, why, loud
 
     @property
     def on(self) -> bool:

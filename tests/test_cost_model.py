@@ -4,6 +4,8 @@ The choices are checked on shapes whose counted answer is known (benchmarks/resu
 at 28 layers, counted through training_step): each would fail if the rule picked the other path."""
 
 import pytest
+import torch
+
 from oblr_trl import cost_model as cm
 
 
@@ -110,6 +112,38 @@ def test_describe_reads_a_model_and_its_lora_adapters():
     s = describe(lora, 4, 5, 7, 2, True, 2)
     assert all(not t for _, _, t in s.linears) and not s.head_trainable
     assert sorted(s.adapters) == sorted([(32, 2), (2, 32), (48, 2), (2, 32)])
+
+
+def test_describe_reads_zero3_partitioned_weights_by_their_whole_shape():
+    """DeepSpeed ZeRO-3 leaves each rank a flat shard of a weight, its whole shape in ``ds_shape``."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+
+    from oblr_trl.one_backward import describe
+
+    qwen = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=100))
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50, n_positions=32))
+    for model in (qwen, gpt2):
+        whole = describe(model, 4, 5, 7, 2, True, 2)
+        for p in model.parameters():
+            p.ds_shape = tuple(p.shape)
+            p.data = torch.empty(0)
+        assert describe(model, 4, 5, 7, 2, True, 2) == whole
+
+
+def test_plan_keeps_trls_micro_batches_for_the_norms_pass_under_deepspeed():
+    """Under DeepSpeed no cost-model chunks (ZeRO-3 left a gathered parameter active across back-to-back norms
+    passes): the plan is decided at construction, whatever ``one_backward`` asks for."""
+    from oblr_trl import OBLRPOConfig
+    from oblr_trl.one_backward import Plan
+
+    for one_backward in (None, False, True):
+        args = OBLRPOConfig(output_dir="/tmp/unused", one_backward=one_backward, gradient_checkpointing=True,
+                            report_to="none", use_cpu=True)
+        plan, _, _ = Plan.for_trainer(args, needs_norms=True, fsdp1=False, aux_loss=False, deepspeed=True)
+        assert plan.decided and not plan.on and plan.norms_chunk == 0
+        plan, _, _ = Plan.for_trainer(args, needs_norms=True, fsdp1=False, aux_loss=False, deepspeed=False)
+        assert not plan.decided  # decided at the first generation, from the shapes
 
 
 def test_describe_reads_gpt2s_conv1d_maps():
