@@ -182,7 +182,7 @@ def _break_norms(monkeypatch):
         products = original(*args, **kwargs)
         products[0, 1, :] = float("inf")  # completion 1's norm and its inner products: inf
         products[0, :, 1] = float("inf")
-        products[1, 2, 2] = float("nan")  # completion 6's norm: NaN
+        products[-1, 2, 2] = float("nan")  # the chunk's last unit's third completion's norm: NaN
         return products
 
     monkeypatch.setattr("oblr_trl.norm_passes.per_sequence_grad_inner_products", broken)
@@ -195,13 +195,16 @@ def test_non_finite_per_sequence_norms_are_zeroed_and_warned(monkeypatch, caplog
     assert "Non-finite per-sequence gradient norms: those completions are treated as unscorable" in caplog.text
     assert_finite_everywhere(trainer)
     gen = trainer.generations[0]
+    # the norms pass runs (and is broken) once per chunk: the cost model's (oblr_trl.cost_model.norms_chunk), else
+    # the micro-batch, in whole groups
+    chunk = -(-(trainer.one_backward_plan.norms_chunk or trainer.args.per_device_train_batch_size) // GROUP) * GROUP
     gram = gen["oblr_gram"].view(-1, GROUP, GROUP)
-    assert gram[0, 1].abs().max() == 0 and gram[0, :, 1].abs().max() == 0 and gram[1, 2, 2] == 0
+    last = chunk // GROUP - 1  # the first chunk's last unit
+    assert gram[0, 1].abs().max() == 0 and gram[0, :, 1].abs().max() == 0 and gram[last, 2, 2] == 0
     # the zeroed completions are unscorable: advantage 0, and no part in the others' baselines
     weights = torch.diagonal(gram, dim1=1, dim2=2).reshape(-1)
     rewards = gen["rewards"].clone()
-    chunk = trainer.args.per_device_train_batch_size  # the norms pass runs (and is broken) once per chunk
-    bad = [start + i for start in range(0, len(rewards), chunk) for i in (1, GROUP + 2)]
+    bad = [start + i for start in range(0, len(rewards), chunk) for i in (1, chunk - GROUP + 2)]
     rewards[bad] = float("nan")
     expected = rewards - gradient_weighted_baseline(rewards, weights, GROUP, leave_one_out=True)[0]
     torch.testing.assert_close(gen["advantages"], torch.nan_to_num(expected, nan=0.0))
