@@ -102,6 +102,12 @@ def logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
+def last_logged(trainer, key):
+    """One value per step: a resumed run's log_history holds the checkpoint's entries, then its own."""
+    by_step = {h["step"]: h[key] for h in trainer.state.log_history if key in h}
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def assert_finite_everywhere(trainer, inf_snr_ok=False):
     for gen in trainer.generations:
         assert torch.isfinite(gen["advantages"]).all()

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import DATASET, TOKENIZER, length_reward, logged
+from helpers import DATASET, TOKENIZER, last_logged, length_reward, logged
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.demo.tiny import build_model
 from oblr_trl.snr_step import STATE_NAME as OBLR_STATE_NAME
@@ -33,12 +33,6 @@ def make_trainer(output_dir, **overrides):
     args.update(overrides)
     return OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[digit_reward],
                          args=OBLRPOConfig(**args), train_dataset=DATASET)
-
-
-def last_logged(trainer, key):
-    """One value per step: a resumed run's log_history holds the checkpoint's entries, then its own."""
-    by_step = {h["step"]: h[key] for h in trainer.state.log_history if key in h}
-    return [by_step[s] for s in sorted(by_step)]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from helpers import DATASET, TOKENIZER, length_reward
+from helpers import DATASET, TOKENIZER, last_logged, length_reward
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.demo.tiny import build_model
 from oblr_trl.state_file import STATE_NAME, TRAINER_STATE_NAME
@@ -34,11 +34,6 @@ def make_trainer(output_dir):
                         save_strategy="steps", save_steps=1, gradient_accumulation_steps=2)
     return OBLRPOTrainer(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[length_reward],
                          args=args, train_dataset=DATASET)
-
-
-def scales(trainer):
-    by_step = {h["step"]: h["oblr/lr_scale"] for h in trainer.state.log_history if "oblr/lr_scale" in h}
-    return [by_step[s] for s in sorted(by_step)]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +67,7 @@ def test_a_kill_during_a_save_resumes_as_the_uninterrupted_run(point, straight, 
         resumed.train(resume_from_checkpoint=True)
     assert (f"{checkpoint3} is incomplete" in caplog.text) == (POINTS[point] == 2)
     assert resumed.state.global_step == 4
-    assert scales(resumed) == pytest.approx(scales(straight), rel=1e-6, abs=1e-12)
+    assert last_logged(resumed, "oblr/lr_scale") == pytest.approx(last_logged(straight, "oblr/lr_scale"), rel=1e-6,
+                                                             abs=1e-12)
     for (name, p), q in zip(resumed.model.named_parameters(), straight.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
