@@ -39,6 +39,10 @@ CUDA_MACS_PER_BYTE = 100
 GATHER_BUDGET = 1 << 25
 # Devices where _row_products splits its long axis into a batch (a GPU's parallelism); the CPU gains nothing from it.
 SPLIT_ROW_PRODUCTS = ("cuda",)
+# Float32 materialized gradients of at most this many elements (norm gains, biases) are concatenated, SMALL_BATCH at
+# a time, into one product by summed_self_products: a few operator calls instead of one per parameter.
+SMALL_MATERIALIZED = 1 << 20
+SMALL_BATCH = 64
 _OUT_DTYPE = {"ok": True}  # whether torch.mm/bmm(..., out_dtype=torch.float32) works here (CUDA, torch >= 2.8)
 
 
@@ -61,12 +65,13 @@ def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if a.dim() == 3 and b.dim() == 2:
         return mm32(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+    product = torch.bmm if a.dim() == 3 else torch.mm  # matmul would add views and expands around the same kernel
     if a.is_cuda and a.dtype == b.dtype and a.dtype in HALF and _OUT_DTYPE["ok"]:
         try:
-            return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=torch.float32)
+            return product(a, b, out_dtype=torch.float32)
         except (RuntimeError, TypeError, NotImplementedError):
             _OUT_DTYPE["ok"] = False  # this torch has no float32-output half kernel: float32 from now on
-    return torch.matmul(a.float(), b.float())
+    return product(a.float(), b.float())
 
 
 def as_operand(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -104,6 +109,8 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch.Tens
 
 def _block(x: torch.Tensor, k: int) -> torch.Tensor:
     """(B, T, ...) -> (B/k, k*T, ...)."""
+    if k == 1:
+        return x  # a reshape to the same shape would still be an operator call
     return x.reshape(x.shape[0] // k, k * x.shape[1], *x.shape[2:])
 
 
@@ -289,7 +296,24 @@ class Materialized:
 Usage = Factored | Materialized
 
 
-def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: int) -> torch.Tensor:
+def _scaled_right(t: torch.Tensor, scale: torch.Tensor, k: int, cache: dict | None) -> torch.Tensor:
+    """``t`` (``(B, T, n)``) with each row times its ``scale``, float32, blocked by ``k``; ``cache`` (the caller's,
+    one weighted sum long) keeps the last one with its source, for the layers that read the same input."""
+    key = (_tensor_key(t), k)
+    if cache is not None and cache.get("key") == key:
+        return cache["scaled"]
+    if cache is not None and "scale" in cache:
+        column = cache["scale"]
+    else:
+        column = scale.float().view(-1, 1, 1)
+    right = _block(t.float() * column, k)
+    if cache is not None:  # the source is held so that its memory is not reused under the same key
+        cache.update(key=key, source=t, scaled=right, scale=column)
+    return right
+
+
+def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: int,
+                        cache: dict | None = None) -> torch.Tensor:
     """``sum_{i in block} scale_i g_i[start:end]`` for each block of ``k`` consecutive rows of an (unblocked) usage,
     ``(B/k, end - start, n)`` in float32: rows ``start:end`` of the gradient of ``sum_i scale_i sum_t log pi(o_i)``
     that each block (a group of completions) contributes, formed once the per-sample coefficients are known.
@@ -302,12 +326,16 @@ def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: 
     batch = scale.shape[0]
     nb = batch // k
     if isinstance(u, Materialized):  # (nb, 1, k) x (nb, k, rows * cols): a batched matmul, no scaled copy
-        g = u.g.reshape(batch, u.g[0].shape[0] if u.g.dim() > 1 else 1, -1)[:, start:end].float()  # this slice only
-        out = torch.bmm(scale.float().reshape(nb, 1, k), g.reshape(nb, k, -1))
+        rows = u.g.shape[1] if u.g.dim() > 1 else 1
+        if start == 0 and end == rows:
+            g = u.g.reshape(nb, k, -1).float()
+        else:  # this slice only
+            g = u.g.reshape(batch, rows, -1)[:, start:end].float().reshape(nb, k, -1)
+        out = torch.bmm(scale.float().reshape(nb, 1, k), g)
         return out.reshape(nb, end - start, -1)
     if not isinstance(u.right, Dense):
         raise NotImplementedError("A factored usage needs a dense right (input-side) factor.")
-    right = _block(u.right.t.float() * scale.float()[:, None, None], k)  # (nb, kT, n_R)
+    right = _scaled_right(u.right.t, scale, k, cache)  # (nb, kT, n_R)
     left = u.left
     dtype = _operand_dtype(left, u.right)
     if isinstance(left, OneHot):
@@ -316,7 +344,10 @@ def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: 
         rows = (torch.arange(nb, device=ids.device)[:, None] * (end - start) + ids - start)[inside]
         out = right.new_zeros(nb * (end - start), right.shape[-1])
         return out.index_add_(0, rows, right[inside]).reshape(nb, end - start, -1)
-    cols = left.t[..., start:end] if isinstance(left, Dense) else left.cols(start, end)
+    if isinstance(left, Dense):
+        cols = left.t if start == 0 and end == left.width else left.t[..., start:end]
+    else:
+        cols = left.cols(start, end)
     return mm32(as_operand(_block(cols, k), dtype).transpose(1, 2), as_operand(right, dtype))
 
 
@@ -524,6 +555,63 @@ def head_self_products(u: Factored, k: int, columns=None) -> torch.Tensor:
     if _head_materialize_cheaper(u, k):
         return _head_materialized_block_products(u, k, columns)
     return _head_gram_block_products(u, k, columns)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same operand: storage, shape, strides and dtype (the layers that read one input,
+    q/k/v or gate/up, are handed views of one tensor)."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+def _block_sums(prod: torch.Tensor, k: int) -> torch.Tensor:
+    """``(B/k, kT1, kT2)`` products of token pairs -> ``(B/k, k, k)``: summed over each pair of sequences' tokens."""
+    if k == 1:
+        return prod.sum(dim=(1, 2), keepdim=True)
+    nb, kt1, kt2 = prod.shape
+    return prod.reshape(nb, k, kt1 // k, k, kt2 // k).sum(dim=(2, 4))
+
+
+def _summed_left_grams(group: list[Factored]) -> torch.Tensor:
+    """``sum_u gram(u.left, u.left)`` over dense usages: float32 Grams accumulated in place by ``baddbmm``."""
+    total = None
+    for u in group:
+        if total is not None and half_dtype(u.left.t) is None:
+            x = u.left.t.float()
+            total.baddbmm_(x, x.transpose(1, 2))
+        else:
+            g = gram(u.left, u.left)
+            total = g if total is None else total.add_(g)
+    return total
+
+
+def summed_self_products(usages: list[Usage], k: int) -> torch.Tensor | None:
+    """``sum_u <u_i, u_j>`` within blocks of ``k`` rows, ``(B/k, k, k)``, over blocked usages each with itself (None
+    if ``usages`` is empty): what :func:`block_inner_products` gives each, summed, in fewer operator calls.
+
+    * Dense usages that take the token Grams and share their input (q/k/v and gate/up projections read one tensor)
+      share its Gram: ``sum_u G(L_u) * G(R) = (sum_u G(L_u)) * G(R)``, one Gram of the input and one product.
+    * Small float32 materialized gradients (norm gains, biases) are concatenated into one product.
+    * The rest, one by one.
+    """
+    by_input: dict[tuple, list[Factored]] = {}
+    small: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []
+    for u in usages:
+        if (isinstance(u, Factored) and isinstance(u.left, Dense) and isinstance(u.right, Dense)
+                and not _materialize_cheaper(u, u, k)):
+            by_input.setdefault(_tensor_key(u.right.t), []).append(u)
+        elif isinstance(u, Materialized) and u.g.dtype == torch.float32 and u.g.numel() <= SMALL_MATERIALIZED:
+            small.append(u.g)
+        else:
+            parts.append(block_inner_products(u, u, k))
+    for group in by_input.values():
+        parts.append(_block_sums(_summed_left_grams(group).mul_(gram(group[0].right, group[0].right)), k))
+    for start in range(0, len(small), SMALL_BATCH):
+        g = small[start] if len(small) == start + 1 else torch.cat(small[start : start + SMALL_BATCH], dim=-1)
+        parts.append(torch.bmm(g, g.transpose(1, 2)))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
 
 def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
