@@ -20,7 +20,7 @@ block's sequences: that is how inner products ``<u_i, u_j>`` between completions
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -186,6 +186,7 @@ class SoftmaxDelta:
     labels: torch.Tensor  # (B, T) long
     mask: torch.Tensor  # (B, T) float
     softcap: float | None = None  # final_logit_softcapping
+    _shared: dict | None = field(default=None, repr=False, compare=False)  # per-token terms, formed once (cols)
 
     @property
     def width(self) -> int:
@@ -206,23 +207,30 @@ class SoftmaxDelta:
         z, dz = head_logits(self.h, weight, bias, self.alpha, self.softcap)
         return (is_label.float() - torch.exp(z - self.lse[..., None])) * dz * self.mask[..., None]
 
+    def _per_token(self) -> dict:
+        """What every chunk's columns use, formed once: ``lse`` and the labels as columns, ``mask * dz/ds`` (for a
+        constant ``dz/ds``) as a row weight and its negative as a column."""
+        if self._shared is None:
+            weight_row = self.mask if self.softcap is not None else self.mask * self.alpha
+            self._shared = dict(lse=self.lse[..., None], labels=self.labels[..., None], weight_row=weight_row[..., None],
+                                neg_weight=-weight_row[..., None])
+        return self._shared
+
     def cols(self, start: int, end: int) -> torch.Tensor:
         """Columns ``start:end`` of the delta, ``(B, T, end - start)`` float32: one logits product and three in-place
         passes over the chunk (the label's ``+1`` is a scatter), the widest tensors of the whole pass."""
+        shared = self._per_token()
         bias = None if self.bias is None else self.bias[start:end]
         z, dz = head_logits(self.h, self.weight[start:end], bias, self.alpha, self.softcap)
-        p = z.sub_(self.lse[..., None]).exp_()  # softmax probabilities of the chunk
+        p = z.sub_(shared["lse"]).exp_()  # softmax probabilities of the chunk
+        local = shared["labels"] - start
+        at = local.clamp(0, end - start - 1)  # equal to local where the label is in this chunk
+        plus = shared["weight_row"] * (at == local)
         if torch.is_tensor(dz):  # softcapped: dz/ds per logit
             p.mul_(dz)
-            at_label = dz.gather(-1, (self.labels - start).clamp(0, end - start - 1)[..., None])[..., 0]
-            weight_row = self.mask
-        else:
-            at_label = None
-            weight_row = self.mask * dz
-        p.mul_(-weight_row[..., None])  # -(mask * dz) * softmax
-        inside = (self.labels >= start) & (self.labels < end)
-        plus = weight_row * inside if at_label is None else weight_row * at_label * inside
-        return p.scatter_add_(-1, (self.labels - start).clamp(0, end - start - 1)[..., None], plus[..., None].float())
+            plus = plus * dz.gather(-1, at)
+        p.mul_(shared["neg_weight"])  # -(mask * dz) * softmax
+        return p.scatter_add_(-1, at, plus)
 
     def gather_cols(self, idx: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[idx]
@@ -298,18 +306,25 @@ Usage = Factored | Materialized
 
 def _scaled_right(t: torch.Tensor, scale: torch.Tensor, k: int, cache: dict | None) -> torch.Tensor:
     """``t`` (``(B, T, n)``) with each row times its ``scale``, float32, blocked by ``k``; ``cache`` (the caller's,
-    one weighted sum long) keeps the last one with its source, for the layers that read the same input."""
+    one weighted sum long, pruned by :func:`keep_scaled`) keeps them by source, for the layers that read one input
+    and for the row slices of one parameter."""
     key = (_tensor_key(t), k)
-    if cache is not None and cache.get("key") == key:
-        return cache["scaled"]
-    if cache is not None and "scale" in cache:
-        column = cache["scale"]
-    else:
-        column = scale.float().view(-1, 1, 1)
+    if cache is not None and key in cache:
+        return cache[key][1]
+    column = scale.float().view(-1, 1, 1) if cache is None else cache.get("scale")
+    if column is None:
+        column = cache["scale"] = scale.float().view(-1, 1, 1)
     right = _block(t.float() * column, k)
     if cache is not None:  # the source is held so that its memory is not reused under the same key
-        cache.update(key=key, source=t, scaled=right, scale=column)
+        cache[key] = (t, right)
     return right
+
+
+def keep_scaled(cache: dict, usages: list) -> None:
+    """Drop from a :func:`_scaled_right` cache every scaled input that ``usages`` (the next parameter's) do not read."""
+    wanted = {_tensor_key(u.right.t) for u in usages if isinstance(u, Factored) and isinstance(u.right, Dense)}
+    for key in [key for key in cache if key != "scale" and key[0] not in wanted]:
+        del cache[key]
 
 
 def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: int,
@@ -338,12 +353,13 @@ def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: 
     right = _scaled_right(u.right.t, scale, k, cache)  # (nb, kT, n_R)
     left = u.left
     dtype = _operand_dtype(left, u.right)
-    if isinstance(left, OneHot):
-        ids = _block(left.idx, k)  # (nb, kT)
-        inside = (ids >= start) & (ids < end)
-        rows = (torch.arange(nb, device=ids.device)[:, None] * (end - start) + ids - start)[inside]
-        out = right.new_zeros(nb * (end - start), right.shape[-1])
-        return out.index_add_(0, rows, right[inside]).reshape(nb, end - start, -1)
+    if isinstance(left, OneHot):  # each token's row added at its id, ids outside the slice to a spare row at either end
+        width, ids = end - start, left.idx.reshape(-1)
+        block = torch.arange(ids.shape[0], device=ids.device) // (ids.shape[0] // nb)  # each token's block
+        rows = (ids - (start - 1)).clamp_(0, width + 1).add_(block * (width + 2))
+        out = right.new_zeros(nb * (width + 2), right.shape[-1])
+        out.index_add_(0, rows, right.reshape(-1, right.shape[-1]))
+        return out.view(nb, width + 2, -1)[:, 1:-1]
     if isinstance(left, Dense):
         cols = left.t if start == 0 and end == left.width else left.t[..., start:end]
     else:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .factors import (VOCAB_CHUNK, Factored, Materialized, SoftmaxDelta, Usage, block_inner_products, block_weighted_rows,
-                      summed_self_products)
+                      keep_scaled, summed_self_products)
 
 Slot = tuple[nn.Module, str]  # a parameter, as (owning module, attribute name)
 
@@ -92,6 +92,9 @@ class PerSequenceGradients:
             out += summed
 
     ROW_BUDGET = 1 << 24  # float32 elements of one (blocks, rows, columns) buffer of accumulate_grad
+    # float32 elements of the LM head's (B, T, rows) softmax slice in accumulate_grad: at most what the head pass's own
+    # vocabulary chunks hold at 8,192 tokens (each slice costs some 30 operator calls)
+    HEAD_BUDGET = 1 << 26
 
     @torch.no_grad()
     def accumulate_grad(self, scale: torch.Tensor, group_size: int | None = None) -> torch.Tensor | None:
@@ -121,6 +124,7 @@ class PerSequenceGradients:
             sharded = hasattr(param, "device_mesh")  # an FSDP2 DTensor: every rank reduces every parameter, in order
             if not param_usages and not sharded:
                 continue
+            keep_scaled(cache, param_usages)
             with _fp32(self.device):
                 grad = self._weighted_sum(param, param_usages, scale, k, sq_parts, sq_dtype, cache)
             if grad.shape != param.shape:
@@ -147,7 +151,7 @@ class PerSequenceGradients:
         step = max(1, min(rows, self.ROW_BUDGET // max(1, nb * cols)))
         for u in param_usages:  # the LM head's (B, T, rows) softmax slice is a buffer too
             if isinstance(u, Factored) and isinstance(u.left, SoftmaxDelta):
-                step = min(step, VOCAB_CHUNK, max(1, self.ROW_BUDGET // (self.batch * u.right.t.shape[1])))
+                step = min(step, VOCAB_CHUNK, max(1, self.HEAD_BUDGET // (self.batch * u.right.t.shape[1])))
         if not param_usages:
             return torch.zeros(rows, cols, device=self.device)
         grad = None if step >= rows else torch.zeros(rows, cols, device=self.device)
