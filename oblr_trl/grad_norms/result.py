@@ -6,8 +6,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .factors import (VOCAB_CHUNK, Factored, Materialized, SoftmaxDelta, Usage, block_inner_products, block_weighted_rows,
-                      keep_scaled, summed_self_products)
+from .factors import (
+    VOCAB_CHUNK,
+    Factored,
+    Materialized,
+    SoftmaxDelta,
+    Usage,
+    block_inner_products,
+    block_weighted_rows,
+    keep_scaled,
+    summed_self_products,
+)
 
 Slot = tuple[nn.Module, str]  # a parameter, as (owning module, attribute name)
 
