@@ -100,7 +100,9 @@ class PerSequenceGradients:
         if summed is not None:
             out += summed
 
-    ROW_BUDGET = 1 << 24  # float32 elements of one (blocks, rows, columns) buffer of accumulate_grad
+    # float32 elements of one (blocks, rows, columns) buffer of accumulate_grad (256 MiB: each slice of rows costs some
+    # 10 operator calls; at 2^24 a Qwen3-1.7B layer took ~23 slices over 8 blocks)
+    ROW_BUDGET = 1 << 26
     # float32 elements of the LM head's (B, T, rows) softmax slice in accumulate_grad: at most what the head pass's own
     # vocabulary chunks hold at 8,192 tokens (each slice costs some 30 operator calls)
     HEAD_BUDGET = 1 << 26
