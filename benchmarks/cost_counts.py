@@ -51,7 +51,8 @@ WIDTHS = {
     "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936),
 }
-MODES = {"grpo": None, "one_backward": True, "two_passes": False, "auto": None}  # auto: OBLR-PO's default
+# auto: OBLR-PO's default; replay: one_backward with its update replayed by a second backward (checkpointing only)
+MODES = {"grpo": None, "one_backward": True, "two_passes": False, "replay": None, "auto": None}
 
 
 class _NoModules:
@@ -206,18 +207,40 @@ def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, compl
         gc.disable()  # garbage in reference cycles stays counted until the end, the same in every run
         try:
             # the default's choice is made for the model at its real depth (DEPTH layers), then counted at this one
-            with flops, live, ops, mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)):
+            with flops, live, ops, mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)), \
+                    forced_replay(mode == "replay"):
                 trainer.training_step(trainer.model, [{"prompt": "x"}] * batch, torch.tensor(batch * completion))
         finally:
             gc.enable()
         plan = getattr(trainer, "one_backward_plan", None)
         row = dict(flops=flops.get_total_flops(), peak_bytes=live.peak, ops=ops.total,
                    mm_calls=sum(ops.calls[k] for k in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm")),
-                   ran=("grpo" if plan is None else f"one_backward/{plan.chunk_rows or batch}" if plan.on
+                   ran=("grpo" if plan is None else
+                        f"{'replay' if plan.replay else 'one_backward'}/{plan.chunk_rows or batch}" if plan.on
                         else f"two_passes/{plan.norms_chunk or batch}"))
     del trainer, model
     gc.collect()
     return row
+
+
+def forced_replay(on: bool):
+    """For the ``replay`` mode: the default's choice replaced by ``one_backward`` replayed, in the largest chunk the
+    model says fits (one group where none does)."""
+    from contextlib import nullcontext
+
+    from oblr_trl import cost_model
+
+    if not on:
+        return nullcontext()
+    real = cost_model.choose
+
+    def choose(shape, replay=True):
+        chunk, ratio = cost_model.replay_chunk(shape)
+        choice = real(shape, replay)
+        return cost_model.Choice(True, chunk or cost_model.chunk_sizes(shape.rows, shape.group)[-1],
+                                 choice.flops_ratio, ratio, replay=True)
+
+    return mock.patch.object(cost_model, "choose", choose)
 
 
 def at_real_depth(describe):
@@ -274,6 +297,8 @@ def configurations(quick: bool) -> list[dict]:
 def measure(cfg: dict, log) -> dict:
     row = dict(cfg, modes={})
     for mode in MODES:
+        if mode == "replay" and not cfg["ckpt"]:
+            continue
         try:
             counts = [count_step(cfg["width"], n, cfg["tied"], mode, cfg["batch"], cfg["completion"], cfg["lora"],
                                  cfg["ckpt"]) for n in (1, 2)]

@@ -3,7 +3,9 @@
 No trainer state: the trainer calls these with what it holds, and they return what they found.
 
 * :class:`Plan`: whether it runs, and in chunks of how many rows (decided at construction or the first generation).
-* :func:`loss_and_grads`: one micro-batch's norms, advantages, gradient and SNR terms, chunk by chunk.
+* :func:`loss_and_grads`: one micro-batch's norms, advantages, gradient and SNR terms, chunk by chunk; the update
+  from the kept per-layer factors, or (``replay``, under gradient checkpointing where they would not fit) from a
+  second backward of the pass's graph (:func:`replayed_update`).
 
 * :func:`blockers`: why a configuration cannot use it (then the two-pass path runs, and says why).
 * :func:`whole_group_micro_batches`: TRL's shuffled micro-batches re-split so each holds whole groups.
@@ -174,6 +176,7 @@ class Plan:
     def __init__(self, enabled: bool | None, gradient_checkpointing: bool, needs_norms: bool = True):
         self.enabled = enabled  # None: the automatic choice, until decide()
         self.chunk_rows = 0
+        self.replay = False  # the update by a second backward of the norms pass's graph (no factors kept)
         self.norms_chunk = 0  # rows per chunk of the two-pass path's norms pass (0: the micro-batch's)
         self.decided = not needs_norms or (enabled is not None and not gradient_checkpointing)
 
@@ -199,7 +202,7 @@ class Plan:
         return bool(self.enabled)
 
     def switch_off(self) -> None:
-        self.enabled, self.chunk_rows, self.decided = False, 0, True
+        self.enabled, self.chunk_rows, self.replay, self.decided = False, 0, False, True
 
     def decide(self, model, batch: dict, args, group_size: int, max_completion_length: int, device,
                gather_min) -> str:
@@ -211,7 +214,10 @@ class Plan:
         rows = min(batch["prompt_ids"].shape[0], args.per_device_train_batch_size)
         shape = describe(model, rows, batch["prompt_ids"].shape[1], max_completion_length,
                          2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
-        choice = cost_model.choose(shape)
+        # replayed only in one process: its second backward runs outside DDP's and FSDP's forward (untested there)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
+        choice = cost_model.choose(shape, replay=not distributed)
         chunk = choice.chunk if self.enabled is None else cost_model.fitting_chunk(shape)[0]
         chunk, self.norms_chunk = (int(c) for c in gather_min(torch.tensor([chunk, cost_model.norms_chunk(shape)],
                                                                               device=device)))
@@ -219,19 +225,21 @@ class Plan:
             self.decided = True
             return f"OBLR-PO (two passes, gradient checkpointing on): norms pass in chunks of {self.norms_chunk} rows."
         if self.enabled is None:
-            self.enabled = chunk > 0
+            self.enabled, self.replay = chunk > 0, chunk > 0 and choice.replay
         elif chunk == 0:  # one_backward=True: as little at a time as whole groups allow
             chunk = cost_model.chunk_sizes(rows, group_size)[-1]
         self.chunk_rows, self.decided = (chunk if self.enabled else 0), True
         if self.enabled:
-            how = ("one forward/backward per micro-batch." if chunk >= rows else
-                   f"one forward/backward per chunk of {chunk} rows ({chunk // group_size} groups).")
+            how = ("one forward/backward per micro-batch" if chunk >= rows else
+                   f"one forward/backward per chunk of {chunk} rows ({chunk // group_size} groups)")
+            how += (", the update replayed by a second backward of its graph (no per-layer factors kept)."
+                    if self.replay else ".")
         else:
             how = "two passes (norms pass, then the loss pass)."
         limit = cost_model.BYTES_TARGET if args.gradient_checkpointing else cost_model.BYTES_TARGET_NO_CKPT
         return (f"OBLR-PO (one_backward={args.one_backward}, gradient checkpointing "
                 f"{'on' if args.gradient_checkpointing else 'off'}): for {rows} x {shape.tokens} tokens, "
-                f"one_backward's predicted cost against GRPO's is {choice.flops_ratio:.2f}x the FLOPs (target "
+                f"one_backward{' (replayed)' if self.replay else ''}'s predicted cost against GRPO's is {choice.flops_ratio:.2f}x the FLOPs (target "
                 f"<= {cost_model.FLOPS_TARGET}x) and {choice.bytes_ratio:.2f}x the peak bytes (target <= {limit}x; "
                 "oblr_trl/cost_model.py, verified by benchmarks/cost_counts.py): " + how)
 
@@ -242,7 +250,7 @@ def rows_of(batch: dict, index, n: int) -> dict:
 
 
 def loss_and_grads(model, batch: dict, coefficients: torch.Tensor, *, unit: int, chunk: int, temperature: float,
-                   autocast, advantages_of, snr: bool):
+                   autocast, advantages_of, snr: bool, replay: bool = False):
     """Norms, advantages and the policy update of one micro-batch from one forward and one backward per chunk of
     ``chunk`` rows (whole units, rows in generation order).
 
@@ -251,7 +259,13 @@ def loss_and_grads(model, batch: dict, coefficients: torch.Tensor, *, unit: int,
     ``A_i``; each weight's gradient ``-sum_i c_i A_i u_i`` (TRL's loss at importance ratio 1) is then added to
     ``.grad``, with each SNR unit's ``||H_q||^2`` where ``snr``. Returns ``(loss, results, formed, warnings)``: the
     loss value (no graph), each chunk's AdvantageResult, the ``(unit ids, ||H_q||^2)`` formed and warning keys.
+
+    ``replay`` (under gradient checkpointing, where the kept factors would not fit): each chunk's backward streams the
+    norms and keeps no factors, and a second backward of its graph forms the update (:func:`replayed_update`).
     """
+    if replay:
+        return _replayed(model, batch, coefficients, unit=unit, chunk=chunk, temperature=temperature,
+                         autocast=autocast, advantages_of=advantages_of, snr=snr)
     n = batch["oblr_row"].shape[0]
     loss, results, formed, warnings = 0.0, [], [], []
     for s in range(0, n, chunk):
@@ -275,5 +289,53 @@ def loss_and_grads(model, batch: dict, coefficients: torch.Tensor, *, unit: int,
             unit_sq = a.to(dtype).pow(2) * products.reshape(-1).to(dtype)
         if unit_sq is not None:
             formed.append((part["oblr_row"][::unit] // unit, unit_sq))
+        loss = loss + (-(a * mask.sum(-1))).sum()
+    return loss, results, formed, warnings
+
+
+def replayed_update(grads, a: torch.Tensor, bad: torch.Tensor) -> None:
+    """``sum_i a_i u_i`` added to ``.grad`` from a pass with ``keep_graph=True``: the backbone's part by a second
+    backward of its kept graph, the last hidden state's per-row gradient scaled by ``a_i`` (under non-reentrant
+    checkpointing each layer is recomputed again: the layers' cost is GRPO's backward, and nothing beyond the
+    checkpointed inputs is held); the head's from its usages (:meth:`.PerSequenceGradients.accumulate_grad`).
+    Rows ``bad`` (a norm that was not finite) add nothing."""
+    from .grad_norms import PerSequenceGradients
+
+    hidden, grad, head_usages = grads.replay
+    scale = torch.where(bad, torch.zeros_like(a), a)
+    if hidden is not None:
+        row_grad = grad * scale.to(grad.dtype)[:, None, None]
+        torch.autograd.backward(hidden, torch.where(bad[:, None, None], torch.zeros_like(row_grad), row_grad))
+    if head_usages:
+        PerSequenceGradients(head_usages, a.shape[0], a.device, slots=list(head_usages)).accumulate_grad(scale)
+
+
+def _replayed(model, batch: dict, coefficients: torch.Tensor, *, unit: int, chunk: int, temperature: float,
+              autocast, advantages_of, snr: bool):
+    """:func:`loss_and_grads` with ``replay``: per chunk, one forward and a backward that streams each unit's inner
+    products (the two-pass path's norms pass, its graph kept), then :func:`replayed_update` once the advantages are
+    known; ``||H_q||^2 = a_q^T <u_i, u_j>_q a_q`` from the unit's products."""
+    n = batch["oblr_row"].shape[0]
+    loss, results, formed, warnings = 0.0, [], [], []
+    for s in range(0, n, chunk):
+        part = rows_of(batch, slice(s, s + chunk), n)
+        input_ids, attention_mask, mask = sequence_inputs(part)
+        with torch.enable_grad(), autocast():
+            grads = per_sequence_grads(model, input_ids, attention_mask, mask, temperature=temperature,
+                                       stream_group_size=unit, keep_graph=True)
+            products, bad = mask_nonfinite_products(grads.inner_products(unit))
+        if bad.any():
+            warnings.append("nonfinite_norms")
+        sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
+        result = advantages_of(part, sq_norms, bad)
+        results.append(result)
+        a = coefficients[s : s + chunk] * result.values
+        replayed_update(grads, -a, bad)
+        del grads  # this chunk's graph: freed before the next chunk's forward
+        if snr:
+            dtype = torch.float32 if a.device.type == "mps" else torch.float64
+            q = a.to(dtype).reshape(-1, unit)
+            formed.append((part["oblr_row"][::unit] // unit,
+                           torch.einsum("qi,qij,qj->q", q, products.to(dtype), q)))
         loss = loss + (-(a * mask.sum(-1))).sum()
     return loss, results, formed, warnings

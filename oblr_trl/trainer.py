@@ -210,7 +210,7 @@ class OBLRPOTrainer(GRPOTrainer):
         loss, results, formed, warnings = one_backward.loss_and_grads(
             self.model, batch, self._loss_coefficients(batch), unit=unit, chunk=self.one_backward_plan.chunk_rows or n,
             temperature=self.temperature, autocast=self.accelerator.autocast,
-            advantages_of=self._advantages, snr=self.args.snr_lr,
+            advantages_of=self._advantages, snr=self.args.snr_lr, replay=self.one_backward_plan.replay,
         )
         self.advice(*warnings)
         for units, unit_sq in formed:

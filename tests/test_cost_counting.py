@@ -55,6 +55,19 @@ def test_live_bytes_follows_frees_and_autograd_saves():
     assert 2 * x.nbytes <= live.peak <= 2 * x.nbytes + 64  # and the scalar sum
 
 
+def test_live_bytes_does_not_count_views_of_tensors_made_before():
+    """A weight's ``detach()`` or ``t()`` (the engine reads the LM head so) is the weight, not an operator output:
+    it was counted as a new storage of the head's size."""
+    w = torch.randn(256, 256)
+    with counting.LiveBytes() as live:
+        views = [w.detach(), w.t(), w.view(-1)[:10]]
+        assert live.live == 0
+        y = w.t() * 2  # a new storage
+        assert live.live == w.nbytes
+        del views, y
+    assert live.peak == w.nbytes
+
+
 def test_shapes_counts_what_real_tensors_count():
     """The same step on real tensors and under Shapes (as phantoms): equal FLOPs, operator calls and peak bytes."""
     x, w = torch.randn(8, 300, 64), torch.randn(4096, 64)

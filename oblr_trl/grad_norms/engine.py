@@ -31,7 +31,7 @@ from . import factors, generic, hooks
 from .head import lm_head_terms
 from .head_transform import transform_of
 from .hooks import Record, capture, checkpointed_layers
-from .result import PerSequenceGradients, Slot, _fp32
+from .result import PerSequenceGradients, Replay, Slot, _fp32
 from .experts import routed_forwards
 from .recognise import find_rule
 from .rules import call_usages
@@ -252,7 +252,7 @@ class _Pass:
 
 def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
                        inputs_with_grad: list[torch.Tensor], backbone: nn.Module,
-                       borrowed: dict[nn.Module, tuple[str, ...]]) -> None:
+                       borrowed: dict[nn.Module, tuple[str, ...]], retain_graph: bool = False) -> None:
     """The backward of ``<hidden, grad>`` to the hooked modules' inputs (their output gradients are all the rules
     need) plus the trainable parameters of modules whose input carries no gradient (the input embedding; the first
     layer's adapters), their own and those they borrow (VeRA's, LoHa's, LoKr's and IA3's sit in ParameterDicts that
@@ -265,7 +265,7 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
     ]
     targets = inputs_with_grad + first_layer_params or [p for p in backbone.parameters() if p.requires_grad]
     try:
-        torch.autograd.grad(hidden, targets, grad_outputs=grad, allow_unused=True)
+        torch.autograd.grad(hidden, targets, grad_outputs=grad, allow_unused=True, retain_graph=retain_graph)
     except RuntimeError as error:
         if "use_reentrant=True" not in str(error):
             raise
@@ -324,6 +324,7 @@ def per_sequence_grads(
     stream_group_size: int | None = None,
     materialize: bool = False,
     model_inputs: dict | None = None,
+    keep_graph: bool = False,
 ) -> PerSequenceGradients:
     """Forward and backward of ``sum_t log pi(o_{i,t})`` for every row, captured as factored per-sequence gradients.
 
@@ -338,6 +339,10 @@ def per_sequence_grads(
     gradient), and keeps them instead of the factors (in bf16 under bf16 autocast, as autograd's own weight gradients
     are there; sums over them in fp32). Its inner products and its weighted sum are then nearly free, where the
     factors would cost a token Gram or a materialization now and a contraction again for the update.
+    With ``keep_graph=True`` (``one_backward`` replayed, under gradient checkpointing) the backbone's graph is kept
+    and the result's ``replay`` holds what the update needs once the advantages are known (:class:`.result.Replay`):
+    the last hidden state, its per-row output gradient and the head's usages (a backward of the hidden state with
+    each row's gradient scaled gives the backbone's part of ``sum_i s_i u_i``; the head's usages give the rest).
     See :func:`~.api.per_sequence_grad_sq_norms` for the other arguments.
     """
     batch, length = input_ids.shape
@@ -370,10 +375,17 @@ def per_sequence_grads(
             if hidden.requires_grad:
                 full_grad = torch.zeros_like(hidden)
                 full_grad[:, span] = grad_h.to(hidden.dtype)
-                _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone, run.borrowed)
+                _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone, run.borrowed, keep_graph)
     except hooks.RowsError as error:  # rows that cannot be paired with the sequences: refused by the module's path
         raise run.refused([run.refusal(e.module, e) for e in (error, *error.more)]) from error
     run.collect(records)
+    before = {slot: len(usages) for slot, usages in run.usages.items()}
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
         run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, softcap), h, head_self_done)
-    return run.result()
+    result = run.result()
+    if keep_graph:
+        head_usages = {slot: usages[before.get(slot, 0):] for slot, usages in run.usages.items()
+                       if len(usages) > before.get(slot, 0)}
+        result.replay = Replay(hidden if hidden.requires_grad else None,
+                               full_grad if hidden.requires_grad else None, head_usages)
+    return result
