@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import sys
@@ -310,11 +311,7 @@ def measure(cfg: dict, log) -> dict:
         assert counts[1].pop("ran") == ran, "the choice is made at the real depth: the same at 1 and 2 layers"
         deep = {k: at_depth(counts[0][k], counts[1][k]) for k in counts[0]}
         deep["ran"] = ran
-        run, chunk = (ran.split("/") + ["0"])[:2]
-        for what in ("flops", "bytes"):
-            deep[f"predicted_{what}"] = at_depth(*(predict(cfg["width"], n, run, cfg["batch"], cfg["completion"],
-                                                           cfg["lora"], cfg["ckpt"], cfg["tied"], what, int(chunk))
-                                                   for n in (1, 2)))
+        deep.update(predictions(cfg, ran))
         for k in ("flops", "ops", "peak_bytes"):
             deep[f"per_layer_{k}"], deep[f"rest_{k}"] = counts[1][k] - counts[0][k], 2 * counts[0][k] - counts[1][k]
         row["modes"][mode] = deep
@@ -324,6 +321,26 @@ def measure(cfg: dict, log) -> dict:
         f"bytes {v['peak_bytes'] / g['peak_bytes']:.2f}x ops {v['ops'] / g['ops']:.2f}x"
         for m, v in row["modes"].items() if m != "grpo" and "error" not in v))
     return row
+
+
+def predictions(cfg: dict, ran: str) -> dict:
+    """The model's FLOPs and peak bytes for the path that ran (``ran``: ``mode/rows per chunk``) at :data:`DEPTH`."""
+    run, chunk = (ran.split("/") + ["0"])[:2]
+    return {f"predicted_{what}": at_depth(*(predict(cfg["width"], n, run, cfg["batch"], cfg["completion"], cfg["lora"],
+                                                    cfg["ckpt"], cfg["tied"], what, int(chunk)) for n in (1, 2)))
+            for what in ("flops", "bytes")}
+
+
+def repredict(res: dict) -> dict:
+    """``res`` (a written result) with the model's columns computed again from ``oblr_trl/cost_model.py`` as it is
+    now; the counts (and the paths that ran) stay as counted."""
+    for row in res["rows"]:
+        cfg = {k: v for k, v in row.items() if k != "modes"}
+        for v in row["modes"].values():
+            if "error" not in v:
+                v.update(predictions(cfg, v["ran"]))
+    res["repredicted"] = harness.utc_now()
+    return res
 
 
 TARGETS = dict(flops_full=1.3, flops_lora=1.05, bytes_ckpt=1.1, bytes=1.2, ops=1.5)
@@ -363,7 +380,11 @@ def render(res: dict) -> str:
         "model OBLR-PO's default chooses by), at 1 and 2 layers combined the same way, for the path that ran. "
         f"`auto`: OBLR-PO's default (`one_backward=None`), its choice made for the {DEPTH}-layer model; `ran`: the "
         "path and rows per chunk each mode took (`one_backward`'s chunks, or the two-pass path's norms-pass chunks; "
-        "`one_backward=True` under checkpointing: the largest chunk the model says fits, else one group). Peak bytes: live operator outputs (weights not included). "
+        "`one_backward=True` under checkpointing: the largest chunk the model says fits, else one group; `replay`, "
+        "checkpointing only: `one_backward` with its update from a second backward of the pass's graph, no "
+        "per-layer factors kept). Peak bytes: live operator outputs (weights and their views not included). "
+        + (f"Model columns computed again on {res['repredicted']} (`--repredict`; counts unchanged). "
+           if res.get("repredicted") else "") +
         f"Targets: FLOPs <= {TARGETS['flops_full']}x GRPO (full), <= {TARGETS['flops_lora']}x (LoRA); peak bytes "
         f"<= {TARGETS['bytes_ckpt']}x with checkpointing, <= {TARGETS['bytes']}x without; operator calls <= "
         f"{TARGETS['ops']}x.", "",
@@ -375,11 +396,17 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="Qwen3-0.6B width, 8 x 256 only (a few minutes)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--stem", default="cost_counts")
+    p.add_argument("--repredict", action="store_true",
+                   help="no counting: the model's columns of the written STEM.json computed again, the table rewritten")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.repredict:
+        res = repredict(json.loads((args.out / f"{args.stem}.json").read_text()))
+        harness.write_results(args.out, args.stem, res, render(res))
+        return 0
     warnings.filterwarnings("ignore")
     for name in ("transformers", "trl", "oblr_trl", "accelerate", "peft"):
         logging.getLogger(name).setLevel(logging.ERROR)

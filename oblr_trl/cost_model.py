@@ -34,6 +34,7 @@ ACTIVATION = 1.4  # elements a layer saves per token without checkpointing, per 
 # the head and the rest, fitted to the counted rows: logits-sized tiles, head-weight gradients, hidden-sized tensors
 GRPO_REST = dict(tiles=1.9, head_grad=0.55, hidden=5.0, hidden_ckpt=10.0)
 ONE_BACKWARD_REST = dict(tiles=0.5, head_grad=0.4, hidden=20.0, hidden_ckpt=30.0)
+REPLAY_HIDDEN = 25.0  # hidden-sized tensors per token that one_backward replayed holds beside the checkpointed inputs
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,7 @@ def peak_bytes(s: Shape, mode: str, chunk: int = 0) -> float:
     checkpointing (their inputs; ``one_backward``'s factors, :func:`kept_per_row`; the norms pass also holds each
     layer's output gradient) and fitted without (:data:`ACTIVATION`); the head's and the rest's part is fitted
     (:data:`GRPO_REST`, :data:`ONE_BACKWARD_REST`). Two passes: the larger of GRPO's loss pass and the norms pass.
-    Replayed: GRPO's at the chunk's rows (its norms pass holds what GRPO's forward does, the head in vocabulary
-    chunks instead of TRL's tiles; its second backward is GRPO's; counted 0.95-1.02x GRPO's at the same rows)."""
+    Replayed: :func:`_replay_peak` (what GRPO's backward holds, less TRL's logits-sized tiles)."""
     if mode == "grpo":
         return _peak(s, s.rows, False)
     if mode == "one_backward":
@@ -137,8 +137,16 @@ def peak_bytes(s: Shape, mode: str, chunk: int = 0) -> float:
             return _peak(s, s.rows, False)
         return max(_peak(s, s.rows, False), _norms_pass_peak(s, chunk or s.rows))
     if mode == "replay":
-        return _peak(s, chunk or s.rows, False)
+        return _replay_peak(s, chunk or s.rows)
     raise ValueError(f"mode={mode!r}: one of {MODES}")
+
+
+def _replay_peak(s: Shape, rows: int) -> float:
+    """``one_backward`` replayed over ``rows`` rows: the weight gradients (the layers' and the head's, float32), each
+    layer's checkpointed input and :data:`REPLAY_HIDDEN` hidden-sized tensors (fitted: 0.90-1.04x the counted peak,
+    Qwen3-0.6B at 8 x 256, 8 x 512 and 64 x 512). No logits-sized tiles: the pass's head works in vocabulary chunks."""
+    weights = s.layers * sum(i * o for i, o, t in s.maps if t) + (s.vocab * s.hidden if s.head_trainable else 0)
+    return 4 * weights + (s.layers + REPLAY_HIDDEN) * rows * s.tokens * s.hidden * s.itemsize
 
 
 def _norms_pass_peak(s: Shape, rows: int) -> float:

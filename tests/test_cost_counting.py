@@ -116,3 +116,21 @@ def test_the_tables_model_column_uses_the_shape_the_trainer_describes():
     assert got == cost.shape_of("Qwen3-0.6B", 2, 8, 256, lora=False, ckpt=True, tied=False)
     model.lm_head.weight = model.model.embed_tokens.weight
     assert describe(model, 8, cost.PROMPT, 256, 4, True, cost.GROUP).tied
+
+
+def test_repredict_recomputes_the_model_columns_and_keeps_the_counts():
+    """``--repredict``: the model's columns of a written result from the model as it is now, for the path each mode
+    ran (``replay/8`` here); the counts untouched, and the table says so."""
+    cost = load("cost_counts")
+    cfg = dict(width="Qwen3-0.6B", batch=8, completion=256, tied=True, lora=False, ckpt=True)
+    counted = dict(flops=1.0, peak_bytes=2.0, ops=3.0, per_layer_flops=1.0, rest_flops=1.0, predicted_flops=-1.0,
+                   predicted_bytes=-1.0)
+    res = dict(machine=dict(date="then", torch="t", transformers="x", trl="y"), command="cmd", rows=[
+        dict(cfg, modes={"grpo": dict(counted, ran="grpo"), "replay": dict(counted, ran="replay/8")})])
+    out = cost.repredict(res)
+    replay = out["rows"][0]["modes"]["replay"]
+    assert replay["flops"] == 1.0 and replay["peak_bytes"] == 2.0
+    for what in ("flops", "bytes"):
+        assert replay[f"predicted_{what}"] == cost.at_depth(*(cost.predict(
+            "Qwen3-0.6B", n, "replay", 8, 256, False, True, True, what, 8) for n in (1, 2)))
+    assert "computed again" in cost.render(out)
