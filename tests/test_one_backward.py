@@ -301,19 +301,35 @@ def test_the_replayed_update_matches_per_row_autograd_under_checkpointing(tied):
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_one_backward_replayed_matches_two_passes(loss_type, monkeypatch, caplog):
-    """The default under checkpointing where the kept factors do not fit: one_backward replayed (one group per chunk
-    here), with the same advantages, SNR terms, gradient and step as the two-pass path."""
+def force_replay(monkeypatch, rows: int = GROUP):
+    """The default's choice replaced by one_backward replayed, ``rows`` per chunk."""
     from oblr_trl import cost_model
 
     real = cost_model.choose
 
-    def replay_one_group(shape, replay=True):
-        choice = real(shape, replay)
-        return cost_model.Choice(True, GROUP, choice.flops_ratio, 1.0, replay=True)
+    def replay(shape, replay=True):
+        return cost_model.Choice(True, rows, real(shape, replay).flops_ratio, 1.0, replay=True)
 
-    monkeypatch.setattr(cost_model, "choose", replay_one_group)
+    monkeypatch.setattr(cost_model, "choose", replay)
+
+
+def test_one_backward_replayed_under_bf16_updates_every_parameter(monkeypatch):
+    """bf16 autocast (the second backward runs outside the autocast context: checkpointing recomputes under the
+    forward's): every parameter moves, and nothing is NaN."""
+    force_replay(monkeypatch, rows=8)
+    model = build_model(TOKENIZER)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, bf16=True)), model=model)
+    assert trainer.one_backward_plan.replay and trainer.one_backward_plan.chunk_rows == 8
+    for name, p in trainer.model.named_parameters():
+        assert torch.isfinite(p).all() and not torch.equal(p, before[name]), name
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_one_backward_replayed_matches_two_passes(loss_type, monkeypatch, caplog):
+    """The default under checkpointing where the kept factors do not fit: one_backward replayed (one group per chunk
+    here), with the same advantages, SNR terms, gradient and step as the two-pass path."""
+    force_replay(monkeypatch)
     kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
     two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
