@@ -239,7 +239,8 @@ class Plan:
         limit = cost_model.BYTES_TARGET if args.gradient_checkpointing else cost_model.BYTES_TARGET_NO_CKPT
         return (f"OBLR-PO (one_backward={args.one_backward}, gradient checkpointing "
                 f"{'on' if args.gradient_checkpointing else 'off'}): for {rows} x {shape.tokens} tokens, "
-                f"one_backward{' (replayed)' if self.replay else ''}'s predicted cost against GRPO's is {choice.flops_ratio:.2f}x the FLOPs (target "
+                f"one_backward{' (replayed)' if self.replay else ''}'s predicted cost against GRPO's is "
+                f"{choice.flops_ratio:.2f}x the FLOPs (target "
                 f"<= {cost_model.FLOPS_TARGET}x) and {choice.bytes_ratio:.2f}x the peak bytes (target <= {limit}x; "
                 "oblr_trl/cost_model.py, verified by benchmarks/cost_counts.py): " + how)
 
