@@ -36,7 +36,7 @@ from torch import nn
 
 from .engine import per_sequence_grads
 from . import head_transform
-from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names
+from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names  # noqa: F401
 from . import oracle
 from .lm import unwrap_causal_lm
 from .plan import plan_of

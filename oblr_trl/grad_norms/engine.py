@@ -1,7 +1,8 @@
 """One pass of exact per-sequence gradient norms of ``sum_t log pi(o_t | q, o_<t)``: one forward and one backward.
 
-It reads hook -> record -> rule -> ledger -> head: :mod:`.hooks` record each trainable module's input activation and
-output gradient (or whole call); the rules (:mod:`.rules`, :mod:`.experts`, :mod:`.routers`, :mod:`.generic`) turn
+It reads plan -> hook -> record -> rule -> ledger -> head: the model's plan (:func:`.support.coverage_plan`) says
+once which rule each trainable module takes; :mod:`.hooks` record each one's input activation and output gradient (or
+whole call); the rules (:mod:`.rules`, :mod:`.experts`, :mod:`.routers`, :mod:`.generic`) turn
 each record into per-sequence gradients, factored (:mod:`.factors`); the ledger (:mod:`.ledger`, :mod:`.support`)
 says which module accounts for which parameter (a slot each, a tied weight shared); :mod:`.head` forms the LM head's
 terms in vocabulary chunks, never holding the ``(B, T, V)`` logits. No coverage check here: the public functions of

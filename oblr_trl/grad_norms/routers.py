@@ -117,7 +117,8 @@ def recognise_router(module: nn.Module, memo: dict | None = None) -> bool:
 
 @register_call_rule("router", recognise_router)
 def router_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int, handoff=None) -> dict:
-    """``{"weight": Factored(dz, x), "bias": Materialized(sum_t dz_t)}`` from the recorded call and output gradients."""
+    """``{"weight": Factored(dz, x), "bias": Materialized(sum_t dz_t)}`` from the recorded call and output gradients
+    (``handoff``, the pass's: unused, a router keeps nothing from the forward)."""
     with torch.enable_grad(), torch.autocast(device_type=call.outputs[0].device.type, enabled=False):
         tap, out = _run_tapped(module, call.args, call.kwargs)
         outs = hooks.output_tensors(out)

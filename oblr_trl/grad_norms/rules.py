@@ -100,6 +100,12 @@ def switched_off_now() -> frozenset[str]:
     return _SWITCHED_OFF.get()
 
 
+def registered() -> tuple:
+    """What is registered now (every type, name and call rule, and its rule): a plan resolved under other
+    registrations is resolved again (:func:`~.support.coverage_plan`), so a rule registered later is used."""
+    return tuple(GRAD_NORM_RULES.items()), tuple(_NAME_RULES.items()), tuple(CALL_RULES.items())
+
+
 def is_on(rule) -> bool:
     return getattr(rule, "name", getattr(rule, "__name__", None)) not in _SWITCHED_OFF.get()
 

@@ -14,7 +14,7 @@ from .ledger import functional_owners, trainable_names
 from .lm import backbone_of, output_head, unwrap_causal_lm
 from .plan import ModelPlan, plan_of
 from .recognise import find_rule
-from .rules import CallRule, Rule, find_call_rule, switched_off_now
+from .rules import CallRule, Rule, find_call_rule, registered, switched_off_now
 
 ADVICE = (
     "Either freeze them (module.requires_grad_(False) for each), or train without exact norms: "
@@ -46,7 +46,8 @@ class UnsupportedModulesError(NotImplementedError):
         )
 
 
-def resolve(module: nn.Module, borrowed: int = 0, memo: dict | None = None) -> tuple[str, Rule | CallRule | None] | None:
+def resolve(module: nn.Module, borrowed: int = 0,
+            memo: dict | None = None) -> tuple[str, Rule | CallRule | None] | None:
     """The path and rule of a module with trainable parameters of its own, or ``borrowed`` trainable elements of
     descendants it uses functionally (those always take the per-row path, with the module's own parameters):
     ``('rule', rule)`` (a per-layer rule), ``('routed', call rule)`` (a fused MoE expert bank, by its routed tokens:
@@ -135,11 +136,12 @@ def _resolve_all(lm: nn.Module, owners: dict[nn.Module, nn.Module], memo: dict
 def coverage_plan(model: nn.Module) -> ModelPlan:
     """The model's plan (:class:`~.plan.ModelPlan`, carried on its ``*ForCausalLM``): ``covered``, each trainable
     backbone module with the rule chosen for it, and ``unsupported``, every module none covers. Resolved once per
-    model, set of trainable parameters and set of switched-off rules (:func:`~.rules.switched_off`), then reused by
-    every pass; the recognisers' probes are kept in its ``memo`` across re-resolutions."""
+    model: resolved again only when what it was resolved under changes (the trainable parameters, the modules
+    themselves, the per-row limit, the switched-off rules, :func:`~.rules.switched_off`, or the registered ones,
+    :func:`~.rules.registered`); the recognisers' probes are kept in its ``memo`` across re-resolutions."""
     lm = unwrap_causal_lm(model)
     plan = plan_of(lm)
-    key = (trainable_names(lm), switched_off_now())
+    key = (trainable_names(lm), tuple(map(id, lm.modules())), generic.MAX_NUMEL, switched_off_now(), registered())
     if plan.key != key:
         plan.covered, plan.unsupported = _resolve_all(lm, functional_owners(lm), plan.memo)
         plan.key = key
