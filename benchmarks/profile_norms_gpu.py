@@ -69,9 +69,14 @@ class Breakdown:
             if hasattr(mod, attr):
                 self.saved.append((mod, attr, getattr(mod, attr)))
                 setattr(mod, attr, self._wrap(getattr(mod, attr), name))
-        find_rule = engine.find_rule
-        self.saved.append((engine, "find_rule", find_rule))
-        engine.find_rule = lambda m: self._wrap(find_rule(m), "rules")
+        init = engine._Pass.__init__  # the rules each pass runs, from the model's plan: timed there
+
+        def timed_rules(run, *a, **k):
+            init(run, *a, **k)
+            run.rules = {m: self._wrap(r, "rules") if callable(r) else r for m, r in run.rules.items()}
+
+        self.saved.append((engine._Pass, "__init__", init))
+        engine._Pass.__init__ = timed_rules
         if hasattr(engine, "autocast_operands"):
             ao = engine.autocast_operands
             self.saved.append((engine, "autocast_operands", ao))
