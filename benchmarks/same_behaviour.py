@@ -2,11 +2,12 @@
 tree B, and check that both log identical metrics and end with identical parameters (``torch.equal``).
 
 The modes: ``one_backward`` True/False x ``snr_lr`` on/off x every baseline of ``oblr_trl.estimators.BASELINES`` x
-full fine-tuning/LoRA; then two micro-batches per step (gradient accumulation), ``one_backward=True`` in chunks of
-one group (``cost_model.fitting_chunk`` patched to "none fits", as ``tests/test_one_backward.py`` does), and the logit
-proxy's weights. Fixed seeds, a few steps, fp32 on
-the CPU, a reward with spread and some unscorable (None) completions. Each tree trains in its own process, whose
-``oblr_trl`` is that tree's (``PYTHONPATH``; checked); A is checked out with ``git worktree add`` into a temp folder.
+full fine-tuning/LoRA (gradient checkpointing on, TRL's default); then for both paths two micro-batches per step
+(gradient accumulation), one completion per SNR sample, and no checkpointing (``one_backward`` in one chunk per
+micro-batch); ``one_backward=True`` in chunks of one group (``cost_model.fitting_chunk`` patched to "none fits", as
+``tests/test_one_backward.py`` does); the logit proxy's weights. Fixed seeds, a few steps, fp32 on the CPU, a reward
+with spread and some unscorable (None) completions. Each tree trains in its own process, whose ``oblr_trl`` is that
+tree's (``PYTHONPATH``; checked); A is checked out with ``git worktree add`` into a temp folder.
 
     python benchmarks/same_behaviour.py                       # A = main, B = the working tree
     python benchmarks/same_behaviour.py --ref f4cf685 --steps 3
@@ -34,15 +35,18 @@ def modes(baselines: list[str]) -> dict[str, dict]:
     """Mode name -> its settings (config overrides; ``lora``; ``chunked``: one group per one_backward chunk)."""
     out = {}
     for ob in (True, False):
+        path = "ob" if ob else "two"
         for snr in (True, False):
             for baseline in baselines:
                 for lora in (False, True):
-                    name = f"{'ob' if ob else 'two'}-{'snr' if snr else 'nosnr'}-{baseline}-{'lora' if lora else 'full'}"
+                    name = f"{path}-{'snr' if snr else 'nosnr'}-{baseline}-{'lora' if lora else 'full'}"
                     out[name] = dict(config=dict(one_backward=ob, snr_lr=snr, baseline=baseline), lora=lora)
+        # two micro-batches of whole groups per step (re-split from TRL's shuffle under one_backward)
+        out[f"{path}-accumulate"] = dict(config=dict(one_backward=ob, gradient_accumulation_steps=2))
+        out[f"{path}-unit-completion"] = dict(config=dict(one_backward=ob, snr_sample_unit="completion"))
+        out[f"{path}-no-checkpointing"] = dict(config=dict(one_backward=ob, gradient_checkpointing=False))
     for snr in (True, False):
         out[f"ob-chunked-{'snr' if snr else 'nosnr'}"] = dict(config=dict(one_backward=True, snr_lr=snr), chunked=True)
-    for ob in (True, False):  # micro-batches of whole groups re-split from TRL's shuffle; the step accumulates two
-        out[f"{'ob' if ob else 'two'}-accumulate"] = dict(config=dict(one_backward=ob, gradient_accumulation_steps=2))
     out["two-logit-proxy"] = dict(config=dict(one_backward=False, snr_lr=True, grad_norm_estimator="logit"))
     return out
 
