@@ -183,7 +183,7 @@ def other_peak_gb(out: str) -> float:
     return PEAK_GB.get(Path(out).parent.name.rsplit("_lr", 1)[0], DEFAULT_PEAK_GB)
 
 
-# How long a job takes, to let a job overtake one that must wait (``next_job``): a 40-step run, its 4 evaluations
+# How long a job takes, to let a job overtake one that must wait (``harness.grid.next_job``): a 40-step run, its 4 evaluations
 # included, took 29-43 min two at a time and 37-40 min alone on 2026-11-25/26; a large evaluation 1.5-2 min.
 MINUTES_PER_STEP = 1.0
 EVAL_MINUTES = 2.0
@@ -194,7 +194,7 @@ def expected_minutes(job: dict) -> float:
     return job["steps"] * MINUTES_PER_STEP if job["kind"] == "train" else EVAL_MINUTES
 
 
-COSTS = Costs(peak_gb=lambda job: expected_peak_gb(job), minutes=expected_minutes, other_peak_gb=other_peak_gb,
+COSTS = Costs(peak_gb=expected_peak_gb, minutes=expected_minutes, other_peak_gb=other_peak_gb,
               other_minutes=lambda run: run["max_steps"] * MINUTES_PER_STEP, eval_minutes=EVAL_MINUTES,
               slack_min=OVERTAKE_SLACK_MIN)
 

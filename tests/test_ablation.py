@@ -150,10 +150,10 @@ def test_an_lr_check_that_keeps_L_or_lacks_seeds_does_not_warn(ab, tmp_path):
 def test_the_snr_arms_eta_max_is_checked_like_grpos_lr_and_the_check_warns_with_the_option_to_move_it(ab, tmp_path):
     assert ab.lr_of("OBLR-PO", 1.5e-4, eta=20 / 3) == 1e-3 and ab.lr_of("GRPO", 1.5e-4, eta=20 / 3) == 1.5e-4
     assert ab.lr_of("SNR-only", 1.5e-4, 0.3, eta=20 / 3) == 3e-4  # 2 L, as the 0.3x multiple of 20 L / 3
-    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, seeds=[0, 1, 2], lr_check_arms=["GRPO", *ab.SNR_ARMS],
+    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, seeds=[0, 1, 2], lr_check_arms=["GRPO", *abl_design.SNR_ARMS],
                  lr_check_multiples=[1 / 3], eta_check_multiples=[10 / 3], stability_seeds=[], long_seeds=[])
     check = [(arm, lr, seed) for arm, lr, seed, steps, _ in ab.jobs(a)][18:]
-    assert check == [("GRPO", 5e-5, s) for s in range(3)] + [(arm, 1e-3, s) for arm in ab.SNR_ARMS for s in range(3)]
+    assert check == [("GRPO", 5e-5, s) for s in range(3)] + [(arm, 1e-3, s) for arm in abl_design.SNR_ARMS for s in range(3)]
     for seed in range(3):  # SNR-only: 1e-3 beats 2 L = 3e-4 on every seed; OBLR-PO: 2 L wins; per_step: 2 seeds only
         write_run(ab, a.run_dir, "SNR-only", 3e-4, seed, 0.40, large=0.34)
         write_run(ab, a.run_dir, "SNR-only", 1e-3, seed, 0.50, large=0.43 + 0.01 * seed)
@@ -203,7 +203,7 @@ def test_the_design_runs_the_snr_arms_at_the_checks_pick_and_checks_the_readmes_
     a = ab.build_parser().parse_args([])
     ab.check_args(a)
     assert a.grpo_lr == 1.5e-4
-    for arm in ab.SNR_ARMS:
+    for arm in abl_design.SNR_ARMS:
         assert ab.lr_of(arm, a.grpo_lr, eta=a.eta_multiple) == 1e-3
         assert [ab.lr_of(arm, a.grpo_lr, m, eta=a.eta_multiple) for m in ab.check_multiples(a, arm)] == [3e-4]
         assert [ab.lr_of(arm, lr, eta=e) for lr, e in zip(a.earlier_grpo_lr, a.earlier_eta_multiple)] == [1e-3]
