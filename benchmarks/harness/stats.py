@@ -40,7 +40,7 @@ def _scale_grid(df: int, points: int = 2001) -> tuple[list[float], list[float]]:
 def _expect_over_chi2(df: int, fn) -> float:
     """E[fn(sqrt(V / df))] for V ~ chi2(df)."""
     if df < 2:
-        raise ValueError("paired_stats: need df >= 2 (at least 3 seeds) for the t integrals")
+        raise ValueError("harness.stats: need df >= 2 (at least 3 seeds) for the t integrals")
     nodes, weights = _scale_grid(df)
     return sum(w * fn(s) for s, w in zip(nodes, weights))
 
