@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from harness import host, md_table, utc_now  # noqa: E402
-from proxies import LABELS, METHODS, advantages, batched_scores, gram64, lora_b_modules, sample_completions  # noqa: E402
+from harness.memory import peak_rss_gb  # noqa: E402
+from studies.baselines import LABELS, METHODS, advantages  # noqa: E402
+from studies.scores import batched_scores, gram64, lora_b_modules, sample_completions  # noqa: E402
 
 SHOW_WORK = " Show your work step by step, then give the final answer as the last number."
 TASK_KWARGS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
@@ -222,7 +223,7 @@ def measure_prompt(model, modules, tokenizer, reward_func, row, index: int, args
         w_exact=[w_exact.view(K, G)[k].tolist() if mixed[k] else None for k in range(K)],
         w_logit=[proxy.view(K, G)[k].tolist() if mixed[k] else None for k in range(K)],
         gram=gram, example=texts[0], seconds=round(time.time() - t0, 1),
-        peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
+        peak_rss_gb=peak_rss_gb())
 
 
 def measure(args) -> None:

@@ -14,7 +14,7 @@ BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
-import paired_stats  # noqa: E402
+from harness import stats as paired_stats  # noqa: E402
 import when_to_use  # noqa: E402
 
 

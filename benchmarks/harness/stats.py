@@ -40,7 +40,7 @@ def _scale_grid(df: int, points: int = 2001) -> tuple[list[float], list[float]]:
 def _expect_over_chi2(df: int, fn) -> float:
     """E[fn(sqrt(V / df))] for V ~ chi2(df)."""
     if df < 2:
-        raise ValueError("paired_stats: need df >= 2 (at least 3 seeds) for the t integrals")
+        raise ValueError("harness.stats: need df >= 2 (at least 3 seeds) for the t integrals")
     nodes, weights = _scale_grid(df)
     return sum(w * fn(s) for s, w in zip(nodes, weights))
 
@@ -113,7 +113,7 @@ def fisher_exact(a: int, b: int, c: int, d: int) -> float:
     event): the probability, under the hypergeometric law with the margins fixed, of every table no more likely than
     the observed one (a relative tolerance of 1e-7 counts ties as equal, as R and scipy do)."""
     if min(a, b, c, d) < 0:
-        raise ValueError(f"paired_stats.fisher_exact: counts must be >= 0, got {[a, b, c, d]}")
+        raise ValueError(f"harness.stats.fisher_exact: counts must be >= 0, got {[a, b, c, d]}")
     row1, col1, n = a + b, a + c, a + b + c + d
 
     def prob(x: int) -> float:
@@ -128,7 +128,7 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     p at which P(X >= k) and P(X <= k) equal (1 - level) / 2, found by bisection on the binomial law (0 and 1 at the
     ends, where k = 0 or k = n)."""
     if not 0 <= k <= n or n == 0:
-        raise ValueError(f"paired_stats.clopper_pearson: need 0 <= k <= n and n > 0, got k={k}, n={n}")
+        raise ValueError(f"harness.stats.clopper_pearson: need 0 <= k <= n and n > 0, got k={k}, n={n}")
     tail = (1 - level) / 2
 
     def cdf(x: int, p: float) -> float:  # P(X <= x)
