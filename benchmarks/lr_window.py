@@ -31,24 +31,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from harness import md_table, utc_now  # noqa: E402
+from harness.stats import fisher_exact  # noqa: E402,F401  (re-exported: lr_window.fisher_exact)
 from studies.ablation.design import ARMS, build_parser, lr_of, window_multiples  # noqa: E402
 from studies.ablation.records import curve_at, load_runs  # noqa: E402
-
-
-def fisher_exact(a: int, b: int, c: int, d: int) -> float:
-    """Two-sided p-value of Fisher's exact test for the 2x2 table [[a, b], [c, d]] (rows: groups; columns: event, no
-    event): the probability, under the hypergeometric law with the margins fixed, of every table no more likely than
-    the observed one (a relative tolerance of 1e-7 counts ties as equal, as R and scipy do)."""
-    if min(a, b, c, d) < 0:
-        raise ValueError(f"lr_window.fisher_exact: counts must be >= 0, got {[a, b, c, d]}")
-    row1, col1, n = a + b, a + c, a + b + c + d
-
-    def prob(x: int) -> float:
-        return math.comb(col1, x) * math.comb(n - col1, row1 - x) / math.comb(n, row1)
-
-    observed = prob(a)
-    support = range(max(0, row1 + col1 - n), min(row1, col1) + 1)
-    return min(1.0, sum(p for x in support if (p := prob(x)) <= observed * (1 + 1e-7)))
 
 
 def cell_values(runs: list[dict], arm: str, lr: float, seeds: list[int], step: int) -> list[tuple[int, float, bool]]:

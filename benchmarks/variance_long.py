@@ -264,13 +264,21 @@ def fmt_cell(row: dict, m: str) -> str:
     return text + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else " (too few)")
 
 
-def render(records: list[dict], args) -> str:
+def analyse(records: list[dict], args) -> dict:
+    """The two bucket tables (by length, by spread) and the headline: what the markdown and the .json show."""
     if not records:
         raise SystemExit(f"variance_long: no records in {args.records}: run the measurement first.")
-    K, G, n = records[0]["K"], records[0]["G"], len(records)
     tables = {name: bucket_table(records, which, args.bootstrap, args.seed, args.min_prompts, args.min_groups)
               for which, name in ((0, "length"), (1, "spread"))}
     orders = {"length": bucket_order(LENGTH_EDGES), "spread": bucket_order(SPREAD_EDGES, "x") + [EQUAL]}
+    return dict(tables=tables, orders=orders, headline=headline(tables), methods=list(METHODS), prompts=len(records),
+                planned_prompts=args.prompts)
+
+
+def render(records: list[dict], args, analysis: dict | None = None) -> str:
+    analysis = analysis or analyse(records, args)
+    K, G, n = records[0]["K"], records[0]["G"], len(records)
+    tables, orders = analysis["tables"], analysis["orders"]
     lengths = [x for r in records for row in r["lengths"] for x in row]
     ended = sum(x for r in records for row in r["ended"] for x in row)
     reward = sum(sum(map(sum, r["rewards"])) for r in records) / len(lengths)
@@ -306,7 +314,7 @@ def render(records: list[dict], args) -> str:
                 for b in orders[name] + ["all groups"] if b in table]
         lines += [f"## {title}", ""]
         lines += md_table(["bucket", "groups", "prompts"] + [LABELS[m] for m in SHOWN], rows) + [""]
-    best = headline(tables)
+    best = analysis["headline"]
     lines += ["## Headline", ""]
     if best is None:
         lines.append("No bucket has enough prompts and groups for an interval yet.")
@@ -350,8 +358,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not args.render_only:
         measure(args)
-    text = render(load_records(args.records), args)
+    records = load_records(args.records)
+    analysis = analyse(records, args)
+    text = render(records, args, analysis)
     args.out.write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps(analysis, indent=1))
     print(text)
 
 
