@@ -147,11 +147,12 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     from oblr_trl.demo.tiny import build_tokenizer
 
     from oblr_trl.grad_norms import head_transform
+    from oblr_trl.grad_norms.plan import plan_of
 
     prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size)
     # The head's transform is observed on real logits at construction; a counted model has no values: its
     # config's transform (Qwen3: none) stands in, as for sharded heads
-    head_transform._SEEN[model] = head_transform.from_config(model)
+    plan_of(model).head_transform = head_transform.from_config(model)
 
     class PreparedGRPO(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -179,7 +180,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
         trainer = cls(model=model, args=args, reward_funcs=lambda completions, **k: [0.0] * len(completions),
                       train_dataset=dataset, processing_class=build_tokenizer(), peft_config=peft)
     lm = unwrap_causal_lm(trainer.model)
-    coverage._PROBED[lm] = coverage.trainable_names(lm)
+    plan_of(lm).probed = coverage.trainable_names(lm)
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1  # as train() sets it, and its checkpointing:
     if ckpt:

@@ -1,5 +1,6 @@
 """OBLRPOConfig(one_backward=True): norms and update from one forward/backward give what the two-pass default gives."""
 
+import contextlib
 import logging
 
 import pytest
@@ -341,3 +342,62 @@ def test_one_backward_replayed_matches_two_passes(loss_type, monkeypatch, caplog
         assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key
     for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+def _chunk_batch(rows=6, prompt=5):
+    from reference import padded_batch
+
+    ids, attention, completion_mask = padded_batch(len(TOKENIZER), batch=rows, prompt=prompt)
+    return {"prompt_ids": ids[:, :prompt], "prompt_mask": attention[:, :prompt], "completion_ids": ids[:, prompt:],
+            "completion_mask": completion_mask, "oblr_row": torch.arange(10, 10 + rows)}
+
+
+@pytest.mark.parametrize("snr_unit", [2, 1, None], ids=["groups-of-2", "one-row", "no-snr"])
+def test_chunk_norms_then_update_match_per_sample_autograd(snr_unit):
+    """The stages of one_backward, without a trainer: each chunk's norms (its rows' ||u_i||^2), then, given a_i, the
+    update -sum_i a_i u_i added to .grad, the SNR units' ||sum_{i in q} a_i u_i||^2 and ids, and the loss value,
+    all as a loop of per-sample autograd gives them."""
+    from oblr_trl import one_backward
+    from reference import completion_logprob_sums, per_sample_grads
+
+    model, batch = build_model(TOKENIZER), _chunk_batch()
+    ids, attention, mask = (torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_mask"])
+    per_sample = torch.stack(per_sample_grads(model, ids, attention, mask, temperature=0.7)).double()
+    a = torch.tensor([0.5, -1.25, 3.0, 0.0, -0.75, 2.0])
+    loss, formed = 0.0, []
+    for norms in one_backward.chunk_norms(model, batch, chunk=2, temperature=0.7, autocast=contextlib.nullcontext):
+        rows = norms.rows
+        torch.testing.assert_close(norms.sq_norms.double(), per_sample[rows].pow(2).sum(1), rtol=1e-4, atol=1e-6)
+        assert not norms.unscorable.any() and norms.warnings == ()
+        update = norms.update(a[rows], snr_unit=snr_unit)
+        loss = loss + update.loss
+        if snr_unit is None:
+            assert update.units is None and update.unit_sq is None
+        else:
+            formed.append((update.units, update.unit_sq))
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    (-(completion_logprob_sums(model, ids, attention, mask, temperature=0.7) * a).sum()).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)  # |grad| up to ~20
+    assert float(loss) == pytest.approx(float(-(a * mask.sum(-1)).sum()))
+    if snr_unit is not None:
+        units = torch.cat([u for u, _ in formed])
+        assert units.tolist() == (torch.arange(10, 16)[::snr_unit] // snr_unit).tolist()
+        h = (a.double()[:, None] * per_sample).reshape(6 // snr_unit, snr_unit, -1).sum(1)
+        torch.testing.assert_close(torch.cat([s for _, s in formed]).double(), h.pow(2).sum(1), rtol=1e-4, atol=1e-6)
+
+
+def test_chunk_norms_refuse_a_lost_or_repeated_update():
+    """A chunk's update runs once, before the next chunk's forward: asking for the next chunk first, or updating
+    twice, is refused (the update would be lost, or added twice)."""
+    from oblr_trl import one_backward
+
+    model, batch = build_model(TOKENIZER), _chunk_batch(rows=4)
+    chunks = one_backward.chunk_norms(model, batch, chunk=2, temperature=1.0, autocast=contextlib.nullcontext)
+    first = next(chunks)
+    first.update(torch.ones(2), snr_unit=None)
+    with pytest.raises(RuntimeError, match="has run already"):
+        first.update(torch.ones(2), snr_unit=None)
+    next(chunks)
+    with pytest.raises(RuntimeError, match="was not applied"):
+        next(chunks)

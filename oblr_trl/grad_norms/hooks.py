@@ -6,26 +6,29 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
 
 
-_REPLAY = [0]
+# a re-run under way in this thread/task (a per-row re-run, a recogniser's probe): a context variable, so that one
+# model's re-run never silences the hooks of a pass running elsewhere
+_REPLAYING: ContextVar[bool] = ContextVar("replaying", default=False)
 
 
 def replaying() -> bool:
     """Whether a per-row re-run is under way (the capture hooks then record nothing)."""
-    return _REPLAY[0] > 0
+    return _REPLAYING.get()
 
 
 @contextmanager
 def replay():
-    _REPLAY[0] += 1
+    token = _REPLAYING.set(True)
     try:
         yield
     finally:
-        _REPLAY[0] -= 1
+        _REPLAYING.reset(token)
 
 
 def _map(fn, x):

@@ -317,6 +317,7 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
     """The memory property behind the recomputation pairing: after the forward, no module inside a checkpointed layer
     holds its input (checkpointing keeps only the layers' inputs); the embedding and final norm outside them do."""
     from oblr_trl.grad_norms.engine import _hooked_modules
+    from oblr_trl.grad_norms.support import coverage_plan
     from oblr_trl.grad_norms.hooks import capture as _capture, checkpointed_layers as _checkpointed_layers
 
     model = qwen3(tie=False)
@@ -327,7 +328,7 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
     layers = _checkpointed_layers(backbone)
     assert len(layers) == 2
     inside = {m for layer in layers for m in layer.modules()}
-    hooked, per_row, _ = _hooked_modules(model)
+    hooked, per_row, _ = _hooked_modules(coverage_plan(model))
     assert not per_row  # every Qwen3 layer has a rule
     with _capture(hooked, ids.shape[0], None, layers) as (records, targets):
         backbone(input_ids=ids, attention_mask=attention, use_cache=False)
