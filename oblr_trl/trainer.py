@@ -202,14 +202,14 @@ class OBLRPOTrainer(GRPOTrainer):
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _one_backward_loss(self, batch: dict) -> torch.Tensor:
-        """``one_backward``, chunk by chunk (rows in generation order): norms, advantages (as two passes form them), the
-        update from the same backward; gradients all-reduced at the step's last micro-batch under DDP. Returns the loss
-        value as a leaf (its backward is a no-op)."""
+        """``one_backward`` by chunks (rows in generation order): norms, advantages (as two passes form them), update;
+        DDP's all-reduce at the step's last micro-batch. Returns the loss as a leaf (its backward is a no-op)."""
         n = batch["oblr_row"].shape[0]
         batch = one_backward.rows_of(batch, torch.argsort(batch["oblr_row"]), n)  # undo TRL's shuffle
         unit, loss, stats = self._unit(n), 0.0, []
         for norms in one_backward.chunk_norms(self.model, batch, chunk=self.one_backward_plan.chunk_rows or n,
-                                              temperature=self.temperature, autocast=self.accelerator.autocast):
+                                              temperature=self.temperature, autocast=self.accelerator.autocast,
+                                              replay_unit=unit if self.one_backward_plan.replay else None):
             result = self._advantages(norms.batch, norms.sq_norms, norms.unscorable)
             update = norms.update(self._policy_weights(batch, result.values, norms.rows),
                                   snr_unit=unit if self.args.snr_lr else None)

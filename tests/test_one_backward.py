@@ -275,6 +275,73 @@ def test_initial_choice_table():
     assert initial_choice(None, ["fp16=True"])[0] is False
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_replayed_update_matches_per_row_autograd_under_checkpointing(tied):
+    """one_backward replayed (under non-reentrant checkpointing, no per-layer factors kept): the streamed norms and
+    within-unit products, and the update ``sum_i a_i u_i`` from the second backward of the pass's graph plus the head's
+    usages, equal per-row autograd's in fp32 (rows with padding and an empty completion; a tied head counted once)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from oblr_trl.grad_norms import per_sequence_grads
+    from oblr_trl.one_backward import replayed_update
+    from reference import padded_batch, per_sample_grads, within_group_products
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(config).float().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, attention, mask = padded_batch(97)
+    rows = per_sample_grads(model, ids, attention, mask)
+    grads = per_sequence_grads(model, ids, attention, mask, stream_group_size=2, keep_graph=True)
+    torch.testing.assert_close(grads.inner_products(2).double(), within_group_products(rows, 2), rtol=1e-5, atol=1e-9)
+    a = torch.randn(ids.shape[0])
+    replayed_update(grads, a, torch.zeros_like(a, dtype=torch.bool))
+    got = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]).double()
+    expected = sum(ai * g.double() for ai, g in zip(a.tolist(), rows))
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
+
+
+def force_replay(monkeypatch, rows: int = GROUP):
+    """The default's choice replaced by one_backward replayed, ``rows`` per chunk."""
+    from oblr_trl import cost_model
+
+    real = cost_model.choose
+
+    def replay(shape, replay=True):
+        return cost_model.Choice(True, rows, real(shape, replay).flops_ratio, 1.0, replay=True)
+
+    monkeypatch.setattr(cost_model, "choose", replay)
+
+
+def test_one_backward_replayed_under_bf16_updates_every_parameter(monkeypatch):
+    """bf16 autocast (the second backward runs outside the autocast context: checkpointing recomputes under the
+    forward's): every parameter moves, and nothing is NaN."""
+    force_replay(monkeypatch, rows=8)
+    model = build_model(TOKENIZER)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, bf16=True)), model=model)
+    assert trainer.one_backward_plan.replay and trainer.one_backward_plan.chunk_rows == 8
+    for name, p in trainer.model.named_parameters():
+        assert torch.isfinite(p).all() and not torch.equal(p, before[name]), name
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_one_backward_replayed_matches_two_passes(loss_type, monkeypatch, caplog):
+    """The default under checkpointing where the kept factors do not fit: one_backward replayed (one group per chunk
+    here), with the same advantages, SNR terms, gradient and step as the two-pass path."""
+    force_replay(monkeypatch)
+    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
+    with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
+        one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
+    assert one.args.gradient_checkpointing and one.uses_one_backward and one.one_backward_plan.replay
+    assert one.one_backward_plan.chunk_rows == GROUP and "oblr_gram" not in one.generations[0]
+    assert "replayed by a second backward" in caplog.text
+    for key in ("oblr/lr_scale", "oblr/snr", "oblr/baseline_mean", "grad_norm", "loss"):
+        assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key
+    for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 def _chunk_batch(rows=6, prompt=5):
     from reference import padded_batch
 

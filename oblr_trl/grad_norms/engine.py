@@ -32,7 +32,7 @@ from . import factors, generic, hooks
 from .head import lm_head_terms
 from .head_transform import transform_of
 from .hooks import Record, capture, checkpointed_layers
-from .result import PerSequenceGradients, Slot, _fp32
+from .result import PerSequenceGradients, Replay, Slot, _fp32
 from .experts import RoutedCaptures
 from .lm import backbone_of, output_head, unwrap_causal_lm
 from .plan import ModelPlan
@@ -256,7 +256,7 @@ class _Pass:
 
 def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
                        inputs_with_grad: list[torch.Tensor], backbone: nn.Module,
-                       borrowed: dict[nn.Module, tuple[str, ...]]) -> None:
+                       borrowed: dict[nn.Module, tuple[str, ...]], retain_graph: bool = False) -> None:
     """The backward of ``<hidden, grad>`` to the hooked modules' inputs (their output gradients are all the rules
     need) plus the trainable parameters of modules whose input carries no gradient (the input embedding; the first
     layer's adapters), their own and those they borrow (VeRA's, LoHa's, LoKr's and IA3's sit in ParameterDicts that
@@ -269,7 +269,7 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
     ]
     targets = inputs_with_grad + first_layer_params or [p for p in backbone.parameters() if p.requires_grad]
     try:
-        torch.autograd.grad(hidden, targets, grad_outputs=grad, allow_unused=True)
+        torch.autograd.grad(hidden, targets, grad_outputs=grad, allow_unused=True, retain_graph=retain_graph)
     except RuntimeError as error:
         if "use_reentrant=True" not in str(error):
             raise
@@ -328,6 +328,7 @@ def per_sequence_grads(
     stream_group_size: int | None = None,
     materialize: bool = False,
     model_inputs: dict | None = None,
+    keep_graph: bool = False,
 ) -> PerSequenceGradients:
     """Forward and backward of ``sum_t log pi(o_{i,t})`` for every row, captured as factored per-sequence gradients.
 
@@ -342,6 +343,10 @@ def per_sequence_grads(
     gradient), and keeps them instead of the factors (in bf16 under bf16 autocast, as autograd's own weight gradients
     are there; sums over them in fp32). Its inner products and its weighted sum are then nearly free, where the
     factors would cost a token Gram or a materialization now and a contraction again for the update.
+    With ``keep_graph=True`` (``one_backward`` replayed, under gradient checkpointing) the backbone's graph is kept
+    and the result's ``replay`` holds what the update needs once the advantages are known (:class:`.result.Replay`):
+    the last hidden state, its per-row output gradient and the head's usages (a backward of the hidden state with
+    each row's gradient scaled gives the backbone's part of ``sum_i s_i u_i``; the head's usages give the rest).
     See :func:`~.api.per_sequence_grad_sq_norms` for the other arguments.
     """
     batch, length = input_ids.shape
@@ -358,20 +363,27 @@ def per_sequence_grads(
     alpha = transform.scale / temperature
     span = slice(length - completion_length - 1, length - 1)  # the positions that predict completion tokens
     labels, mask = input_ids[:, length - completion_length :], completion_mask.to(torch.float32)
-    records, (h, head_weight, head_bias, lse, head_self_done) = _forward_backward(
-        run, lm, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform)
+    records, (h, head_weight, head_bias, lse, head_self_done), graph = _forward_backward(
+        run, lm, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph)
     run.collect(records)
+    before = {slot: len(usages) for slot, usages in run.usages.items()}
     head = run.head
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
         run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, transform.softcap), h,
                      head_self_done)
-    return run.result()
+    result = run.result()
+    if keep_graph:  # the head's usages, added after the backbone's, and the hidden state's graph (Replay)
+        result.replay = Replay(*graph, {slot: usages[before.get(slot, 0):] for slot, usages in run.usages.items()
+                                        if len(usages) > before.get(slot, 0)})
+    return result
 
 
-def _forward_backward(run: _Pass, lm: nn.Module, inputs: tuple, span: slice, scored: tuple, alpha: float, transform):
+def _forward_backward(run: _Pass, lm: nn.Module, inputs: tuple, span: slice, scored: tuple, alpha: float, transform,
+                      keep_graph: bool = False):
     """The pass's forward and backward of ``inputs`` (``input_ids``, ``attention_mask``, ``model_inputs``) under its
     hooks and its expert banks' routed forwards: the records, and the head's operands and terms (:func:`_head_terms`:
-    ``h``, weight, bias, log-sum-exp, and whether its own products were formed)."""
+    ``h``, weight, bias, log-sum-exp, and whether its own products were formed), and, for ``keep_graph``, the last
+    hidden state and its output gradient (``(None, None)`` when it carries no gradient)."""
     input_ids, attention_mask, model_inputs = inputs
     backbone = backbone_of(lm)
     checkpointed = checkpointed_layers(backbone)
@@ -389,7 +401,8 @@ def _forward_backward(run: _Pass, lm: nn.Module, inputs: tuple, span: slice, sco
             if hidden.requires_grad:
                 full_grad = torch.zeros_like(hidden)
                 full_grad[:, span] = grad_h.to(hidden.dtype)
-                _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone, run.borrowed)
+                _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone, run.borrowed, keep_graph)
     except hooks.RowsError as error:  # rows that cannot be paired with the sequences: refused by the module's path
         raise run.refused([run.refusal(e.module, e) for e in (error, *error.more)]) from error
-    return records, (h, head_weight, head_bias, lse, head_self_done)
+    graph = (hidden, full_grad) if hidden.requires_grad else (None, None)
+    return records, (h, head_weight, head_bias, lse, head_self_done), graph

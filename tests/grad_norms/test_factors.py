@@ -336,7 +336,9 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
         assert {r.module for r in held} == {backbone.embed_tokens, backbone.norm}  # outside the layers
         # per layer: q, k, v, o, gate, up, down, q_norm, k_norm and two layer norms, each waiting for its recomputation
         assert len([r for r in records if r.module in inside]) == 2 * 11
-        assert len(targets) == 3  # the final norm's input and the checkpointed layers' inputs
+        # the final norm's input and the first checkpointed layer's input (the second's is the first's output,
+        # reached through it: issue 47, one target per chain of checkpointed layers)
+        assert len(targets) == 2
 
 
 def test_autocast_operands_cast_a_shared_input_once_and_never_reuse_another(monkeypatch):
