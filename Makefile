@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install install-dev demo demo-real demo-tiny demo-seeds test test-floors bench bench-counts clean
+.PHONY: install install-dev demo demo-real demo-tiny demo-seeds test test-floors bench bench-counts bench-gpu gpu-wheels clean
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -72,6 +72,22 @@ bench: install-dev
 bench-counts: install-dev
 	$(PY) benchmarks/cost_counts.py --quick
 	$(PY) benchmarks/update_readme.py
+
+# On a lent GPU machine (issue 47), from a carried checkout: its image has python3 with torch, transformers,
+# accelerate and peft, and lacks trl and datasets, which travel as wheels in $(GPU_WHEELS) (`make gpu-wheels` fetches
+# them here, ~2 MB). The update and the whole RL step of OBLRPOTrainer against GRPOTrainer, timed in one run, the FLOP
+# model beside each timing; table in benchmarks/results/bench_gpu_<device>.md. Budgeted at <= 8 min on an H100.
+GPU_WHEELS ?= .whl
+GPU_PYTHON ?= python3
+bench-gpu:
+	if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(GPU_WHEELS)/*.whl; fi
+	PYTHONPATH=/tmp/site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/bench_gpu.py
+	$(GPU_PYTHON) benchmarks/update_readme.py
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
+		trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) outputs *.egg-info

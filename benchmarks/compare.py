@@ -14,7 +14,7 @@ num_iterations 1, and the same number of steps. Only the advantage / step-size r
     oblr_snr          OBLRPOConfig(baseline="mean", leave_one_out=True)          ablation: SNR step only (RLOO + SNR)
     oblr_plain        OBLRPOConfig(leave_one_out=False)                          ablation: plain (not LOO) weighted mean
     oblr_lr10x        OBLRPOConfig() at 10x the learning rate (eta_max = 1e-2 here, the paper's eta_max)
-    grpo_lr01x        GRPO at 0.1x the learning rate   \  controls for the SNR step's mean lr scale (~0.1 here):
+    grpo_lr01x        GRPO at 0.1x the learning rate   \\  controls for the SNR step's mean lr scale (~0.1 here):
     rloo_lr01x        RLOO at 0.1x the learning rate   /  is OBLR-PO better, or just a smaller step?
 
 Learning rate: every method uses the same `--learning_rate` (1e-3, the demo's). For OBLR-PO variants with the SNR

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import sys
@@ -51,7 +52,8 @@ WIDTHS = {
     "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936),
 }
-MODES = {"grpo": None, "one_backward": True, "two_passes": False, "auto": None}  # auto: OBLR-PO's default
+# auto: OBLR-PO's default; replay: one_backward with its update replayed by a second backward (checkpointing only)
+MODES = {"grpo": None, "one_backward": True, "two_passes": False, "replay": None, "auto": None}
 
 
 class _NoModules:
@@ -145,11 +147,12 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     from oblr_trl.demo.tiny import build_tokenizer
 
     from oblr_trl.grad_norms import head_transform
+    from oblr_trl.grad_norms.plan import plan_of
 
     prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size)
     # The head's transform is observed on real logits at construction; a counted model has no values: its
     # config's transform (Qwen3: none) stands in, as for sharded heads
-    head_transform._SEEN[model] = head_transform.from_config(model)
+    plan_of(model).head_transform = head_transform.from_config(model)
 
     class PreparedGRPO(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -177,7 +180,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
         trainer = cls(model=model, args=args, reward_funcs=lambda completions, **k: [0.0] * len(completions),
                       train_dataset=dataset, processing_class=build_tokenizer(), peft_config=peft)
     lm = unwrap_causal_lm(trainer.model)
-    coverage._PROBED[lm] = coverage.trainable_names(lm)
+    plan_of(lm).probed = coverage.trainable_names(lm)
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1  # as train() sets it, and its checkpointing:
     if ckpt:
@@ -206,18 +209,40 @@ def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, compl
         gc.disable()  # garbage in reference cycles stays counted until the end, the same in every run
         try:
             # the default's choice is made for the model at its real depth (DEPTH layers), then counted at this one
-            with flops, live, ops, mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)):
+            with flops, live, ops, mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)), \
+                    forced_replay(mode == "replay"):
                 trainer.training_step(trainer.model, [{"prompt": "x"}] * batch, torch.tensor(batch * completion))
         finally:
             gc.enable()
         plan = getattr(trainer, "one_backward_plan", None)
         row = dict(flops=flops.get_total_flops(), peak_bytes=live.peak, ops=ops.total,
                    mm_calls=sum(ops.calls[k] for k in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm")),
-                   ran=("grpo" if plan is None else f"one_backward/{plan.chunk_rows or batch}" if plan.on
+                   ran=("grpo" if plan is None else
+                        f"{'replay' if plan.replay else 'one_backward'}/{plan.chunk_rows or batch}" if plan.on
                         else f"two_passes/{plan.norms_chunk or batch}"))
     del trainer, model
     gc.collect()
     return row
+
+
+def forced_replay(on: bool):
+    """For the ``replay`` mode: the default's choice replaced by ``one_backward`` replayed, in the largest chunk the
+    model says fits (one group where none does)."""
+    from contextlib import nullcontext
+
+    from oblr_trl import cost_model
+
+    if not on:
+        return nullcontext()
+    real = cost_model.choose
+
+    def choose(shape, replay=True):
+        chunk, ratio = cost_model.replay_chunk(shape)
+        choice = real(shape, replay)
+        return cost_model.Choice(True, chunk or cost_model.chunk_sizes(shape.rows, shape.group)[-1],
+                                 choice.flops_ratio, ratio, replay=True)
+
+    return mock.patch.object(cost_model, "choose", choose)
 
 
 def at_real_depth(describe):
@@ -274,6 +299,8 @@ def configurations(quick: bool) -> list[dict]:
 def measure(cfg: dict, log) -> dict:
     row = dict(cfg, modes={})
     for mode in MODES:
+        if mode == "replay" and not cfg["ckpt"]:
+            continue
         try:
             counts = [count_step(cfg["width"], n, cfg["tied"], mode, cfg["batch"], cfg["completion"], cfg["lora"],
                                  cfg["ckpt"]) for n in (1, 2)]
@@ -285,11 +312,7 @@ def measure(cfg: dict, log) -> dict:
         assert counts[1].pop("ran") == ran, "the choice is made at the real depth: the same at 1 and 2 layers"
         deep = {k: at_depth(counts[0][k], counts[1][k]) for k in counts[0]}
         deep["ran"] = ran
-        run, chunk = (ran.split("/") + ["0"])[:2]
-        for what in ("flops", "bytes"):
-            deep[f"predicted_{what}"] = at_depth(*(predict(cfg["width"], n, run, cfg["batch"], cfg["completion"],
-                                                           cfg["lora"], cfg["ckpt"], cfg["tied"], what, int(chunk))
-                                                   for n in (1, 2)))
+        deep.update(predictions(cfg, ran))
         for k in ("flops", "ops", "peak_bytes"):
             deep[f"per_layer_{k}"], deep[f"rest_{k}"] = counts[1][k] - counts[0][k], 2 * counts[0][k] - counts[1][k]
         row["modes"][mode] = deep
@@ -299,6 +322,26 @@ def measure(cfg: dict, log) -> dict:
         f"bytes {v['peak_bytes'] / g['peak_bytes']:.2f}x ops {v['ops'] / g['ops']:.2f}x"
         for m, v in row["modes"].items() if m != "grpo" and "error" not in v))
     return row
+
+
+def predictions(cfg: dict, ran: str) -> dict:
+    """The model's FLOPs and peak bytes for the path that ran (``ran``: ``mode/rows per chunk``) at :data:`DEPTH`."""
+    run, chunk = (ran.split("/") + ["0"])[:2]
+    return {f"predicted_{what}": at_depth(*(predict(cfg["width"], n, run, cfg["batch"], cfg["completion"], cfg["lora"],
+                                                    cfg["ckpt"], cfg["tied"], what, int(chunk)) for n in (1, 2)))
+            for what in ("flops", "bytes")}
+
+
+def repredict(res: dict) -> dict:
+    """``res`` (a written result) with the model's columns computed again from ``oblr_trl/cost_model.py`` as it is
+    now; the counts (and the paths that ran) stay as counted."""
+    for row in res["rows"]:
+        cfg = {k: v for k, v in row.items() if k != "modes"}
+        for v in row["modes"].values():
+            if "error" not in v:
+                v.update(predictions(cfg, v["ran"]))
+    res["repredicted"] = harness.utc_now()
+    return res
 
 
 TARGETS = dict(flops_full=1.3, flops_lora=1.05, bytes_ckpt=1.1, bytes=1.2, ops=1.5)
@@ -338,7 +381,11 @@ def render(res: dict) -> str:
         "model OBLR-PO's default chooses by), at 1 and 2 layers combined the same way, for the path that ran. "
         f"`auto`: OBLR-PO's default (`one_backward=None`), its choice made for the {DEPTH}-layer model; `ran`: the "
         "path and rows per chunk each mode took (`one_backward`'s chunks, or the two-pass path's norms-pass chunks; "
-        "`one_backward=True` under checkpointing: the largest chunk the model says fits, else one group). Peak bytes: live operator outputs (weights not included). "
+        "`one_backward=True` under checkpointing: the largest chunk the model says fits, else one group; `replay`, "
+        "checkpointing only: `one_backward` with its update from a second backward of the pass's graph, no "
+        "per-layer factors kept). Peak bytes: live operator outputs (weights and their views not included). "
+        + (f"Model columns computed again on {res['repredicted']} (`--repredict`; counts unchanged). "
+           if res.get("repredicted") else "") +
         f"Targets: FLOPs <= {TARGETS['flops_full']}x GRPO (full), <= {TARGETS['flops_lora']}x (LoRA); peak bytes "
         f"<= {TARGETS['bytes_ckpt']}x with checkpointing, <= {TARGETS['bytes']}x without; operator calls <= "
         f"{TARGETS['ops']}x.", "",
@@ -350,11 +397,17 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="Qwen3-0.6B width, 8 x 256 only (a few minutes)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--stem", default="cost_counts")
+    p.add_argument("--repredict", action="store_true",
+                   help="no counting: the model's columns of the written STEM.json computed again, the table rewritten")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.repredict:
+        res = repredict(json.loads((args.out / f"{args.stem}.json").read_text()))
+        harness.write_results(args.out, args.stem, res, render(res))
+        return 0
     warnings.filterwarnings("ignore")
     for name in ("transformers", "trl", "oblr_trl", "accelerate", "peft"):
         logging.getLogger(name).setLevel(logging.ERROR)

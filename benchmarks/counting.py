@@ -162,7 +162,8 @@ class OpCounter(TorchDispatchMode):
 
 class LiveBytes(TorchDispatchMode):
     """The peak of the bytes held by live storages that operators created under it. A storage is counted once
-    (views share it), from the first operator output that holds it until every tensor seen holding it is freed."""
+    (views share it), from the first operator output that holds it until every tensor seen holding it is freed; a view
+    of a storage made before the mode (a weight's ``detach()`` or ``t()``) is not counted."""
 
     def __init__(self):
         super().__init__()
@@ -171,15 +172,18 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(a)[0] for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        if any(r.alias_info is not None for r in func._schema.returns) and not inputs & self._holders.keys():
+            return out  # a view (or in-place result) of tensors made before the mode (under Shapes, of a meta copy)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track(t, inputs)
         return out
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, inputs: set = frozenset()) -> None:
         key, nbytes = _storage_key(t)
-        if key is None:
-            return
+        if key is None or (key in inputs and key not in self._holders):
+            return  # a view of a tensor made before the mode (``weight.detach()``, ``weight.t()``): not an output
         entry = self._holders.get(key)
         if entry is None:
             entry = self._holders[key] = [nbytes, 0]

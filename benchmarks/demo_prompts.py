@@ -10,6 +10,7 @@ held-out accuracy use: the model must answer with the number) and on the last nu
 
 from __future__ import annotations
 
+import argparse
 import re
 import time
 
@@ -36,7 +37,8 @@ WORDINGS = {
 }
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     torch.set_num_threads(1)
     model, tok = load_reference_model("smollm2")
     model.eval()

@@ -26,7 +26,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEMO = HERE.parent / "examples" / "demo.py"
+if str(HERE) not in sys.path:  # loaded by path (the tests), not run as a script
+    sys.path.insert(0, str(HERE))
+
+from harness.procs import demo_command  # noqa: E402
 
 
 def load_seed(seed: int, out_root: Path) -> dict:
@@ -37,13 +40,6 @@ def load_seed(seed: int, out_root: Path) -> dict:
           f"{summary['mean_score_after']:.3f} "
           f"({summary['seconds']:.0f}s, {summary.get('seconds_per_step', float('nan'))} s/step)", flush=True)
     return {**summary, "seed": seed}
-
-
-def demo_command(seed: int, out: Path, extra: list[str]) -> tuple[list[str], dict]:
-    """The examples/demo.py subprocess of one run (1 torch thread, offline) and its environment."""
-    cmd = [sys.executable, str(DEMO), "--seed", str(seed), "--output_dir", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return cmd, env
 
 
 def run_seed(seed: int, out_root: Path, extra: list[str], resume: bool = False) -> dict:

@@ -52,11 +52,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from harness import host, host_id, utc_now  # noqa: E402
+from studies.scores import completion_score, gram_stats, spearman  # noqa: E402
 
 from oblr_trl import gradient_weighted_baseline, mean_baseline  # noqa: E402
 from oblr_trl.demo.tasks import make_dataset, make_reward_func  # noqa: E402
 from oblr_trl.demo.tiny import load_or_build_warm_model  # noqa: E402
-from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs  # noqa: E402
 
 # The tasks (and their difficulty) the warm models are built for; the same as benchmarks/compare.py.
 TASKS = {
@@ -109,20 +109,6 @@ def advantages(
     raise ValueError(method)
 
 
-def completion_score(model, params, prompt_ids: list[int], completion: list[int]) -> tuple[torch.Tensor, float]:
-    """Flattened grad_theta of sum_t log pi(o_t | q, o_<t) for one completion (float64), and the forward-only logit
-    proxy of its squared norm from the same forward (what ``grad_norm_estimator="logit"`` uses)."""
-    ids = torch.tensor([prompt_ids + completion])
-    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float()
-    token_logps = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids) :, None])[:, 0]
-    proxy = logit_proxy_weights(
-        token_logps[None].detach(), token_log_sum_sq_probs(logits.detach())[None], torch.ones(1, len(completion))
-    )
-    grads = torch.autograd.grad(token_logps.sum(), params, allow_unused=True)
-    score = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)])
-    return score.double(), float(proxy[0])
-
-
 def sample_prompt(model, tokenizer, prompt, n: int, max_new_tokens: int) -> tuple[list[int], list[list[int]], list[str]]:
     """n i.i.d. completions of one prompt (token lists up to and including eos) and their decoded texts."""
     prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -151,38 +137,6 @@ def sample_prompt(model, tokenizer, prompt, n: int, max_new_tokens: int) -> tupl
         completions.append(ids)
     texts = tokenizer.batch_decode([c for c in completions], skip_special_tokens=True)
     return prompt_ids, completions, texts
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
-    """Spearman rank correlation of two 1-D tensors (average ranks for ties); None below 3 points or for a constant."""
-    if a.numel() < 3:
-        return None
-
-    def ranks(x):
-        order = torch.argsort(x)
-        r = torch.empty_like(x, dtype=torch.float64)
-        r[order] = torch.arange(len(x), dtype=torch.float64)
-        for v in torch.unique(x):  # ties share their mean rank
-            tie = x == v
-            r[tie] = r[tie].mean()
-        return r
-
-    ra, rb = ranks(a.double()), ranks(b.double())
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    denom = (ra.norm() * rb.norm()).item()
-    return float((ra @ rb) / denom) if denom > 0 else None
-
-
-def gram_stats(gram: torch.Tensor, idx: torch.Tensor | None = None) -> tuple[float, float]:
-    """(tr Cov, ||mean||^2) of K vectors from their Gram matrix (optionally a resample ``idx`` of them)."""
-    if idx is not None:
-        gram = gram[idx][:, idx]
-    K = gram.shape[0]
-    sum_sq = torch.diagonal(gram).sum()
-    total = gram.sum()
-    mean_sq = total / K**2
-    tr_cov = (sum_sq - total / K) / (K - 1)
-    return float(tr_cov), float(mean_sq)
 
 
 def run_task(task: str, args, generator: torch.Generator) -> dict:

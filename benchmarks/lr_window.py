@@ -1,7 +1,7 @@
 """How wide is each arm's working learning-rate window? (issue 49, part 2)
 
 Reads the ablation's run records (``ablation.py``'s ``--records``; the design, its grid of lrs and its cells, is
-``ablation.WINDOW_*`` and ``--window_*``) and tabulates, per arm of ``--window_arms`` (GRPO, RLOO, OBLR-PO) and per lr
+``WINDOW_*`` in ``studies/ablation/design.py`` and ``--window_*``) and tabulates, per arm of ``--window_arms`` (GRPO, RLOO, OBLR-PO) and per lr
 of its grid (multiples ~3x apart of its lr in the ablation: L for the constant-lr arms, eta_max for OBLR-PO's SNR
 step), the greedy held-out accuracy after ``--window_steps`` (20) steps over ``--window_seeds``:
 
@@ -30,24 +30,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import ablation  # noqa: E402
 from harness import md_table, utc_now  # noqa: E402
-
-
-def fisher_exact(a: int, b: int, c: int, d: int) -> float:
-    """Two-sided p-value of Fisher's exact test for the 2x2 table [[a, b], [c, d]] (rows: groups; columns: event, no
-    event): the probability, under the hypergeometric law with the margins fixed, of every table no more likely than
-    the observed one (a relative tolerance of 1e-7 counts ties as equal, as R and scipy do)."""
-    if min(a, b, c, d) < 0:
-        raise ValueError(f"lr_window.fisher_exact: counts must be >= 0, got {[a, b, c, d]}")
-    row1, col1, n = a + b, a + c, a + b + c + d
-
-    def prob(x: int) -> float:
-        return math.comb(col1, x) * math.comb(n - col1, row1 - x) / math.comb(n, row1)
-
-    observed = prob(a)
-    support = range(max(0, row1 + col1 - n), min(row1, col1) + 1)
-    return min(1.0, sum(p for x in support if (p := prob(x)) <= observed * (1 + 1e-7)))
+from harness.stats import fisher_exact  # noqa: E402,F401  (re-exported: lr_window.fisher_exact)
+from studies.ablation.design import ARMS, build_parser, lr_of, window_multiples  # noqa: E402
+from studies.ablation.records import curve_at, load_runs  # noqa: E402
 
 
 def cell_values(runs: list[dict], arm: str, lr: float, seeds: list[int], step: int) -> list[tuple[int, float, bool]]:
@@ -56,7 +42,7 @@ def cell_values(runs: list[dict], arm: str, lr: float, seeds: list[int], step: i
     out = []
     for r in sorted((r for r in runs if r["arm"] == arm and math.isclose(r["lr"], lr) and r["seed"] in seeds
                      and not r.get("long")), key=lambda r: r["seed"]):
-        value = ablation.curve_at(r, step, "accuracy")
+        value = curve_at(r, step, "accuracy")
         if value is not None:
             out.append((r["seed"], value, 100 * r["accuracy_before"]))
     return out
@@ -68,8 +54,8 @@ def window_rows(runs: list[dict], args) -> list[dict]:
     rows = []
     for arm in args.window_arms:
         arm_rows = []
-        for m in ablation.window_multiples(arm):
-            lr = ablation.lr_of(arm, args.grpo_lr, m, eta=args.eta_multiple)
+        for m in window_multiples(arm):
+            lr = lr_of(arm, args.grpo_lr, m, eta=args.eta_multiple)
             cell = cell_values(runs, arm, lr, args.window_seeds, args.window_steps)
             values = [v for _, v, _ in cell]
             arm_rows.append(dict(
@@ -192,7 +178,7 @@ def plot(rows: list[dict], summaries: dict[str, dict], path: Path, tolerance: fl
             continue
         x = [r["lr"] for r in cells]
         line, = ax.plot(x, [r["mean"] for r in cells], marker="o", label=arm + (" (eta_max)" if
-                                                                                ablation.ARMS[arm][1] else ""))
+                                                                                ARMS[arm][1] else ""))
         ax.fill_between(x, [r["min"] for r in cells], [r["max"] for r in cells], color=line.get_color(), alpha=0.2)
         ax.axhline(s["best_mean"] - tolerance, color=line.get_color(), ls=":", lw=1)
     if before == before:
@@ -214,10 +200,10 @@ def main(argv=None) -> None:
     p.add_argument("--window_seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", type=Path, default=HERE / "results" / "lr_window")
     args, rest = p.parse_known_args(argv)
-    design = ablation.build_parser().parse_args(rest)  # L, eta_max, --window_arms/steps, --collapse_pts, --records
+    design = build_parser().parse_args(rest)  # L, eta_max, --window_arms/steps, --collapse_pts, --records
     for key in ("grpo_lr", "eta_multiple", "window_arms", "window_steps", "collapse_pts", "records"):
         setattr(args, key, getattr(design, key))
-    runs = ablation.load_runs(args.records)
+    runs = load_runs(args.records)
     rows = window_rows(runs, args)
     summaries = {arm: window_summary(rows, arm, args.tolerance, len(args.window_seeds)) for arm in args.window_arms}
     pairs = [(a, b) for i, a in enumerate(args.window_arms) for b in args.window_arms[i + 1:]]

@@ -26,7 +26,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from oblr_trl import per_sequence_grad_sq_norms
-from oblr_trl.grad_norms import experts, generic, routers, support
+from oblr_trl.grad_norms import generic, rules
 
 
 def main():
@@ -65,14 +65,8 @@ def main():
         return per_sequence_grad_sq_norms(model, ids, attention, completion)
 
     def per_row():  # banks and routers on the per-row path: their rules switched off for this call
-        bank, router = experts.recognise_bank, routers.recognise_router
-        experts.recognise_bank = support.recognise_bank = lambda module: None
-        routers.recognise_router = support.recognise_router = lambda module: False
-        try:
+        with rules.switched_off("expert_bank", "router"):
             return per_sequence_grad_sq_norms(model, ids, attention, completion)
-        finally:
-            experts.recognise_bank = support.recognise_bank = bank
-            routers.recognise_router = support.recognise_router = router
 
     def timed(fn):
         if args.device == "cuda":

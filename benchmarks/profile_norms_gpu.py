@@ -31,8 +31,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-import step_cost  # noqa: E402
-from oblr_trl.grad_norms import engine, factors  # noqa: E402
+from studies.step_cost.calls import device_and_dtype, load_model, make_batch, make_fns  # noqa: E402
+
+from oblr_trl.grad_norms import engine, factors, per_sequence_grad_sq_norms  # noqa: E402
 
 
 def sync():
@@ -69,9 +70,14 @@ class Breakdown:
             if hasattr(mod, attr):
                 self.saved.append((mod, attr, getattr(mod, attr)))
                 setattr(mod, attr, self._wrap(getattr(mod, attr), name))
-        find_rule = engine.find_rule
-        self.saved.append((engine, "find_rule", find_rule))
-        engine.find_rule = lambda m: self._wrap(find_rule(m), "rules")
+        init = engine._Pass.__init__  # the rules each pass runs, from the model's plan: timed there
+
+        def timed_rules(run, *a, **k):
+            init(run, *a, **k)
+            run.rules = {m: self._wrap(r, "rules") if callable(r) else r for m, r in run.rules.items()}
+
+        self.saved.append((engine._Pass, "__init__", init))
+        engine._Pass.__init__ = timed_rules
         if hasattr(engine, "autocast_operands"):
             ao = engine.autocast_operands
             self.saved.append((engine, "autocast_operands", ao))
@@ -90,10 +96,10 @@ def rel_err(a, b):
 
 
 def measure(spec, completion, args, device, dtype):
-    model, _ = step_cost.load_model(spec, device)
+    model, _ = load_model(spec, device)
     vocab = model.config.vocab_size
-    batch = step_cost.make_batch(vocab, args.batch, args.prompt_len, completion, device)
-    fns = step_cost.make_fns(model, batch, device, dtype)
+    batch = make_batch(vocab, args.batch, args.prompt_len, completion, device)
+    fns = make_fns(model, batch, device, dtype)
     names = ["fwdbwd", "norms", "group"] + (["loop_sq"] if args.loop else [])
     row = dict(size=spec, completion=completion, batch=args.batch, prompt=args.prompt_len)
     outputs = {}
@@ -141,8 +147,8 @@ def measure(spec, completion, args, device, dtype):
     if f"{spec}:{completion}" in args.accuracy:
         ids, att, cm = batch
         with torch.autocast("cuda", enabled=False):
-            n32 = step_cost.per_sequence_grad_sq_norms(model, ids, att, cm)
-            fns32 = step_cost.make_fns(model, batch, device, None)
+            n32 = per_sequence_grad_sq_norms(model, ids, att, cm)
+            fns32 = make_fns(model, batch, device, None)
             l32 = fns32["loop_sq"]()
         row["err_norms_vs_loop_fp32"], _ = rel_err(n32, l32)
         row["err_norms_bf16_vs_loop_fp32"], _ = rel_err(outputs["norms"], l32)
@@ -168,7 +174,7 @@ def main():
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    device, dtype = step_cost.device_and_dtype()
+    device, dtype = device_and_dtype()
     assert device.type == "cuda", "a GPU is needed"
     info = dict(label=args.label, device=torch.cuda.get_device_name(), torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), batch=args.batch)

@@ -34,7 +34,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import sys
 import time
 
@@ -46,139 +45,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from grad_variance import completion_score, gram_stats, spearman  # noqa: E402
+from harness.memory import peak_rss_gb  # noqa: E402
+from studies.baselines import BASELINED, LABELS, METHODS, advantages  # noqa: E402
+from studies.scores import (batched_scores, completion_score, gram64, gram_stats, lora_b_modules,  # noqa: E402
+                            sample_completions, spearman)
 
-from oblr_trl import gradient_weighted_baseline, mean_baseline  # noqa: E402
 from oblr_trl.demo.tasks import make_dataset, make_reward_func  # noqa: E402
-from oblr_trl.estimators import logit_proxy_weights, token_log_sum_sq_probs  # noqa: E402
 
-METHODS = ["grpo", "dr_grpo", "rloo", "length", "length_loo", "logit", "logit_loo", "exact", "exact_loo"]
-BASELINED = METHODS[1:]  # r - b with a baseline b (GRPO also divides by the group's std)
-LABELS = {
-    "grpo": "GRPO (mean, /std)",
-    "dr_grpo": "Dr. GRPO (mean, no /std)",
-    "rloo": "RLOO (leave-one-out mean)",
-    "length": "OPO w=\\|o\\| (plain)",
-    "length_loo": "OPO w=\\|o\\| (leave-one-out)",
-    "logit": "logit proxy w=sum(1-2pi+sum pi^2) (plain)",
-    "logit_loo": "logit proxy (leave-one-out)",
-    "exact": "exact w=\\|\\|s\\|\\|^2 (plain)",
-    "exact_loo": "OBLR-PO default: exact w=\\|\\|s\\|\\|^2 (leave-one-out)",
-}
 INSTRUCTION = " Reply with the number only."
-
-
-def advantages(method: str, r: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    K, G = r.shape
-    flat = r.reshape(-1)
-    if method == "grpo":
-        return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)
-    if method == "dr_grpo":
-        return r - r.mean(1, keepdim=True)
-    if method == "rloo":
-        return r - mean_baseline(flat, None, G, True)[0].view(K, G)
-    source, loo = method.removesuffix("_loo"), method.endswith("_loo")
-    return r - gradient_weighted_baseline(flat, weights[source].reshape(-1), G, loo)[0].view(K, G)
-
-
-def lora_b_modules(model) -> list[torch.nn.Module]:
-    """The LoRA B linears of a peft model, in the order of ``named_parameters`` (so their flattened weight gradients
-    line up with :func:`grad_variance.completion_score`'s ``params``)."""
-    return [m for n, m in model.named_modules() if n.split(".")[-2:-1] == ["lora_B"] and hasattr(m, "weight")]
-
-
-@torch.no_grad()
-def sample_completions(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_token_id: int,
-                       generator: torch.Generator, batch: int = 64) -> list[list[int]]:
-    """n i.i.d. completions of one prompt from the policy itself (temperature 1, full softmax), each up to and
-    including its first eos: the prompt is prefilled once per chunk of ``batch`` and its KV cache repeated, then all
-    rows decode together (no padding: a row that has ended keeps sampling, and what follows its eos is dropped)."""
-    out = []
-    for start in range(0, n, batch):
-        b = min(batch, n - start)
-        prefill = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-        cache = prefill.past_key_values
-        cache.batch_repeat_interleave(b)
-        logits = prefill.logits[:, -1].float().expand(b, -1)
-        rows = []
-        for _ in range(max_new_tokens):
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)  # (b, 1)
-            rows.append(nxt)
-            step = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-            cache, logits = step.past_key_values, step.logits[:, -1].float()
-        for row in torch.cat(rows, 1).tolist():
-            ids = []
-            for t in row:
-                ids.append(t)
-                if t == eos_token_id:
-                    break
-            out.append(ids)
-    return out
-
-
-def batched_scores(model, modules: list[torch.nn.Module], prompt_ids: list[int], completions: list[list[int]]
-                   ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """Per-completion LoRA-B score vectors and logit proxies from ONE batched forward and ONE backward.
-
-    The batch is ``prompt + completion`` right-padded (causal attention: real tokens never see the padding, so no
-    attention mask is needed and every row's values equal its unpadded forward); the loss is
-    ``sum_i sum_t log pi(o_i,t)`` over the real completion tokens. Hooks record each LoRA B linear's input ``a_t = A x_t``
-    (forward) and its output gradient ``delta_t`` (backward), and the per-sequence weight gradient is
-    ``sum_t delta_t a_t^T`` (einsum over the sequence axis: Opacus-style materialised per-sample gradients).
-
-    Returns ``(S (B, D) float32 in the order of `lora_b_modules`, logit proxies (B,) float64, forward s, backward s)``.
-    """
-    B, P = len(completions), len(prompt_ids)
-    L = max(len(c) for c in completions)
-    ids = torch.zeros(B, P + L, dtype=torch.long)
-    mask = torch.zeros(B, L)
-    for i, c in enumerate(completions):
-        ids[i] = torch.tensor(prompt_ids + c + [c[-1]] * (L - len(c)))  # pad with any id: masked, never attended to
-        mask[i, : len(c)] = 1
-    sizes = [m.weight.numel() for m in modules]
-    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
-    S = torch.zeros(B, sum(sizes))
-    handles, inputs = [], {}
-
-    def forward_hook(k):
-        def hook(module, args, output):
-            inputs[k] = args[0].detach()
-
-            def grad_hook(grad):
-                per_seq = torch.einsum("bto,btr->bor", grad.float(), inputs.pop(k).float())
-                S[:, offsets[k] : offsets[k] + sizes[k]] = per_seq.reshape(B, -1)
-
-            output.register_hook(grad_hook)
-        return hook
-
-    for k, m in enumerate(modules):
-        handles.append(m.register_forward_hook(forward_hook(k)))
-    try:
-        t0 = time.perf_counter()
-        logits = model(input_ids=ids, use_cache=False, logits_to_keep=L + 1).logits[:, :-1].float()  # (B, L, V)
-        logps = torch.log_softmax(logits, -1).gather(-1, ids[:, P:, None])[..., 0]
-        with torch.no_grad():
-            proxy = logit_proxy_weights(logps.detach(), token_log_sum_sq_probs(logits.detach()), mask)
-        loss = (logps * mask).sum()
-        forward_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        torch.autograd.grad(loss, [m.weight for m in modules])
-        backward_s = time.perf_counter() - t0
-    finally:
-        for h in handles:
-            h.remove()
-    if inputs:
-        raise RuntimeError(f"benchmarks/proxies.py: {len(inputs)} LoRA B layers got no gradient (unused adapters?)")
-    return S, proxy.double(), forward_s, backward_s
-
-
-def gram64(U: torch.Tensor, chunk: int = 65536) -> torch.Tensor:
-    """``U U^T`` accumulated in float64 over column chunks (U float32, (n, D))."""
-    out = torch.zeros(U.shape[0], U.shape[0], dtype=torch.float64)
-    for c in range(0, U.shape[1], chunk):
-        block = U[:, c : c + chunk].double()
-        out += block @ block.T
-    return out
 
 
 def stratified_oracle(r: torch.Tensor, w: torch.Tensor, scored: torch.Tensor) -> float | None:
@@ -439,7 +313,7 @@ def main():
         seconds_forward_per_completion=fwd_s / max(n_scored, 1),
         seconds_backward_per_completion=bwd_s / max(n_scored, 1),
         check_one_at_a_time=check,
-        peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        peak_rss_gb=peak_rss_gb(),
         per_prompt=[{k: v for k, v in e.items() if k not in ("gram", "gram_d")} for e in per_prompt],
     )
     write(result, args)

@@ -37,11 +37,11 @@ import os
 import platform
 import statistics
 import subprocess
-import time
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from demo_seeds import demo_command
+from harness import RunnerLog, uptime
+from harness.grid import Costs, Limits, run_grid
+from harness.procs import demo_command
 
 HERE = Path(__file__).resolve().parent
 METHODS = {
@@ -232,63 +232,6 @@ def plot(table: dict, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def meminfo_gb(field: str = "MemAvailable") -> float:
-    """A /proc/meminfo field in GB (inf where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return math.inf
-
-
-def mem_available_gb() -> float:
-    return meminfo_gb("MemAvailable")
-
-
-def real_demo_runs() -> list[dict]:
-    """Every examples/demo.py run on the real model on this machine, ours or anyone's (the machine holds 2 of ~11 GB;
-    a run another runner started is not started twice), as dict(out, pid, elapsed_s, max_steps): its --output_dir
-    (resolved against that run's working directory; "" without one), how long it has run and its --max_steps."""
-    runs = []
-    clock = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
-            if not (any(a.endswith("examples/demo.py") for a in argv) and "smollm2" in argv and "python" in argv[0]):
-                continue
-            with open(f"/proc/{pid}/stat") as f:  # field 22, after the command's parenthesis: start, in clock ticks
-                started = int(f.read().rsplit(")", 1)[1].split()[19]) / clock
-            with open("/proc/uptime") as f:
-                elapsed = float(f.read().split()[0]) - started
-        except (OSError, ValueError, IndexError):
-            continue
-        flag = lambda name: argv[argv.index(name) + 1] if name in argv[:-1] else ""  # noqa: E731
-        out = flag("--output_dir")
-        try:
-            out = str(Path(os.readlink(f"/proc/{pid}/cwd")) / out) if out else ""
-        except OSError:
-            pass
-        runs.append(dict(out=out, pid=int(pid), elapsed_s=elapsed, max_steps=int(flag("--max_steps") or 0)))
-    return runs
-
-
-def real_demo_outputs() -> list[str]:
-    """The --output_dir of every examples/demo.py run on the real model on this machine (``real_demo_runs``)."""
-    return [run["out"] for run in real_demo_runs()]
-
-
-def is_running(out: Path, running_outputs: list[str]) -> bool:
-    return any(o and Path(o).resolve() == out.resolve() for o in running_outputs)
-
-
 def resolve_auto(run_dir: Path, default_lr: float, seeds: list[int]) -> float | None:
     """OBLR-PO's mean applied lr at its default eta_max, fixed once all its seeds finished (kept in auto_lr.json)."""
     saved = run_dir / "auto_lr.json"
@@ -303,57 +246,41 @@ def resolve_auto(run_dir: Path, default_lr: float, seeds: list[int]) -> float | 
     return lr
 
 
-def stop_deadline(hhmm: str | None, now: datetime) -> datetime | None:
-    """The next time the wall clock reads ``hhmm`` (UTC) after ``now``: a stop time earlier in the day than the start
-    means tomorrow's (a run launched at 23:20 with ``--stop_launching 00:40`` stops launching 80 minutes later)."""
-    if not hhmm:
-        return None
-    hh, mm = map(int, hhmm.split(":"))
-    stop = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
-    return stop if stop > now else stop + timedelta(days=1)
+def pending(args, cells, seeds, launched: set) -> list[dict]:
+    """The runs still to do, in launch order (cell-major, or ``--seed_major``): not finished, not launched by this
+    runner before (a run that failed is not retried), and with a known lr (``auto`` waits for OBLR-PO's runs)."""
+    order = [(m, lr, s) for s in seeds for m, lr in cells] if args.seed_major else [(m, lr, s) for m, lr in cells
+                                                                                    for s in seeds]
+    todo = []
+    for method, lr, seed in order:
+        lr = resolve_auto(args.run_dir, args.default_lr, seeds) if lr == "auto" else float(lr)
+        out = None if lr is None else cell_dir(args.run_dir, method, lr) / f"seed{seed}"
+        if out is None or out in launched or (out / "summary.json").exists():
+            continue
+        todo.append(dict(kind="train", name=f"{method} lr={lr:.3g} seed={seed}", out=out, seed=seed, steps=args.max_steps,
+                         argv=["--model", "smollm2", "--learning_rate", repr(lr), "--max_steps", str(args.max_steps),
+                               *METHODS[method], *args.demo_args]))
+    return todo
 
 
-def run_grid(args, cells, seeds, log) -> None:
-    pending = ([(m, lr, s) for s in seeds for m, lr in cells] if args.seed_major
-               else [(m, lr, s) for m, lr in cells for s in seeds])
-    running: list[tuple[subprocess.Popen, str, Path]] = []
-    stop = stop_deadline(args.stop_launching, datetime.now(timezone.utc))
-    while pending or running:
-        for item in list(running):
-            proc, name, out = item
-            if proc.poll() is not None:
-                running.remove(item)
-                log(f"finished {name} rc={proc.returncode}; {uptime()}")
-        launchable = stop is None or datetime.now(timezone.utc) < stop
-        if not launchable and pending:
-            log(f"stop time {args.stop_launching} UTC reached: not launching {len(pending)} runs")
-            pending = []
-        while (pending and len(running) < args.parallel and len(real_demo_outputs()) < args.parallel
-               and mem_available_gb() >= args.min_free_gb):
-            job = next((j for j in pending if j[1] != "auto" or resolve_auto(args.run_dir, args.default_lr, seeds)),
-                       None)
-            if job is None:
-                break
-            pending.remove(job)
-            method, lr, seed = job
-            lr = resolve_auto(args.run_dir, args.default_lr, seeds) if lr == "auto" else float(lr)
-            out = cell_dir(args.run_dir, method, lr) / f"seed{seed}"
-            if (out / "summary.json").exists() or is_running(out, real_demo_outputs()):
-                continue
-            extra = ["--model", "smollm2", "--learning_rate", repr(lr), "--max_steps", str(args.max_steps),
-                     *METHODS[method], *args.demo_args]
-            before = sorted(args.run_dir.glob(f"*_lr*/seed{seed}/before.json"))
-            if before:
-                extra += ["--before_from", str(before[0])]
-            cmd, env = demo_command(seed, out, extra)
-            out.mkdir(parents=True, exist_ok=True)
-            with open(out / "log.txt", "w") as f:
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-            name = f"{method} lr={lr:.3g} seed={seed}"
-            running.append((proc, name, out))
-            log(f"launched {name} (pid {proc.pid}{', before from ' + str(before[0]) if before else ''}); {uptime()}")
-            time.sleep(5)  # let its memory show before the next check
-        time.sleep(args.poll_s)
+def launch(args, job: dict, launched: set) -> subprocess.Popen:
+    """One examples/demo.py run, reusing any run's before-RL evaluation of the same seed (identical by construction)."""
+    launched.add(job["out"])
+    before = sorted(args.run_dir.glob(f"*_lr*/seed{job['seed']}/before.json"))
+    cmd, env = demo_command(job["seed"], job["out"], job["argv"] + (["--before_from", str(before[0])] if before else []))
+    job["out"].mkdir(parents=True, exist_ok=True)
+    with open(job["out"] / "log.txt", "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def run_cells(args, cells, seeds, log) -> None:
+    """The grid under the harness's runner: ``--parallel`` real-model runs on the machine (another runner's count),
+    each launched when ``--min_free_gb`` is free (no memory model: every run counts 0 GB against the budget)."""
+    launched: set = set()
+    costs = Costs(peak_gb=lambda job: 0.0, minutes=lambda job: job["steps"])
+    limits = Limits(parallel=args.parallel, min_free_gb=args.min_free_gb, poll_s=args.poll_s,
+                    stop_launching=args.stop_launching)
+    run_grid(lambda: pending(args, cells, seeds, launched), lambda job: launch(args, job, launched), costs, limits, log)
 
 
 def main():
@@ -376,19 +303,10 @@ def main():
     parser.add_argument("demo_args", nargs="*", help="extra arguments for examples/demo.py (after --)")
     args = parser.parse_args()
     cells = parse_cells(args.cells)
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    state_path = args.run_dir / "runner.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else dict(log=[])
-
-    def log(message):
-        line = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC {message}"
-        print(line, flush=True)
-        state["log"].append(line)
-        state_path.write_text(json.dumps(state, indent=1))
-
+    log = RunnerLog(args.run_dir)
     if not args.no_run:
         log(f"start: {len(cells)} cells x {len(args.seeds)} seeds, {args.max_steps} steps; {uptime()}")
-        run_grid(args, cells, args.seeds, log)
+        run_cells(args, cells, args.seeds, log)
         log(f"end; {uptime()}")
 
     runs = load_runs(args.run_dir)
@@ -403,7 +321,7 @@ def main():
         if lost:
             missing.append(f"{method} lr {lr_text} seeds {','.join(map(str, lost))}")
     table = tabulate(runs, args.default_lr)
-    launches = [line for line in state["log"] if " launched " in line or " finished " in line or "start:" in line
+    launches = [line for line in log.lines if " launched " in line or " finished " in line or "start:" in line
                 or " end;" in line or "stop time" in line]
     first, last = (launches[0][:23], launches[-1][:23]) if launches else ("?", "?")
     command = ("python benchmarks/real_compare.py --max_steps " + str(args.max_steps) + " --cells " + " ".join(args.cells)
@@ -426,7 +344,7 @@ def main():
            "average step without the SNR factor. " if auto else "")
         + "The lr is eta_max for OBLR-PO; 'mean applied lr' is the lr the optimizer used, averaged over steps.",
     ]
-    loads = [line for line in state["log"] if "load average" in line]
+    loads = [line for line in log.lines if "load average" in line]
     if loads:
         header += ["", "Load (`uptime`) at the first and last launch/finish: "
                    f"`{loads[0].split('; ', 1)[-1]}` ... `{loads[-1].split('; ', 1)[-1]}`."]
@@ -434,7 +352,7 @@ def main():
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text + f"\nPlot: `results/{args.out.name}.png` (accuracy after RL vs lr; "
                                           "OBLR-PO's open markers at its mean applied lr).\n")
-    args.out.with_suffix(".json").write_text(json.dumps(dict(command=command, runner_log=state["log"], auto_lr=auto,
+    args.out.with_suffix(".json").write_text(json.dumps(dict(command=command, runner_log=log.lines, auto_lr=auto,
                                                              missing=missing, **table,
                                                              runs=runs), indent=1, default=str))
     plot(table, args.out.with_suffix(".png"), f"SmolLM2-135M-Instruct, chain_sum, {args.max_steps} steps: "

@@ -24,7 +24,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEMO = HERE.parent / "examples" / "demo.py"
+if str(HERE) not in sys.path:  # loaded by path, not run as a script
+    sys.path.insert(0, str(HERE))
+
+from harness.procs import demo_command  # noqa: E402
+
 DEFAULT_VARIANTS = [
     "per_step=--snr_estimator per_step",
     "ema(0.9)=--snr_estimator ema --snr_ema 0.9",
@@ -39,8 +43,7 @@ def run(name: str, extra: list[str], seed: int, run_dir: Path, only_existing: bo
         return None
     if not (out / "summary.json").exists():
         # the tiny model (its table's setting) unless the extra arguments name another
-        cmd = [sys.executable, str(DEMO), "--model", "tiny", "--seed", str(seed), "--output_dir", str(out), *extra]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        cmd, env = demo_command(seed, out, ["--model", "tiny", *extra])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} seed {seed} failed:\n{proc.stderr[-3000:]}")

@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from harness import host, md_table, utc_now  # noqa: E402
-from proxies import LABELS, METHODS, advantages, batched_scores, gram64, lora_b_modules, sample_completions  # noqa: E402
+from harness.memory import peak_rss_gb  # noqa: E402
+from studies.baselines import LABELS, METHODS, advantages  # noqa: E402
+from studies.scores import batched_scores, gram64, lora_b_modules, sample_completions  # noqa: E402
 
 SHOW_WORK = " Show your work step by step, then give the final answer as the last number."
 TASK_KWARGS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
@@ -222,7 +223,7 @@ def measure_prompt(model, modules, tokenizer, reward_func, row, index: int, args
         w_exact=[w_exact.view(K, G)[k].tolist() if mixed[k] else None for k in range(K)],
         w_logit=[proxy.view(K, G)[k].tolist() if mixed[k] else None for k in range(K)],
         gram=gram, example=texts[0], seconds=round(time.time() - t0, 1),
-        peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
+        peak_rss_gb=peak_rss_gb())
 
 
 def measure(args) -> None:
@@ -263,13 +264,21 @@ def fmt_cell(row: dict, m: str) -> str:
     return text + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else " (too few)")
 
 
-def render(records: list[dict], args) -> str:
+def analyse(records: list[dict], args) -> dict:
+    """The two bucket tables (by length, by spread) and the headline: what the markdown and the .json show."""
     if not records:
         raise SystemExit(f"variance_long: no records in {args.records}: run the measurement first.")
-    K, G, n = records[0]["K"], records[0]["G"], len(records)
     tables = {name: bucket_table(records, which, args.bootstrap, args.seed, args.min_prompts, args.min_groups)
               for which, name in ((0, "length"), (1, "spread"))}
     orders = {"length": bucket_order(LENGTH_EDGES), "spread": bucket_order(SPREAD_EDGES, "x") + [EQUAL]}
+    return dict(tables=tables, orders=orders, headline=headline(tables), methods=list(METHODS), prompts=len(records),
+                planned_prompts=args.prompts)
+
+
+def render(records: list[dict], args, analysis: dict | None = None) -> str:
+    analysis = analysis or analyse(records, args)
+    K, G, n = records[0]["K"], records[0]["G"], len(records)
+    tables, orders = analysis["tables"], analysis["orders"]
     lengths = [x for r in records for row in r["lengths"] for x in row]
     ended = sum(x for r in records for row in r["ended"] for x in row)
     reward = sum(sum(map(sum, r["rewards"])) for r in records) / len(lengths)
@@ -305,7 +314,7 @@ def render(records: list[dict], args) -> str:
                 for b in orders[name] + ["all groups"] if b in table]
         lines += [f"## {title}", ""]
         lines += md_table(["bucket", "groups", "prompts"] + [LABELS[m] for m in SHOWN], rows) + [""]
-    best = headline(tables)
+    best = analysis["headline"]
     lines += ["## Headline", ""]
     if best is None:
         lines.append("No bucket has enough prompts and groups for an interval yet.")
@@ -349,8 +358,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not args.render_only:
         measure(args)
-    text = render(load_records(args.records), args)
+    records = load_records(args.records)
+    analysis = analyse(records, args)
+    text = render(records, args, analysis)
     args.out.write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps(analysis, indent=1))
     print(text)
 
 

@@ -3,23 +3,54 @@ completion lengths and squared gradient norms (or proxy weights), returning what
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .advice import WEIGHT_RATIO_WARNING
-from .estimators import (baseline_uses_weights, baseline_weights, clip_weights, get_baseline, max_weight_ratio,
-                         weight_estimator)
+from .estimators import (baseline_metrics, baseline_uses_weights, baseline_weights, clip_weights, get_baseline,
+                         max_weight_ratio, weight_estimator)
+
+
+@dataclass(frozen=True)
+class BaselineStats:
+    """What the baseline's metrics (:func:`.estimators.baseline_metrics`) are formed from, for some rows: all ranks'
+    ``rewards`` (NaN: unscorable), their ``baseline`` and ``weights``, the rows whose baseline fell back to the plain
+    mean (``num_fallback``) and the weights clipped (``num_clipped``).
+
+    Merged across the chunks of one micro-batch (:meth:`merge`) before logging, so ``one_backward``'s micro-batch logs
+    once however many chunks it runs in: the chunks hold disjoint whole groups, so their rows concatenate and their
+    counts add. Micro-batches are not merged: each logs its own (the two-pass path logs once per generation batch),
+    and TRL averages what was logged over the logging interval.
+    """
+
+    rewards: torch.Tensor
+    baseline: torch.Tensor
+    weights: torch.Tensor
+    num_fallback: int
+    num_clipped: int
+
+    @classmethod
+    def merge(cls, parts: Sequence["BaselineStats"]) -> "BaselineStats":
+        """One value for the rows of ``parts`` (chunks of one micro-batch, in row order): tensors concatenated,
+        counts summed."""
+        return cls(torch.cat([p.rewards for p in parts]), torch.cat([p.baseline for p in parts]),
+                   torch.cat([p.weights for p in parts]), sum(p.num_fallback for p in parts),
+                   sum(p.num_clipped for p in parts))
+
+    def metrics(self) -> dict[str, float]:
+        """The metrics to log, without the ``oblr/`` prefix (:func:`.estimators.baseline_metrics`)."""
+        return baseline_metrics(self.rewards, self.baseline, self.weights, self.num_fallback, self.num_clipped)
 
 
 @dataclass(frozen=True)
 class AdvantageResult:
-    """``values``: the local rows' advantages. ``parts``: the inputs of :func:`.estimators.baseline_metrics`
-    (rewards, baseline, weights, fallback count, clipped count), so that chunks of one micro-batch log once.
-    ``warnings``: keys of :data:`.advice.WARNINGS`."""
+    """``values``: the local rows' advantages. ``stats``: what the baseline's metrics are formed from (all ranks'
+    rows). ``warnings``: keys of :data:`.advice.WARNINGS`."""
 
     values: torch.Tensor
-    parts: tuple
+    stats: BaselineStats
     warnings: tuple[str, ...]
 
 
@@ -79,4 +110,5 @@ def compute_advantages(
         warnings.append("fallback")
     if torch.isnan(rewards).any():
         warnings.append("unscorable")
-    return AdvantageResult(values, (rewards, baseline, weights, num_fallback, num_clipped), tuple(warnings))
+    stats = BaselineStats(rewards, baseline, weights, num_fallback, num_clipped)
+    return AdvantageResult(values, stats, tuple(warnings))

@@ -1,4 +1,4 @@
-"""The update's cost from shapes alone: FLOPs and peak live bytes of GRPO's update and of OBLR-PO's two modes, and the
+"""The update's cost from shapes alone: FLOPs and peak live bytes of GRPO's update and of OBLR-PO's modes, and the
 default's choice between them. Pure: no model, no device; the trainer describes its model and batch as a
 :class:`Shape` (:func:`.one_backward.describe`), and ``benchmarks/cost_counts.py`` prints these predictions beside its
 counts, so the table verifies the function training runs.
@@ -10,7 +10,15 @@ counts, so the table verifies the function training runs.
   activation size and the head's transients are fitted to the counted Qwen3 rows (``benchmarks/results/
   cost_counts*.md`` prints model and count side by side).
 * :func:`choose`: ``one_backward`` and its chunk where its predicted peak stays within the memory target and its
-  FLOPs within the FLOP target of GRPO's; two passes otherwise (:func:`norms_chunk`: their norms pass's chunk).
+  FLOPs within the FLOP target of GRPO's; else, under gradient checkpointing, ``one_backward`` replayed (``replay``:
+  no factors kept, the update from a second backward of the pass's graph; GRPO's bytes, two passes' FLOPs less a
+  forward); two passes otherwise (:func:`norms_chunk`: their norms pass's chunk).
+
+Modes (:data:`MODES`): ``grpo``, ``one_backward`` (factors kept), ``two_passes`` and ``replay``. Why not one backward
+with GRPO's bytes: each advantage needs every layer's norm, known only when the backward ends, so the update needs each
+layer's per-row gradient after its backward: kept (at least ``min(T (in + out), in out)`` elements per row and layer,
+:func:`kept_per_row`: 1.6-2.7x GRPO's peak for full fine-tuning under checkpointing) or formed again (a second
+backward, recomputing each layer: about 1.5-1.7x GRPO's FLOPs).
 """
 
 from __future__ import annotations
@@ -20,11 +28,13 @@ from dataclasses import dataclass
 FLOPS_TARGET = 1.3  # one_backward's FLOPs at most this times GRPO's
 BYTES_TARGET = 1.1  # its peak bytes at most this times GRPO's, under gradient checkpointing
 BYTES_TARGET_NO_CKPT = 1.2  # and without
+MODES = ("grpo", "one_backward", "two_passes", "replay")
 HEAD_TILE = 4096  # tokens per tile of TRL's fused LM head (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE)
 ACTIVATION = 1.4  # elements a layer saves per token without checkpointing, per element of its linear maps' in + out
 # the head and the rest, fitted to the counted rows: logits-sized tiles, head-weight gradients, hidden-sized tensors
 GRPO_REST = dict(tiles=1.9, head_grad=0.55, hidden=5.0, hidden_ckpt=10.0)
 ONE_BACKWARD_REST = dict(tiles=0.5, head_grad=0.4, hidden=20.0, hidden_ckpt=30.0)
+REPLAY_HIDDEN = 25.0  # hidden-sized tensors per token that one_backward replayed holds beside the checkpointed inputs
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,7 @@ def _attention_flops(s: Shape, rows: int) -> tuple[float, float]:
 
 def flops(s: Shape, mode: str) -> float:
     """Matmul and attention FLOPs of one micro-batch's update, ``mode`` one of ``grpo``, ``one_backward``,
-    ``two_passes``.
+    ``two_passes``, ``replay``.
 
     GRPO: per layer each linear map's forward and input gradient (``4 N in out``) and, where trained, its weight
     gradient (``2 N in out``), attention forward and backward, and the forward again under checkpointing; the fused
@@ -79,7 +89,8 @@ def flops(s: Shape, mode: str) -> float:
     trainable map's per-sequence norm at the cheaper of ghost (``2 T^2 (in + out)``) and instantiation
     (``2 T in out``), the head's likewise over the ``C`` completion positions, and runs its head over ``C`` positions:
     5 logits products (3 with a frozen head). Two passes: GRPO plus a norms pass (forward, input gradients, norms;
-    head 3 products)."""
+    head 3 products). Replayed: two passes less the loss pass's forward, the head's update over the ``C``
+    positions (its logits again and the weight gradient: 5 products in all, 2 with a frozen head)."""
     B, T, C, d, V = s.rows, s.tokens, s.completion, s.hidden, s.vocab
     N = B * T
     fwd = sum(2 * N * i * o for i, o, _ in s.maps)
@@ -95,10 +106,13 @@ def flops(s: Shape, mode: str) -> float:
     head_norm = B * min(2 * C * C * (d + V), 2 * C * d * V) if s.head_trainable else 0
     if mode == "one_backward":
         return s.layers * (layer + norms) + (5 if s.head_trainable else 3) * logits(B * C) + head_norm
+    norm_pass = 2 * fwd + att_f + att_b + norms + recompute
     if mode == "two_passes":
-        norm_pass = 2 * fwd + att_f + att_b + norms + recompute
         return s.layers * (layer + norm_pass) + head + 3 * logits(B * C) + head_norm
-    raise ValueError(f"mode={mode!r}: one of 'grpo', 'one_backward', 'two_passes'")
+    if mode == "replay":  # the norms pass, then GRPO's backward of its kept graph: no second forward
+        return s.layers * (layer + norm_pass - fwd - att_f) + (5 if s.head_trainable else 2) * logits(B * C) \
+            + head_norm
+    raise ValueError(f"mode={mode!r}: one of {MODES}")
 
 
 def kept_per_row(s: Shape) -> int:
@@ -112,7 +126,8 @@ def peak_bytes(s: Shape, mode: str, chunk: int = 0) -> float:
     in chunks of ``chunk`` rows (0: all), as does the two-pass path's norms pass. The layers' part is exact under
     checkpointing (their inputs; ``one_backward``'s factors, :func:`kept_per_row`; the norms pass also holds each
     layer's output gradient) and fitted without (:data:`ACTIVATION`); the head's and the rest's part is fitted
-    (:data:`GRPO_REST`, :data:`ONE_BACKWARD_REST`). Two passes: the larger of GRPO's loss pass and the norms pass."""
+    (:data:`GRPO_REST`, :data:`ONE_BACKWARD_REST`). Two passes: the larger of GRPO's loss pass and the norms pass.
+    Replayed: :func:`_replay_peak` (what GRPO's backward holds, less TRL's logits-sized tiles)."""
     if mode == "grpo":
         return _peak(s, s.rows, False)
     if mode == "one_backward":
@@ -120,10 +135,25 @@ def peak_bytes(s: Shape, mode: str, chunk: int = 0) -> float:
     if mode == "two_passes":
         if not s.checkpointing:
             return _peak(s, s.rows, False)
-        c = chunk or s.rows
-        extra = 0 if s.adapters else s.layers * c * s.tokens * s.hidden * s.itemsize  # output gradients
-        return max(_peak(s, s.rows, False), _peak(s, c, False) + extra)
-    raise ValueError(f"mode={mode!r}: one of 'grpo', 'one_backward', 'two_passes'")
+        return max(_peak(s, s.rows, False), _norms_pass_peak(s, chunk or s.rows))
+    if mode == "replay":
+        return _replay_peak(s, chunk or s.rows)
+    raise ValueError(f"mode={mode!r}: one of {MODES}")
+
+
+def _replay_peak(s: Shape, rows: int) -> float:
+    """``one_backward`` replayed over ``rows`` rows: the weight gradients (the layers' and the head's, float32), each
+    layer's checkpointed input and :data:`REPLAY_HIDDEN` hidden-sized tensors (fitted: 0.90-1.04x the counted peak,
+    Qwen3-0.6B at 8 x 256, 8 x 512 and 64 x 512). No logits-sized tiles: the pass's head works in vocabulary chunks."""
+    weights = s.layers * sum(i * o for i, o, t in s.maps if t) + (s.vocab * s.hidden if s.head_trainable else 0)
+    return 4 * weights + (s.layers + REPLAY_HIDDEN) * rows * s.tokens * s.hidden * s.itemsize
+
+
+def _norms_pass_peak(s: Shape, rows: int) -> float:
+    """The norms pass over ``rows`` rows: GRPO's peak at those rows, plus each layer's input gradient (the pass's
+    backward returns them all at its end), except under LoRA (the adapters' inputs)."""
+    extra = 0 if s.adapters else s.layers * rows * s.tokens * s.hidden * s.itemsize
+    return _peak(s, rows, False) + extra
 
 
 def _peak(s: Shape, rows: int, one_backward: bool) -> float:
@@ -158,18 +188,28 @@ def chunk_sizes(rows: int, group: int) -> list[int]:
 class Choice:
     one_backward: bool
     chunk: int  # rows per chunk (the micro-batch's rows where it runs whole); 0 on the two-pass path
-    flops_ratio: float  # one_backward's predicted FLOPs / GRPO's
+    flops_ratio: float  # the chosen one_backward path's predicted FLOPs / GRPO's (kept factors' where neither runs)
     bytes_ratio: float  # its predicted peak bytes (at ``chunk``, or at the smallest chunk) / GRPO's
+    replay: bool = False  # one_backward's update replayed by a second backward (no factors kept), not from factors
 
 
 def fitting_chunk(s: Shape) -> tuple[int, float]:
     """The largest chunk whose predicted peak is within the memory target of GRPO's (0: none), and its ratio (the
     smallest chunk's where none fits)."""
+    return _fitting(s, "one_backward")
+
+
+def replay_chunk(s: Shape) -> tuple[int, float]:
+    """:func:`fitting_chunk` for ``one_backward`` replayed."""
+    return _fitting(s, "replay")
+
+
+def _fitting(s: Shape, mode: str) -> tuple[int, float]:
     limit = BYTES_TARGET if s.checkpointing else BYTES_TARGET_NO_CKPT
     grpo = peak_bytes(s, "grpo")
     ratio = float("inf")
     for size in chunk_sizes(s.rows, s.group):
-        ratio = peak_bytes(s, "one_backward", size) / grpo
+        ratio = peak_bytes(s, mode, size) / grpo
         if ratio <= limit:
             return size, ratio
     return 0, ratio
@@ -184,10 +224,18 @@ def norms_chunk(s: Shape) -> int:
     return next((size for size in sizes if peak_bytes(s, "two_passes", size) <= limit * grpo), sizes[-1])
 
 
-def choose(s: Shape) -> Choice:
+def choose(s: Shape, replay: bool = True) -> Choice:
     """The default: ``one_backward`` in the largest chunk within the memory target where its FLOPs are within the
-    FLOP target of GRPO's; two passes otherwise."""
-    flops_ratio = flops(s, "one_backward") / flops(s, "grpo")
+    FLOP target of GRPO's; else, under gradient checkpointing (``replay``: allowed), ``one_backward`` replayed (no
+    factors kept: the norms pass's backward, then GRPO's backward of the same graph) in the largest chunk within the
+    memory target, where it costs fewer FLOPs than two passes; two passes otherwise."""
+    grpo = flops(s, "grpo")
+    flops_ratio = flops(s, "one_backward") / grpo
     chunk, bytes_ratio = fitting_chunk(s)
-    on = chunk > 0 and flops_ratio <= FLOPS_TARGET
-    return Choice(on, chunk if on else 0, flops_ratio, bytes_ratio)
+    if chunk > 0 and flops_ratio <= FLOPS_TARGET:
+        return Choice(True, chunk, flops_ratio, bytes_ratio)
+    if replay and s.checkpointing and flops(s, "replay") < flops(s, "two_passes"):
+        chunk, ratio = replay_chunk(s)
+        if chunk:
+            return Choice(True, chunk, flops(s, "replay") / grpo, ratio, replay=True)
+    return Choice(False, 0, flops_ratio, bytes_ratio)

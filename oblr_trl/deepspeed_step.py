@@ -12,15 +12,17 @@ steps its lr scheduler. The seam:
 * a wrapper around the ZeRO optimizer's ``step``: afterwards (before the engine's scheduler steps) the scheduled lr
   is put back, and a step DeepSpeed skipped (overflow) is reported so its samples are dropped.
 
-No trainer state here: :class:`StepSizer` holds the two callables the trainer gives it.
+No trainer state here: :class:`ZeroStepHook` holds the callables the trainer gives it (the trainer's
+:class:`.snr_step.StepSizer` does the sizing).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
+
+from .snr_step import squared_norm
 
 def zero_stage(ds_config: dict) -> int:
     """The ZeRO stage of a (filled-in) DeepSpeed config; 0 where ZeRO is off."""
@@ -39,15 +41,15 @@ def config_refusal(ds_config: dict) -> str | None:
     return None
 
 
-def grad_sq_norm(norm) -> float:
-    """``||G||^2`` from DeepSpeed's global gradient norm (a float or a 0-d tensor; ``None``: not computed)."""
+def reported_grad_sq_norm(norm) -> float:
+    """``||G||^2`` from the global gradient norm DeepSpeed reported (a float or a 0-d tensor; ``None``: not computed).
+    Without DeepSpeed the trainer forms it from ``.grad``: :func:`.snr_step.parameters_grad_sq_norm`."""
     if norm is None:
         raise RuntimeError(
             "DeepSpeed computed no global gradient norm for this step (the ZeRO optimizer's compute_grad_norm is "
             "off); OBLR-PO's SNR step size needs it. Report your DeepSpeed version, or set snr_lr=False."
         )
-    value = float(norm.item() if torch.is_tensor(norm) else norm)
-    return value * value if math.isfinite(value) else float("nan")
+    return squared_norm(norm)
 
 
 def zero_optimizer(engine):
@@ -64,8 +66,8 @@ def zero_optimizer(engine):
     return zero, base
 
 
-class StepSizer:
-    """Sizes each ZeRO optimizer step exactly once, between the gradient reduction and the parameter update.
+class ZeroStepHook:
+    """Has each ZeRO optimizer step sized exactly once, between the gradient reduction and the parameter update.
 
     ``size(grad_sq_norm)``: the trainer's SNR step (scales every param group's lr); ``restore()``: puts the scheduled
     lr back; ``skipped()``: DeepSpeed skipped the step (overflow): drop its samples. ``groups``: the param-group dicts
@@ -85,7 +87,7 @@ class StepSizer:
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if not self.sized:
             self.sized = True
-            self._size(grad_sq_norm(getattr(self.zero, "_global_grad_norm", None)))
+            self._size(reported_grad_sq_norm(getattr(self.zero, "_global_grad_norm", None)))
             self.steps += 1
 
     def _step(self, *args, **kwargs):

@@ -1,9 +1,12 @@
 """The machinery of ``one_backward``: norms, advantages and the policy update from one forward and one backward.
 
-No trainer state: the trainer calls these with what it holds, and they return what they found.
+No trainer state: the trainer calls these with what it holds, and they return what they found. Data flows one way:
+the trainer takes each chunk's norms, forms its advantages as the two-pass path does, and hands back ``a_i = c_i A_i``.
 
 * :class:`Plan`: whether it runs, and in chunks of how many rows (decided at construction or the first generation).
-* :func:`loss_and_grads`: one micro-batch's norms, advantages, gradient and SNR terms, chunk by chunk.
+* :func:`chunk_norms`: one micro-batch's norms, chunk by chunk (a :class:`ChunkNorms` each); from them the caller
+  forms the advantages, and :meth:`ChunkNorms.update` the chunk's gradient and SNR terms (a :class:`ChunkUpdate`)
+  from the same backward (or, ``replay_unit``, from a second backward of the pass's graph: :func:`replayed_update`).
 
 * :func:`blockers`: why a configuration cannot use it (then the two-pass path runs, and says why).
 * :func:`whole_group_micro_batches`: TRL's shuffled micro-batches re-split so each holds whole groups.
@@ -13,6 +16,9 @@ No trainer state: the trainer calls these with what it holds, and they return wh
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from trl.trainer.utils import split_tensor_dict
@@ -174,6 +180,7 @@ class Plan:
     def __init__(self, enabled: bool | None, gradient_checkpointing: bool, needs_norms: bool = True):
         self.enabled = enabled  # None: the automatic choice, until decide()
         self.chunk_rows = 0
+        self.replay = False  # the update by a second backward of the norms pass's graph (no factors kept)
         self.norms_chunk = 0  # rows per chunk of the two-pass path's norms pass (0: the micro-batch's)
         self.decided = not needs_norms or (enabled is not None and not gradient_checkpointing)
 
@@ -199,7 +206,7 @@ class Plan:
         return bool(self.enabled)
 
     def switch_off(self) -> None:
-        self.enabled, self.chunk_rows, self.decided = False, 0, True
+        self.enabled, self.chunk_rows, self.replay, self.decided = False, 0, False, True
 
     def decide(self, model, batch: dict, args, group_size: int, max_completion_length: int, device,
                gather_min) -> str:
@@ -211,7 +218,10 @@ class Plan:
         rows = min(batch["prompt_ids"].shape[0], args.per_device_train_batch_size)
         shape = describe(model, rows, batch["prompt_ids"].shape[1], max_completion_length,
                          2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
-        choice = cost_model.choose(shape)
+        # replayed only in one process: its second backward runs outside DDP's and FSDP's forward (untested there)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
+        choice = cost_model.choose(shape, replay=not distributed)
         chunk = choice.chunk if self.enabled is None else cost_model.fitting_chunk(shape)[0]
         chunk, self.norms_chunk = (int(c) for c in gather_min(torch.tensor([chunk, cost_model.norms_chunk(shape)],
                                                                               device=device)))
@@ -219,19 +229,22 @@ class Plan:
             self.decided = True
             return f"OBLR-PO (two passes, gradient checkpointing on): norms pass in chunks of {self.norms_chunk} rows."
         if self.enabled is None:
-            self.enabled = chunk > 0
+            self.enabled, self.replay = chunk > 0, chunk > 0 and choice.replay
         elif chunk == 0:  # one_backward=True: as little at a time as whole groups allow
             chunk = cost_model.chunk_sizes(rows, group_size)[-1]
         self.chunk_rows, self.decided = (chunk if self.enabled else 0), True
         if self.enabled:
-            how = ("one forward/backward per micro-batch." if chunk >= rows else
-                   f"one forward/backward per chunk of {chunk} rows ({chunk // group_size} groups).")
+            how = ("one forward/backward per micro-batch" if chunk >= rows else
+                   f"one forward/backward per chunk of {chunk} rows ({chunk // group_size} groups)")
+            how += (", the update replayed by a second backward of its graph (no per-layer factors kept)."
+                    if self.replay else ".")
         else:
             how = "two passes (norms pass, then the loss pass)."
         limit = cost_model.BYTES_TARGET if args.gradient_checkpointing else cost_model.BYTES_TARGET_NO_CKPT
         return (f"OBLR-PO (one_backward={args.one_backward}, gradient checkpointing "
                 f"{'on' if args.gradient_checkpointing else 'off'}): for {rows} x {shape.tokens} tokens, "
-                f"one_backward's predicted cost against GRPO's is {choice.flops_ratio:.2f}x the FLOPs (target "
+                f"one_backward{' (replayed)' if self.replay else ''}'s predicted cost against GRPO's is "
+                f"{choice.flops_ratio:.2f}x the FLOPs (target "
                 f"<= {cost_model.FLOPS_TARGET}x) and {choice.bytes_ratio:.2f}x the peak bytes (target <= {limit}x; "
                 "oblr_trl/cost_model.py, verified by benchmarks/cost_counts.py): " + how)
 
@@ -241,39 +254,97 @@ def rows_of(batch: dict, index, n: int) -> dict:
     return {k: v[index] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v for k, v in batch.items()}
 
 
-def loss_and_grads(model, batch: dict, coefficients: torch.Tensor, *, unit: int, chunk: int, temperature: float,
-                   autocast, advantages_of, snr: bool):
-    """Norms, advantages and the policy update of one micro-batch from one forward and one backward per chunk of
-    ``chunk`` rows (whole units, rows in generation order).
+@dataclass(frozen=True)
+class ChunkUpdate:
+    """What one chunk's update leaves besides ``.grad``: ``loss``, the value of TRL's loss at ratio 1 over the chunk
+    (no graph); ``units`` and ``unit_sq``, the SNR units' ids and their ``||H_q||^2`` (``None`` without the SNR)."""
 
-    Each chunk's backward reaches every layer's output; its norms give the baseline weights, and
-    ``advantages_of(chunk_batch, sq_norms, unscorable)`` (an :class:`.advantages.AdvantageResult`) the advantages
-    ``A_i``; each weight's gradient ``-sum_i c_i A_i u_i`` (TRL's loss at importance ratio 1) is then added to
-    ``.grad``, with each SNR unit's ``||H_q||^2`` where ``snr``. Returns ``(loss, results, formed, warnings)``: the
-    loss value (no graph), each chunk's AdvantageResult, the ``(unit ids, ||H_q||^2)`` formed and warning keys.
-    """
+    loss: torch.Tensor
+    units: torch.Tensor | None
+    unit_sq: torch.Tensor | None
+
+
+class ChunkNorms:
+    """One chunk of ``one_backward`` after its forward and backward: ``rows`` (its slice of the micro-batch) and
+    ``batch`` (those rows), each row's ``sq_norms`` ``||u_i||^2`` (0 where not finite), the ``unscorable`` rows (norm
+    not finite) and the ``warnings`` found. It holds the backward's factors (or, replayed, its graph) until
+    :meth:`update` uses and frees them: the advantages (formed by the caller from these norms) come between the
+    backward and the update. ``unit``: rows per block of the inner products taken (a replayed pass streams them by
+    SNR unit, since its update keeps no factors to form ``||H_q||^2`` from)."""
+
+    def __init__(self, rows: slice, batch: dict, grads, unit: int = 1):
+        self.rows, self.batch, self._grads = rows, batch, grads
+        products, self.unscorable = mask_nonfinite_products(grads.inner_products(unit))
+        self._products = products if grads.replay is not None else None
+        self.sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
+        self.warnings = ("nonfinite_norms",) if self.unscorable.any() else ()
+
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`update` has yet to run (the factors are still held)."""
+        return self._grads is not None
+
+    def update(self, a: torch.Tensor, *, snr_unit: int | None) -> ChunkUpdate:
+        """Adds ``-sum_i a_i u_i`` to each weight's ``.grad``, ``a_i = c_i A_i`` (the gradient of TRL's loss at
+        importance ratio 1), and with ``snr_unit`` (rows per SNR unit; ``None``: no SNR) each unit's
+        ``||H_q||^2 = ||sum_{i in q} a_i u_i||^2``. Once per chunk: the factors are freed here, before the next
+        chunk's forward."""
+        if not self.pending:
+            raise RuntimeError("ChunkNorms.update: this chunk's update has run already (its factors are freed).")
+        grads, self._grads, unit = self._grads, None, snr_unit or 0
+        dtype = torch.float32 if a.device.type == "mps" else torch.float64
+        if self._products is not None:  # replayed: a second backward of the kept graph; ||H_q||^2 = a_q^T P_q a_q
+            replayed_update(grads, -a, self.unscorable)
+            q = a.to(dtype).reshape(-1, self._products.shape[-1])
+            unit_sq = torch.einsum("qi,qij,qj->q", q, self._products.to(dtype), q) if unit else None
+            self._products = None
+        else:
+            unit_sq = grads.accumulate_grad(-a, group_size=unit if unit > 1 else None)
+            if unit == 1:  # a unit of one row needs no block of its own: a_i^2 ||u_i||^2, from the norms
+                unit_sq = a.to(dtype).pow(2) * self.sq_norms.to(dtype)
+        del grads
+        units = None if unit_sq is None else self.batch["oblr_row"][::unit] // unit
+        return ChunkUpdate((-(a * sequence_inputs(self.batch)[2].sum(-1))).sum(), units, unit_sq)
+
+
+def chunk_norms(model, batch: dict, *, chunk: int, temperature: float, autocast,
+                replay_unit: int | None = None) -> Iterator[ChunkNorms]:
+    """``one_backward``'s norms of one micro-batch, one chunk of ``chunk`` rows (whole units, rows in generation
+    order) at a time: a forward and a backward that reach every layer's output and keep the factors of each row's
+    gradient ``u_i``. The caller forms the chunk's advantages from its norms and calls :meth:`ChunkNorms.update`
+    before asking for the next chunk (refused otherwise: its update would be lost).
+
+    ``replay_unit`` (replayed, under gradient checkpointing where the kept factors would not fit; rows per SNR unit):
+    each chunk's backward streams the units' inner products and keeps its graph but no factors, and the update is a
+    second backward of that graph (:func:`replayed_update`)."""
     n = batch["oblr_row"].shape[0]
-    loss, results, formed, warnings = 0.0, [], [], []
     for s in range(0, n, chunk):
         part = rows_of(batch, slice(s, s + chunk), n)
         input_ids, attention_mask, mask = sequence_inputs(part)
-        with autocast():
+        with torch.enable_grad(), autocast():
             grads = per_sequence_grads(model, input_ids, attention_mask, mask, temperature=temperature,
-                                       materialize=True)
-        products, bad = mask_nonfinite_products(grads.inner_products(1))  # the weights need ||u_i||^2 only
-        if bad.any():
-            warnings.append("nonfinite_norms")
-        result = advantages_of(part, products.reshape(-1), bad)
-        results.append(result)
-        a = coefficients[s : s + chunk] * result.values
-        # the gradient of TRL's loss at ratio 1, and each unit's ||H_q||^2 = ||sum_{i in q} a_i u_i||^2 with it;
-        # a unit of one row needs no block of its own: a_i^2 ||u_i||^2, from the norms above
-        unit_sq = grads.accumulate_grad(-a, group_size=unit if snr and unit > 1 else None)
-        del grads  # this chunk's factors: freed before the next chunk's forward, not when it returns
-        if snr and unit == 1:
-            dtype = torch.float32 if a.device.type == "mps" else torch.float64
-            unit_sq = a.to(dtype).pow(2) * products.reshape(-1).to(dtype)
-        if unit_sq is not None:
-            formed.append((part["oblr_row"][::unit] // unit, unit_sq))
-        loss = loss + (-(a * mask.sum(-1))).sum()
-    return loss, results, formed, warnings
+                                       materialize=replay_unit is None, stream_group_size=replay_unit,
+                                       keep_graph=replay_unit is not None)
+            norms = ChunkNorms(slice(s, s + chunk), part, grads, replay_unit or 1)
+        del grads
+        yield norms
+        if norms.pending:
+            raise RuntimeError(f"one_backward: the update of rows {s}..{s + chunk} was not applied "
+                               "(ChunkNorms.update) before the next chunk was asked for.")
+
+
+def replayed_update(grads, a: torch.Tensor, bad: torch.Tensor) -> None:
+    """``sum_i a_i u_i`` added to ``.grad`` from a pass with ``keep_graph=True``: the backbone's part by a second
+    backward of its kept graph, the last hidden state's per-row gradient scaled by ``a_i`` (under non-reentrant
+    checkpointing each layer is recomputed again: the layers' cost is GRPO's backward, and nothing beyond the
+    checkpointed inputs is held); the head's from its usages (:meth:`.PerSequenceGradients.accumulate_grad`).
+    Rows ``bad`` (a norm that was not finite) add nothing."""
+    from .grad_norms import PerSequenceGradients
+
+    hidden, grad, head_usages = grads.replay
+    scale = torch.where(bad, torch.zeros_like(a), a)
+    if hidden is not None:
+        row_grad = grad * scale.to(grad.dtype)[:, None, None]
+        torch.autograd.backward(hidden, torch.where(bad[:, None, None], torch.zeros_like(row_grad), row_grad))
+    if head_usages:
+        PerSequenceGradients(head_usages, a.shape[0], a.device, slots=list(head_usages)).accumulate_grad(scale)

@@ -3,11 +3,14 @@
 :class:`StepSizer` holds what lives between a step's micro-batches and across steps: the step's SNR samples (recorded
 by the loss), the SNR estimator's state and the running lr statistics (both checkpointed), and the learning rates it
 scaled (restored right after the optimizer step, so no scheduler compounds the scale). :meth:`StepSizer.size` returns
-the metrics to log and the warnings found; the formulas are :func:`.step_size.snr_step_size`'s.
+the metrics to log and the warnings found; the formulas are :func:`.step_size.snr_step_size`'s. The step's
+``||G||^2``: :func:`parameters_grad_sq_norm` (under DeepSpeed, :func:`.deepspeed_step.reported_grad_sq_norm`, called
+from :class:`.deepspeed_step.ZeroStepHook`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -59,9 +62,17 @@ def guard_optimizer(optimizer, hook) -> None:
         optimizer._oblr_guarded = True
 
 
-def grad_sq_norm(parameters, scaler=None) -> float:
-    """``||G||^2`` of the step's (all-reduced, pre-clip) gradient, on every rank (FSDP2 shards gathered; fp16's loss
-    scale divided out)."""
+def squared_norm(norm) -> float:
+    """A gradient norm (a float or a 0-d tensor) squared, as a float; NaN where it is not finite (the SNR step treats
+    inf and NaN alike: :func:`.step_size.snr_step_size`'s ``"nonfinite_grad"``)."""
+    value = float(norm.item() if torch.is_tensor(norm) else norm)
+    return value * value if math.isfinite(value) else float("nan")
+
+
+def parameters_grad_sq_norm(parameters, scaler=None) -> float:
+    """``||G||^2`` of the step's (all-reduced, pre-clip) gradient from the parameters' ``.grad``, on every rank (FSDP2
+    shards gathered; fp16's loss scale divided out). Under DeepSpeed, ZeRO reports the norm itself:
+    :func:`.deepspeed_step.reported_grad_sq_norm`."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
@@ -70,7 +81,7 @@ def grad_sq_norm(parameters, scaler=None) -> float:
         norm = norm.full_tensor()
     if scaler is not None and scaler.is_enabled():  # fp16: gradients are still scaled here
         norm = norm / scaler.get_scale()
-    return float(norm) ** 2
+    return squared_norm(norm)
 
 
 class StepSizer:

@@ -1,12 +1,12 @@
 """`OBLRPOTrainer`: `trl.GRPOTrainer` with OBLR-PO's advantages and step size, overriding the smallest methods.
 
-Each override hands TRL's data to one function or object and back; none holds a formula:
+Each override hands TRL's data to one function or object and back; none holds a formula. Data flows one way, each
+stage a value: TRL's batch -> norms (:mod:`.norm_passes`; :func:`.one_backward.chunk_norms` in ``compute_loss``) ->
+advantages ``r_i - b_i`` (Theorem 7: :func:`.advantages.compute_advantages`) -> ``a_i = c_i A_i`` (``_policy_weights``)
+-> loss and update (TRL's; :meth:`.one_backward.ChunkNorms.update`) and SNR samples -> the step size ``lr x N SNR /
+(1 + N SNR)`` (Theorem 4: :class:`.snr_step.StepSizer`, at the step's last micro-batch, or in ZeRO's optimizer step
+via :class:`.deepspeed_step.ZeroStepHook`); an optimizer pre-step hook refuses any step whose size was not set.
 
-* advantages ``r_i - b_i`` (Theorem 7): :func:`.advantages.compute_advantages`, weighted by the norms of
-  :mod:`.norm_passes` (two passes) or of :func:`.one_backward.loss_and_grads` (one backward, run by ``compute_loss``);
-* the step size ``lr x N SNR / (1 + N SNR)`` (Theorem 4): :class:`.snr_step.StepSizer`, at the step's last
-  micro-batch (``training_step``), or inside ZeRO's optimizer step under DeepSpeed (:mod:`.deepspeed_step`); an
-  optimizer pre-step hook refuses any step whose size was not set;
 * refusals at construction: :mod:`.setup_checks`; warnings, once each: :class:`.advice.Advice`; the model card and
   the checkpointed SNR state (:mod:`.state_file`): ``create_model_card``, ``_save_checkpoint``, ``train``, ...
 
@@ -23,17 +23,17 @@ import torch
 from trl import GRPOTrainer
 
 from . import deepspeed_step, multimodal, norm_passes, one_backward, state_file
-from .advantages import compute_advantages
+from .advantages import BaselineStats, compute_advantages
 from .advice import Advice
 from .card import PAPER, append_oblr_section
 from .config import config_for, needs_norms
-from .estimators import aggregate_rewards, baseline_metrics, baseline_uses_weights, weight_estimator
+from .estimators import aggregate_rewards, baseline_uses_weights, weight_estimator
 from .grad_norms import validate
 from .loss_terms import loss_coefficients
 from .precision import PrecisionWatch
 from .setup_checks import AUX_LOSS_WARNING, check_inputs, check_prompts, check_trainable, checked_reward_funcs
 from .setup_checks import fsdp1_refusal
-from .snr_step import UNSIZED_STEP, RestoreScheduledLR, StepSizer, grad_sq_norm, guard_optimizer
+from .snr_step import UNSIZED_STEP, RestoreScheduledLR, StepSizer, guard_optimizer, parameters_grad_sq_norm
 from .trl_logs import install_all_none_reward_filter
 from .trl_seam import sequence_inputs
 
@@ -73,7 +73,7 @@ class OBLRPOTrainer(GRPOTrainer):
             logger.warning(AUX_LOSS_WARNING)
         self.advice = Advice()
         self.step_sizer = StepSizer(self.args)
-        self._ds_sizer = None  # under DeepSpeed: the hook that sizes each ZeRO step (deepspeed_step.StepSizer)
+        self._zero_hook = None  # under DeepSpeed: has each ZeRO step sized (deepspeed_step.ZeroStepHook)
         self._precision = PrecisionWatch()
         self._rows_generated = 0  # completions generated for training so far, all ranks: the next row id
         self._unscored_batch = False  # the last generation batch had no reward at all (no_rewards)
@@ -101,19 +101,19 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _unit(self, local_batch: int) -> int:
         """Rows per SNR sample: a whole group where every group lies on one rank, else one completion."""
-        if self.args.snr_sample_unit == "group" and local_batch % self.num_generations == 0:
-            return self.num_generations
-        if self.args.snr_sample_unit == "group":
+        whole = local_batch % self.num_generations == 0
+        if self.args.snr_sample_unit == "group" and not whole:
             self.advice("group_span", group=self.num_generations, local=local_batch)
-        return 1
+        return self.num_generations if self.args.snr_sample_unit == "group" and whole else 1
 
-    def _loss_coefficients(self, batch: dict) -> torch.Tensor:
+    def _policy_weights(self, batch: dict, advantages: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """``a_i = c_i A_i`` of the rows ``rows`` of the micro-batch ``batch`` (``c_i`` spans all of it): each row's
+        weight in TRL's loss at ratio 1, whose gradient is ``-sum_i a_i u_i``; the SNR's samples are ``a_i u_i``."""
         return loss_coefficients(
             self.loss_type, sequence_inputs(batch)[2], accumulation_steps=self.current_gradient_accumulation_steps,
             num_processes=self.accelerator.num_processes, steps_per_generation=self.args.steps_per_generation,
             max_completion_length=self.max_completion_length, num_items_in_batch=batch.get("num_items_in_batch"),
-            epsilon_high=self.epsilon_high,
-        )
+            epsilon_high=self.epsilon_high)[rows] * advantages.reshape(-1)
 
     # ------------------------------------------------------- advantages (Thm 7)
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -163,7 +163,7 @@ class OBLRPOTrainer(GRPOTrainer):
             output["oblr_gram"] = products.reshape(local_n, unit)  # products with the unit's members, by position
             sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
         result = self._advantages(output, sq_norms, bad)
-        self._log(baseline_metrics(*result.parts))
+        self._log(result.stats.metrics())
         output["advantages"] = result.values
         return output
 
@@ -197,26 +197,27 @@ class OBLRPOTrainer(GRPOTrainer):
         if self.model.training and self.uses_one_backward:
             return self._one_backward_loss(inputs)
         if self.model.training and self.args.snr_lr:
-            a = self._loss_coefficients(inputs) * inputs["advantages"].reshape(-1)
+            a = self._policy_weights(inputs, inputs["advantages"])
             self.step_sizer.record_rows(inputs["oblr_row"], inputs["oblr_gram"].shape[1], a, inputs["oblr_gram"])
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _one_backward_loss(self, batch: dict) -> torch.Tensor:
-        """``one_backward``'s pass (rows back in generation order, groups consecutive); its gradients all-reduced at the
-        step's last micro-batch under DDP. Returns the loss value as a leaf: its backward is a no-op."""
+        """``one_backward`` by chunks (rows in generation order): norms, advantages (as two passes form them), update;
+        DDP's all-reduce at the step's last micro-batch. Returns the loss as a leaf (its backward is a no-op)."""
         n = batch["oblr_row"].shape[0]
         batch = one_backward.rows_of(batch, torch.argsort(batch["oblr_row"]), n)  # undo TRL's shuffle
-        unit = self._unit(n)
-        loss, results, formed, warnings = one_backward.loss_and_grads(
-            self.model, batch, self._loss_coefficients(batch), unit=unit, chunk=self.one_backward_plan.chunk_rows or n,
-            temperature=self.temperature, autocast=self.accelerator.autocast,
-            advantages_of=self._advantages, snr=self.args.snr_lr,
-        )
-        self.advice(*warnings)
-        for units, unit_sq in formed:
-            self.step_sizer.record_formed(units, unit_sq)
-        self._log(baseline_metrics(*(torch.cat(p) if torch.is_tensor(p[0]) else sum(p)
-                                     for p in zip(*(r.parts for r in results)))))
+        unit, loss, stats = self._unit(n), 0.0, []
+        for norms in one_backward.chunk_norms(self.model, batch, chunk=self.one_backward_plan.chunk_rows or n,
+                                              temperature=self.temperature, autocast=self.accelerator.autocast,
+                                              replay_unit=unit if self.one_backward_plan.replay else None):
+            result = self._advantages(norms.batch, norms.sq_norms, norms.unscorable)
+            update = norms.update(self._policy_weights(batch, result.values, norms.rows),
+                                  snr_unit=unit if self.args.snr_lr else None)
+            self.advice(*norms.warnings)
+            if update.unit_sq is not None:
+                self.step_sizer.record_formed(update.units, update.unit_sq)
+            loss, stats = loss + update.loss, stats + [result.stats]
+        self._log(BaselineStats.merge(stats).metrics())
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
             one_backward.all_reduce_grads(self.model.parameters())  # DDP's job (c_i already has 1/world)
         return (loss * self.accelerator.num_processes).detach().requires_grad_()
@@ -224,22 +225,22 @@ class OBLRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------ step size (Thm 4)
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.is_deepspeed_enabled:  # the engine steps inside the backward: the step is sized there
-            sizer = self._ds_sizer
-            if self.args.snr_lr and (sizer is None or sizer.zero is not self.model_wrapped.optimizer):
-                if sizer is not None:  # a new engine (train() again): the old one's hook goes
-                    sizer.remove()
-                self._install_deepspeed_sizer()
+            hook = self._zero_hook
+            if self.args.snr_lr and (hook is None or hook.zero is not self.model_wrapped.optimizer):
+                if hook is not None:  # a new engine (train() again): the old one's hook goes
+                    hook.remove()
+                self._install_zero_hook()
             return super().training_step(model, inputs, num_items_in_batch)
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.snr_lr and self.accelerator.sync_gradients:  # the step's gradient is complete: size the step
-            self._size_step(grad_sq_norm(self.model.parameters(), getattr(self.accelerator, "scaler", None)))
+            self._size_step(parameters_grad_sq_norm(self.model.parameters(), getattr(self.accelerator, "scaler", None)))
         return loss
 
-    def _install_deepspeed_sizer(self) -> None:
+    def _install_zero_hook(self) -> None:
         """Under DeepSpeed: size each step inside the ZeRO optimizer's step (:mod:`.deepspeed_step`)."""
         zero, base = deepspeed_step.zero_optimizer(self.model_wrapped)
-        self._ds_sizer = deepspeed_step.StepSizer(
-            zero, base, size=lambda sq: self._size_step(sq, groups=self._ds_sizer.groups),
+        self._zero_hook = deepspeed_step.ZeroStepHook(
+            zero, base, size=lambda sq: self._size_step(sq, groups=self._zero_hook.groups),
             restore=self.step_sizer.restore, skipped=lambda: self.advice(*self.step_sizer.drop_samples()))
 
     def _size_step(self, grad_sq_norm: float, groups: list[dict] | None = None) -> None:
@@ -255,7 +256,7 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def create_optimizer(self, *args, **kwargs):
         optimizer = super().create_optimizer(*args, **kwargs)
-        # under DeepSpeed the StepSizer's pre-hook on this optimizer sizes every step itself (training_step)
+        # under DeepSpeed the ZeroStepHook's pre-hook on this optimizer sizes every step itself (training_step)
         if self.args.snr_lr and not self.is_deepspeed_enabled:
             guard_optimizer(optimizer, self._refuse_unsized_step)  # once, also when train() runs again
         return optimizer

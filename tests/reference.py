@@ -45,7 +45,7 @@ def module_sq_norms(module, x, seed=0, **kwargs):
     Reference: one ``torch.autograd.grad`` per row, the module run on that row alone."""
     from oblr_trl.grad_norms import engine, hooks
     from oblr_trl.grad_norms.rules import call_usages
-    from oblr_trl.grad_norms.support import how_handled
+    from oblr_trl.grad_norms.support import how_handled, resolve
 
     batch = x.shape[0]
     how = how_handled(module)
@@ -61,7 +61,7 @@ def module_sq_norms(module, x, seed=0, **kwargs):
         if isinstance(record.activation, hooks.Call):
             found = call_usages(module, record.activation, record.output_grad, batch)
         else:
-            found = engine.find_rule(module)(module, record.activation, record.output_grad)
+            found = resolve(module)[1](module, record.activation, record.output_grad)
         for name, usage in found.items():
             usages.setdefault((module, name), []).append(usage)
     for p in module.parameters():

@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 
 BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+
+from harness import grid  # noqa: E402
+from studies.ablation import design as abl_design, render as abl_render, when as abl_when  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +110,7 @@ def test_the_lr_check_table_is_per_seed_against_the_arm_at_its_own_lr(ab, tmp_pa
     low = rows[1]["sampled"]
     assert low["n"] == 3 and low["mean"] == pytest.approx(100 * (0.50 + 0.62 + 0.53) / 3)
     assert low["diff"]["diffs"] == pytest.approx([10.0, 12.0, 8.0]) and low["diff"]["verdict"] == "better"
-    text = "\n".join(ab.render_lr_check(rows))
+    text = "\n".join(abl_render.render_lr_check(rows))
     assert "| GRPO | 0.3x | 0.00015 | 3 |" in text and "better" in text and "(own lr)" in text
     assert ab.lr_of("OBLR-PO", 5e-4, eta=2.0) == 1e-3 and ab.lr_of("RLOO", 5e-4, eta=2.0) == 5e-4
 
@@ -126,7 +131,7 @@ def test_a_complete_lr_check_that_finds_a_better_lr_warns(ab, tmp_path):
     assert best["GRPO"]["lr"] == 1.5e-4  # the higher mean (40.3 against 34.3), whatever the interval says
     warning = ab.lr_check_warning(best)
     assert "GRPO's best lr" in warning and "0.00015 (0.3x" in warning and "--grpo_lr" in warning
-    assert warning in "\n".join(ab.render_lr_check(rows, best))
+    assert warning in "\n".join(abl_render.render_lr_check(rows, best))
     when = ab.render_when([], [], 5, 5.0, dict(greedy=26.0, sampled=6.0, large=15.0), lr_warning=warning)
     assert warning in when
 
@@ -136,7 +141,7 @@ def test_an_lr_check_that_keeps_L_or_lacks_seeds_does_not_warn(ab, tmp_path):
     rows = write_check(ab, a, [0.41, 0.40, 0.42], [0.33, 0.38, 0.40])
     best = ab.lr_check_best(rows, a.lr_check_seeds)
     assert best["GRPO"]["multiple"] == 1.0 and ab.lr_check_warning(best) is None
-    assert "the design's lr." in "\n".join(ab.render_lr_check(rows, best))
+    assert "the design's lr." in "\n".join(abl_render.render_lr_check(rows, best))
     b = args_for(ab, tmp_path / "short")
     rows = write_check(ab, b, [0.31, 0.40], [0.43, 0.48])  # 2 of the 3 check seeds: no pick yet
     assert ab.lr_check_best(rows, b.lr_check_seeds) == {}
@@ -145,10 +150,10 @@ def test_an_lr_check_that_keeps_L_or_lacks_seeds_does_not_warn(ab, tmp_path):
 def test_the_snr_arms_eta_max_is_checked_like_grpos_lr_and_the_check_warns_with_the_option_to_move_it(ab, tmp_path):
     assert ab.lr_of("OBLR-PO", 1.5e-4, eta=20 / 3) == 1e-3 and ab.lr_of("GRPO", 1.5e-4, eta=20 / 3) == 1.5e-4
     assert ab.lr_of("SNR-only", 1.5e-4, 0.3, eta=20 / 3) == 3e-4  # 2 L, as the 0.3x multiple of 20 L / 3
-    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, seeds=[0, 1, 2], lr_check_arms=["GRPO", *ab.SNR_ARMS],
+    a = args_for(ab, tmp_path, grpo_lr=1.5e-4, seeds=[0, 1, 2], lr_check_arms=["GRPO", *abl_design.SNR_ARMS],
                  lr_check_multiples=[1 / 3], eta_check_multiples=[10 / 3], stability_seeds=[], long_seeds=[])
     check = [(arm, lr, seed) for arm, lr, seed, steps, _ in ab.jobs(a)][18:]
-    assert check == [("GRPO", 5e-5, s) for s in range(3)] + [(arm, 1e-3, s) for arm in ab.SNR_ARMS for s in range(3)]
+    assert check == [("GRPO", 5e-5, s) for s in range(3)] + [(arm, 1e-3, s) for arm in abl_design.SNR_ARMS for s in range(3)]
     for seed in range(3):  # SNR-only: 1e-3 beats 2 L = 3e-4 on every seed; OBLR-PO: 2 L wins; per_step: 2 seeds only
         write_run(ab, a.run_dir, "SNR-only", 3e-4, seed, 0.40, large=0.34)
         write_run(ab, a.run_dir, "SNR-only", 1e-3, seed, 0.50, large=0.43 + 0.01 * seed)
@@ -173,7 +178,7 @@ def test_the_snr_arms_eta_max_is_checked_like_grpos_lr_and_the_check_warns_with_
     assert "SNR-only's best lr on greedy (large set) at 0.001 (3.33x" in warning
     assert "`--eta_multiple` for the SNR arms' eta_max" in warning and "--grpo_lr" not in warning
     assert "OBLR-PO's best" not in warning
-    text = "\n".join(ab.render_lr_check(rows, best))
+    text = "\n".join(abl_render.render_lr_check(rows, best))
     assert "## Is each arm at its best lr? (the lr check)" in text and "| SNR-only | 3.33x | 0.001 | 3 |" in text
     note = ab.eta_check_note(rows, best)  # per_step lacks seed 2 at 2 L: the check is open for it only
     assert note.startswith("**The SNR arms' eta_max is not settled yet**") and "SNR-only" not in note
@@ -198,7 +203,7 @@ def test_the_design_runs_the_snr_arms_at_the_checks_pick_and_checks_the_readmes_
     a = ab.build_parser().parse_args([])
     ab.check_args(a)
     assert a.grpo_lr == 1.5e-4
-    for arm in ab.SNR_ARMS:
+    for arm in abl_design.SNR_ARMS:
         assert ab.lr_of(arm, a.grpo_lr, eta=a.eta_multiple) == 1e-3
         assert [ab.lr_of(arm, a.grpo_lr, m, eta=a.eta_multiple) for m in ab.check_multiples(a, arm)] == [3e-4]
         assert [ab.lr_of(arm, lr, eta=e) for lr, e in zip(a.earlier_grpo_lr, a.earlier_eta_multiple)] == [1e-3]
@@ -383,7 +388,7 @@ def test_long_runs_get_their_own_table_sentence_and_plot_and_stay_out_of_the_abl
     assert [r["step"] for r in rows] == [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120]
     assert rows[0]["lr_scale"] is None and rows[6]["lr_scale"] == pytest.approx(0.2)
     assert rows[7]["lr_scale"] == pytest.approx(0.02)  # the mean over steps 61-70
-    (sentence,) = ab.long_summary(rows)
+    (sentence,) = abl_render.long_summary(rows)
     assert sentence.startswith("OBLR-PO seed 0: lr scale 0.200 (steps to 10) -> 0.020 (last window)")
     assert "an applied lr of 0.0002 -> 2e-05" in sentence and "over the second half" in sentence
     text = a.out.with_suffix(".md").read_text()
@@ -395,7 +400,7 @@ def test_long_runs_get_their_own_table_sentence_and_plot_and_stay_out_of_the_abl
     write_run(ab, a.run_dir, "OBLR-PO", 1e-3, 0, 0.45, large=0.4)  # the ablation's run of the same arm, lr and seed
     ab.tabulate(a, [])
     runs = ab.load_runs(a.records)
-    (sentence,) = ab.long_summary(ab.long_table([r for r in runs if r["long"]], short=[r for r in runs if not r["long"]]))
+    (sentence,) = abl_render.long_summary(ab.long_table([r for r in runs if r["long"]], short=[r for r in runs if not r["long"]]))
     assert sentence.endswith("; greedy on the large set after it 50.0% (its 40-step run, same lr and seed: 40.0%).")
     assert sentence in a.out.with_suffix(".md").read_text()
 
@@ -404,13 +409,13 @@ def test_a_job_starts_only_when_the_expected_peaks_fit_in_memory(ab):
     grpo, oblr = dict(kind="train", arm="GRPO"), dict(kind="train", arm="OBLR-PO")
     rloo, evaluation = dict(kind="train", arm="RLOO"), dict(kind="large", arm="GRPO")
     total = 23.4  # this machine's MemTotal
-    assert ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(oblr), total, 1.0)  # two OBLR-PO arms
+    assert grid.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(oblr), total, 1.0)  # two OBLR-PO arms
     # GRPO and RLOO in micro-batches of 16 (4.5-4.6 GB): beside any arm, and beside each other
     assert "--micro_batch" in ab.ARMS["GRPO"][0] and "--micro_batch" in ab.ARMS["RLOO"][0]
-    assert ab.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(grpo), total, 1.0)
-    assert ab.fits([ab.expected_peak_gb(grpo)], ab.expected_peak_gb(rloo), total, 1.0)
-    assert ab.fits([ab.expected_peak_gb(oblr), ab.expected_peak_gb(rloo)], ab.expected_peak_gb(evaluation), total, 1.0)
-    assert not ab.fits([ab.expected_peak_gb(oblr), ab.expected_peak_gb(oblr)], ab.expected_peak_gb(grpo), total, 1.0)
+    assert grid.fits([ab.expected_peak_gb(oblr)], ab.expected_peak_gb(grpo), total, 1.0)
+    assert grid.fits([ab.expected_peak_gb(grpo)], ab.expected_peak_gb(rloo), total, 1.0)
+    assert grid.fits([ab.expected_peak_gb(oblr), ab.expected_peak_gb(rloo)], ab.expected_peak_gb(evaluation), total, 1.0)
+    assert not grid.fits([ab.expected_peak_gb(oblr), ab.expected_peak_gb(oblr)], ab.expected_peak_gb(grpo), total, 1.0)
     # a run another runner launched counts at its arm's peak, read from its folder
     other_grpo, other_long = "/w/outputs/ablation/GRPO_lr0.0005/seed1", "/w/outputs/ablation/OBLR-PO_lr0.001_long/seed0"
     assert ab.other_peak_gb(other_grpo) == ab.expected_peak_gb(grpo)
@@ -434,19 +439,19 @@ def test_a_job_overtakes_one_that_must_run_alone_only_if_it_ends_about_as_soon_a
     total, margin = 23.4, 1.0
     grpo, bo, stab, evaluation = train("GRPO"), train("baseline-only"), train("SNR-only", 20), dict(kind="large",
                                                                                                      arm="GRPO")
-    assert ab.next_job([grpo, bo], [], total, margin) is grpo  # alone: the first in line
-    assert ab.next_job([bo, grpo], [in_flight("OBLR-PO", 30)], total, margin) is bo
+    assert grid.next_job([grpo, bo], [], total, margin, ab.COSTS) is grpo  # alone: the first in line
+    assert grid.next_job([bo, grpo], [in_flight("OBLR-PO", 30)], total, margin, ab.COSTS) is bo
     # GRPO must wait for the run in flight; baseline-only (40 min) ends within 10 min of it (38 min left): it goes
-    assert ab.next_job([grpo, bo], [in_flight("OBLR-PO-per_step", 38)], total, margin) is bo
+    assert grid.next_job([grpo, bo], [in_flight("OBLR-PO-per_step", 38)], total, margin, ab.COSTS) is bo
     # ... but not when the run in flight is nearly done: GRPO would wait 40 min instead of 5
-    assert ab.next_job([grpo, bo], [in_flight("OBLR-PO-per_step", 5)], total, margin) is None
-    assert ab.next_job([grpo, bo, stab], [in_flight("OBLR-PO-per_step", 10)], total, margin) is stab  # 20 <= 10 + 10
+    assert grid.next_job([grpo, bo], [in_flight("OBLR-PO-per_step", 5)], total, margin, ab.COSTS) is None
+    assert grid.next_job([grpo, bo, stab], [in_flight("OBLR-PO-per_step", 10)], total, margin, ab.COSTS) is stab  # 20 <= 10 + 10
     # once a job has overtaken, nothing else does: after the first run ends the first in line waits for it only
-    assert ab.next_job([grpo, stab], [in_flight("baseline-only", 15, overtaker=True)], total, margin) is None
+    assert grid.next_job([grpo, stab], [in_flight("baseline-only", 15, overtaker=True)], total, margin, ab.COSTS) is None
     # a job that does not fit never goes, and an evaluation fits beside GRPO
-    assert ab.next_job([grpo, train("RLOO")], [in_flight("OBLR-PO", 40)], total, margin) is None
-    assert ab.next_job([evaluation, bo], [in_flight("GRPO", 30)], total, margin) is evaluation
-    assert ab.next_job([], [], total, margin) is None
+    assert grid.next_job([grpo, train("RLOO")], [in_flight("OBLR-PO", 40)], total, margin, ab.COSTS) is None
+    assert grid.next_job([evaluation, bo], [in_flight("GRPO", 30)], total, margin, ab.COSTS) is evaluation
+    assert grid.next_job([], [], total, margin, ab.COSTS) is None
 
 
 def test_a_run_launched_elsewhere_gets_the_peak_seen_while_it_ran(ab, tmp_path, monkeypatch):
@@ -454,18 +459,18 @@ def test_a_run_launched_elsewhere_gets_the_peak_seen_while_it_ran(ab, tmp_path, 
     out.mkdir(parents=True)
     watched, lines = {}, []
     rss = iter([9.5, 10.9, 10.2])
-    monkeypatch.setattr(ab, "rss_gb", lambda pid: next(rss))
+    monkeypatch.setattr(grid, "rss_gb", lambda pid: next(rss))
     for _ in range(3):
-        ab.watch_others([dict(out=str(out), pid=4242, elapsed_s=60.0, max_steps=40)], watched, 30, lines.append)
+        grid.watch_others([dict(out=str(out), pid=4242, elapsed_s=60.0, max_steps=40)], watched, 30, lines.append)
     assert not (out / "peak_rss.json").exists()  # still running
     (out / "summary.json").write_text("{}")
-    ab.watch_others([], watched, 30, lines.append)  # gone, finished
+    grid.watch_others([], watched, 30, lines.append)  # gone, finished
     peak = json.loads((out / "peak_rss.json").read_text())
     assert peak["peak_rss_gb"] == 10.9 and peak["watched_part_of_the_run"] and watched == {}
     assert "not launched here" in lines[-1]
-    ab.write_peak(out, 12.0, 30)  # the launching runner's own peak is not overwritten by a watcher
+    grid.write_peak(out, 12.0, 30)  # the launching runner's own peak is not overwritten by a watcher
     watched[7] = dict(out=out, peak_gb=1.0)
-    ab.watch_others([], watched, 30, lines.append)
+    grid.watch_others([], watched, 30, lines.append)
     assert json.loads((out / "peak_rss.json").read_text())["peak_rss_gb"] == 12.0
 
 
@@ -481,7 +486,7 @@ def test_a_runs_peak_memory_reaches_its_record_and_the_arm_table(ab, tmp_path):
     runs = ab.load_runs(a.records)
     assert [r["peak_rss_gb"] for r in runs] == [4.7, 13.3]
     (row,) = ab.arm_table(runs, ["GRPO"], 5e-4, [0, 1], eta=2.0)
-    assert row["peak_rss_gb"] == 4.7 and ab.micro_batch_of("GRPO") == 16 and ab.micro_batch_of("OBLR-PO") is None
+    assert row["peak_rss_gb"] == 4.7 and abl_design.micro_batch_of("GRPO") == 16 and abl_design.micro_batch_of("OBLR-PO") is None
 
 
 def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops_launching_at_its_stop_time(
@@ -507,7 +512,7 @@ def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops
         a = args_for(ab, tmp_path, arms=arms, parallel=parallel, poll_s=0.01, margin_gb=1.0, min_free_gb=0.0,
                      stop_launching=stop_launching, finish_by=finish_by, run_dir=tmp_path / "_".join(arms),
                      steps=steps or {})
-        monkeypatch.setattr(ab, "meminfo_gb", lambda key: total_gb)
+        monkeypatch.setattr(grid, "meminfo_gb", lambda key: total_gb)
         lines = []
         ab.run_all(a, lines.append)
         timeline = a.run_dir / "timeline.txt"
@@ -518,10 +523,10 @@ def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops
     sleep = real_time.sleep
     monkeypatch.setattr(ab, "pending", fake_pending)
     monkeypatch.setattr(ab, "demo_command", fake_command)
-    monkeypatch.setattr(ab, "real_demo_runs", lambda: [])
+    monkeypatch.setattr(grid, "real_demo_runs", lambda: [])
     monkeypatch.setattr(ab, "sync_records", lambda run_dir, records: [])
-    monkeypatch.setattr(ab, "mem_available_gb", lambda: 20.0)
-    monkeypatch.setattr(ab.time, "sleep", lambda s: sleep(min(s, 0.01)))
+    monkeypatch.setattr(grid, "mem_available_gb", lambda: 20.0)
+    monkeypatch.setattr(grid.time, "sleep", lambda s: sleep(min(s, 0.01)))
 
     arms = ["GRPO", "SNR-only", "OBLR-PO", "OBLR-PO-per_step"]
     spans, launched, _, a = run(arms, 23.4, parallel=3)  # this machine's memory; --parallel allows three
@@ -536,14 +541,14 @@ def test_the_runner_keeps_memory_and_parallel_limits_launches_in_order_and_stops
     assert spans["OBLR-PO-per_step"][0] >= min(spans["SNR-only"][1], spans["OBLR-PO"][1])  # never three: --parallel
 
     # 30 minutes before --finish_by: a 40-step run (40 min + its large evaluation) is held back, a 20-step one goes
-    monkeypatch.setattr(ab, "stop_deadline", lambda hhmm, now: hhmm and now + timedelta(minutes=30))
+    monkeypatch.setattr(grid, "stop_deadline", lambda hhmm, now: hhmm and now + timedelta(minutes=30))
     spans, launched, lines, _ = run(["OBLR-PO", "SNR-only"], 50.0, parallel=2, finish_by="05:00",
                                     steps={"SNR-only": 20})
     assert launched == ["SNR-only"] and set(spans) == {"SNR-only"}
     assert "not launching OBLR-PO: expected 42 min with its large evaluation, it would not end by --finish_by 05:00" \
         in lines[0]
 
-    monkeypatch.setattr(ab, "stop_deadline", lambda hhmm, now: hhmm and now)  # past the stop time
+    monkeypatch.setattr(grid, "stop_deadline", lambda hhmm, now: hhmm and now)  # past the stop time
     spans, launched, lines, _ = run(["RLOO", "baseline-only"], 50.0, parallel=2, stop_launching="00:00")
     assert not launched and not spans and "not launching 2 training runs" in lines[-1]
 
@@ -570,7 +575,7 @@ def test_the_when_section_says_how_far_the_evidence_goes_while_only_some_contras
 
 def test_the_readme_says_what_the_default_baseline_does_in_training_from_the_contrast_with_rloo(ab):
     def contrasts(lr=1.5e-4, **d):
-        return [dict(name=ab.BASELINE_CONTRAST, lr_a=lr, **{ab.PRIMARY: d})]
+        return [dict(name=abl_design.BASELINE_CONTRAST, lr_a=lr, **{abl_design.PRIMARY: d})]
 
     text = ab.render_baseline(contrasts(n=2, ci=None, verdict="too few seeds (2)"), 5, 5.0)
     assert text.startswith("# The baseline in training") and "2 of 5 planned seeds, no verdict yet." in text
@@ -617,18 +622,18 @@ def test_the_when_sections_word_on_a_too_large_lr_compares_the_lr_runs_applied(a
                     applied_max=applied_max, mean=50.0, min=40.0, change=0.0,
                     applied_per_run=[dict(seed=s, collapsed=s in collapsed, mean=m, max=top) for s, m, top in per_run])
 
-    assert ab.render_tolerance([row("GRPO", 1.0, 1e-4, 3, [], 1e-4, 1e-4)], 20, 10.0, 3) == \
+    assert abl_when.render_tolerance([row("GRPO", 1.0, 1e-4, 3, [], 1e-4, 1e-4)], 20, 10.0, 3) == \
         "not measured yet (no stability run finished)."
     held = [row("GRPO", 1.0, 1e-4, 3, [], 1e-4, 1e-4), row("GRPO", 10.0, 1e-3, 3, [], 1e-3, 1e-3),
             row("OBLR-PO", 10.0, 1e-2, 2, [], 4e-4, 2e-3)]
-    text = ab.render_tolerance(held, 20, 10.0, 3)
+    text = abl_when.render_tolerance(held, 20, 10.0, 3)
     assert "GRPO at 10x (0.001) 0/3 collapsed, +0.0 pts; OBLR-PO at 10x (eta_max 0.01, applied 0.0004 on average, " \
         "0.002 at most) 0/2 collapsed, +0.0 pts." in text
     assert "held: 0.001 on average (GRPO at 10x, seed 0)." in text and "and collapsed" not in text  # none did
     assert text.endswith("Fewer than 3 seeds so far: OBLR-PO 10x.")
     fell = held[:2] + [row("OBLR-PO", 10.0, 1e-2, 3, [1, 2], 4e-4, 2e-3,
                            per_run=[(0, 1.2e-3, 2e-3), (1, 3e-4, 5e-4), (2, 7e-4, 9e-4)])]
-    text = ab.render_tolerance(fell, 20, 10.0, 3)  # per run: seed 0 held at the cell's largest; 1 and 2 fell
+    text = abl_when.render_tolerance(fell, 20, 10.0, 3)  # per run: seed 0 held at the cell's largest; 1 and 2 fell
     assert "held: 0.0012 on average (OBLR-PO at 10x, seed 0); the smallest a run applied and collapsed: 0.0003 on " \
         "average (OBLR-PO at 10x, seed 1)." in text and "Fewer than" not in text
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oblr_trl.advantages import compute_advantages
+from oblr_trl.advantages import BaselineStats, compute_advantages
 
 G = 4
 
@@ -75,7 +75,7 @@ def test_weight_clip_caps_a_dominant_weight_and_counts_it():
     assert "weight_spread" in unclipped.warnings
     clipped = compute_advantages(rewards, torch.ones(4, dtype=torch.long), sq, args=args(weight_clip=10.0),
                                  loss_type="dapo", group_size=G, local=slice(0, 4))
-    assert clipped.parts[4] == 1 and "weight_spread" not in clipped.warnings
+    assert clipped.stats.num_clipped == 1 and "weight_spread" not in clipped.warnings
     assert clipped.values.tolist() == pytest.approx(brute_force(rewards.tolist(), [10.0, 1.0, 1.0, 1.0]))
 
 
@@ -88,7 +88,7 @@ def test_mean_baseline_needs_no_norms_and_grpo_keeps_trls_advantages():
     grpo = compute_advantages(rewards, torch.ones(4, dtype=torch.long), None,
                               args=args(baseline="mean", leave_one_out=False, scale_rewards="group"),
                               loss_type="dapo", group_size=G, local=slice(0, 4), trl_advantages=trl)
-    assert grpo.values is trl and grpo.parts[1].tolist() == [0.5] * 4  # logged baseline: the group mean
+    assert grpo.values is trl and grpo.stats.baseline.tolist() == [0.5] * 4  # logged baseline: the group mean
 
 
 def test_identical_groups_get_advantages_of_exactly_zero():
@@ -107,3 +107,21 @@ def test_identical_groups_get_advantages_of_exactly_zero():
 
     plain = rewards[:G] - gradient_weighted_baseline(rewards[:G], weights[:G], G, leave_one_out=True)[0]
     assert (plain != 0).any()  # what the weighted mean alone gives here: ulps, not zeros
+
+
+def test_baseline_stats_of_chunks_merge_into_the_whole_batchs():
+    """one_backward forms a micro-batch's advantages chunk by chunk (whole groups each) and logs once:
+    BaselineStats.merge of the chunks' stats gives the metrics, values and counts of the whole batch at once."""
+    nan = float("nan")
+    rewards = torch.tensor([1.0, 0.0, nan, 1.0, 0.0, 0.0, 1.0, 1.0, 5.0, 5.0, 5.0, 0.0])
+    sq = torch.tensor([1e6, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 3.0, 4.0, 5.0])  # a clip, a fallback, a NaN
+    lengths = torch.tensor([3, 5, 2, 7, 4, 4, 6, 1, 2, 2, 3, 3])
+    a = dict(args=args(weight_clip=10.0), loss_type="grpo", group_size=G)
+    whole = compute_advantages(rewards, lengths, sq, local=slice(0, 12), **a)
+    chunks = [compute_advantages(rewards[s : s + G], lengths[s : s + G], sq[s : s + G], local=slice(0, G), **a)
+              for s in range(0, 12, G)]
+    merged = BaselineStats.merge([c.stats for c in chunks])
+    assert merged.num_clipped == whole.stats.num_clipped == 1 and merged.num_fallback == whole.stats.num_fallback == 4
+    assert merged.metrics() == whole.stats.metrics() and merged.metrics()["unscorable"] == 1.0
+    assert torch.equal(torch.cat([c.values for c in chunks]), whole.values)
+    assert BaselineStats.merge([whole.stats]).metrics() == whole.stats.metrics()

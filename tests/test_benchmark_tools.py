@@ -94,3 +94,34 @@ def test_mode_table_ratios_per_checkpointing_setting_and_oom():
     assert oom_off[5] == "OOM" and oom_off[8] == "OOM" and oom_off[11] == "OOM"
     assert oom_on[7:11] == ["2.00", "4.00", "1.50", "3.00"]
     assert "2026-11-23 01:46 UTC" in off[3]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_the_one_rss_reader_sees_this_process_and_a_block_s_peak():
+    import os
+    import subprocess
+    import sys
+
+    memory = _bench_module("harness.memory")
+    assert memory.status_kb("VmRSS") > 1000 and memory.rss_gb(os.getpid()) > 0.001
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert memory.rss_gb(gone.pid) == 0.0  # a finished process has no RSS
+    with memory.peak_rss() as peak:
+        block = bytearray(b"\x01") * (200 * 2**20)  # 200 MB, written
+        del block
+    assert peak["peak_bytes"] > 150 * 2**20 and "RSS" in peak["method"]
+    assert memory.peak_rss_gb() >= 0.15 and memory.meminfo_gb("MemTotal") > 0.1
+
+
+def test_the_runner_log_is_kept_in_runner_json_and_continued(tmp_path, capsys):
+    import json
+
+    log_module = _bench_module("harness.log")
+    log = log_module.RunnerLog(tmp_path / "runs")
+    log("start")
+    again = log_module.RunnerLog(tmp_path / "runs")  # a restarted runner goes on with the same log
+    again("end")
+    lines = json.loads((tmp_path / "runs" / "runner.json").read_text())["log"]
+    assert [line.split(" UTC ", 1)[1] for line in lines] == ["start", "end"] and again.lines == lines
+    assert capsys.readouterr().out.splitlines() == lines

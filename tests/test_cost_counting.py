@@ -55,6 +55,19 @@ def test_live_bytes_follows_frees_and_autograd_saves():
     assert 2 * x.nbytes <= live.peak <= 2 * x.nbytes + 64  # and the scalar sum
 
 
+def test_live_bytes_does_not_count_views_of_tensors_made_before():
+    """A weight's ``detach()`` or ``t()`` (the engine reads the LM head so) is the weight, not an operator output:
+    it was counted as a new storage of the head's size."""
+    w = torch.randn(256, 256)
+    with counting.LiveBytes() as live:
+        views = [w.detach(), w.t(), w.view(-1)[:10]]
+        assert live.live == 0
+        y = w.t() * 2  # a new storage
+        assert live.live == w.nbytes
+        del views, y
+    assert live.peak == w.nbytes
+
+
 def test_shapes_counts_what_real_tensors_count():
     """The same step on real tensors and under Shapes (as phantoms): equal FLOPs, operator calls and peak bytes."""
     x, w = torch.randn(8, 300, 64), torch.randn(4096, 64)
@@ -103,3 +116,21 @@ def test_the_tables_model_column_uses_the_shape_the_trainer_describes():
     assert got == cost.shape_of("Qwen3-0.6B", 2, 8, 256, lora=False, ckpt=True, tied=False)
     model.lm_head.weight = model.model.embed_tokens.weight
     assert describe(model, 8, cost.PROMPT, 256, 4, True, cost.GROUP).tied
+
+
+def test_repredict_recomputes_the_model_columns_and_keeps_the_counts():
+    """``--repredict``: the model's columns of a written result from the model as it is now, for the path each mode
+    ran (``replay/8`` here); the counts untouched, and the table says so."""
+    cost = load("cost_counts")
+    cfg = dict(width="Qwen3-0.6B", batch=8, completion=256, tied=True, lora=False, ckpt=True)
+    counted = dict(flops=1.0, peak_bytes=2.0, ops=3.0, per_layer_flops=1.0, rest_flops=1.0, predicted_flops=-1.0,
+                   predicted_bytes=-1.0)
+    res = dict(machine=dict(date="then", torch="t", transformers="x", trl="y"), command="cmd", rows=[
+        dict(cfg, modes={"grpo": dict(counted, ran="grpo"), "replay": dict(counted, ran="replay/8")})])
+    out = cost.repredict(res)
+    replay = out["rows"][0]["modes"]["replay"]
+    assert replay["flops"] == 1.0 and replay["peak_bytes"] == 2.0
+    for what in ("flops", "bytes"):
+        assert replay[f"predicted_{what}"] == cost.at_depth(*(cost.predict(
+            "Qwen3-0.6B", n, "replay", 8, 256, False, True, True, what, 8) for n in (1, 2)))
+    assert "computed again" in cost.render(out)

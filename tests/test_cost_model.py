@@ -26,11 +26,35 @@ def test_without_checkpointing_the_default_takes_one_backward_whole():
     assert choice.one_backward and choice.chunk == 8 and choice.flops_ratio <= cm.FLOPS_TARGET
 
 
-def test_full_fine_tuning_under_checkpointing_takes_two_passes():
-    # counted: one_backward 2.2-8.9x GRPO's peak bytes; even one group of 8 of 64 rows keeps more than GRPO's 1.1x
-    for shape in (qwen3(rows=8), qwen3(rows=64), qwen3("1.7B", rows=64)):
+def test_full_fine_tuning_under_checkpointing_takes_one_backward_replayed():
+    # counted: one_backward's kept factors 2.2-8.9x GRPO's peak bytes (even one group of 8 of 64 rows keeps more than
+    # GRPO's 1.1x); replayed (no factors kept) within 1.1x, at fewer FLOPs than two passes (no second forward)
+    for shape in (qwen3(rows=8), qwen3(rows=64), qwen3("1.7B", rows=64), qwen3(completion=4096)):
+        assert cm.fitting_chunk(shape)[0] == 0
         choice = cm.choose(shape)
-        assert not choice.one_backward and choice.chunk == 0 and choice.bytes_ratio > cm.BYTES_TARGET
+        assert choice.one_backward and choice.replay and choice.chunk % 8 == 0 and choice.chunk > 0
+        assert choice.bytes_ratio <= cm.BYTES_TARGET
+        grpo = cm.flops(shape, "grpo")
+        assert cm.FLOPS_TARGET < choice.flops_ratio < cm.flops(shape, "two_passes") / grpo
+        # where replaying is not allowed (several processes): two passes, as before
+        old = cm.choose(shape, replay=False)
+        assert not old.one_backward and old.chunk == 0 and old.bytes_ratio > cm.BYTES_TARGET
+
+
+def test_replay_costs_two_passes_less_the_loss_passs_forward():
+    """Replayed, the update is the norms pass's graph's second backward: two passes' FLOPs less the loss pass's
+    forward (each layer's maps and attention) and its head (GRPO's 4 logits products over T - 1 positions, for the 2
+    of the update's over the C completion positions), by hand on one linear layer."""
+    s = cm.Shape(layers=1, hidden=4, vocab=10, heads=1, head_dim=4, linears=((4, 6, True),), adapters=(),
+                 head_trainable=True, tied=True, rows=2, prompt=1, completion=3, itemsize=4, checkpointing=True,
+                 group=2)
+    N, T = 2 * 4, 4
+    fwd, att_f = 2 * N * 24, 4 * 2 * 1 * T * T * 4
+    head_grpo, head_update = 4 * 2 * (2 * 3) * 4 * 10, 2 * 2 * (2 * 3) * 4 * 10
+    assert cm.flops(s, "replay") == pytest.approx(cm.flops(s, "two_passes") - fwd - att_f - head_grpo + head_update)
+    # its bytes: the weight gradients (the layer's and the head's, float32) and hidden-sized tensors, no factors
+    assert cm.peak_bytes(s, "replay", 2) == pytest.approx(4 * (24 + 40) + (1 + cm.REPLAY_HIDDEN) * 2 * T * 4 * 4)
+    assert cm.peak_bytes(s, "replay", 1) < cm.peak_bytes(s, "replay", 2)
 
 
 def test_lora_under_checkpointing_takes_one_backward_in_chunks_where_the_whole_batch_does_not_fit():
@@ -90,7 +114,7 @@ def test_chunk_sizes_table():
 
 
 def test_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match="one of 'grpo'"):
+    with pytest.raises(ValueError, match="one of .*grpo"):
         cm.flops(qwen3(), "three_passes")
 
 

@@ -1,4 +1,4 @@
-"""oblr_trl.deepspeed_step without DeepSpeed or a model: the config checks, the norm, and the StepSizer's seam on a
+"""oblr_trl.deepspeed_step without DeepSpeed or a model: the config checks, the norm, and the ZeroStepHook's seam on a
 stand-in for a ZeRO optimizer that steps its torch optimizer as ZeRO stage 1/2 does (one param group per call)."""
 
 import math
@@ -12,7 +12,7 @@ from oblr_trl import OBLRPOConfig
 
 
 class DeepSpeedZeroOptimizer:
-    """What the StepSizer relies on in ZeRO stage 1/2: ``step`` sets ``_global_grad_norm`` (pre-clip), clips, then
+    """What the ZeroStepHook relies on in ZeRO stage 1/2: ``step`` sets ``_global_grad_norm`` (pre-clip), clips, then
     steps the wrapped torch optimizer once per param group with ``param_groups`` swapped to that one group."""
 
     def __init__(self, base, norm, overflow=False):
@@ -46,7 +46,7 @@ def test_the_step_is_sized_once_before_the_parameters_move_and_restored_after():
         for group in sizer.groups:
             group["lr"] *= 0.5
 
-    sizer = deepspeed_step.StepSizer(zero, base, size=size, restore=lambda: [g.__setitem__("lr", lr) for g, lr in
+    sizer = deepspeed_step.ZeroStepHook(zero, base, size=size, restore=lambda: [g.__setitem__("lr", lr) for g, lr in
                                                                              zip(sizer.groups, (0.1, 0.2))],
                                      skipped=lambda: seen.append("skipped"))
     base.register_step_pre_hook(lambda opt, args, kwargs: seen.append([g["lr"] for g in opt.param_groups]))
@@ -64,7 +64,7 @@ def test_the_step_is_sized_once_before_the_parameters_move_and_restored_after():
 def test_a_step_deepspeed_skips_is_reported_not_sized():
     zero, base, _ = make(overflow=True)
     events = []
-    deepspeed_step.StepSizer(zero, base, size=lambda sq: events.append("size"), restore=lambda: events.append("restore"),
+    deepspeed_step.ZeroStepHook(zero, base, size=lambda sq: events.append("size"), restore=lambda: events.append("restore"),
                              skipped=lambda: events.append("skipped"))
     zero.step()
     assert events == ["skipped"]
@@ -73,18 +73,18 @@ def test_a_step_deepspeed_skips_is_reported_not_sized():
 def test_remove_undoes_the_seam():
     zero, base, _ = make()
     original = zero.step
-    sizer = deepspeed_step.StepSizer(zero, base, size=lambda sq: None, restore=lambda: None, skipped=lambda: None)
+    sizer = deepspeed_step.ZeroStepHook(zero, base, size=lambda sq: None, restore=lambda: None, skipped=lambda: None)
     assert zero.step != original
     sizer.remove()
     assert zero.step == original
 
 
-def test_grad_sq_norm():
-    assert deepspeed_step.grad_sq_norm(2.0) == 4.0
-    assert deepspeed_step.grad_sq_norm(torch.tensor(3.0)) == pytest.approx(9.0)
-    assert math.isnan(deepspeed_step.grad_sq_norm(float("inf")))
+def test_reported_grad_sq_norm():
+    assert deepspeed_step.reported_grad_sq_norm(2.0) == 4.0
+    assert deepspeed_step.reported_grad_sq_norm(torch.tensor(3.0)) == pytest.approx(9.0)
+    assert math.isnan(deepspeed_step.reported_grad_sq_norm(float("inf")))
     with pytest.raises(RuntimeError, match="no global gradient norm"):
-        deepspeed_step.grad_sq_norm(None)
+        deepspeed_step.reported_grad_sq_norm(None)
 
 
 def test_config_refusal_names_the_option_and_the_alternative():

@@ -1,5 +1,6 @@
 """OBLRPOConfig(one_backward=True): norms and update from one forward/backward give what the two-pass default gives."""
 
+import contextlib
 import logging
 
 import pytest
@@ -272,3 +273,131 @@ def test_initial_choice_table():
     choice, why = initial_choice(True, ["beta=0.1 (a KL term in the loss)"])
     assert choice is False and "falls back" in why and "beta=0.1" in why
     assert initial_choice(None, ["fp16=True"])[0] is False
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_replayed_update_matches_per_row_autograd_under_checkpointing(tied):
+    """one_backward replayed (under non-reentrant checkpointing, no per-layer factors kept): the streamed norms and
+    within-unit products, and the update ``sum_i a_i u_i`` from the second backward of the pass's graph plus the head's
+    usages, equal per-row autograd's in fp32 (rows with padding and an empty completion; a tied head counted once)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from oblr_trl.grad_norms import per_sequence_grads
+    from oblr_trl.one_backward import replayed_update
+    from reference import padded_batch, per_sample_grads, within_group_products
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(config).float().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, attention, mask = padded_batch(97)
+    rows = per_sample_grads(model, ids, attention, mask)
+    grads = per_sequence_grads(model, ids, attention, mask, stream_group_size=2, keep_graph=True)
+    torch.testing.assert_close(grads.inner_products(2).double(), within_group_products(rows, 2), rtol=1e-5, atol=1e-9)
+    a = torch.randn(ids.shape[0])
+    replayed_update(grads, a, torch.zeros_like(a, dtype=torch.bool))
+    got = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]).double()
+    expected = sum(ai * g.double() for ai, g in zip(a.tolist(), rows))
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
+
+
+def force_replay(monkeypatch, rows: int = GROUP):
+    """The default's choice replaced by one_backward replayed, ``rows`` per chunk."""
+    from oblr_trl import cost_model
+
+    real = cost_model.choose
+
+    def replay(shape, replay=True):
+        return cost_model.Choice(True, rows, real(shape, replay).flops_ratio, 1.0, replay=True)
+
+    monkeypatch.setattr(cost_model, "choose", replay)
+
+
+def test_one_backward_replayed_under_bf16_updates_every_parameter(monkeypatch):
+    """bf16 autocast (the second backward runs outside the autocast context: checkpointing recomputes under the
+    forward's): every parameter moves, and nothing is NaN."""
+    force_replay(monkeypatch, rows=8)
+    model = build_model(TOKENIZER)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, bf16=True)), model=model)
+    assert trainer.one_backward_plan.replay and trainer.one_backward_plan.chunk_rows == 8
+    for name, p in trainer.model.named_parameters():
+        assert torch.isfinite(p).all() and not torch.equal(p, before[name]), name
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_one_backward_replayed_matches_two_passes(loss_type, monkeypatch, caplog):
+    """The default under checkpointing where the kept factors do not fit: one_backward replayed (one group per chunk
+    here), with the same advantages, SNR terms, gradient and step as the two-pass path."""
+    force_replay(monkeypatch)
+    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
+    with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
+        one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
+    assert one.args.gradient_checkpointing and one.uses_one_backward and one.one_backward_plan.replay
+    assert one.one_backward_plan.chunk_rows == GROUP and "oblr_gram" not in one.generations[0]
+    assert "replayed by a second backward" in caplog.text
+    for key in ("oblr/lr_scale", "oblr/snr", "oblr/baseline_mean", "grad_norm", "loss"):
+        assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key
+    for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+def _chunk_batch(rows=6, prompt=5):
+    from reference import padded_batch
+
+    ids, attention, completion_mask = padded_batch(len(TOKENIZER), batch=rows, prompt=prompt)
+    return {"prompt_ids": ids[:, :prompt], "prompt_mask": attention[:, :prompt], "completion_ids": ids[:, prompt:],
+            "completion_mask": completion_mask, "oblr_row": torch.arange(10, 10 + rows)}
+
+
+@pytest.mark.parametrize("snr_unit", [2, 1, None], ids=["groups-of-2", "one-row", "no-snr"])
+def test_chunk_norms_then_update_match_per_sample_autograd(snr_unit):
+    """The stages of one_backward, without a trainer: each chunk's norms (its rows' ||u_i||^2), then, given a_i, the
+    update -sum_i a_i u_i added to .grad, the SNR units' ||sum_{i in q} a_i u_i||^2 and ids, and the loss value,
+    all as a loop of per-sample autograd gives them."""
+    from oblr_trl import one_backward
+    from reference import completion_logprob_sums, per_sample_grads
+
+    model, batch = build_model(TOKENIZER), _chunk_batch()
+    ids, attention, mask = (torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_mask"])
+    per_sample = torch.stack(per_sample_grads(model, ids, attention, mask, temperature=0.7)).double()
+    a = torch.tensor([0.5, -1.25, 3.0, 0.0, -0.75, 2.0])
+    loss, formed = 0.0, []
+    for norms in one_backward.chunk_norms(model, batch, chunk=2, temperature=0.7, autocast=contextlib.nullcontext):
+        rows = norms.rows
+        torch.testing.assert_close(norms.sq_norms.double(), per_sample[rows].pow(2).sum(1), rtol=1e-4, atol=1e-6)
+        assert not norms.unscorable.any() and norms.warnings == ()
+        update = norms.update(a[rows], snr_unit=snr_unit)
+        loss = loss + update.loss
+        if snr_unit is None:
+            assert update.units is None and update.unit_sq is None
+        else:
+            formed.append((update.units, update.unit_sq))
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    (-(completion_logprob_sums(model, ids, attention, mask, temperature=0.7) * a).sum()).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)  # |grad| up to ~20
+    assert float(loss) == pytest.approx(float(-(a * mask.sum(-1)).sum()))
+    if snr_unit is not None:
+        units = torch.cat([u for u, _ in formed])
+        assert units.tolist() == (torch.arange(10, 16)[::snr_unit] // snr_unit).tolist()
+        h = (a.double()[:, None] * per_sample).reshape(6 // snr_unit, snr_unit, -1).sum(1)
+        torch.testing.assert_close(torch.cat([s for _, s in formed]).double(), h.pow(2).sum(1), rtol=1e-4, atol=1e-6)
+
+
+def test_chunk_norms_refuse_a_lost_or_repeated_update():
+    """A chunk's update runs once, before the next chunk's forward: asking for the next chunk first, or updating
+    twice, is refused (the update would be lost, or added twice)."""
+    from oblr_trl import one_backward
+
+    model, batch = build_model(TOKENIZER), _chunk_batch(rows=4)
+    chunks = one_backward.chunk_norms(model, batch, chunk=2, temperature=1.0, autocast=contextlib.nullcontext)
+    first = next(chunks)
+    first.update(torch.ones(2), snr_unit=None)
+    with pytest.raises(RuntimeError, match="has run already"):
+        first.update(torch.ones(2), snr_unit=None)
+    next(chunks)
+    with pytest.raises(RuntimeError, match="was not applied"):
+        next(chunks)

@@ -1,4 +1,4 @@
-"""benchmarks/paired_stats.py: Student's t and the paired t-test's power against Monte Carlo draws of the same
+"""benchmarks/harness/stats.py: Student's t and the paired t-test's power against Monte Carlo draws of the same
 statistic, and the paired difference against a hand computation."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
 def ps():
     if BENCH not in sys.path:
         sys.path.insert(0, BENCH)
-    return importlib.import_module("paired_stats")
+    return importlib.import_module("harness.stats")
 
 
 @pytest.mark.parametrize("df,table", [(2, 4.302653), (4, 2.776445), (9, 2.262157), (29, 2.045230)])

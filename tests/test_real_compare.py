@@ -3,6 +3,7 @@ missing cells and the plot, against values worked out by hand."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import math
@@ -118,39 +119,41 @@ def test_bad_cells_are_refused():
 
 def test_a_stop_time_earlier_in_the_day_than_the_start_means_tomorrow():
     from datetime import datetime, timezone
-    rc = module()
+    module()
+    procs = importlib.import_module("harness.procs")
     late = datetime(2026, 11, 25, 23, 22, 57, tzinfo=timezone.utc)
-    assert rc.stop_deadline("00:40", late) == datetime(2026, 11, 26, 0, 40, tzinfo=timezone.utc)
-    assert rc.stop_deadline("23:50", late) == datetime(2026, 11, 25, 23, 50, tzinfo=timezone.utc)
-    assert rc.stop_deadline("23:22", late) == datetime(2026, 11, 26, 23, 22, tzinfo=timezone.utc)
-    assert rc.stop_deadline(None, late) is None
+    assert procs.stop_deadline("00:40", late) == datetime(2026, 11, 26, 0, 40, tzinfo=timezone.utc)
+    assert procs.stop_deadline("23:50", late) == datetime(2026, 11, 25, 23, 50, tzinfo=timezone.utc)
+    assert procs.stop_deadline("23:22", late) == datetime(2026, 11, 26, 23, 22, tzinfo=timezone.utc)
+    assert procs.stop_deadline(None, late) is None
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_real_model_run_on_this_machine_is_seen_with_its_output_elapsed_time_and_steps(tmp_path):
     import subprocess
     import time
-    rc = module()
+    module()
+    procs = importlib.import_module("harness.procs")
     fake = [sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path / "examples" / "demo.py"),
             "--model", "smollm2", "--output_dir", "outputs/x/seed3", "--max_steps", "7"]
     proc = subprocess.Popen(fake, cwd=tmp_path)
     try:
         time.sleep(1.2)
-        mine = [r for r in rc.real_demo_runs() if r["pid"] == proc.pid]
+        mine = [r for r in procs.real_demo_runs() if r["pid"] == proc.pid]
         assert len(mine) == 1 and mine[0]["out"] == str(tmp_path / "outputs/x/seed3") and mine[0]["max_steps"] == 7
         assert 0.5 < mine[0]["elapsed_s"] < 30
-        assert str(tmp_path / "outputs/x/seed3") in rc.real_demo_outputs()
+        assert str(tmp_path / "outputs/x/seed3") in procs.real_demo_outputs()
     finally:
         proc.kill()
         proc.wait()
-    assert not [r for r in rc.real_demo_runs() if r["pid"] == proc.pid]
+    assert not [r for r in procs.real_demo_runs() if r["pid"] == proc.pid]
 
 
 def test_a_run_in_flight_is_recognised_by_its_output_dir(tmp_path):
-    rc = module()
+    rc, procs = module(), importlib.import_module("harness.procs")
     out = tmp_path / "OBLR-PO_lr0.001" / "seed0"
-    assert rc.is_running(out, [str(out), ""])
-    assert not rc.is_running(out, [str(tmp_path / "OBLR-PO_lr0.001" / "seed1"), ""])
+    assert procs.is_running(out, [str(out), ""])
+    assert not procs.is_running(out, [str(tmp_path / "OBLR-PO_lr0.001" / "seed1"), ""])
     assert "OBLR-PO-per_step" in rc.METHODS and rc.METHODS["OBLR-PO-per_step"] == ["--snr_estimator", "per_step"]
 
 
@@ -161,3 +164,25 @@ def test_step_cost_compares_each_kind_with_grpo_of_its_checkpointing_setting():
     assert step_cost.grpo_of("default") == step_cost.grpo_of("one_backward") == "grpo"
     assert step_cost.grpo_of("one_backward_no_ckpt") == step_cost.grpo_of("default_no_ckpt") == "grpo_no_ckpt"
     assert set(step_cost.STEP_MODE) == set(step_cost.STEP_KINDS) - {"grpo", "grpo_no_ckpt"}
+
+
+def test_the_runner_lists_what_is_left_in_order_and_waits_for_auto(tmp_path):
+    """real_compare's jobs for the harness's grid runner: cell-major (or seed-major), finished runs and runs this
+    runner already launched left out (a failed run is not retried), an 'auto' lr only once OBLR-PO's mean applied lr
+    is known."""
+    rc = module()
+    args = argparse.Namespace(run_dir=tmp_path, default_lr=1e-3, seed_major=False, max_steps=10, demo_args=[])
+    cells = [("OBLR-PO", "1e-3"), ("RLOO", "auto")]
+    names = lambda jobs: [j["name"] for j in jobs]  # noqa: E731
+    assert names(rc.pending(args, cells, [0, 1], set())) == ["OBLR-PO lr=0.001 seed=0", "OBLR-PO lr=0.001 seed=1"]
+    args.seed_major = True
+    for seed in (0, 1):
+        out = rc.cell_dir(tmp_path, "OBLR-PO", 1e-3) / f"seed{seed}"
+        out.mkdir(parents=True)
+        (out / "summary.json").write_text(json.dumps(dict(learning_rate=1e-3, mean_applied_lr=2e-4)))
+    jobs = rc.pending(args, cells + [("GRPO", "5e-4")], [0, 1], set())
+    assert names(jobs) == ["RLOO lr=0.0002 seed=0", "GRPO lr=0.0005 seed=0", "RLOO lr=0.0002 seed=1",
+                           "GRPO lr=0.0005 seed=1"]
+    assert jobs[0]["argv"][:6] == ["--model", "smollm2", "--learning_rate", "0.0002", "--max_steps", "10"]
+    assert "--baseline" in jobs[0]["argv"] and jobs[0]["kind"] == "train" and jobs[0]["steps"] == 10
+    assert names(rc.pending(args, cells, [0, 1], {jobs[0]["out"]})) == ["RLOO lr=0.0002 seed=1"]

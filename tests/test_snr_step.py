@@ -4,12 +4,13 @@ samples; restores the scheduled lr; its state survives save/load; warnings are r
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from oblr_trl.snr_step import STATE_NAME, StepSizer, grad_sq_norm
+from oblr_trl.snr_step import STATE_NAME, StepSizer, parameters_grad_sq_norm
 from oblr_trl.step_size import STALL_SCALE, STALL_STEPS, snr_step_size
 
 
@@ -112,8 +113,10 @@ def test_reset_and_abandon_leave_a_fresh_sizer_and_the_scheduled_lr():
     assert sizer.lr_stats.steps == 0 and sizer.snr_state.steps == 0
 
 
-def test_grad_sq_norm_is_the_squared_total_norm_and_skips_parameters_without_grad():
+def test_parameters_grad_sq_norm_is_the_squared_total_norm_and_skips_parameters_without_grad():
     a, b, c = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1))
     a.grad, b.grad = torch.tensor([1.0, 2.0, 2.0]), torch.tensor([4.0, 0.0])
-    assert grad_sq_norm([a, b, c]) == pytest.approx(25.0)
-    assert grad_sq_norm([c]) == 0.0
+    assert parameters_grad_sq_norm([a, b, c]) == pytest.approx(25.0)
+    assert parameters_grad_sq_norm([c]) == 0.0
+    c.grad = torch.tensor([float("inf")])  # not finite: NaN, as DeepSpeed's reported norm (one squared_norm)
+    assert math.isnan(parameters_grad_sq_norm([a, c]))

@@ -2,7 +2,8 @@
 input and output gradient (or its whole call); :mod:`.rules` (one per module type; :mod:`.recognise` finds one by what
 a layer computes), :mod:`.experts` and :mod:`.routers` (MoE, by routed tokens and logits) and :mod:`.generic` (the
 exact per-row path) turn records into per-sequence gradients, factored by :mod:`.factors`; :mod:`.ledger` and
-:mod:`.support` say which module covers which parameter, :mod:`.coverage` proves it (the probe, :func:`validate`);
+:mod:`.support` say which module covers which parameter (each module's rule resolved once per model, kept with every
+per-model cache on the model's :class:`~.plan.ModelPlan`), :mod:`.coverage` proves it (the probe, :func:`validate`);
 :mod:`.head` handles the LM head; :mod:`.engine` wires one pass together into a :class:`PerSequenceGradients`
 (:mod:`.result`); :mod:`.api` is the public entry, the coverage check first."""
 

@@ -29,7 +29,6 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import defaultdict
 
 import torch
@@ -37,9 +36,10 @@ from torch import nn
 
 from .engine import per_sequence_grads
 from . import head_transform
-from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names
+from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names  # noqa: F401
 from . import oracle
 from .lm import unwrap_causal_lm
+from .plan import plan_of
 from .support import Unsupported, UnsupportedModulesError, unsupported_modules
 
 logger = logging.getLogger(__name__)
@@ -47,11 +47,6 @@ logger = logging.getLogger(__name__)
 RTOL = 1e-4  # the promise, per parameter and in total (a half-precision model is upcast, see ledger.float32_mode)
 FLOOR = 1e-3  # of RTOL, relative to the whole gradient: parameters whose own gradient is nearly 0
 NATIVE_HALF_RTOL = 0.2  # where it cannot be upcast (quantized weights): only what is missing or misattributed shows
-
-# lm -> names of the trainable parameters the probe passed with
-_PROBED: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
-_UNCHECKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # sharded before any check: warned once
-_PROBING = [0]  # the probe's own engine pass is not probed again
 
 
 def _mismatches(lm: nn.Module, params: dict[str, nn.Parameter], ours: list[dict], reference: list[dict],
@@ -98,7 +93,8 @@ def probe(model: nn.Module) -> list[Unsupported]:
     if not params or sharded(lm):
         return []
     saved = {n: p.grad for n, p in params.items()}
-    _PROBING[0] += 1
+    plan = plan_of(lm)
+    plan.probing = True  # its own engine pass is not probed again
     try:
         for p in params.values():
             p.grad = None
@@ -111,7 +107,7 @@ def probe(model: nn.Module) -> list[Unsupported]:
                 found = found if any(not f.name for f in wide) else wide  # a pass that fails in float64: float32's
             return found
     finally:
-        _PROBING[0] -= 1
+        plan.probing = False
         for n, p in params.items():
             p.grad = saved[n]
 
@@ -151,13 +147,15 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], rto
 
 def check_once(model: nn.Module) -> None:
     """:func:`validate` with the probe, once per model and set of trainable parameters (the engine calls this at
-    every pass; the trainer's construction has usually done it already). Raises naming every uncovered module."""
+    every pass; the trainer's construction has usually done it already). Raises naming every uncovered module. What
+    passed is remembered on the model's plan (:class:`~.plan.ModelPlan`)."""
     lm = unwrap_causal_lm(model)
-    if _PROBING[0] or _PROBED.get(lm) == trainable_names(lm):
+    plan = plan_of(lm)
+    if plan.probing or plan.probed == trainable_names(lm):
         return
     if sharded(lm):  # no plain forward can run on shards: what was checked before sharding stands
-        if lm not in _PROBED and lm not in _UNCHECKED:
-            _UNCHECKED.add(lm)
+        if plan.probed is None and not plan.warned_unchecked:
+            plan.warned_unchecked = True
             logger.warning(
                 "The per-sequence gradients of %s were not checked: its parameters were already sharded (FSDP2, "
                 "ZeRO-3) when first seen, so parameters it uses outside their modules' forward cannot be found. Call "
@@ -179,7 +177,7 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
     that works.
     """
     try:
-        found = unsupported_modules(model, functional_owners(model))
+        found = unsupported_modules(model)
         found = found or head_transform.check(model)
     except UnsupportedModulesError:
         raise
@@ -189,7 +187,7 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
     if not found and run_probe:
         found = probe(model)
         if not found:
-            _PROBED[unwrap_causal_lm(model)] = trainable_names(unwrap_causal_lm(model))
+            plan_of(model).probed = trainable_names(unwrap_causal_lm(model))
     if found and strict:
         raise UnsupportedModulesError(found)
     return found

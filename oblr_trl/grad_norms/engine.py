@@ -1,7 +1,8 @@
 """One pass of exact per-sequence gradient norms of ``sum_t log pi(o_t | q, o_<t)``: one forward and one backward.
 
-It reads hook -> record -> rule -> ledger -> head: :mod:`.hooks` record each trainable module's input activation and
-output gradient (or whole call); the rules (:mod:`.rules`, :mod:`.experts`, :mod:`.routers`, :mod:`.generic`) turn
+It reads plan -> hook -> record -> rule -> ledger -> head: the model's plan (:func:`.support.coverage_plan`) says
+once which rule each trainable module takes; :mod:`.hooks` record each one's input activation and output gradient (or
+whole call); the rules (:mod:`.rules`, :mod:`.experts`, :mod:`.routers`, :mod:`.generic`) turn
 each record into per-sequence gradients, factored (:mod:`.factors`); the ledger (:mod:`.ledger`, :mod:`.support`)
 says which module accounts for which parameter (a slot each, a tied weight shared); :mod:`.head` forms the LM head's
 terms in vocabulary chunks, never holding the ``(B, T, V)`` logits. No coverage check here: the public functions of
@@ -31,27 +32,22 @@ from . import factors, generic, hooks
 from .head import lm_head_terms
 from .head_transform import transform_of
 from .hooks import Record, capture, checkpointed_layers
-from .result import PerSequenceGradients, Slot, _fp32
-from .experts import routed_forwards
-from .recognise import find_rule
-from .rules import call_usages
-from .ledger import functional_owners
+from .result import PerSequenceGradients, Replay, Slot, _fp32
+from .experts import RoutedCaptures
 from .lm import backbone_of, output_head, unwrap_causal_lm
+from .plan import ModelPlan
 from .support import Unsupported, UnsupportedModulesError, coverage_plan, refuse_outside_decoder
 
 
-
-
-def _hooked_modules(lm: nn.Module) -> tuple[list[nn.Module], set[nn.Module], dict[nn.Module, tuple[str, ...]]]:
-    """The trainable modules of ``lm``'s backbone to hook, those of them whose whole call is recorded (per-row and
-    routed paths), and the parameters each borrows from descendants that use them functionally (dotted names). Refuses,
-    listing every unsupported module at once."""
-    covered, unsupported = coverage_plan(lm, functional_owners(lm))
-    if unsupported:
-        raise UnsupportedModulesError(unsupported)
-    modules = [c.module for c in covered]
-    whole_call = {c.module for c in covered if c.how in ("per-row", "routed")}
-    return modules, whole_call, {c.module: c.borrowed for c in covered if c.borrowed}
+def _hooked_modules(plan: ModelPlan) -> tuple[list[nn.Module], set[nn.Module], dict[nn.Module, tuple[str, ...]]]:
+    """The trainable modules of the model's backbone to hook, those of them whose whole call is recorded (per-row and
+    routed paths), and the parameters each borrows from descendants that use them functionally (dotted names), from
+    the model's plan (:func:`~.support.coverage_plan`). Refuses, listing every unsupported module at once."""
+    if plan.unsupported:
+        raise UnsupportedModulesError(plan.unsupported)
+    modules = [c.module for c in plan.covered]
+    whole_call = {c.module for c in plan.covered if c.whole_call}
+    return modules, whole_call, {c.module: c.borrowed for c in plan.covered if c.borrowed}
 
 
 def _slot(module: nn.Module, name: str) -> Slot:
@@ -122,8 +118,10 @@ def _slots(hooked: list[nn.Module], head: nn.Module, borrowed: dict[nn.Module, t
 
 
 class _Pass:
-    """What one pass builds: each parameter's per-sequence gradients (usages), and, streamed, the within-block inner
-    products of the layers consumed as their output gradients arrived."""
+    """One pass run from the model's plan (:func:`~.support.coverage_plan`: each module's rule, chosen once per
+    model), and what it builds: each parameter's per-sequence gradients (usages), and, streamed, the within-block
+    inner products of the layers consumed as their output gradients arrived. It owns what the forward hands to the
+    backward (``routed``: the expert banks' routed pairs, :class:`~.experts.RoutedCaptures`)."""
 
     def __init__(self, lm: nn.Module, batch: int, device: torch.device, stream_group_size: int | None,
                  materialize: bool):
@@ -131,7 +129,10 @@ class _Pass:
         if not isinstance(self.head, nn.Linear):
             raise UnsupportedModulesError([Unsupported("lm_head", type(self.head).__name__,
                                                        "the LM head must be an nn.Linear")])
-        self.hooked, self.whole_call, self.borrowed = _hooked_modules(lm)
+        plan = coverage_plan(lm)
+        self.hooked, self.whole_call, self.borrowed = _hooked_modules(plan)
+        self.rules = {c.module: c.rule for c in plan.covered}
+        self.routed = RoutedCaptures(plan.memo)
         self.slot_of, self.slots, self.sharing = _slots(self.hooked, self.head, self.borrowed)
         self.batch, self.device, self.k, self.materialize = batch, device, stream_group_size, materialize
         self.names = {m: n for n, m in lm.named_modules()}
@@ -174,7 +175,7 @@ class _Pass:
         """The record's per-sample gradients, by parameter: factored, or materialized where that saves memory."""
         found = {}
         with self.refusing(record.module):
-            found = find_rule(record.module)(record.module, record.activation, record.output_grad)
+            found = self.rules[record.module](record.module, record.activation, record.output_grad)
         for name, usage in found.items():
             usage = autocast_operands(usage, self.cast_cache)
             if materialize_now and materializing_saves_memory(usage):
@@ -187,7 +188,7 @@ class _Pass:
         module = record.module
         if self.streamed is not None and calls[module] == 1 and module not in self.sharing:
             with _fp32(self.device), self.refusing(module):
-                for usage in find_rule(module)(module, record.activation, record.output_grad).values():
+                for usage in self.rules[module](module, record.activation, record.output_grad).values():
                     blocked = autocast_operands(usage, self.cast_cache).blocked(self.k)
                     self.parts.append(block_inner_products(blocked, blocked, self.k))
         elif self.materialize:
@@ -207,8 +208,11 @@ class _Pass:
                 names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
                 found = generic.per_row_usages(module, record.activation, record.output_grad, self.batch,
                                                names + list(self.borrowed[module]))
+            elif self.rules[module] is not None:  # its call rule
+                found = self.rules[module].usages(module, record.activation, record.output_grad, self.batch,
+                                                  self.routed)
             else:
-                found = call_usages(module, record.activation, record.output_grad, self.batch)
+                found = generic.per_row_usages(module, record.activation, record.output_grad, self.batch)
         for name, usage in found.items():
             self.usages[self.slot_of[_slot(module, name)]].append(usage)
 
@@ -252,7 +256,7 @@ class _Pass:
 
 def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
                        inputs_with_grad: list[torch.Tensor], backbone: nn.Module,
-                       borrowed: dict[nn.Module, tuple[str, ...]]) -> None:
+                       borrowed: dict[nn.Module, tuple[str, ...]], retain_graph: bool = False) -> None:
     """The backward of ``<hidden, grad>`` to the hooked modules' inputs (their output gradients are all the rules
     need) plus the trainable parameters of modules whose input carries no gradient (the input embedding; the first
     layer's adapters), their own and those they borrow (VeRA's, LoHa's, LoKr's and IA3's sit in ParameterDicts that
@@ -265,7 +269,7 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
     ]
     targets = inputs_with_grad + first_layer_params or [p for p in backbone.parameters() if p.requires_grad]
     try:
-        torch.autograd.grad(hidden, targets, grad_outputs=grad, allow_unused=True)
+        torch.autograd.grad(hidden, targets, grad_outputs=grad, allow_unused=True, retain_graph=retain_graph)
     except RuntimeError as error:
         if "use_reentrant=True" not in str(error):
             raise
@@ -324,6 +328,7 @@ def per_sequence_grads(
     stream_group_size: int | None = None,
     materialize: bool = False,
     model_inputs: dict | None = None,
+    keep_graph: bool = False,
 ) -> PerSequenceGradients:
     """Forward and backward of ``sum_t log pi(o_{i,t})`` for every row, captured as factored per-sequence gradients.
 
@@ -338,6 +343,10 @@ def per_sequence_grads(
     gradient), and keeps them instead of the factors (in bf16 under bf16 autocast, as autograd's own weight gradients
     are there; sums over them in fp32). Its inner products and its weighted sum are then nearly free, where the
     factors would cost a token Gram or a materialization now and a contraction again for the update.
+    With ``keep_graph=True`` (``one_backward`` replayed, under gradient checkpointing) the backbone's graph is kept
+    and the result's ``replay`` holds what the update needs once the advantages are known (:class:`.result.Replay`):
+    the last hidden state, its per-row output gradient and the head's usages (a backward of the hidden state with
+    each row's gradient scaled gives the backbone's part of ``sum_i s_i u_i``; the head's usages give the rest).
     See :func:`~.api.per_sequence_grad_sq_norms` for the other arguments.
     """
     batch, length = input_ids.shape
@@ -350,30 +359,50 @@ def per_sequence_grads(
     run = _Pass(lm, batch, input_ids.device, stream_group_size, materialize)
     if model_inputs:  # images: the modules that see them (a vision tower) have rows that are not the sequences
         refuse_outside_decoder(lm, run.hooked, model_inputs)
-    backbone, head = backbone_of(lm), run.head
-    checkpointed = checkpointed_layers(backbone)
     transform = transform_of(lm)  # the head's scale, soft cap and offset, as observed on the model's own logits
-    alpha, softcap = transform.scale / temperature, transform.softcap
+    alpha = transform.scale / temperature
     span = slice(length - completion_length - 1, length - 1)  # the positions that predict completion tokens
     labels, mask = input_ids[:, length - completion_length :], completion_mask.to(torch.float32)
+    records, (h, head_weight, head_bias, lse, head_self_done), graph = _forward_backward(
+        run, lm, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph)
+    run.collect(records)
+    before = {slot: len(usages) for slot, usages in run.usages.items()}
+    head = run.head
+    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
+        run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, transform.softcap), h,
+                     head_self_done)
+    result = run.result()
+    if keep_graph:  # the head's usages, added after the backbone's, and the hidden state's graph (Replay)
+        result.replay = Replay(*graph, {slot: usages[before.get(slot, 0):] for slot, usages in run.usages.items()
+                                        if len(usages) > before.get(slot, 0)})
+    return result
+
+
+def _forward_backward(run: _Pass, lm: nn.Module, inputs: tuple, span: slice, scored: tuple, alpha: float, transform,
+                      keep_graph: bool = False):
+    """The pass's forward and backward of ``inputs`` (``input_ids``, ``attention_mask``, ``model_inputs``) under its
+    hooks and its expert banks' routed forwards: the records, and the head's operands and terms (:func:`_head_terms`:
+    ``h``, weight, bias, log-sum-exp, and whether its own products were formed), and, for ``keep_graph``, the last
+    hidden state and its output gradient (``(None, None)`` when it carries no gradient)."""
+    input_ids, attention_mask, model_inputs = inputs
+    backbone = backbone_of(lm)
+    checkpointed = checkpointed_layers(backbone)
     # expert banks outside checkpointed layers keep their routed pairs' factors from the forward (experts.py)
     in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
     banks = [m for m in run.whole_call if m not in in_checkpointed]
-    zero3_head = _head_params(head)  # DeepSpeed ZeRO-3: the head gathered whole, before the pass
+    zero3_head = _head_params(run.head)  # DeepSpeed ZeRO-3: the head gathered whole, before the pass
     try:
-        with _fsdp_root_unsharded(lm), routed_forwards(banks), capture(
-                run.hooked, batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
+        with _fsdp_root_unsharded(lm), run.routed.routed_forwards(banks), capture(
+                run.hooked, run.batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                               **(model_inputs or {})).last_hidden_state
             h, head_weight, head_bias, lse, grad_h, head_self_done = _head_terms(
-                run, lm, hidden, span, (labels, mask), alpha, transform, zero3_head)
+                run, lm, hidden, span, scored, alpha, transform, zero3_head)
             if hidden.requires_grad:
                 full_grad = torch.zeros_like(hidden)
                 full_grad[:, span] = grad_h.to(hidden.dtype)
-                _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone, run.borrowed)
+                _backward_to_hooks(hidden, full_grad, records, inputs_with_grad, backbone, run.borrowed, keep_graph)
     except hooks.RowsError as error:  # rows that cannot be paired with the sequences: refused by the module's path
         raise run.refused([run.refusal(e.module, e) for e in (error, *error.more)]) from error
-    run.collect(records)
-    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, softcap), h, head_self_done)
-    return run.result()
+    graph = (hidden, full_grad) if hidden.requires_grad else (None, None)
+    return records, (h, head_weight, head_bias, lse, head_self_done), graph

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import weakref
 from contextlib import contextmanager
 
 import torch
@@ -34,6 +33,7 @@ from torch import nn
 
 from .factors import Dense, Factored, Materialized, block_inner_products, block_weighted_rows
 from . import generic, hooks
+from .recognise import remembered
 from .rules import register_call_rule
 
 
@@ -187,22 +187,19 @@ def _probe_matches(module: nn.Module, layout: dict) -> bool:
     return bool(torch.allclose(y.float(), expected, rtol=tol, atol=tol * float(expected.abs().max())))
 
 
-_RECOGNISED: "weakref.WeakKeyDictionary[nn.Module, dict | None]" = weakref.WeakKeyDictionary()
-
-
-def recognise_bank(module: nn.Module) -> dict | None:
+def recognise_bank(module: nn.Module, memo: dict | None = None) -> dict | None:
     """The bank's layout if this module is a fused expert bank whose forward verifiably computes the formula above
-    (checked once per module on a probe of 5 tokens with its own weights), else None."""
-    if module not in _RECOGNISED:
-        layout = None
+    (checked on a probe of 5 tokens with its own weights, once per model with ``memo``, its plan's), else None."""
+    def find() -> dict | None:
         try:
             candidate = _layout(module)
             if candidate is not None and _probe_matches(module, candidate):
-                layout = candidate
+                return candidate
         except Exception:  # a forward that will not run on the probe (another signature, sharded weights): not ours
-            layout = None
-        _RECOGNISED[module] = layout
-    return _RECOGNISED[module]
+            pass
+        return None
+
+    return remembered(memo, ("bank", module), find)
 
 
 # ----------------------------------------------------------------------------------------------------------- the rule
@@ -264,13 +261,11 @@ class _Captured:
         self.xs, self.h, self.du, self.g = xs, h, None, None
 
 
-_CAPTURED: "weakref.WeakKeyDictionary[nn.Module, list[_Captured]]" = weakref.WeakKeyDictionary()
-
-
-def _routed_forward(module: nn.Module, layout: dict):
+def _routed_forward(module: nn.Module, layout: dict, kept: list[_Captured]):
     """The bank's forward as the formula above, pair by pair in expert order (the probe checked it equals the
     module's own), keeping each pair's input and gate output, with hooks that keep the gradients reaching the up and
-    down projections' outputs: then the norms need no recomputation of the bank."""
+    down projections' outputs (in ``kept``, the pass's :class:`RoutedCaptures`): then the norms need no recomputation
+    of the bank."""
 
     def forward(*args, **kwargs):
         x, idx, w = _call_arguments(module, args, kwargs)
@@ -291,7 +286,7 @@ def _routed_forward(module: nn.Module, layout: dict):
         y = torch.zeros_like(flat).index_add(0, token, (o * w.reshape(-1)[order, None]).to(flat.dtype))
         if torch.is_grad_enabled() and u.requires_grad and not hooks.replaying() and not hooks.in_backward():
             entry = _Captured(x.detach(), order, token, expert, counts, xs.detach(), h.detach())
-            _CAPTURED.setdefault(module, []).append(entry)
+            kept.append(entry)
             u.register_hook(lambda grad: setattr(entry, "du", grad.detach()))
             o.register_hook(lambda grad: setattr(entry, "g", grad.detach()))
         return y.reshape(x.shape)
@@ -299,29 +294,42 @@ def _routed_forward(module: nn.Module, layout: dict):
     return forward
 
 
-@contextmanager
-def routed_forwards(modules):
-    """Inside, each recognised bank among ``modules`` runs :func:`_routed_forward` (an instance attribute shadowing
-    its class's forward). Its captures outlive the block (the usages are formed after it) and are taken by
-    :func:`bank_usages`; any left from an earlier pass are dropped on entry."""
-    banks = [m for m in modules if recognise_bank(m) is not None and "forward" not in vars(m)]
-    for m in banks:
-        _CAPTURED.pop(m, None)
-        m.forward = _routed_forward(m, recognise_bank(m))
-    try:
-        yield
-    finally:
+class RoutedCaptures:
+    """What one pass's routed forwards (:func:`_routed_forward`) keep for its backward, by bank, each call's entry
+    matched to the recorded call by its input's storage (:meth:`take`). Owned by the pass (:class:`~.engine._Pass`),
+    so two passes, of two models or of one, never see each other's; ``memo`` (the model's plan's) remembers each
+    bank's layout."""
+
+    def __init__(self, memo: dict | None = None):
+        self.memo = {} if memo is None else memo
+        self.entries: dict[nn.Module, list[_Captured]] = {}
+
+    def layout(self, module: nn.Module) -> dict | None:
+        return recognise_bank(module, self.memo)
+
+    @contextmanager
+    def routed_forwards(self, modules):
+        """Inside, each recognised bank among ``modules`` runs :func:`_routed_forward` (an instance attribute
+        shadowing its class's forward), its captures kept here. They outlive the block (the usages are formed after
+        it) and are taken by :func:`bank_usages`."""
+        banks = [m for m in modules if self.layout(m) is not None and "forward" not in vars(m)]
         for m in banks:
-            del m.forward
+            self.entries.pop(m, None)
+            m.forward = _routed_forward(m, self.layout(m), self.entries.setdefault(m, []))
+        try:
+            yield
+        finally:
+            for m in banks:
+                del m.forward
 
-
-def _take_capture(module: nn.Module, x: torch.Tensor) -> _Captured | None:
-    """The capture of the call whose input is ``x`` (the same storage), if its gradients arrived."""
-    for i, entry in enumerate(_CAPTURED.get(module, [])):
-        if entry.x.data_ptr() == x.data_ptr() and entry.x.shape == x.shape:
-            _CAPTURED[module].pop(i)
-            return entry if entry.du is not None and entry.g is not None else None
-    return None
+    def take(self, module: nn.Module, x: torch.Tensor) -> _Captured | None:
+        """The capture of the call whose input is ``x`` (the same storage), if its gradients arrived."""
+        entries = self.entries.get(module, [])
+        for i, entry in enumerate(entries):
+            if entry.x.data_ptr() == x.data_ptr() and entry.x.shape == x.shape:
+                entries.pop(i)
+                return entry if entry.du is not None and entry.g is not None else None
+        return None
 
 
 def _recompute_routed(module: nn.Module, layout: dict, x, grad, idx, w):
@@ -348,18 +356,21 @@ def _recompute_routed(module: nn.Module, layout: dict, x, grad, idx, w):
     return token, expert, xs, h.detach(), du, gs
 
 
-@register_call_rule("expert_bank", lambda module: recognise_bank(module) is not None)
-def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int) -> dict:
+@register_call_rule("expert_bank", lambda module, memo=None: recognise_bank(module, memo) is not None)
+def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int,
+                handoff: RoutedCaptures | None = None) -> dict:
     """``{name: usage}`` of a recognised expert bank from its recorded call and output gradient (and what
-    :func:`_routed_forward` kept, if it ran; else the bank's matmuls are recomputed on the routed tokens)."""
-    layout = recognise_bank(module)
+    :func:`_routed_forward` kept in the pass's ``handoff``, if it ran; else the bank's matmuls are recomputed on the
+    routed tokens)."""
+    handoff = RoutedCaptures() if handoff is None else handoff
+    layout = handoff.layout(module)
     arguments = _call_arguments(module, call.args, call.kwargs)
     if layout is None or arguments is None or len(output_grads) != 1:
         return generic.per_row_usages(module, call, output_grads, batch)
     if output_grads[0] is None:
         return {}
     x, idx, w = arguments
-    captured = _take_capture(module, x)
+    captured = handoff.take(module, x)
     d = x.shape[-1]
     x, grad = x.reshape(-1, d), output_grads[0].reshape(-1, d)
     tokens = x.shape[0]

@@ -12,7 +12,7 @@ batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own out
 reproduces ``y`` as well as the best (:func:`fit`), within float precision (:data:`TOLERANCE`, relative, over the
 positions attended to; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision), is what
 the engine computes; where none does, the model is refused naming the head and the difference. A scale fitted to
-``1 +- 1e-6`` is taken as 1. The transform is remembered per model: a config changed afterwards (a cap set by hand)
+``1 +- 1e-6`` is taken as 1. The transform is remembered on the model's plan (:class:`~.plan.ModelPlan`): a config changed afterwards (a cap set by hand)
 is not seen again. Cost: one forward of the backbone and one of the model on the probe
 batch, once per model. Models whose parameters are already shards (no plain forward) use the config's names
 (:func:`from_config`), which :func:`~.coverage.check_once` warns about.
@@ -20,7 +20,6 @@ batch, once per model. Models whose parameters are already shards (no plain forw
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 
 from .ledger import float32_mode, plain_mode, probe_batch, sharded
 from .lm import backbone_of, output_head, text_config, unwrap_causal_lm
+from .plan import plan_of
 from .support import Unsupported, UnsupportedModulesError
 
 TOLERANCE = 1e-5  # relative (Frobenius) difference allowed between the engine's head logits and the model's own
@@ -52,9 +52,6 @@ class HeadTransform:
             return head_bias
         offset = self.offset.to(self.offset.device if head_bias is None else head_bias.device)
         return offset if head_bias is None else head_bias.float() + offset
-
-
-_SEEN: "weakref.WeakKeyDictionary[nn.Module, HeadTransform]" = weakref.WeakKeyDictionary()
 
 
 def _number(value) -> float | None:
@@ -207,15 +204,16 @@ def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsup
 
 
 def check(model: nn.Module) -> list[Unsupported]:
-    """The head's transform observed (remembered for the engine), or the refusal naming the head and the difference;
-    empty where there is nothing to observe (no Linear head, sharded parameters)."""
+    """The head's transform observed (remembered for the engine, on the model's plan), or the refusal naming the head
+    and the difference; empty where there is nothing to observe (no Linear head, sharded parameters)."""
     lm = unwrap_causal_lm(model)
-    if lm in _SEEN or not isinstance(output_head(lm), nn.Linear) or sharded(lm):
+    plan = plan_of(lm)
+    if plan.head_transform is not None or not isinstance(output_head(lm), nn.Linear) or sharded(lm):
         return []
     with plain_mode(lm), float32_mode(lm) as upcast:
         transform, refused = _observe(lm, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)
     if not refused:
-        _SEEN[lm] = transform
+        plan.head_transform = transform
     return refused
 
 
@@ -224,9 +222,10 @@ def transform_of(model: nn.Module) -> HeadTransform:
     never observed before sharding, :func:`from_config`. Raises :class:`~.support.UnsupportedModulesError` naming the
     head where no transform reproduces the model's logits."""
     lm = unwrap_causal_lm(model)
-    if lm not in _SEEN and sharded(lm):
+    if plan_of(lm).head_transform is None and sharded(lm):
         return from_config(lm)
     refused = check(lm)
     if refused:
         raise UnsupportedModulesError(refused)
-    return _SEEN.get(lm, HeadTransform())
+    seen = plan_of(lm).head_transform
+    return HeadTransform() if seen is None else seen

@@ -6,26 +6,29 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
 
 
-_REPLAY = [0]
+# a re-run under way in this thread/task (a per-row re-run, a recogniser's probe): a context variable, so that one
+# model's re-run never silences the hooks of a pass running elsewhere
+_REPLAYING: ContextVar[bool] = ContextVar("replaying", default=False)
 
 
 def replaying() -> bool:
     """Whether a per-row re-run is under way (the capture hooks then record nothing)."""
-    return _REPLAY[0] > 0
+    return _REPLAYING.get()
 
 
 @contextmanager
 def replay():
-    _REPLAY[0] += 1
+    token = _REPLAYING.set(True)
     try:
         yield
     finally:
-        _REPLAY[0] -= 1
+        _REPLAYING.reset(token)
 
 
 def _map(fn, x):
@@ -136,16 +139,29 @@ class _Capture:
         # (and discarding) the parameters' gradients: inputs of hooked modules outside checkpointed layers, and the
         # inputs of the checkpointed layers (which checkpointing keeps anyway).
         self.inputs_with_grad: list[torch.Tensor] = []
+        self.layer_output: torch.Tensor | None = None  # the last checkpointed layer's output in the forward
         self.failed: list[RowsError] = []  # calls whose rows cannot be paired, that a gradient reached
+        # Set when the capture ends: the output-gradient hooks stay on the graph's nodes, and a later backward of the
+        # same graph (``one_backward``'s replayed update, ``retain_graph``) must not record (and hold) every output
+        # gradient again
+        self.closed = False
 
     def ready(self, record: Record) -> None:
         if self.on_grad is not None:
             self.on_grad(record, self.calls)
 
     def layer_pre_hook(self, layer, args, kwargs):
+        """A checkpointed layer's input, as a tensor the backward must reach, unless it is the previous checkpointed
+        layer's output: then that layer's input, already a target, is reached through it. (The backward returns
+        its targets' gradients at its end; one per layer, all held while ``one_backward`` replays the update by a
+        second backward of the graph, kept with every layer's checkpointed input.)"""
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if not in_backward() and torch.is_tensor(hidden) and hidden.requires_grad:
+        if not in_backward() and torch.is_tensor(hidden) and hidden.requires_grad and hidden is not self.layer_output:
             self.inputs_with_grad.append(hidden)
+
+    def layer_post_hook(self, layer, args, output):
+        if not in_backward():
+            self.layer_output = next(iter(_tensors(output)), None)
 
     def recompute_pre_hook(self, module, args):
         """A checkpointed layer's recomputation: the input, now. A pre-hook, because the recomputation stops early
@@ -190,7 +206,8 @@ class _Capture:
         self.inputs_with_grad.extend(live_inputs)
         record.input_has_grad = bool(live_inputs)
         for i, o in enumerate(outputs):
-            o.register_hook(lambda grad, record=record, i=i: record.output_grad.__setitem__(i, grad.detach()))
+            o.register_hook(lambda grad, record=record, i=i: None if self.closed else
+                            record.output_grad.__setitem__(i, grad.detach()))
         return returned
 
     def forward_hook(self, module, args, output):
@@ -222,6 +239,8 @@ class _Capture:
             self.inputs_with_grad.append(args[0])
 
         def grad_hook(grad, record=record):
+            if self.closed:
+                return
             record.output_grad = batch_rows(grad.detach(), self.batch, record.module, "output gradient")
             if record.activation is not None:
                 self.ready(record)
@@ -234,7 +253,7 @@ class _Capture:
         close over this object, which holds tensors of the graph (``inputs_with_grad``): a cycle through C++ nodes that
         Python's garbage collector cannot see, which kept every pass's graph and factors alive (memory grew each step)."""
         self.inputs_with_grad.clear()
-        self.on_grad = None
+        self.on_grad, self.layer_output, self.closed = None, None, True
 
     def check_paired(self) -> None:
         if self.failed:
@@ -271,6 +290,7 @@ def capture(modules: list[nn.Module], batch: int, on_grad=None, checkpointed: li
     handles += [m.register_forward_hook(state.call_hook, with_kwargs=True) for m in calls_of]
     handles += [m.register_forward_pre_hook(state.recompute_pre_hook) for m in modules if m in state.in_checkpointed]
     handles += [m.register_forward_pre_hook(state.layer_pre_hook, with_kwargs=True) for m in checkpointed]
+    handles += [m.register_forward_hook(state.layer_post_hook) for m in checkpointed]
     try:
         yield state.records, state.inputs_with_grad
     finally:

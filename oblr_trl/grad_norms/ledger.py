@@ -4,18 +4,17 @@ while autograd reaches their parameters), and the ancestor that borrows them ont
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from .lm import backbone_of, output_head, unwrap_causal_lm
+from .plan import plan_of
 
 PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
 
-# lm -> (names of its trainable parameters, {borrowed module: borrowing ancestor})
-_OWNERS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], dict]]" = weakref.WeakKeyDictionary()
+
 def sharded(lm: nn.Module) -> bool:
     """Parameters that are shards (FSDP2 DTensors, DeepSpeed ZeRO-3 partitions): no plain forward can run here."""
     return any(hasattr(p, "device_mesh") or hasattr(p, "ds_id") for p in lm.parameters())
@@ -127,17 +126,18 @@ def _discover(lm: nn.Module, backbone: nn.Module) -> dict[nn.Module, nn.Module]:
 def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
     """``{module: ancestor}`` for every trainable module whose forward never runs while autograd reaches its
     parameters (they are used functionally): the ancestor that takes them on the per-row path. Found once per model
-    and set of trainable parameters (a tiny forward and backward), then remembered. Models whose parameters are
-    already shards cannot run that forward: they keep what was found before sharding (``validate`` at trainer
-    construction finds it), or nothing."""
+    and set of trainable parameters (a tiny forward and backward), then remembered on the model's plan
+    (:class:`~.plan.ModelPlan`). Models whose parameters are already shards cannot run that forward: they keep what
+    was found before sharding (``validate`` at trainer construction finds it), or nothing."""
     lm = unwrap_causal_lm(model)
     names = trainable_names(lm)
-    known = _OWNERS.get(lm)
+    plan = plan_of(lm)
+    known = plan.owners
     if known is not None and (known[0] == names or sharded(lm)):
         return known[1]
     if not names or sharded(lm):
         return {}
     with plain_mode(lm):
         owners = _discover(lm, backbone_of(lm))
-    _OWNERS[lm] = (names, owners)
+    plan.owners = (names, owners)
     return owners

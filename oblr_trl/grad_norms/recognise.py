@@ -10,7 +10,6 @@ differentiates. A module that computes anything else gets no rule from here.
 from __future__ import annotations
 
 import inspect
-import weakref
 
 import torch
 from torch import nn
@@ -120,17 +119,23 @@ def recognise(module: nn.Module) -> Rule | None:
         return None
 
 
-_RECOGNISED: "weakref.WeakKeyDictionary[nn.Module, Rule | None]" = weakref.WeakKeyDictionary()
+def remembered(memo: dict | None, key: tuple, find):
+    """``find()``, kept in ``memo`` (a model's :attr:`~.plan.ModelPlan.memo`) under ``key``; computed every time
+    without one."""
+    if memo is None:
+        return find()
+    if key not in memo:
+        memo[key] = find()
+    return memo[key]
 
 
-def find_rule(module: nn.Module) -> Rule | None:
+def find_rule(module: nn.Module, memo: dict | None = None) -> Rule | None:
     """The module's rule: registered for its exact class (or class name), else recognised by what it computes
-    (:mod:`.recognise`: a norm, a scaled embedding, a linear map, each verified on a probe input), else None."""
+    (:mod:`.recognise`: a norm, a scaled embedding, a linear map, each verified on a probe input, remembered in
+    ``memo``, the model's plan's), else None."""
     cls = _original_class(type(module))
     rule = GRAD_NORM_RULES.get(cls) or _NAME_RULES.get(cls.__name__)
     if rule is not None and is_on(rule):
         return rule
-    if module not in _RECOGNISED:
-        _RECOGNISED[module] = recognise(module)
-    rule = _RECOGNISED[module]
+    rule = remembered(memo, ("rule", module), lambda: recognise(module))
     return rule if rule is not None and is_on(rule) else None

@@ -3,6 +3,8 @@ Theorem 7 and the SNR terms) and their weighted sum (the policy gradient, ``one_
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -35,6 +37,16 @@ def _fp32(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+class Replay(NamedTuple):
+    """What a pass with ``keep_graph=True`` keeps for the update: the backbone's last hidden state (its graph kept;
+    ``None`` where nothing in the backbone is trained), its output gradient ``(B, T, d)``, one row per sequence, and
+    the LM head's usages by slot (the head runs outside that graph)."""
+
+    hidden: torch.Tensor | None
+    grad: torch.Tensor | None
+    head_usages: dict
+
+
 class PerSequenceGradients:
     """The per-sequence gradients ``u_i`` of one forward/backward, held per parameter: factored, or materialized
     where that takes no more memory (``materialize=True``; never for a large matrix over short sequences).
@@ -55,6 +67,7 @@ class PerSequenceGradients:
         # inner products already summed during the backward (layers whose factors were consumed as they arrived)
         self.streamed = streamed
         self.slots = list(slots) or list(usages)  # every trainable parameter, in module order
+        self.replay: Replay | None = None  # set by a pass with keep_graph=True
 
     @property
     def params(self) -> dict[Slot, nn.Parameter]:

@@ -13,13 +13,12 @@ independently (a prefix of the probe's tokens gives the same first rows); anythi
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import generic, hooks
+from .recognise import remembered
 from .rules import register_call_rule
 from .factors import Dense, Factored, Materialized
 
@@ -104,22 +103,22 @@ def _probe(module: nn.Module) -> bool:
     return any(o.requires_grad for o in outs)  # something carries the logits' gradient
 
 
-_RECOGNISED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-def recognise_router(module: nn.Module) -> bool:
-    """Whether ``module`` is a router this rule takes (checked once per module on a probe of 6 tokens)."""
-    if module not in _RECOGNISED:
+def recognise_router(module: nn.Module, memo: dict | None = None) -> bool:
+    """Whether ``module`` is a router this rule takes (checked on a probe of 6 tokens, once per model with ``memo``,
+    its plan's)."""
+    def find() -> bool:
         try:
-            _RECOGNISED[module] = _shape_ok(module) and _probe(module)
+            return _shape_ok(module) and _probe(module)
         except Exception:  # a forward that will not run on the probe: not ours
-            _RECOGNISED[module] = False
-    return _RECOGNISED[module]
+            return False
+
+    return remembered(memo, ("router", module), find)
 
 
 @register_call_rule("router", recognise_router)
-def router_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int) -> dict:
-    """``{"weight": Factored(dz, x), "bias": Materialized(sum_t dz_t)}`` from the recorded call and output gradients."""
+def router_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int, handoff=None) -> dict:
+    """``{"weight": Factored(dz, x), "bias": Materialized(sum_t dz_t)}`` from the recorded call and output gradients
+    (``handoff``, the pass's: unused, a router keeps nothing from the forward)."""
     with torch.enable_grad(), torch.autocast(device_type=call.outputs[0].device.type, enabled=False):
         tap, out = _run_tapped(module, call.args, call.kwargs)
         outs = hooks.output_tensors(out)

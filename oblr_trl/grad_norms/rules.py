@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +51,11 @@ def _original_class(cls: type) -> type:
 
 @dataclass(frozen=True)
 class CallRule:
-    """A rule for a module whose whole call is recorded (its arguments and outputs; see :mod:`.hooks`): ``recognise``
-    says whether it takes a module (each verifies that on a probe), ``usages(module, call, output_grads, batch)`` forms
-    the module's per-sequence gradients, ``{parameter name: usage}``."""
+    """A rule for a module whose whole call is recorded (its arguments and outputs; see :mod:`.hooks`):
+    ``recognise(module, memo)`` says whether it takes a module (each verifies that on a probe, remembered in ``memo``,
+    the model's :attr:`~.plan.ModelPlan.memo`, or None), ``usages(module, call, output_grads, batch, handoff)`` forms
+    the module's per-sequence gradients, ``{parameter name: usage}`` (``handoff``: what the pass's forward kept for
+    its backward, :class:`~.experts.RoutedCaptures`, or None)."""
 
     name: str
     recognise: Callable[[nn.Module], bool]
@@ -60,7 +63,8 @@ class CallRule:
 
 
 CALL_RULES: dict[str, CallRule] = {}  # in the order they are tried
-_SWITCHED_OFF: set[str] = set()
+# the rules switched off in this thread/task (switched_off); a context variable, so no other thread sees them
+_SWITCHED_OFF: ContextVar[frozenset[str]] = ContextVar("switched_off_rules", default=frozenset())
 
 
 def register_call_rule(name: str, recognise: Callable[[nn.Module], bool]):
@@ -78,37 +82,50 @@ def register_call_rule(name: str, recognise: Callable[[nn.Module], bool]):
 @contextmanager
 def switched_off(*names: str):
     """Inside, the rules named (call rules by name, tensor rules by function name, e.g. ``"linear_rule"``) are not
-    used: their modules fall back to what comes next (a recognised rule, the per-row path, or a refusal)."""
+    used: their modules fall back to what comes next (a recognised rule, the per-row path, or a refusal). Held in a
+    context variable (this thread or task only); a model's plan is resolved again under another set
+    (:func:`~.support.coverage_plan`)."""
     unknown = set(names) - set(CALL_RULES) - {rule.__name__ for rule in _all_tensor_rules()}
     if unknown:
         raise ValueError(f"No rule named {sorted(unknown)}; call rules: {list(CALL_RULES)}.")
-    added = set(names) - _SWITCHED_OFF
-    _SWITCHED_OFF.update(added)
+    token = _SWITCHED_OFF.set(_SWITCHED_OFF.get() | frozenset(names))
     try:
         yield
     finally:
-        _SWITCHED_OFF.difference_update(added)
+        _SWITCHED_OFF.reset(token)
+
+
+def switched_off_now() -> frozenset[str]:
+    """The names of the rules switched off here (:func:`switched_off`)."""
+    return _SWITCHED_OFF.get()
+
+
+def registered() -> tuple:
+    """What is registered now (every type, name and call rule, and its rule): a plan resolved under other
+    registrations is resolved again (:func:`~.support.coverage_plan`), so a rule registered later is used."""
+    return tuple(GRAD_NORM_RULES.items()), tuple(_NAME_RULES.items()), tuple(CALL_RULES.items())
 
 
 def is_on(rule) -> bool:
-    return getattr(rule, "name", getattr(rule, "__name__", None)) not in _SWITCHED_OFF
+    return getattr(rule, "name", getattr(rule, "__name__", None)) not in _SWITCHED_OFF.get()
 
 
 def _all_tensor_rules() -> list[Rule]:
     return list(GRAD_NORM_RULES.values()) + list(_NAME_RULES.values()) + [centred_norm_rule]
 
 
-def find_call_rule(module: nn.Module) -> CallRule | None:
-    """The first registered call rule (switched on) that takes ``module``, or None."""
-    return next((rule for rule in CALL_RULES.values() if is_on(rule) and rule.recognise(module)), None)
+def find_call_rule(module: nn.Module, memo: dict | None = None) -> CallRule | None:
+    """The first registered call rule (switched on) that takes ``module``, or None (``memo``: see :class:`CallRule`)."""
+    return next((rule for rule in CALL_RULES.values() if is_on(rule) and rule.recognise(module, memo)), None)
 
 
-def call_usages(module: nn.Module, call, output_grads: list, batch: int) -> dict[str, Usage]:
-    """The usages of a module whose whole call was recorded: its call rule's (an expert bank by its routed tokens,
-    :mod:`.experts`; a router by its logits, :mod:`.routers`), else the exact per-row path's (:mod:`.generic`)."""
+def call_usages(module: nn.Module, call, output_grads: list, batch: int, handoff=None) -> dict[str, Usage]:
+    """The usages of a module whose whole call was recorded, its call rule looked up now (one module alone; a
+    model's pass runs the rule its plan chose): the call rule's (an expert bank by its routed tokens, :mod:`.experts`;
+    a router by its logits, :mod:`.routers`), else the exact per-row path's (:mod:`.generic`)."""
     rule = find_call_rule(module)
     if rule is not None:
-        return rule.usages(module, call, output_grads, batch)
+        return rule.usages(module, call, output_grads, batch, handoff)
     return generic.per_row_usages(module, call, output_grads, batch)
 
 

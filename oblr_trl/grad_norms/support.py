@@ -1,5 +1,6 @@
-"""Which trainable modules the exact per-sequence norms cover, and how (:func:`coverage_plan`), by module type; the
-entries :func:`~.coverage.validate` lists for every one they do not, at once, with advice that works."""
+"""Which trainable modules the exact per-sequence norms cover, and by which rule (:func:`coverage_plan`: resolved once
+per model and kept on its :class:`~.plan.ModelPlan`), by module type; the entries :func:`~.coverage.validate` lists
+for every one they do not, at once, with advice that works."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from torch import nn
 
 from . import generic
 from . import experts, routers  # noqa: F401 (their call rules register on import)
+from .ledger import functional_owners, trainable_names
 from .lm import backbone_of, output_head, unwrap_causal_lm
+from .plan import ModelPlan, plan_of
 from .recognise import find_rule
-from .rules import find_call_rule
+from .rules import CallRule, Rule, find_call_rule, registered, switched_off_now
 
 ADVICE = (
     "Either freeze them (module.requires_grad_(False) for each), or train without exact norms: "
@@ -43,29 +46,49 @@ class UnsupportedModulesError(NotImplementedError):
         )
 
 
-def how_handled(module: nn.Module, borrowed: int = 0) -> str | None:
-    """'rule' (a per-layer rule), 'routed' (a fused MoE expert bank, by its routed tokens: :mod:`.experts`; a router,
-    by its logits: :mod:`.routers`), 'per-row' (:mod:`.generic`), or None (unsupported) for a module with trainable
-    parameters of its own, or ``borrowed`` trainable elements of descendants it uses functionally (those always take
-    the per-row path, with the module's own parameters)."""
+def resolve(module: nn.Module, borrowed: int = 0,
+            memo: dict | None = None) -> tuple[str, Rule | CallRule | None] | None:
+    """The path and rule of a module with trainable parameters of its own, or ``borrowed`` trainable elements of
+    descendants it uses functionally (those always take the per-row path, with the module's own parameters):
+    ``('rule', rule)`` (a per-layer rule), ``('routed', call rule)`` (a fused MoE expert bank, by its routed tokens:
+    :mod:`.experts`; a router, by its logits: :mod:`.routers`), ``('per-row', None)`` (:mod:`.generic`), or None
+    (unsupported). ``memo``: what the recognisers' probes found, the model's plan's (:class:`~.plan.ModelPlan`)."""
+    fits = generic.trainable_numel(module) + borrowed <= generic.MAX_NUMEL
     if borrowed:
-        return "per-row" if generic.trainable_numel(module) + borrowed <= generic.MAX_NUMEL else None
-    if find_rule(module) is not None:
-        return "rule"
-    if find_call_rule(module) is not None:
-        return "routed"
-    if generic.trainable_numel(module) <= generic.MAX_NUMEL:
-        return "per-row"
-    return None
+        return ("per-row", None) if fits else None
+    rule = find_rule(module, memo)
+    if rule is not None:
+        return "rule", rule
+    call_rule = find_call_rule(module, memo)
+    if call_rule is not None:
+        return "routed", call_rule
+    return ("per-row", None) if fits else None
+
+
+def how_handled(module: nn.Module, borrowed: int = 0, memo: dict | None = None) -> str | None:
+    """'rule', 'routed', 'per-row' or None (unsupported): the path of :func:`resolve`."""
+    found = resolve(module, borrowed, memo)
+    return None if found is None else found[0]
 
 
 @dataclass(frozen=True)
 class Covered:
-    """One hooked module: how its per-sequence gradients are formed, and the dotted names (relative to it) of the
-    parameters of descendants it uses functionally and so takes on the per-row path with its own."""
+    """One hooked module: the rule its plan chose (a tensor rule, a :class:`~.rules.CallRule`, or None for the
+    per-row path), and the dotted names (relative to it) of the parameters of descendants it uses functionally and so
+    takes on the per-row path with its own."""
     module: nn.Module
-    how: str
+    rule: Rule | CallRule | None
     borrowed: tuple[str, ...] = ()
+
+    @property
+    def how(self) -> str:
+        """'rule', 'routed' or 'per-row' (see :func:`resolve`)."""
+        return "per-row" if self.rule is None else "routed" if isinstance(self.rule, CallRule) else "rule"
+
+    @property
+    def whole_call(self) -> bool:
+        """Whether its whole call is recorded (the per-row and routed paths), not its input and output gradient."""
+        return self.how != "rule"
 
 
 def borrowed_names(owners: dict[nn.Module, nn.Module]) -> dict[nn.Module, list[str]]:
@@ -79,25 +102,25 @@ def borrowed_names(owners: dict[nn.Module, nn.Module]) -> dict[nn.Module, list[s
     return out
 
 
-def coverage_plan(lm: nn.Module, owners: dict[nn.Module, nn.Module]) -> tuple[list[Covered], list[Unsupported]]:
+def _resolve_all(lm: nn.Module, owners: dict[nn.Module, nn.Module], memo: dict
+                 ) -> tuple[list[Covered], list[Unsupported]]:
     """How each trainable module of ``lm``'s backbone is covered (the head is the engine's own), given ``owners``
-    (``{module used functionally: the ancestor that borrows it}``, :func:`~.coverage.functional_owners`), and every
-    module that is not."""
+    (``{module used functionally: the ancestor that borrows it}``, :func:`~.ledger.functional_owners`), and every
+    module that is not: each module's rule resolved once (:func:`resolve`)."""
     head = output_head(lm)
     borrowing = borrowed_names(owners)
     covered: list[Covered] = []
     found: list[Unsupported] = []
-    backbone = backbone_of(lm)
-    for name, module in backbone.named_modules():
+    for name, module in backbone_of(lm).named_modules():
         if module is head or module in owners:
             continue
         borrowed = tuple(borrowing.get(module, ()))
         if not borrowed and not any(p.requires_grad for p in module.parameters(recurse=False)):
             continue
         extra = sum(module.get_parameter(n).numel() for n in borrowed)
-        how = how_handled(module, extra)
-        if how is not None:
-            covered.append(Covered(module, how, borrowed))
+        chosen = resolve(module, extra, memo)
+        if chosen is not None:
+            covered.append(Covered(module, chosen[1], borrowed))
             continue
         trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad] + list(borrowed)
         found.append(Unsupported(
@@ -110,7 +133,22 @@ def coverage_plan(lm: nn.Module, owners: dict[nn.Module, nn.Module]) -> tuple[li
     return covered, found
 
 
-def unsupported_modules(model: nn.Module, owners: dict[nn.Module, nn.Module] | None = None) -> list[Unsupported]:
+def coverage_plan(model: nn.Module) -> ModelPlan:
+    """The model's plan (:class:`~.plan.ModelPlan`, carried on its ``*ForCausalLM``): ``covered``, each trainable
+    backbone module with the rule chosen for it, and ``unsupported``, every module none covers. Resolved once per
+    model: resolved again only when what it was resolved under changes (the trainable parameters, the modules
+    themselves, the per-row limit, the switched-off rules, :func:`~.rules.switched_off`, or the registered ones,
+    :func:`~.rules.registered`); the recognisers' probes are kept in its ``memo`` across re-resolutions."""
+    lm = unwrap_causal_lm(model)
+    plan = plan_of(lm)
+    key = (trainable_names(lm), tuple(map(id, lm.modules())), generic.MAX_NUMEL, switched_off_now(), registered())
+    if plan.key != key:
+        plan.covered, plan.unsupported = _resolve_all(lm, functional_owners(lm), plan.memo)
+        plan.key = key
+    return plan
+
+
+def unsupported_modules(model: nn.Module) -> list[Unsupported]:
     """Every trainable module of ``model`` (a causal LM, possibly PEFT/DDP-wrapped) the exact norms do not cover, by
     type (the probe of :func:`~.coverage.validate` checks the rest by running them)."""
     lm = unwrap_causal_lm(model)
@@ -120,7 +158,7 @@ def unsupported_modules(model: nn.Module, owners: dict[nn.Module, nn.Module] | N
     head = output_head(lm)
     if not isinstance(head, nn.Linear):
         found.append(Unsupported("lm_head", type(head).__name__, "the LM head must be an nn.Linear"))
-    return found + coverage_plan(lm, owners or {})[1]
+    return found + coverage_plan(lm).unsupported
 
 
 def refuse_outside_decoder(lm: nn.Module, hooked: list[nn.Module], model_inputs: dict) -> None:

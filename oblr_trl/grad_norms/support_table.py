@@ -18,8 +18,7 @@ import torch
 from .api import per_sequence_grad_sq_norms
 from .lm import unwrap_causal_lm
 from .oracle import per_row_sq_norms
-from .coverage import functional_owners, validate
-from .rules import find_call_rule
+from .coverage import validate
 from .support import coverage_plan
 from .zoo import ADAPTERS, FAMILIES, VOCAB, build, build_adapted
 
@@ -48,11 +47,10 @@ def family_row(family: str, make=build) -> list[str]:
             status = "refused: " + "; ".join(sorted({m.reason.split(" (")[0] for m in refused}))
             continue
         lm = unwrap_causal_lm(model)
-        covered, _ = coverage_plan(lm, functional_owners(lm))
-        for c in covered:
+        for c in coverage_plan(lm).covered:
             name = type(c.module).__name__
             if c.how == "routed":  # an expert bank by its routed tokens, or a router by its logits
-                name += " (routed tokens)" if find_call_rule(c.module).name == "expert_bank" else " (logits)"
+                name += " (routed tokens)" if c.rule.name == "expert_bank" else " (logits)"
             if c.borrowed:  # parameters of descendants it uses functionally
                 name += f" (with {', '.join(sorted({n.rpartition('.')[0] for n in c.borrowed}))})"
             layers[c.how].add(name)

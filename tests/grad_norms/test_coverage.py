@@ -82,11 +82,10 @@ def test_a_child_weight_used_functionally_is_borrowed_and_exact(tie):
 def test_without_borrowing_the_probe_refuses_the_functional_conv_by_name(monkeypatch):
     """The probe alone (no discovery) finds the share no hook sees: conv.weight and conv.bias get no per-sequence
     gradient at all, and are named."""
-    from oblr_trl.grad_norms import engine
+    from oblr_trl.grad_norms import support
 
     model = _llama_with(FunctionalConv)
-    monkeypatch.setattr(coverage, "functional_owners", lambda model: {})
-    monkeypatch.setattr(engine, "functional_owners", lambda model: {})
+    monkeypatch.setattr(support, "functional_owners", lambda model: {})
     found = validate(model, strict=False)
     assert [m.name for m in found] == [f"model.layers.{i}.mlp.act_fn.1.conv" for i in range(2)]
     assert all("weight" in m.reason and "bias" in m.reason and "projection on autograd's per-sequence gradients 0%" in m.reason
@@ -130,12 +129,11 @@ def test_the_probe_leaves_grads_and_mode_as_they_were():
 def test_a_bf16_model_is_probed_in_float32_and_put_back_bit_for_bit(monkeypatch, borrow):
     """In bf16 the reference's own logits are too coarse (a real 49k-vocabulary model was refused everywhere before
     the upcast); the verdict must be the float32 one, and the weights must come back unchanged."""
-    from oblr_trl.grad_norms import engine
+    from oblr_trl.grad_norms import support
 
     model = _llama_with(FunctionalConv).to(torch.bfloat16)
     if not borrow:
-        monkeypatch.setattr(coverage, "functional_owners", lambda model: {})
-        monkeypatch.setattr(engine, "functional_owners", lambda model: {})
+        monkeypatch.setattr(support, "functional_owners", lambda model: {})
     before = {n: t.clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
     found = validate(model, strict=False)
     assert [m.name for m in found] == ([] if borrow else [f"model.layers.{i}.mlp.act_fn.1.conv" for i in range(2)])

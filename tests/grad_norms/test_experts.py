@@ -4,8 +4,8 @@ per-sequence autograd: squared norms, within-group inner products and the weight
 import pytest
 import torch
 
-from oblr_trl.grad_norms import engine, experts, hooks
-from oblr_trl.grad_norms.experts import PerExpert, recognise_bank, routed_forwards
+from oblr_trl.grad_norms import engine, hooks
+from oblr_trl.grad_norms.experts import PerExpert, RoutedCaptures, recognise_bank
 from oblr_trl.grad_norms.rules import call_usages
 from oblr_trl.grad_norms.support import how_handled
 
@@ -47,15 +47,16 @@ def _routing(experts: int, skewed: bool = False, seed: int = 1):
 def _ours(bank, x, idx, w, r, captured=True):
     """Captured: the bank's routed forward keeps its pairs' factors (as in the norms pass); else they are recomputed
     from the recorded call (as inside checkpointed layers)."""
-    with routed_forwards([bank] if captured else []), hooks.capture([bank], B, calls_of={bank}) as (records, _):
+    handoff = RoutedCaptures()
+    with handoff.routed_forwards([bank] if captured else []), hooks.capture([bank], B, calls_of={bank}) as (records, _):
         y = bank(x, idx, w)
         (y * r).sum().backward(inputs=[p for p in bank.parameters() if p.requires_grad])
     bank.zero_grad(set_to_none=True)
     if captured and x.requires_grad and recognise_bank(bank) is not None:
-        assert len(experts._CAPTURED.get(bank, [])) == 1
+        assert len(handoff.entries.get(bank, [])) == 1
     usages = {}
     for record in records:
-        for name, usage in call_usages(bank, record.activation, record.output_grad, B).items():
+        for name, usage in call_usages(bank, record.activation, record.output_grad, B, handoff).items():
             usages.setdefault((bank, name), []).append(usage)
     return engine.PerSequenceGradients(usages, B, x.device,
                                        slots=[(bank, n) for n, p in bank.named_parameters() if p.requires_grad])

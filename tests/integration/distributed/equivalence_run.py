@@ -123,9 +123,9 @@ class Recorder(OBLRPOTrainer):
     records = []
     ds_applied_lrs = []  # under DeepSpeed: per optimizer step, the lr of each group the ZeRO optimizer stepped with
 
-    def _install_deepspeed_sizer(self):
-        super()._install_deepspeed_sizer()
-        sizer = self._ds_sizer  # registered after the sizer's hook: sees the lr the update is taken with
+    def _install_zero_hook(self):
+        super()._install_zero_hook()
+        sizer = self._zero_hook  # registered after the ZeroStepHook's hook: sees the lr the update is taken with
 
         def record(optimizer, args, kwargs):
             if sizer.steps > len(self.ds_applied_lrs):

@@ -40,7 +40,7 @@ def _scale_grid(df: int, points: int = 2001) -> tuple[list[float], list[float]]:
 def _expect_over_chi2(df: int, fn) -> float:
     """E[fn(sqrt(V / df))] for V ~ chi2(df)."""
     if df < 2:
-        raise ValueError("paired_stats: need df >= 2 (at least 3 seeds) for the t integrals")
+        raise ValueError("harness.stats: need df >= 2 (at least 3 seeds) for the t integrals")
     nodes, weights = _scale_grid(df)
     return sum(w * fn(s) for s, w in zip(nodes, weights))
 
@@ -106,3 +106,41 @@ def problem_paired_se(correct: list[bool], reference: list[bool]) -> float:
         raise ValueError("problem_paired_se: need two equally long lists of at least 2 problems")
     diffs = [int(a) - int(b) for a, b in zip(correct, reference)]
     return 100 * statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+def fisher_exact(a: int, b: int, c: int, d: int) -> float:
+    """Two-sided p-value of Fisher's exact test for the 2x2 table [[a, b], [c, d]] (rows: groups; columns: event, no
+    event): the probability, under the hypergeometric law with the margins fixed, of every table no more likely than
+    the observed one (a relative tolerance of 1e-7 counts ties as equal, as R and scipy do)."""
+    if min(a, b, c, d) < 0:
+        raise ValueError(f"harness.stats.fisher_exact: counts must be >= 0, got {[a, b, c, d]}")
+    row1, col1, n = a + b, a + c, a + b + c + d
+
+    def prob(x: int) -> float:
+        return math.comb(col1, x) * math.comb(n - col1, row1 - x) / math.comb(n, row1)
+
+    observed = prob(a)
+    support = range(max(0, row1 + col1 - n), min(row1, col1) + 1)
+    return min(1.0, sum(p for x in support if (p := prob(x)) <= observed * (1 + 1e-7)))
+
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval at `level` of a binomial proportion with `k` events in `n` trials: the
+    p at which P(X >= k) and P(X <= k) equal (1 - level) / 2, found by bisection on the binomial law (0 and 1 at the
+    ends, where k = 0 or k = n)."""
+    if not 0 <= k <= n or n == 0:
+        raise ValueError(f"harness.stats.clopper_pearson: need 0 <= k <= n and n > 0, got k={k}, n={n}")
+    tail = (1 - level) / 2
+
+    def cdf(x: int, p: float) -> float:  # P(X <= x)
+        return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(x + 1))
+
+    def solve(f) -> float:  # the root of a function increasing in p on [0, 1]
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+        return (lo + hi) / 2
+
+    lower = 0.0 if k == 0 else solve(lambda p: (1 - cdf(k - 1, p)) - tail)
+    upper = 1.0 if k == n else solve(lambda p: tail - cdf(k, p))
+    return lower, upper

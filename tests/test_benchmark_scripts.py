@@ -1,0 +1,67 @@
+"""benchmarks/ as a whole (issue 48): every script answers --help, the scripts stay small and import only the harness,
+the studies and oblr_trl (never each other), and memory is read and the runner's log written in one place each."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+SCRIPTS = sorted(BENCH.glob("*.py"))
+SHARED = {"harness", "studies"}  # the packages scripts may import from, beside oblr_trl and third-party libraries
+# issue 47 owns these: cost_counts.py's counters live in counting.py, a module (no __main__), not a script
+OWNED_ELSEWHERE = {("cost_counts", "counting")}
+
+
+def is_script(path: Path) -> bool:
+    return "__main__" in path.read_text()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_benchmark_answers_help_without_running(script, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, f"{script.name} --help: rc {proc.returncode}\n{proc.stderr[-2000:]}"
+    if is_script(script):
+        assert proc.stdout.startswith("usage:"), f"{script.name} --help printed no usage:\n{proc.stdout[:500]}"
+    assert not any(tmp_path.iterdir()), f"{script.name} --help wrote {sorted(tmp_path.iterdir())}"
+
+
+def local_imports(path: Path) -> set[str]:
+    """The top-level names of the modules `path` imports that live in benchmarks/ (scripts, harness, studies)."""
+    local = {p.stem for p in SCRIPTS} | {p.name for p in BENCH.iterdir() if (p / "__init__.py").exists()}
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names & local
+
+
+def test_scripts_import_the_harness_and_the_studies_never_each_other():
+    found = {(p.stem, name) for p in SCRIPTS for name in local_imports(p) - SHARED} - OWNED_ELSEWHERE
+    assert not found, f"benchmark scripts importing other scripts: {sorted(found)}"
+    for package in SHARED:  # the shared code does not reach back into a script
+        for path in (BENCH / package).rglob("*.py"):
+            assert local_imports(path) <= SHARED, f"{path.relative_to(ROOT)} imports {local_imports(path) - SHARED}"
+
+
+def test_no_benchmark_file_is_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in BENCH.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+
+
+def test_memory_is_read_and_the_runner_log_written_in_one_place():
+    """One RSS reader (harness/memory.py) and one runner log (harness/log.py's RunnerLog, in runner.json)."""
+    for needle, home in (("VmRSS", "harness/memory.py"), ("ru_maxrss", "harness/memory.py"),
+                         ("/proc/meminfo", "harness/memory.py"), ('"runner.json"', "harness/log.py")):
+        users = sorted(str(p.relative_to(BENCH)) for p in BENCH.rglob("*.py") if needle in p.read_text())
+        assert users == [home], (needle, users)
