@@ -7,7 +7,8 @@ gradients never needs them materialized:
     <sum_t L_t (x) R_t, sum_s L'_s (x) R'_s> = sum_{t,s} <L_t, L'_s> <R_t, R'_s>
 
 i.e. the elementwise product of two token-by-token Gram matrices (Goodfellow 2015; Li et al. 2022, "ghost norm").
-A factor is one of:
+A factor is one of the following, each implementing the small :class:`Factor` protocol (``ids``, ``dense``,
+``operand``, ``rows``, ``gather_cols``, ...), so that the algebra below reads attributes instead of testing types:
 
 * :class:`Dense`: a ``(B, T, n)`` tensor (activations, output gradients);
 * :class:`OneHot`: token ids ``(B, T)`` standing for one-hot rows of width ``n`` (an embedding's input);
@@ -20,7 +21,8 @@ block's sequences: that is how inner products ``<u_i, u_j>`` between completions
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -39,6 +41,10 @@ CUDA_MACS_PER_BYTE = 100
 GATHER_BUDGET = 1 << 25
 # Devices where _row_products splits its long axis into a batch (a GPU's parallelism); the CPU gains nothing from it.
 SPLIT_ROW_PRODUCTS = ("cuda",)
+# Float32 materialized gradients of at most this many elements (norm gains, biases) are concatenated, SMALL_BATCH at
+# a time, into one product by summed_self_products: a few operator calls instead of one per parameter.
+SMALL_MATERIALIZED = 1 << 20
+SMALL_BATCH = 64
 _OUT_DTYPE = {"ok": True}  # whether torch.mm/bmm(..., out_dtype=torch.float32) works here (CUDA, torch >= 2.8)
 
 
@@ -61,12 +67,13 @@ def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if a.dim() == 3 and b.dim() == 2:
         return mm32(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+    product = torch.bmm if a.dim() == 3 else torch.mm  # matmul would add views and expands around the same kernel
     if a.is_cuda and a.dtype == b.dtype and a.dtype in HALF and _OUT_DTYPE["ok"]:
         try:
-            return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=torch.float32)
+            return product(a, b, out_dtype=torch.float32)
         except (RuntimeError, TypeError, NotImplementedError):
             _OUT_DTYPE["ok"] = False  # this torch has no float32-output half kernel: float32 from now on
-    return torch.matmul(a.float(), b.float())
+    return product(a.float(), b.float())
 
 
 def as_operand(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -82,7 +89,7 @@ def autocast_operands(u: "Usage", cache: dict | None = None) -> "Usage":
 
     ``cache`` (a dict owned by the caller, one pass long) keeps the last cast with its source, so that layers reading
     one input (q/k/v, gate/up projections) cast it once; holding the source keeps its memory from being reused."""
-    if isinstance(u, Factored) and isinstance(u.left, Dense) and isinstance(u.right, Dense):
+    if getattr(u, "dense_pair", False):
         dtype = half_dtype(u.left.t, u.right.t)
         if dtype is not None and (u.left.t.dtype != dtype or u.right.t.dtype != dtype):
             return Factored(Dense(_cast(u.left.t, dtype, cache)), Dense(_cast(u.right.t, dtype, cache)))
@@ -104,19 +111,69 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch.Tens
 
 def _block(x: torch.Tensor, k: int) -> torch.Tensor:
     """(B, T, ...) -> (B/k, k*T, ...)."""
+    if k == 1:
+        return x  # a reshape to the same shape would still be an operator call
     return x.reshape(x.shape[0] // k, k * x.shape[1], *x.shape[2:])
+
+
+class Factor(Protocol):
+    """What the Gram algebra asks of a factor (:class:`Dense`, :class:`OneHot`, :class:`SoftmaxDelta`), so that no
+    function here dispatches on its type:
+
+    * ``width``: ``n``; ``blocked(k)``: ``k`` consecutive rows merged into one; ``rows(b0, b1)``: rows ``b0:b1``;
+    * ``ids``: the token ids of a one-hot factor, else None; ``dense``: the ``(B, T, n)`` tensor of a factor held
+      whole, else None; ``operand``: the tensor whose dtype and device its products take (None: enters none), and
+      ``product_dtype``: that dtype;
+    * ``gather_cols(idx)``: columns ``idx[b, q]`` of each row, ``(B, T, Tq)`` float32 (its Gram with a one-hot
+      factor); ``cols(start, end)``: columns ``start:end`` (not of one-hot factors);
+    * ``materialize_with(right)``: ``sum_t self_t (x) right_t`` per row, where it can be formed.
+    """
+
+    ids: torch.Tensor | None
+    dense: torch.Tensor | None
+    operand: torch.Tensor | None
+    product_dtype: torch.dtype | None
+
+    @property
+    def width(self) -> int: ...
+
+    def blocked(self, k: int) -> "Factor": ...
+
+    def rows(self, b0: int, b1: int) -> "Factor": ...
+
+    def gather_cols(self, idx: torch.Tensor) -> torch.Tensor: ...
+
+    def materialize_with(self, right: "Dense") -> torch.Tensor: ...
 
 
 @dataclass
 class Dense:
+    """A factor held whole: ``(B, T, n)`` activations or output gradients."""
+
     t: torch.Tensor  # (B, T, n)
+    ids = None  # not one-hot
 
     @property
     def width(self) -> int:
         return self.t.shape[-1]
 
+    @property
+    def dense(self) -> torch.Tensor:
+        return self.t
+
+    @property
+    def operand(self) -> torch.Tensor:
+        return self.t
+
+    @property
+    def product_dtype(self) -> torch.dtype:
+        return self.t.dtype
+
     def blocked(self, k: int) -> "Dense":
         return Dense(_block(self.t, k))
+
+    def rows(self, b0: int, b1: int) -> "Dense":
+        return Dense(self.t[b0:b1])
 
     def cols(self, start: int, end: int) -> torch.Tensor:
         return self.t[..., start:end].float()
@@ -133,15 +190,31 @@ class Dense:
 
 @dataclass
 class OneHot:
+    """Token ids standing for one-hot rows of width ``n`` (an embedding's input)."""
+
     idx: torch.Tensor  # (B, T) long
     n: int
+    dense = None  # never held whole
+    operand = None  # enters no product: its Grams and gradients are gathers and scatters
+    product_dtype = None
 
     @property
     def width(self) -> int:
         return self.n
 
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.idx
+
     def blocked(self, k: int) -> "OneHot":
         return OneHot(_block(self.idx, k), self.n)
+
+    def rows(self, b0: int, b1: int) -> "OneHot":
+        return OneHot(self.idx[b0:b1], self.n)
+
+    def gather_cols(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T, Tq): whether token ``t`` is token ``idx[b, q]``, the Gram of two one-hot factors."""
+        return (self.idx[:, :, None] == idx[:, None, :]).float()
 
     def materialize_with(self, right: Dense) -> torch.Tensor:
         out = right.t.new_zeros(right.t.shape[0], self.n, right.t.shape[-1], dtype=torch.float32)
@@ -179,10 +252,28 @@ class SoftmaxDelta:
     labels: torch.Tensor  # (B, T) long
     mask: torch.Tensor  # (B, T) float
     softcap: float | None = None  # final_logit_softcapping
+    _shared: dict | None = field(default=None, repr=False, compare=False)  # per-token terms, formed once (cols)
+    ids = None  # not one-hot
+    dense = None  # never held whole: its columns are formed chunk by chunk
 
     @property
     def width(self) -> int:
         return self.weight.shape[0]
+
+    @property
+    def operand(self) -> torch.Tensor:
+        return self.h
+
+    @property
+    def product_dtype(self) -> torch.dtype | None:
+        return self.operand_dtype
+
+    def rows(self, b0: int, b1: int) -> "SoftmaxDelta":
+        return SoftmaxDelta(self.h[b0:b1], self.weight, self.bias, self.alpha, self.lse[b0:b1], self.labels[b0:b1],
+                            self.mask[b0:b1], self.softcap)
+
+    def materialize_with(self, right: Dense) -> torch.Tensor:
+        raise NotImplementedError("Materializing an LM-head or one-hot-input gradient is not supported.")
 
     @property
     def operand_dtype(self) -> torch.dtype | None:
@@ -199,39 +290,43 @@ class SoftmaxDelta:
         z, dz = head_logits(self.h, weight, bias, self.alpha, self.softcap)
         return (is_label.float() - torch.exp(z - self.lse[..., None])) * dz * self.mask[..., None]
 
+    def _per_token(self) -> dict:
+        """What every chunk's columns use, formed once: ``lse`` and the labels as columns, ``mask * dz/ds`` (for a
+        constant ``dz/ds``) as a row weight and its negative as a column."""
+        if self._shared is None:
+            weight_row = self.mask if self.softcap is not None else self.mask * self.alpha
+            self._shared = dict(lse=self.lse[..., None], labels=self.labels[..., None],
+                                weight_row=weight_row[..., None], neg_weight=-weight_row[..., None])
+        return self._shared
+
     def cols(self, start: int, end: int) -> torch.Tensor:
         """Columns ``start:end`` of the delta, ``(B, T, end - start)`` float32: one logits product and three in-place
         passes over the chunk (the label's ``+1`` is a scatter), the widest tensors of the whole pass."""
+        shared = self._per_token()
         bias = None if self.bias is None else self.bias[start:end]
         z, dz = head_logits(self.h, self.weight[start:end], bias, self.alpha, self.softcap)
-        p = z.sub_(self.lse[..., None]).exp_()  # softmax probabilities of the chunk
+        p = z.sub_(shared["lse"]).exp_()  # softmax probabilities of the chunk
+        local = shared["labels"] - start
+        at = local.clamp(0, end - start - 1)  # equal to local where the label is in this chunk
+        plus = shared["weight_row"] * (at == local)
         if torch.is_tensor(dz):  # softcapped: dz/ds per logit
             p.mul_(dz)
-            at_label = dz.gather(-1, (self.labels - start).clamp(0, end - start - 1)[..., None])[..., 0]
-            weight_row = self.mask
-        else:
-            at_label = None
-            weight_row = self.mask * dz
-        p.mul_(-weight_row[..., None])  # -(mask * dz) * softmax
-        inside = (self.labels >= start) & (self.labels < end)
-        plus = weight_row * inside if at_label is None else weight_row * at_label * inside
-        return p.scatter_add_(-1, (self.labels - start).clamp(0, end - start - 1)[..., None], plus[..., None].float())
+            plus = plus * dz.gather(-1, at)
+        p.mul_(shared["neg_weight"])  # -(mask * dz) * softmax
+        return p.scatter_add_(-1, at, plus)
 
     def gather_cols(self, idx: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[idx]
         return self._delta(self.weight[idx], bias, self.labels[:, :, None] == idx[:, None, :])
 
 
-Factor = Dense | OneHot | SoftmaxDelta
-
 
 def _operand_dtype(*factors: Factor) -> torch.dtype | None:
     """The half-precision dtype the products of these factors take (under autocast), or None (float32)."""
-    tensors = [f.t if isinstance(f, Dense) else f.h for f in factors if not isinstance(f, OneHot)]
-    if not tensors or tensors[0].device.type not in HALF_OPERAND_DEVICES:
+    held = [f for f in factors if f.operand is not None]
+    if not held or held[0].operand.device.type not in HALF_OPERAND_DEVICES:
         return None
-    dtypes = {f.t.dtype if isinstance(f, Dense) else f.operand_dtype if isinstance(f, SoftmaxDelta) else None
-              for f in factors if not isinstance(f, OneHot)}
+    dtypes = {f.product_dtype for f in held}
     dtype = dtypes.pop() if len(dtypes) == 1 else None
     return dtype if dtype in HALF else None
 
@@ -240,13 +335,11 @@ def gram(a: Factor, b: Factor) -> torch.Tensor:
     """Token-by-token Gram ``(B, Ta, Tb)`` of two factors of the same width, in float32."""
     if a.width != b.width:
         raise ValueError(f"Factor widths differ: {a.width} vs {b.width}.")
-    if isinstance(a, OneHot) and isinstance(b, OneHot):
-        return (a.idx[:, :, None] == b.idx[:, None, :]).float()
-    if isinstance(b, OneHot):
-        return a.gather_cols(b.idx)
-    if isinstance(a, OneHot):
-        return b.gather_cols(a.idx).transpose(1, 2)
-    if isinstance(a, Dense) and isinstance(b, Dense):
+    if b.ids is not None:  # one-hot columns: gathered (two one-hot factors: where the ids agree)
+        return a.gather_cols(b.ids)
+    if a.ids is not None:
+        return b.gather_cols(a.ids).transpose(1, 2)
+    if a.dense is not None and b.dense is not None:
         dtype = half_dtype(a.t, b.t)
         return mm32(as_operand(a.t, dtype), as_operand(b.t, dtype).transpose(1, 2))
     dtype = _operand_dtype(a, b)
@@ -266,14 +359,62 @@ class Factored:
 
     left: Factor
     right: Factor
+    concatenable = False  # see Materialized
+
+    @property
+    def dense_pair(self) -> bool:
+        """Both factors held whole (a linear layer's)."""
+        return self.left.dense is not None and self.right.dense is not None
+
+    @property
+    def shared_input(self) -> torch.Tensor | None:
+        """The input-side tensor, which layers reading one input share (None: not held whole)."""
+        return self.right.dense
 
     def blocked(self, k: int) -> "Factored":
         return Factored(self.left.blocked(k), self.right.blocked(k))
 
     def materialize(self) -> torch.Tensor:
-        if isinstance(self.left, SoftmaxDelta) or not isinstance(self.right, Dense):
+        if self.right.dense is None:
             raise NotImplementedError("Materializing an LM-head or one-hot-input gradient is not supported.")
         return self.left.materialize_with(self.right)
+
+    def weighted_rows(self, scale: torch.Tensor, k: int, start: int, end: int, cache: dict | None = None):
+        """:func:`block_weighted_rows` of a factored usage: one contraction over the tokens per block (a one-hot left
+        factor's rows scattered), with the scaled input from ``cache`` where a layer reading it formed it."""
+        if self.right.dense is None:
+            raise NotImplementedError("A factored usage needs a dense right (input-side) factor.")
+        nb = scale.shape[0] // k
+        right = _scaled_right(self.right.t, scale, k, cache)  # (nb, kT, n_R)
+        left = self.left
+        dtype = _operand_dtype(left, self.right)
+        if left.ids is not None:  # each token's row added at its id, ids outside the slice to a spare row at each end
+            width, ids = end - start, left.ids.reshape(-1)
+            block = torch.arange(ids.shape[0], device=ids.device) // (ids.shape[0] // nb)  # each token's block
+            rows = (ids - (start - 1)).clamp_(0, width + 1).add_(block * (width + 2))
+            out = right.new_zeros(nb * (width + 2), right.shape[-1])
+            out.index_add_(0, rows, right.reshape(-1, right.shape[-1]))
+            return out.view(nb, width + 2, -1)[:, 1:-1]
+        if left.dense is not None:
+            cols = left.dense if start == 0 and end == left.width else left.dense[..., start:end]
+        else:
+            cols = left.cols(start, end)
+        return mm32(as_operand(_block(cols, k), dtype).transpose(1, 2), as_operand(right, dtype))
+
+    def block_inner_products(self, v: "Usage", k: int) -> torch.Tensor:
+        """:func:`block_inner_products` of two factored usages."""
+        if not isinstance(v, Factored):
+            raise TypeError("Mixed factored and materialized usages must be materialized first.")
+        if (self.left.ids is not None or v.left.ids is not None) and self.right.dense is not None \
+                and v.right.dense is not None:
+            return _sparse_rows_block_products(self, v, k)
+        if v is self and self.left.dense is None and self.left.ids is None and _head_materialize_cheaper(self, k):
+            return _head_materialized_block_products(self, k)
+        if _materialize_cheaper(self, v, k):
+            return _materialized_block_products(self, v, k)
+        prod = gram(self.left, v.left) * gram(self.right, v.right)  # (B/k, k*T1, k*T2)
+        nb, kt1, kt2 = prod.shape
+        return prod.reshape(nb, k, kt1 // k, k, kt2 // k).sum(dim=(2, 4))
 
 
 @dataclass
@@ -281,15 +422,65 @@ class Materialized:
     """A per-sample gradient held explicitly, ``(B, *param.shape)``: for small parameters (norm weights, biases)."""
 
     g: torch.Tensor
+    dense_pair = False
+    shared_input = None
+
+    @property
+    def concatenable(self) -> bool:
+        """Small and float32: :func:`summed_self_products` concatenates such gradients into one product."""
+        return self.g.dtype == torch.float32 and self.g.numel() <= SMALL_MATERIALIZED
 
     def blocked(self, k: int) -> "Materialized":
         return Materialized(self.g.reshape(self.g.shape[0] // k, k, -1))
+
+    def weighted_rows(self, scale: torch.Tensor, k: int, start: int, end: int) -> torch.Tensor:
+        """:func:`block_weighted_rows`: ``(nb, 1, k) x (nb, k, rows * cols)``, a batched matmul, no scaled copy."""
+        batch = scale.shape[0]
+        nb = batch // k
+        rows = self.g.shape[1] if self.g.dim() > 1 else 1
+        if start == 0 and end == rows:
+            g = self.g.reshape(nb, k, -1).float()
+        else:  # this slice only
+            g = self.g.reshape(batch, rows, -1)[:, start:end].float().reshape(nb, k, -1)
+        out = torch.bmm(scale.float().reshape(nb, 1, k), g)
+        return out.reshape(nb, end - start, -1)
+
+    def block_inner_products(self, v: "Usage", k: int) -> torch.Tensor:
+        """:func:`block_inner_products` of two materialized usages (blocked: ``(B/k, k, n)``)."""
+        if not isinstance(v, Materialized):
+            raise TypeError("Mixed factored and materialized usages must be materialized first.")
+        dtype = self.g.dtype if self.g.dtype == v.g.dtype and self.g.dtype in HALF else None
+        return mm32(as_operand(self.g, dtype), as_operand(v.g, dtype).transpose(1, 2))
 
 
 Usage = Factored | Materialized
 
 
-def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: int) -> torch.Tensor:
+def _scaled_right(t: torch.Tensor, scale: torch.Tensor, k: int, cache: dict | None) -> torch.Tensor:
+    """``t`` (``(B, T, n)``) with each row times its ``scale``, float32, blocked by ``k``; ``cache`` (the caller's,
+    one weighted sum long, pruned by :func:`keep_scaled`) keeps them by source, for the layers that read one input
+    and for the row slices of one parameter."""
+    key = (_tensor_key(t), k)
+    if cache is not None and key in cache:
+        return cache[key][1]
+    column = scale.float().view(-1, 1, 1) if cache is None else cache.get("scale")
+    if column is None:
+        column = cache["scale"] = scale.float().view(-1, 1, 1)
+    right = _block(t.float() * column, k)
+    if cache is not None:  # the source is held so that its memory is not reused under the same key
+        cache[key] = (t, right)
+    return right
+
+
+def keep_scaled(cache: dict, usages: list) -> None:
+    """Drop from a :func:`_scaled_right` cache every scaled input that ``usages`` (the next parameter's) do not read."""
+    wanted = {_tensor_key(t) for t in (getattr(u, "shared_input", None) for u in usages) if t is not None}
+    for key in [key for key in cache if key != "scale" and key[0] not in wanted]:
+        del cache[key]
+
+
+def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: int,
+                        cache: dict | None = None) -> torch.Tensor:
     """``sum_{i in block} scale_i g_i[start:end]`` for each block of ``k`` consecutive rows of an (unblocked) usage,
     ``(B/k, end - start, n)`` in float32: rows ``start:end`` of the gradient of ``sum_i scale_i sum_t log pi(o_i)``
     that each block (a group of completions) contributes, formed once the per-sample coefficients are known.
@@ -297,27 +488,9 @@ def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: 
     ``n`` is the parameter's size over its first axis. A factored usage costs what autograd's weight gradient costs
     (one contraction over the tokens, batched by block); the LM head's rows come from their vocabulary slice only.
     """
-    if hasattr(u, "weighted_rows"):  # a usage that forms its own rows (an expert bank's, :mod:`.experts`)
-        return u.weighted_rows(scale, k, start, end)
-    batch = scale.shape[0]
-    nb = batch // k
-    if isinstance(u, Materialized):  # (nb, 1, k) x (nb, k, rows * cols): a batched matmul, no scaled copy
-        g = u.g.reshape(batch, u.g[0].shape[0] if u.g.dim() > 1 else 1, -1)[:, start:end].float()  # this slice only
-        out = torch.bmm(scale.float().reshape(nb, 1, k), g.reshape(nb, k, -1))
-        return out.reshape(nb, end - start, -1)
-    if not isinstance(u.right, Dense):
-        raise NotImplementedError("A factored usage needs a dense right (input-side) factor.")
-    right = _block(u.right.t.float() * scale.float()[:, None, None], k)  # (nb, kT, n_R)
-    left = u.left
-    dtype = _operand_dtype(left, u.right)
-    if isinstance(left, OneHot):
-        ids = _block(left.idx, k)  # (nb, kT)
-        inside = (ids >= start) & (ids < end)
-        rows = (torch.arange(nb, device=ids.device)[:, None] * (end - start) + ids - start)[inside]
-        out = right.new_zeros(nb * (end - start), right.shape[-1])
-        return out.index_add_(0, rows, right[inside]).reshape(nb, end - start, -1)
-    cols = left.t[..., start:end] if isinstance(left, Dense) else left.cols(start, end)
-    return mm32(as_operand(_block(cols, k), dtype).transpose(1, 2), as_operand(right, dtype))
+    if isinstance(u, Factored):  # the only usage that shares a scaled input through ``cache``
+        return u.weighted_rows(scale, k, start, end, cache)
+    return u.weighted_rows(scale, k, start, end)  # materialized, or one that forms its own (an expert bank's)
 
 
 def per_sample_dtype(u: Factored) -> torch.dtype:
@@ -333,7 +506,7 @@ def materializing_saves_memory(u: Usage) -> bool:
     them costs one contraction (what the layer's weight gradient costs), after which every inner product and weighted
     sum is cheap.
     """
-    if not (isinstance(u, Factored) and isinstance(u.left, Dense) and isinstance(u.right, Dense)):
+    if not getattr(u, "dense_pair", False):
         return False
     left, right = u.left.t, u.right.t
     factor_bytes = left.shape[1] * (left.shape[-1] * left.element_size() + right.shape[-1] * right.element_size())
@@ -351,7 +524,7 @@ def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
     per-sample gradients, ``k n_L n_R`` elements of 8 bytes per usage formed. On the CPU (flops bound) the historical
     count, both usages formed, is kept.
     """
-    if not all(isinstance(f, Dense) for f in (u.left, u.right, v.left, v.right)):
+    if not (u.dense_pair and v.dense_pair):
         return False
     t_u, t_v = u.left.t.shape[1], v.left.t.shape[1]  # already blocked: k*T
     n_l, n_r = u.left.width, u.right.width
@@ -402,14 +575,42 @@ def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tens
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _block_range(f: Factor, b0: int, b1: int) -> Factor:
-    """Blocks ``b0:b1`` of a blocked factor."""
-    if isinstance(f, Dense):
-        return Dense(f.t[b0:b1])
-    if isinstance(f, OneHot):
-        return OneHot(f.idx[b0:b1], f.n)
-    return SoftmaxDelta(f.h[b0:b1], f.weight, f.bias, f.alpha, f.lse[b0:b1], f.labels[b0:b1], f.mask[b0:b1],
-                        f.softcap)
+def _unique_slots(ids: torch.Tensor) -> dict:
+    """Each block's unique token ids, found by a sort (``ids``: ``(nb, m)``): ``rank``, the slot of each id among its
+    block's unique ids (token order); ``rows``, the unique ids then padding; ``valid``, the slots that are not
+    padding."""
+    m = ids.shape[1]
+    sorted_ids, order = ids.sort(dim=1)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    rank_sorted = first.long().cumsum(1) - 1  # the slot of each sorted id among the block's unique ids
+    rank = torch.empty_like(rank_sorted).scatter_(1, order, rank_sorted)  # ... of each id in token order
+    rows = torch.zeros_like(ids).scatter_(1, rank_sorted, sorted_ids)  # (nb, m): unique ids, then padding
+    valid = torch.arange(m, device=ids.device)[None, :] <= rank_sorted[:, -1:]  # (nb, m): not padding
+    return dict(rank=rank, rows=rows, valid=valid, m=m)
+
+
+def _sparse_per_sample(f: Factored, slots: dict, b0: int, b1: int, c0: int, c1: int, k: int,
+                       scattered: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Block rows b0:b1's per-sample gradients on unique-id slots c0:c1, ``(n, k, (c1 - c0) * d)``: an embedding's
+    scattered (every slot at once, kept in ``scattered`` for the next chunks), any other gathered at the ids."""
+    right = f.right.t[b0:b1]  # (n, kT, d)
+    n, kt = right.shape[:2]
+    m = slots["m"]
+    if f.left.ids is not None:
+        if id(f) not in scattered:  # every slot at once (the scatter is cheap), sliced per chunk below
+            offset = slots["offsets"][id(f)]
+            slot = slots["rank"][b0:b1, offset : offset + kt]  # (n, kT)
+            sample = torch.arange(k, device=slot.device).repeat_interleave(kt // k)
+            index = (sample[None, :] * m + slot)[..., None].expand(-1, -1, right.shape[-1])
+            grads = right.new_zeros(n, k * m, right.shape[-1], dtype=torch.float32)
+            scattered[id(f)] = grads.scatter_add_(1, index, right.float()).reshape(n, k, m, -1)
+        return scattered[id(f)][:, :, c0:c1].reshape(n, k, -1)
+    left = f.left.rows(b0, b1).gather_cols(slots["rows"][b0:b1, c0:c1]) * slots["valid"][b0:b1, None, c0:c1]
+    dtype = _operand_dtype(f.left, f.right)
+    grads = mm32(as_operand(left, dtype).reshape(n * k, kt // k, c1 - c0).transpose(1, 2),
+                 as_operand(right, dtype).reshape(n * k, kt // k, right.shape[-1]))
+    return grads.reshape(n, k, -1)
 
 
 def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
@@ -422,53 +623,28 @@ def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tenso
     token count and masked, so nothing waits on the device (no ``torch.unique``, whose size the host must read).
     """
     sides = [u] if v is u else [u, v]
-    ids = torch.cat([f.left.idx for f in sides if isinstance(f.left, OneHot)], dim=1)  # (nb, m)
+    ids = torch.cat([f.left.ids for f in sides if f.left.ids is not None], dim=1)  # (nb, m)
     nb, m = ids.shape
-    sorted_ids, order = ids.sort(dim=1)
-    first = torch.ones_like(sorted_ids, dtype=torch.bool)
-    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
-    rank_sorted = first.long().cumsum(1) - 1  # the slot of each sorted id among the block's unique ids
-    rank = torch.empty_like(rank_sorted).scatter_(1, order, rank_sorted)  # ... of each id in token order
-    rows = torch.zeros_like(ids).scatter_(1, rank_sorted, sorted_ids)  # (nb, m): unique ids, then padding
-    valid = torch.arange(m, device=ids.device)[None, :] <= rank_sorted[:, -1:]  # (nb, m): not padding
-    offsets, offset = {}, 0
+    slots = _unique_slots(ids)
+    slots["offsets"], offset = {}, 0
     for f in sides:
-        if isinstance(f.left, OneHot):
-            offsets[id(f)] = offset
-            offset += f.left.idx.shape[1]
+        if f.left.ids is not None:
+            slots["offsets"][id(f)] = offset
+            offset += f.left.ids.shape[1]
     d = u.right.width
     step = max(1, MATERIALIZE_BUDGET // max(1, k * m * d * len(sides)))
+    gathered = any(f.left.ids is None for f in sides)
     out = []
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
-
-        def per_sample(f: Factored, c0: int, c1: int) -> torch.Tensor:
-            """Block rows b0:b1's per-sample gradients on unique-id slots c0:c1, ``(n, k, (c1 - c0) * d)``."""
-            right = f.right.t[b0:b1]  # (n, kT, d)
-            n, kt = right.shape[:2]
-            if isinstance(f.left, OneHot):
-                if id(f) not in scattered:  # every slot at once (the scatter is cheap), sliced per chunk below
-                    slot = rank[b0:b1, offsets[id(f)] : offsets[id(f)] + kt]  # (n, kT)
-                    sample = torch.arange(k, device=ids.device).repeat_interleave(kt // k)
-                    index = (sample[None, :] * m + slot)[..., None].expand(-1, -1, right.shape[-1])
-                    grads = right.new_zeros(n, k * m, right.shape[-1], dtype=torch.float32)
-                    scattered[id(f)] = grads.scatter_add_(1, index, right.float()).reshape(n, k, m, -1)
-                return scattered[id(f)][:, :, c0:c1].reshape(n, k, -1)
-            left = _block_range(f.left, b0, b1).gather_cols(rows[b0:b1, c0:c1]) * valid[b0:b1, None, c0:c1]
-            dtype = _operand_dtype(f.left, f.right)
-            grads = mm32(as_operand(left, dtype).reshape(n * k, kt // k, c1 - c0).transpose(1, 2),
-                         as_operand(right, dtype).reshape(n * k, kt // k, right.shape[-1]))
-            return grads.reshape(n, k, -1)
-
         scattered: dict[int, torch.Tensor] = {}
-        gathered = any(not isinstance(f.left, OneHot) for f in sides)
         # a gathered side's (n, kT, slots) softmax columns are bounded by GATHER_BUDGET: slots in chunks
         chunk = max(1, GATHER_BUDGET // max(1, (b1 - b0) * u.right.t.shape[1])) if gathered else m
         part = None
         for c0 in range(0, m, chunk):
             c1 = min(m, c0 + chunk)
-            grads_u = per_sample(u, c0, c1)
-            grads_v = grads_u if v is u else per_sample(v, c0, c1)
+            grads_u = _sparse_per_sample(u, slots, b0, b1, c0, c1, k, scattered)
+            grads_v = grads_u if v is u else _sparse_per_sample(v, slots, b0, b1, c0, c1, k, scattered)
             prod = _row_products(grads_u, grads_v, d)
             part = prod if part is None else part + prod
         out.append(part)
@@ -526,25 +702,66 @@ def head_self_products(u: Factored, k: int, columns=None) -> torch.Tensor:
     return _head_gram_block_products(u, k, columns)
 
 
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same operand: storage, shape, strides and dtype (the layers that read one input,
+    q/k/v or gate/up, are handed views of one tensor)."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+def _block_sums(prod: torch.Tensor, k: int) -> torch.Tensor:
+    """``(B/k, kT1, kT2)`` products of token pairs -> ``(B/k, k, k)``: summed over each pair of sequences' tokens."""
+    if k == 1:
+        return prod.sum(dim=(1, 2), keepdim=True)
+    nb, kt1, kt2 = prod.shape
+    return prod.reshape(nb, k, kt1 // k, k, kt2 // k).sum(dim=(2, 4))
+
+
+def _summed_left_grams(group: list[Factored]) -> torch.Tensor:
+    """``sum_u gram(u.left, u.left)`` over dense usages: float32 Grams accumulated in place by ``baddbmm``."""
+    total = None
+    for u in group:
+        if total is not None and half_dtype(u.left.t) is None:
+            x = u.left.t.float()
+            total.baddbmm_(x, x.transpose(1, 2))
+        else:
+            g = gram(u.left, u.left)
+            total = g if total is None else total.add_(g)
+    return total
+
+
+def summed_self_products(usages: list[Usage], k: int) -> torch.Tensor | None:
+    """``sum_u <u_i, u_j>`` within blocks of ``k`` rows, ``(B/k, k, k)``, over blocked usages each with itself (None
+    if ``usages`` is empty): what :func:`block_inner_products` gives each, summed, in fewer operator calls.
+
+    * Dense usages that take the token Grams and share their input (q/k/v and gate/up projections read one tensor)
+      share its Gram: ``sum_u G(L_u) * G(R) = (sum_u G(L_u)) * G(R)``, one Gram of the input and one product.
+    * Small float32 materialized gradients (norm gains, biases) are concatenated into one product.
+    * The rest, one by one.
+    """
+    by_input: dict[tuple, list[Factored]] = {}
+    small: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []
+    for u in usages:
+        if getattr(u, "dense_pair", False) and not _materialize_cheaper(u, u, k):
+            by_input.setdefault(_tensor_key(u.right.t), []).append(u)
+        elif getattr(u, "concatenable", False):
+            small.append(u.g)
+        else:
+            parts.append(block_inner_products(u, u, k))
+    for group in by_input.values():
+        parts.append(_block_sums(_summed_left_grams(group).mul_(gram(group[0].right, group[0].right)), k))
+    for start in range(0, len(small), SMALL_BATCH):
+        g = small[start] if len(small) == start + 1 else torch.cat(small[start : start + SMALL_BATCH], dim=-1)
+        parts.append(torch.bmm(g, g.transpose(1, 2)))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+
+
 def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
     """``(B/k, k, k)`` inner products between the per-sample gradients of two usages, within blocks of ``k`` rows.
 
     ``u`` and ``v`` must already be blocked with :meth:`blocked`. Each pair takes the cheaper of the ghost-norm Grams
     and the (block-by-block) materialized per-sample gradients.
     """
-    if hasattr(u, "block_inner_products"):  # a usage that pairs itself (an expert bank's, :mod:`.experts`)
-        return u.block_inner_products(v, k)
-    if isinstance(u, Factored) and isinstance(v, Factored):
-        if any(isinstance(f.left, OneHot) for f in (u, v)) and all(isinstance(f.right, Dense) for f in (u, v)):
-            return _sparse_rows_block_products(u, v, k)
-        if u is v and isinstance(u.left, SoftmaxDelta) and _head_materialize_cheaper(u, k):
-            return _head_materialized_block_products(u, k)
-        if _materialize_cheaper(u, v, k):
-            return _materialized_block_products(u, v, k)
-        prod = gram(u.left, v.left) * gram(u.right, v.right)  # (B/k, k*T1, k*T2)
-        nb, kt1, kt2 = prod.shape
-        return prod.reshape(nb, k, kt1 // k, k, kt2 // k).sum(dim=(2, 4))
-    if isinstance(u, Materialized) and isinstance(v, Materialized):
-        dtype = u.g.dtype if u.g.dtype == v.g.dtype and u.g.dtype in HALF else None
-        return mm32(as_operand(u.g, dtype), as_operand(v.g, dtype).transpose(1, 2))
-    raise TypeError("Mixed factored and materialized usages must be materialized first.")
+    return u.block_inner_products(v, k)  # each usage kind pairs itself (an expert bank's too, :mod:`.experts`)

@@ -8,7 +8,17 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .factors import VOCAB_CHUNK, Factored, Materialized, SoftmaxDelta, Usage, block_inner_products, block_weighted_rows
+from .factors import (
+    VOCAB_CHUNK,
+    Factored,
+    Materialized,
+    SoftmaxDelta,
+    Usage,
+    block_inner_products,
+    block_weighted_rows,
+    keep_scaled,
+    summed_self_products,
+)
 
 Slot = tuple[nn.Module, str]  # a parameter, as (owning module, attribute name)
 
@@ -82,7 +92,12 @@ class PerSequenceGradients:
         return out
 
     def _add_inner_products(self, out: torch.Tensor, group_size: int, done: set[int]) -> None:
+        alone = []  # parameters with one usage: their self products, batched (summed_self_products)
         for param_usages in self.usages.values():
+            if len(param_usages) == 1:
+                if id(param_usages[0]) not in done:
+                    alone.append(param_usages[0].blocked(group_size))
+                continue
             if any(isinstance(u, Materialized) for u in param_usages):
                 param_usages = [
                     u if isinstance(u, Materialized) else Materialized(u.materialize().flatten(1)) for u in param_usages
@@ -94,8 +109,16 @@ class PerSequenceGradients:
                 for b in range(a + 1, len(blocked)):
                     cross = block_inner_products(blocked[a], blocked[b], group_size)
                     out += cross + cross.transpose(1, 2)
+        summed = summed_self_products(alone, group_size)
+        if summed is not None:
+            out += summed
 
-    ROW_BUDGET = 1 << 24  # float32 elements of one (blocks, rows, columns) buffer of accumulate_grad
+    # float32 elements of one (blocks, rows, columns) buffer of accumulate_grad (256 MiB: each slice of rows costs some
+    # 10 operator calls; at 2^24 a Qwen3-1.7B layer took ~23 slices over 8 blocks)
+    ROW_BUDGET = 1 << 26
+    # float32 elements of the LM head's (B, T, rows) softmax slice in accumulate_grad: at most what the head pass's own
+    # vocabulary chunks hold at 8,192 tokens (each slice costs some 30 operator calls)
+    HEAD_BUDGET = 1 << 26
 
     @torch.no_grad()
     def accumulate_grad(self, scale: torch.Tensor, group_size: int | None = None) -> torch.Tensor | None:
@@ -118,33 +141,54 @@ class PerSequenceGradients:
             raise ValueError(f"group_size={k} must divide the batch size {self.batch}.")
         nb = self.batch // k
         sq_dtype = torch.float32 if torch.device(self.device).type == "mps" else torch.float64
-        sq = torch.zeros(nb, device=self.device, dtype=sq_dtype)
+        sq_parts = [] if group_size is not None else None
+        cache: dict = {}  # the scaled input shared by the layers that read one tensor (q/k/v, gate/up)
         for slot in self.slots:
             param, param_usages = getattr(*slot), self.usages.get(slot, [])
             sharded = hasattr(param, "device_mesh")  # an FSDP2 DTensor: every rank reduces every parameter, in order
             if not param_usages and not sharded:
                 continue
-            rows = param.shape[0] if param.dim() else 1
-            cols = param.numel() // max(rows, 1)
-            step = max(1, min(rows, self.ROW_BUDGET // max(1, nb * cols)))
-            for u in param_usages:  # the LM head's (B, T, rows) softmax slice is a buffer too
-                if isinstance(u, Factored) and isinstance(u.left, SoftmaxDelta):
-                    step = min(step, VOCAB_CHUNK, max(1, self.ROW_BUDGET // (self.batch * u.right.t.shape[1])))
-            grad = torch.zeros(rows, cols, device=self.device)
+            keep_scaled(cache, param_usages)
             with _fp32(self.device):
-                for start in range(0, rows, step):
-                    end = min(start + step, rows)
-                    if not param_usages:
-                        continue
-                    part = sum(block_weighted_rows(u, scale, k, start, end) for u in param_usages)
-                    if group_size is not None:
-                        sq += part.pow(2).sum(dim=(1, 2), dtype=sq_dtype)
-                    grad[start:end] = part.sum(0)
-            grad = grad.reshape(param.shape).to(param.dtype)
+                grad = self._weighted_sum(param, param_usages, scale, k, sq_parts, sq_dtype, cache)
+            if grad.shape != param.shape:
+                grad = grad.reshape(param.shape)
+            grad = grad.to(param.dtype)
             if sharded:  # this rank's full gradient: summed over ranks and sharded as the parameter is
                 grad = _reduce_scatter_like(grad, param)
             if param.grad is None:
                 param.grad = grad
             else:
                 param.grad += grad
-        return sq if group_size is not None else None
+        if sq_parts is None:
+            return None
+        return torch.zeros(nb, device=self.device, dtype=sq_dtype) if not sq_parts else (
+            sq_parts[0] if len(sq_parts) == 1 else torch.stack(sq_parts).sum(0))
+
+    def _weighted_sum(self, param, param_usages: list[Usage], scale: torch.Tensor, k: int, sq_parts: list | None,
+                      sq_dtype: torch.dtype, cache: dict) -> torch.Tensor:
+        """One parameter's ``sum_i scale_i u_i``, ``(rows, cols)`` float32, formed in slices of rows of at most
+        ``ROW_BUDGET`` elements over all blocks; each slice's per-block sums of squares appended to ``sq_parts``."""
+        nb = self.batch // k
+        rows = param.shape[0] if param.dim() else 1
+        cols = param.numel() // max(rows, 1)
+        step = max(1, min(rows, self.ROW_BUDGET // max(1, nb * cols)))
+        for u in param_usages:  # the LM head's (B, T, rows) softmax slice is a buffer too
+            if isinstance(u, Factored) and isinstance(u.left, SoftmaxDelta):
+                step = min(step, VOCAB_CHUNK, max(1, self.HEAD_BUDGET // (self.batch * u.right.t.shape[1])))
+        if not param_usages:
+            return torch.zeros(rows, cols, device=self.device)
+        grad = None if step >= rows else torch.zeros(rows, cols, device=self.device)
+        for start in range(0, rows, step):
+            end = min(start + step, rows)
+            parts = [block_weighted_rows(u, scale, k, start, end, cache) for u in param_usages]
+            part = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+            for more in parts[2:]:
+                part.add_(more)
+            if sq_parts is not None:
+                sq_parts.append(part.pow(2).sum(dim=(1, 2), dtype=sq_dtype))
+            if grad is None:
+                return part.sum(0)
+            grad[start:end] = part.sum(0)
+        return grad
+

@@ -258,6 +258,7 @@ def test_group_gradients_and_materialized_layers_match_autograd(tie, materialize
         grads.inner_products(1).reshape(-1).double(), per_sample.pow(2).sum(1), rtol=1e-4, atol=1e-6
     )
     monkeypatch.setattr(PerSequenceGradients, "ROW_BUDGET", 64)  # several row slices for every parameter
+    monkeypatch.setattr(PerSequenceGradients, "HEAD_BUDGET", 64)  # the head's too
     group_sq = grads.accumulate_grad(scale, group_size=3)
     groups = (per_sample * scale.double()[:, None]).reshape(2, 3, -1).sum(1)
     torch.testing.assert_close(group_sq.double(), groups.pow(2).sum(1), rtol=1e-4, atol=1e-6)
@@ -452,3 +453,39 @@ def check_group_products(model, k):
     reference = torch.stack([torch.stack([torch.stack([grads[k * q + i] @ grads[k * q + j] for j in range(k)])
                                           for i in range(k)]) for q in range(len(grads) // k)])
     torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_summed_self_products_share_an_input_gram_and_equal_the_pairs(k):
+    """summed_self_products (what inner_products uses for parameters of one usage) equals the sum of each usage's
+    block_inner_products with itself, while layers that read one input (q/k/v) share its Gram: 3 usages on one input
+    and one on another take 3 + 1 + 2 Gram products (bmm/baddbmm) instead of 8; small float32 materialized gradients
+    take one product between them."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from oblr_trl.grad_norms.factors import Dense, Factored, Materialized, block_inner_products, summed_self_products
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 5, 24, generator=g), torch.randn(4, 5, 20, generator=g)  # wide: the Grams are cheaper
+    usages = [Factored(Dense(torch.randn(4, 5, 32, generator=g)), Dense(x)) for _ in range(3)]
+    usages += [Factored(Dense(torch.randn(4, 5, 30, generator=g)), Dense(y))]
+    usages += [Materialized(torch.randn(4, 7, generator=g)), Materialized(torch.randn(4, 3, generator=g))]
+    blocked = [u.blocked(k) for u in usages]
+    expected = sum(block_inner_products(u, u, k) for u in blocked)
+    counter = Products()
+    with counter:
+        summed = summed_self_products(blocked, k)
+    torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5)
+    assert counter.calls["aten.bmm"] + counter.calls["aten.baddbmm_"] == 3 + 1 + 2 + 1
+    assert summed_self_products([], k) is None
