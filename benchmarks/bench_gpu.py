@@ -257,10 +257,21 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    warnings.filterwarnings("ignore")
-    for name in ("transformers", "trl", "oblr_trl", "accelerate", "peft"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    """Quiet the libraries' warnings while it runs (and only then: a test calls it in a shared process)."""
+    loggers = [logging.getLogger(name) for name in ("transformers", "trl", "oblr_trl", "accelerate", "peft")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            return run(parse_args(argv), argv)
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+def run(args, argv=None) -> int:
     log = harness.Log()
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     width = "small" if args.quick else "Qwen3-0.6B"

@@ -4,6 +4,7 @@ the update timed beside the FLOP model, the whole RL step of both trainers with 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import bench_gpu  # noqa: E402
 
 
 def test_bench_gpu_quick_on_cpu(tmp_path):
+    trl_level = logging.getLogger("trl").level
     assert bench_gpu.main(["--device", "cpu", "--quick", "--repeats", "1", "--rl_steps", "1", "--out", str(tmp_path),
                            "--stem", "b"]) == 0
     res = json.loads((tmp_path / "b.json").read_text())
@@ -29,5 +31,6 @@ def test_bench_gpu_quick_on_cpu(tmp_path):
         assert f["two_passes"] > f["one_backward"] >= f["grpo"] * 0.9
     for v in res["rl"]["modes"].values():
         assert 0 < v["generation"] < v["seconds"] and 0 < v["share"] < 1
+    assert logging.getLogger("trl").level == trl_level  # the libraries' loggers are as they were (a shared process)
     text = (tmp_path / "b.md").read_text()
     assert "on **CPU**" in text and "## The whole RL step" in text and text.count("| two_passes |") == 2
