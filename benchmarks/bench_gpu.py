@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # this checkout's oblr_trl
 import harness  # noqa: E402
+from studies.prepared import prepared_batch  # noqa: E402
 
 GROUP, PROMPT = 8, 32
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -75,19 +74,6 @@ def build_tokenizer(vocab: int):
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                    unk_token="<unk>", padding_side="left", model_input_names=["input_ids", "attention_mask"])
-
-
-def prepared_batch(batch: int, completion: int, vocab: int, device: str) -> tuple[dict, torch.Tensor]:
-    """What ``_generate_and_score_completions`` returns for ``batch`` unpadded completions, and their rewards."""
-    g = torch.Generator().manual_seed(0)
-    out = dict(prompt_ids=torch.randint(3, vocab, (batch, PROMPT), generator=g),
-               prompt_mask=torch.ones(batch, PROMPT, dtype=torch.long),
-               completion_ids=torch.randint(3, vocab, (batch, completion), generator=g),
-               completion_mask=torch.ones(batch, completion, dtype=torch.long),
-               num_items_in_batch=torch.tensor(batch * completion))
-    rewards = torch.rand(batch, 1, generator=g)
-    out["advantages"] = rewards[:, 0] - rewards[:, 0].reshape(-1, GROUP).mean(1).repeat_interleave(GROUP)
-    return {k: v.to(device) for k, v in out.items()}, rewards.to(device)
 
 
 def config_args(mode: str, device: str, **kw):
@@ -139,7 +125,7 @@ def time_update(cfg: dict, mode: str, device: str, repeats: int) -> dict:
     from oblr_trl import cost_model, one_backward
 
     model = build_model(cfg["width"], device)
-    prepared, rewards = prepared_batch(cfg["batch"], cfg["completion"], model.config.vocab_size, device)
+    prepared, rewards = prepared_batch(cfg["batch"], cfg["completion"], model.config.vocab_size, PROMPT, GROUP, device)
 
     class Prepared(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -257,18 +243,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    """Quiet the libraries' warnings while it runs (and only then: a test calls it in a shared process)."""
-    loggers = [logging.getLogger(name) for name in ("transformers", "trl", "oblr_trl", "accelerate", "peft")]
-    levels = [logger.level for logger in loggers]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
-        try:
-            return run(parse_args(argv), argv)
-        finally:
-            for logger, level in zip(loggers, levels):
-                logger.setLevel(level)
+    with harness.quiet():  # the libraries' warnings off while it runs, and only then
+        return run(parse_args(argv), argv)
 
 
 def run(args, argv=None) -> int:

@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -40,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's oblr_trl
 import harness  # noqa: E402
+from studies.prepared import prepared_batch  # noqa: E402
 from counting import LiveBytes, OpCounter, Shapes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -122,20 +121,6 @@ def build_model(width: str, layers: int, tied: bool, shapes: Shapes):
     return model
 
 
-def prepared_batch(batch: int, completion: int, vocab: int) -> tuple[dict, torch.Tensor]:
-    """What GRPOTrainer's ``_generate_and_score_completions`` returns for ``batch`` completions of ``completion``
-    tokens (no padding), and the rewards it computed (with spread inside each group)."""
-    g = torch.Generator().manual_seed(0)
-    out = dict(prompt_ids=torch.randint(3, vocab, (batch, PROMPT), generator=g),
-               prompt_mask=torch.ones(batch, PROMPT, dtype=torch.long),
-               completion_ids=torch.randint(3, vocab, (batch, completion), generator=g),
-               completion_mask=torch.ones(batch, completion, dtype=torch.long),
-               num_items_in_batch=torch.tensor(batch * completion))
-    rewards = torch.rand(batch, 1, generator=g)
-    out["advantages"] = (rewards[:, 0] - rewards[:, 0].reshape(-1, GROUP).mean(1).repeat_interleave(GROUP))
-    return out, rewards
-
-
 def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt: bool):
     """A GRPOTrainer or OBLRPOTrainer whose generation returns the prepared batch."""
     from datasets import Dataset
@@ -149,7 +134,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     from oblr_trl.grad_norms import head_transform
     from oblr_trl.grad_norms.plan import plan_of
 
-    prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size)
+    prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size, PROMPT, GROUP)
     # The head's transform is observed on real logits at construction; a counted model has no values: its
     # config's transform (Qwen3: none) stands in, as for sharded heads
     plan_of(model).head_transform = head_transform.from_config(model)
@@ -408,12 +393,10 @@ def main(argv=None) -> int:
         res = repredict(json.loads((args.out / f"{args.stem}.json").read_text()))
         harness.write_results(args.out, args.stem, res, render(res))
         return 0
-    warnings.filterwarnings("ignore")
-    for name in ("transformers", "trl", "oblr_trl", "accelerate", "peft"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(1)
     log = harness.Log()
-    rows = [measure(cfg, log) for cfg in configurations(args.quick)]
+    with harness.quiet():
+        rows = [measure(cfg, log) for cfg in configurations(args.quick)]
     res = dict(machine=harness.machine_info(), rows=rows,
                command=" ".join(["python benchmarks/cost_counts.py", *(sys.argv[1:] if argv is None else argv)]))
     js, md = harness.write_results(args.out, args.stem, res, render(res))

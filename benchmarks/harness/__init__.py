@@ -12,10 +12,10 @@ Scripts run as ``python benchmarks/NAME.py`` (this package's folder is then on t
 ``studies`` (the code of one experiment that outgrew its script, or that two scripts share), never from each other.
 """
 
-from .log import Log, RunnerLog, merged_log
+from .log import Log, RunnerLog, merged_log, quiet
 from .machine import host, host_id, machine_info, machine_line, uptime, utc_now
 from .tables import fmt, md_table, write_results
 from .timing import time_interleaved
 
 __all__ = ["Log", "RunnerLog", "fmt", "host", "host_id", "machine_info", "machine_line", "md_table", "merged_log",
-           "time_interleaved", "uptime", "utc_now", "write_results"]
+           "quiet", "time_interleaved", "uptime", "utc_now", "write_results"]

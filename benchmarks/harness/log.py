@@ -4,6 +4,10 @@ that log in the tables' json so that it outlives a lost run folder."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
+
 import json
 import time
 from datetime import datetime, timezone
@@ -49,3 +53,20 @@ def merged_log(saved: Path, runner_log: list[str]) -> list[str]:
     kept = json.loads(saved.read_text()).get("runner_log", []) if saved.exists() else []
     seen = set(kept)
     return kept + [line for line in runner_log if line not in seen]
+
+
+@contextlib.contextmanager
+def quiet(names=("transformers", "trl", "oblr_trl", "accelerate", "peft")):
+    """The libraries' loggers at ERROR and Python's warnings off inside the block, as they were after it (a test may
+    call a script's ``main`` in a process that other tests share)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
