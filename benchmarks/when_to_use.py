@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 from harness import md_table, utc_now  # noqa: E402
 from harness.stats import clopper_pearson, fisher_exact  # noqa: E402
 
-EXACT, PROXIES = "exact_loo", {"logit_loo": "logit proxy", "length_loo": "OPO |o| weights"}
+EXACT, PROXIES = "exact_loo", {"logit_loo": "logit proxy", "length_loo": "OPO length weights"}
 NEAR = (0.25, 3.5)  # one grid step (~3x) either side of the design lr: multiples 1/3 (0.3 for eta_max), 1, 10/3
 
 
