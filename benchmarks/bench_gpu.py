@@ -34,6 +34,8 @@ sys.path.insert(0, str(HERE.parent))  # this checkout's oblr_trl
 import harness  # noqa: E402
 from studies.prepared import prepared_batch  # noqa: E402
 
+from oblr_trl.demo.tiny import build_tokenizer  # noqa: E402
+
 GROUP, PROMPT = 8, 32
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                  vocab_size=151936, num_hidden_layers=28)
@@ -59,21 +61,6 @@ def build_model(width: str, device: str, seed: int = 0):
     torch.manual_seed(seed)
     with torch.device(device):
         return Qwen3ForCausalLM(config)
-
-
-def build_tokenizer(vocab: int):
-    """A character-level tokenizer over the model's whole vocabulary: printable characters first, then placeholder
-    tokens, so that every id a random model samples decodes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, Regex
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(i) for i in range(32, 127)]
-    names = ["<pad>", "<eos>", "<bos>", "<unk>"] + chars + [f"<t{i}>" for i in range(vocab - 4 - len(chars))]
-    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   unk_token="<unk>", padding_side="left", model_input_names=["input_ids", "attention_mask"])
 
 
 def config_args(mode: str, device: str, **kw):
@@ -135,7 +122,8 @@ def time_update(cfg: dict, mode: str, device: str, repeats: int) -> dict:
     args = config_args(mode, device, per_device_train_batch_size=cfg["batch"], gradient_checkpointing=cfg["ckpt"],
                        max_completion_length=cfg["completion"])
     dataset = Dataset.from_list([{"prompt": "x"}] * cfg["batch"])
-    trainer = make_trainer(mode, model, args, build_tokenizer(model.config.vocab_size), dataset, cfg["lora"], Prepared)
+    tokenizer = build_tokenizer(vocab_size=model.config.vocab_size)
+    trainer = make_trainer(mode, model, args, tokenizer, dataset, cfg["lora"], Prepared)
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
     if cfg["ckpt"]:
@@ -145,7 +133,8 @@ def time_update(cfg: dict, mode: str, device: str, repeats: int) -> dict:
     for i in range(repeats + 1):
         sync(device)
         start = time.perf_counter()
-        trainer.training_step(trainer.model, [{"prompt": "x"}] * cfg["batch"], torch.tensor(cfg["batch"] * cfg["completion"]))
+        rows = cfg["batch"]
+        trainer.training_step(trainer.model, [{"prompt": "x"}] * rows, torch.tensor(rows * cfg["completion"]))
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         sync(device)
@@ -171,7 +160,7 @@ def time_rl_step(mode: str, device: str, width: str, completion: int, steps: int
     from transformers import TrainerCallback
 
     model = build_model(width, device)
-    tokenizer = build_tokenizer(model.config.vocab_size)
+    tokenizer = build_tokenizer(vocab_size=model.config.vocab_size)
     args = config_args(mode, device, per_device_train_batch_size=GROUP, max_completion_length=completion,
                        max_steps=steps + 1, generation_kwargs=dict(min_new_tokens=completion), temperature=1.0)
     dataset = Dataset.from_list([{"prompt": "What is 17 + 25? Show your work."}] * GROUP * (steps + 1))
@@ -219,13 +208,16 @@ def render(res: dict) -> str:
         for mode, v in r["modes"].items():
             rows.append([f"{r['batch']} x {r['completion']}", "LoRA r=16" if r["lora"] else "full",
                          "on" if r["ckpt"] else "off", mode, v["ran"], f"{v['seconds'] * 1e3:.1f}",
-                         f"{v['seconds'] / g['seconds']:.2f}x", f"{v['flops'] / g['flops']:.2f}x", f"{v['peak_gib']:.2f}"])
+                         f"{v['seconds'] / g['seconds']:.2f}x", f"{v['flops'] / g['flops']:.2f}x",
+                         f"{v['peak_gib']:.2f}"])
     lines += harness.md_table(["B x C", "tuning", "ckpt", "mode", "ran", "ms", "time / GRPO", "model FLOPs / GRPO",
                                "peak GiB"], rows)
-    lines += ["", f"## The whole RL step (HF generate, {res['rl']['completion']} tokens per completion, full fine-tuning)", ""]
+    lines += ["", f"## The whole RL step (HF generate, {res['rl']['completion']} tokens per completion, "
+              "full fine-tuning)", ""]
     g = res["rl"]["modes"]["grpo"]
     lines += harness.md_table(["trainer", "s / step", "step / GRPO", "generation s", "generation's share"], [
-        [mode, f"{v['seconds']:.2f}", f"{v['seconds'] / g['seconds']:.2f}x", f"{v['generation']:.2f}", f"{v['share']:.0%}"]
+        [mode, f"{v['seconds']:.2f}", f"{v['seconds'] / g['seconds']:.2f}x", f"{v['generation']:.2f}",
+         f"{v['share']:.0%}"]
         for mode, v in res["rl"]["modes"].items()])
     return "\n".join(lines + [""])
 
@@ -254,7 +246,8 @@ def run(args, argv=None) -> int:
     update = []
     for cfg in update_configs(args.quick):
         row = dict(cfg, modes={mode: time_update(cfg, mode, args.device, args.repeats) for mode in MODES})
-        log(f"update {cfg}: " + ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms ({v['ran']})" for k, v in row["modes"].items()))
+        log(f"update {cfg}: " + ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms ({v['ran']})"
+                                          for k, v in row["modes"].items()))
         update.append(row)
     completion = 16 if args.quick else args.rl_completion
     rl = dict(completion=completion, modes={mode: time_rl_step(mode, args.device, width, completion, args.rl_steps)

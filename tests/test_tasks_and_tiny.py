@@ -181,3 +181,15 @@ def test_sampled_accuracy_at_near_zero_temperature_is_the_greedy_accuracy(tokeni
     assert 0.0 <= sampled <= 1.0
     with pytest.raises(ValueError, match="num_samples"):
         evaluate_accuracy(model, tokenizer, dataset, num_samples=2)
+
+
+def test_build_tokenizer_fills_a_vocabulary_with_placeholders():
+    from oblr_trl.demo.tiny import build_tokenizer
+
+    base = build_tokenizer()
+    big = build_tokenizer(vocab_size=len(base) + 50)
+    assert len(big) == len(base) + 50
+    assert big("12 + 3")["input_ids"] == base("12 + 3")["input_ids"]  # text encodes as before
+    assert big.decode([len(base) + 49]) == "<t49>"  # every id of the vocabulary decodes
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_tokenizer(vocab_size=len(base) - 1)

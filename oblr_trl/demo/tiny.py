@@ -56,9 +56,17 @@ MODEL_SIZES = {
 }
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer (one token per printable ASCII character) with pad/eos/bos and a chat template."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer (one token per printable ASCII character) with pad/eos/bos and a chat template.
+
+    ``vocab_size``: the vocabulary filled up to that size with placeholder tokens ``<t0>``, ``<t1>``, ... that no text
+    encodes to, so that every id a random model of a real vocabulary samples decodes (the benchmarks' real shapes)."""
+    names = SPECIAL_TOKENS + CHARACTERS
+    if vocab_size is not None:
+        if vocab_size < len(names):
+            raise ValueError(f"build_tokenizer: vocab_size={vocab_size} is below the {len(names)} tokens it needs.")
+        names = names + [f"<t{i}>" for i in range(vocab_size - len(names))]
+    vocab = {token: i for i, token in enumerate(names)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
     backend.decoder = decoders.Fuse()  # join characters back without separators
