@@ -158,13 +158,20 @@ def step_size_summary(log_history: list[dict], config) -> list[str]:
     return lines
 
 
+def json_in(output_dir: str | os.PathLike, name: str) -> dict | None:
+    """The JSON file `name` in `output_dir`, read; None where there is none."""
+    path = os.path.join(output_dir, name)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def held_out_file_rows(output_dir: str | os.PathLike) -> list[str]:
     """Markdown lines of `output_dir`/`HELD_OUT_FILE` (the shape in the module docstring), or [] without the file."""
-    path = os.path.join(output_dir, HELD_OUT_FILE)
-    if not os.path.isfile(path):
+    data = json_in(output_dir, HELD_OUT_FILE)
+    if data is None:
         return []
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
     lines = [f"From `{HELD_OUT_FILE}` ({data.get('decoding', 'decoding not recorded')}):", ""]
     lines += ["| benchmark | accuracy (exact answers) | mean score | problems |", "|---|---|---|---|"]
     for row in data.get("results", []):

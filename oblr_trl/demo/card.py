@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..card import HELD_OUT_FILE, PAPER, SECTION_END, SECTION_START, as_number, held_out_file_rows, oblr_card_section
+from ..card import (HELD_OUT_FILE, PAPER, SECTION_END, SECTION_START, as_number, held_out_file_rows, json_in,
+                    oblr_card_section)
 
 DEMO_SUMMARY_FILE = "summary.json"
 METRIC_NOTE = ("Accuracy: the share of exact answers (the verifier's full credit for the reply's final number, "
@@ -24,11 +25,9 @@ METRIC_NOTE = ("Accuracy: the share of exact answers (the verifier's full credit
 
 def summary_rows(output_dir: str | os.PathLike) -> list[str]:
     """Markdown lines of the demo's `summary.json` in `output_dir` (before and after RL), or []."""
-    path = os.path.join(output_dir, DEMO_SUMMARY_FILE)
-    if not os.path.isfile(path):
+    data = json_in(output_dir, DEMO_SUMMARY_FILE)
+    if data is None:
         return []
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
     pairs = [("accuracy (exact answers), greedy", "accuracy", "{:.1%}"),
              ("accuracy, sampled at temperature 1", "sampled_accuracy", "{:.1%}"),
              ("mean score, greedy", "mean_score", "{:.3f}"),
