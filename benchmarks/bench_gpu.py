@@ -212,6 +212,8 @@ def render(res: dict) -> str:
                          f"{v['peak_gib']:.2f}"])
     lines += harness.md_table(["B x C", "tuning", "ckpt", "mode", "ran", "ms", "time / GRPO", "model FLOPs / GRPO",
                                "peak GiB"], rows)
+    if res.get("rl") is None:  # written after each update row, so a run stopped early still leaves its table
+        return "\n".join(lines + ["", "The whole RL step: not reached in this run.", ""])
     lines += ["", f"## The whole RL step (HF generate, {res['rl']['completion']} tokens per completion, "
               "full fine-tuning)", ""]
     g = res["rl"]["modes"]["grpo"]
@@ -243,20 +245,20 @@ def run(args, argv=None) -> int:
     log = harness.Log()
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     width = "small" if args.quick else "Qwen3-0.6B"
-    update = []
+    res = dict(machine=harness.machine_info(device=args.device, precision="bf16 autocast" if args.device != "cpu"
+                                            else "float32"), device_name=device_name, width=width, update=[], rl=None,
+               command=" ".join(["python benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]))
+    stem = args.stem or "bench_gpu_" + "".join(c if c.isalnum() else "_" for c in device_name.lower()).strip("_")
     for cfg in update_configs(args.quick):
         row = dict(cfg, modes={mode: time_update(cfg, mode, args.device, args.repeats) for mode in MODES})
         log(f"update {cfg}: " + ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms ({v['ran']})"
                                           for k, v in row["modes"].items()))
-        update.append(row)
+        res["update"].append(row)
+        harness.write_results(args.out, stem, res, render(res))
     completion = 16 if args.quick else args.rl_completion
-    rl = dict(completion=completion, modes={mode: time_rl_step(mode, args.device, width, completion, args.rl_steps)
-                                            for mode in ("grpo", "auto")})
-    log(f"RL step: {rl}")
-    res = dict(machine=harness.machine_info(device=args.device, precision="bf16 autocast" if args.device != "cpu"
-                                            else "float32"), device_name=device_name, width=width, update=update, rl=rl,
-               command=" ".join(["python benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]))
-    stem = args.stem or "bench_gpu_" + "".join(c if c.isalnum() else "_" for c in device_name.lower()).strip("_")
+    res["rl"] = dict(completion=completion, modes={
+        mode: time_rl_step(mode, args.device, width, completion, args.rl_steps) for mode in ("grpo", "auto")})
+    log(f"RL step: {res['rl']}")
     js, md = harness.write_results(args.out, stem, res, render(res))
     log(f"wrote {js} and {md}")
     return 0
