@@ -20,6 +20,7 @@ Design:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -104,13 +105,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_update(cfg: dict, mode: str, device: str, repeats: int) -> dict:
-    """Median seconds of one training_step in ``mode``, and the FLOP model's FLOPs for what ran."""
+def time_update(cfg: dict, mode: str, device: str, repeats: int, profile: bool = False) -> dict:
+    """Median seconds of one training_step in ``mode``, the FLOP model's FLOPs for what ran, and the peak GiB allocated
+    from the model's build (construction and its coverage probe, the warm-up step) and over the timed steps alone.
+    ``profile``: the last step under ``torch.profiler``, its operators by device time (``profile`` in the row)."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
     from oblr_trl import cost_model, one_backward
 
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     model = build_model(cfg["width"], device)
     prepared, rewards = prepared_batch(cfg["batch"], cfg["completion"], model.config.vocab_size, PROMPT, GROUP, device)
 
@@ -129,28 +135,50 @@ def time_update(cfg: dict, mode: str, device: str, repeats: int) -> dict:
     if cfg["ckpt"]:
         trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainer.model.train()
-    times = []
+    times, peaks, table = [], [], None
     for i in range(repeats + 1):
+        last = profile and i == repeats
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if last else contextlib.nullcontext()
         sync(device)
         start = time.perf_counter()
         rows = cfg["batch"]
-        trainer.training_step(trainer.model, [{"prompt": "x"}] * rows, torch.tensor(rows * cfg["completion"]))
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        sync(device)
+        with prof:
+            trainer.training_step(trainer.model, [{"prompt": "x"}] * rows, torch.tensor(rows * cfg["completion"]))
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+            sync(device)
         times.append(time.perf_counter() - start)
+        if cuda:  # the build's and warm-up's peak, then the timed steps' own
+            peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+        if last:
+            table = profile_table(prof, cuda)
     plan = getattr(trainer, "one_backward_plan", None)
     ran = "grpo" if plan is None else "one_backward" if plan.on else "two_passes"
     shape = one_backward.describe(trainer.model, cfg["batch"], PROMPT, cfg["completion"], 2 if device != "cpu" else 4,
                                   cfg["ckpt"], GROUP)
+    nan = float("nan")
     row = dict(seconds=statistics.median(times[1:]), ran=ran, flops=cost_model.flops(shape, ran),
-               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else float("nan"))
+               peak_gib=peaks[0] if peaks else nan, step_peak_gib=max(peaks[1:]) if peaks else nan)
+    if table is not None:
+        row["profile"] = table
     del trainer, model
     gc.collect()
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     return row
+
+
+def profile_table(prof, cuda: bool, top: int = 25) -> dict:
+    """A profiled step: operators by self device time (CPU time off CUDA), the kernels launched and the host syncs."""
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:top]
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+    syncs = sum(e.count for e in events if "Synchronize" in e.key or e.key == "cudaMemcpyAsync")
+    return dict(launches=launches, syncs=syncs, total_ms=sum(getattr(e, key, 0) for e in events) / 1e3,
+                top=[dict(op=e.key[:60], calls=e.count, ms=getattr(e, key, 0) / 1e3) for e in rows])
 
 
 def time_rl_step(mode: str, device: str, width: str, completion: int, steps: int) -> dict:
@@ -209,9 +237,12 @@ def render(res: dict) -> str:
             rows.append([f"{r['batch']} x {r['completion']}", "LoRA r=16" if r["lora"] else "full",
                          "on" if r["ckpt"] else "off", mode, v["ran"], f"{v['seconds'] * 1e3:.1f}",
                          f"{v['seconds'] / g['seconds']:.2f}x", f"{v['flops'] / g['flops']:.2f}x",
-                         f"{v['peak_gib']:.2f}"])
+                         f"{v['peak_gib']:.2f}", f"{v.get('step_peak_gib', float('nan')):.2f}",
+                         f"{v.get('step_peak_gib', float('nan')) / g.get('step_peak_gib', float('nan')):.2f}x"])
     lines += harness.md_table(["B x C", "tuning", "ckpt", "mode", "ran", "ms", "time / GRPO", "model FLOPs / GRPO",
-                               "peak GiB"], rows)
+                               "peak GiB from build", "peak GiB of the steps", "step peak / GRPO"], rows)
+    lines += ["", "`peak GiB from build`: allocated from the model's build through construction (OBLR-PO's coverage "
+              "probe), the optimizer's creation and the warm-up step; `of the steps`: over the timed steps alone."]
     if res.get("rl") is None:  # written after each update row, so a run stopped early still leaves its table
         return "\n".join(lines + ["", "The whole RL step: not reached in this run.", ""])
     lines += ["", f"## The whole RL step (HF generate, {res['rl']['completion']} tokens per completion, "
@@ -233,6 +264,9 @@ def parse_args(argv=None):
     p.add_argument("--rl_completion", type=int, default=256)
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--stem", default=None, help="default: bench_gpu_<device name>")
+    p.add_argument("--profile", action="store_true", help="instead of the tables: the first update configurations "
+                   "(full fine-tuning, checkpointing off and on) under torch.profiler, operators by device time, in "
+                   "<stem>_profile.md")
     return p.parse_args(argv)
 
 
@@ -249,6 +283,8 @@ def run(args, argv=None) -> int:
                                             else "float32"), device_name=device_name, width=width, update=[], rl=None,
                command=" ".join(["python benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]))
     stem = args.stem or "bench_gpu_" + "".join(c if c.isalnum() else "_" for c in device_name.lower()).strip("_")
+    if args.profile:
+        return run_profile(args, res, stem, log)
     for cfg in update_configs(args.quick):
         row = dict(cfg, modes={mode: time_update(cfg, mode, args.device, args.repeats) for mode in MODES})
         log(f"update {cfg}: " + ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms ({v['ran']})"
@@ -261,6 +297,31 @@ def run(args, argv=None) -> int:
     log(f"RL step: {res['rl']}")
     js, md = harness.write_results(args.out, stem, res, render(res))
     log(f"wrote {js} and {md}")
+    return 0
+
+
+def run_profile(args, res: dict, stem: str, log) -> int:
+    lines = [f"# Where a step's device time goes: {res['device_name']}, {res['machine']['date']}", "",
+             f"`{res['command']}` (torch {res['machine']['torch']}). One profiled step after the warm-up and "
+             f"{args.repeats - 1} timed steps; operators by self device time (CPU time on a CPU).", ""]
+    configs = [c for c in update_configs(args.quick) if not c["lora"]][:2]
+    res["profile"] = []
+    for cfg in configs:
+        for mode in ("grpo", "auto", "one_backward"):
+            row = time_update(cfg, mode, args.device, args.repeats, profile=True)
+            prof = row["profile"]
+            log(f"profile {cfg} {mode}: {row['seconds'] * 1e3:.1f} ms, {prof['launches']} launches, "
+                f"{prof['syncs']} syncs/copies")
+            res["profile"].append(dict(cfg, mode=mode, **row))
+            lines += [f"## {cfg['batch']} x {cfg['completion']}, full, checkpointing {'on' if cfg['ckpt'] else 'off'}: "
+                      f"{mode} ({row['ran']})", "",
+                      f"{row['seconds'] * 1e3:.1f} ms a step (median, the profiled step included), profiled step {prof['total_ms']:.1f} ms of "
+                      f"operator time, {prof['launches']} kernel launches, {prof['syncs']} host syncs and copies; "
+                      f"peak {row['step_peak_gib']:.2f} GiB (steps), {row['peak_gib']:.2f} GiB (from build).", ""]
+            lines += harness.md_table(["operator", "calls", "ms"], [[t["op"].replace("|", "/"), t["calls"],
+                                                                    f"{t['ms']:.2f}"] for t in prof["top"]]) + [""]
+            harness.write_results(args.out, stem + "_profile", res, "\n".join(lines))
+    log(f"wrote {args.out / (stem + '_profile.md')}")
     return 0
 
 

@@ -20,10 +20,12 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
    0.2); a parameter that misses in float32 is looked at again with the whole model in float64, where the model's
    own rounding is gone (the engine's float32 products leave about 1e-7), and only a miss there is refused. A
    parameter where it does not hold (a share no hook sees, rows paired with the wrong sequence, a head transform the
-   engine does not compute), or a pass that fails, is refused by name before training. Before it, the head is checked by observation (:mod:`.head_transform`).
+   engine does not compute), or a pass that fails, is refused by name before training. Before it, the head is checked
+   by observation (:mod:`.head_transform`).
    This check also covers ``one_backward``: its update is the same per-sequence gradients, weighted. Cost: one
-   engine pass of that batch and one forward+backward per sequence (twice where float32 misses), and three
-   gradient-sized buffers while it runs (before any optimizer state exists).
+   engine pass of that batch and one forward+backward per sequence (twice where float32 misses), and two
+   gradient-sized buffers while it runs (one sequence at a time: the engine's gradient and autograd's), so that
+   construction's peak stays under a training step's (which holds the gradient and the optimizer's state).
 """
 
 from __future__ import annotations
@@ -49,23 +51,32 @@ FLOOR = 1e-3  # of RTOL, relative to the whole gradient: parameters whose own gr
 NATIVE_HALF_RTOL = 0.2  # where it cannot be upcast (quantized weights): only what is missing or misattributed shows
 
 
-def _mismatches(lm: nn.Module, params: dict[str, nn.Parameter], ours: list[dict], reference: list[dict],
-                rtol: float) -> list[Unsupported]:
-    """Parameters whose per-sequence gradients (``ours[i][name]``) differ from autograd's (``reference[i][name]``),
-    over all sequences ``i``, by more than ``rtol`` (relative to the parameter's own gradient, plus a floor of
-    ``rtol * FLOOR`` relative to the whole gradient), or, where all parameters together differ by more than ``rtol``
-    of the whole, every parameter off by more than ``rtol`` of its own; as one entry per module."""
-    def sums(name: str) -> tuple[float, float, float]:  # ||ours - ref||^2, ||ref||^2, <ours, ref> over the sequences
-        err = size = dot = 0.0
-        for got, ref in zip((f[name] for f in ours), (f[name] for f in reference)):
-            got = torch.zeros_like(params[name]) if got is None else got.float()
-            ref = torch.zeros_like(params[name]) if ref is None else ref.float()
-            err += float((got - ref).double().pow(2).sum())
-            size += float(ref.double().pow(2).sum())
-            dot += float((got.double() * ref.double()).sum())
-        return err, size, dot
+PAIR_CHUNK = 1 << 22  # elements of one parameter compared at a time, in float64 (bounds the probe's temporaries)
 
-    found = {name: sums(name) for name in params}
+
+def pair_sums(got: torch.Tensor | None, ref: torch.Tensor | None) -> tuple[float, float, float]:
+    """``||got - ref||^2``, ``||ref||^2`` and ``<got, ref>`` in float64 (``None``: a zero gradient), over slices of
+    ``PAIR_CHUNK`` elements, so that the float64 copies never exceed a slice."""
+    if ref is None and got is None:
+        return 0.0, 0.0, 0.0
+    a = None if got is None else got.reshape(-1)
+    b = None if ref is None else ref.reshape(-1)
+    err = size = dot = 0.0
+    for start in range(0, (a if b is None else b).numel(), PAIR_CHUNK):
+        x = None if a is None else a[start : start + PAIR_CHUNK].double()
+        y = None if b is None else b[start : start + PAIR_CHUNK].double()
+        err += float((x if y is None else y if x is None else x - y).pow(2).sum())
+        size += 0.0 if y is None else float(y.pow(2).sum())
+        dot += 0.0 if x is None or y is None else float((x * y).sum())
+    return err, size, dot
+
+
+def _mismatches(lm: nn.Module, params: dict[str, nn.Parameter], found: dict[str, tuple[float, float, float]],
+                rtol: float) -> list[Unsupported]:
+    """Parameters whose per-sequence gradients differ from autograd's, over all sequences, by more than ``rtol``
+    (relative to the parameter's own gradient, plus a floor of ``rtol * FLOOR`` relative to the whole gradient), or,
+    where all parameters together differ by more than ``rtol`` of the whole, every parameter off by more than ``rtol``
+    of its own; as one entry per module. ``found``: per parameter, :func:`pair_sums` summed over the sequences."""
     total = sum(size for _, size, _ in found.values()) ** 0.5
     total_err = sum(err for err, _, _ in found.values()) ** 0.5
     by_module: dict[str, list[str]] = defaultdict(list)
@@ -112,9 +123,17 @@ def probe(model: nn.Module) -> list[Unsupported]:
             p.grad = saved[n]
 
 
+def _refused(lm: nn.Module, error: Exception) -> list[Unsupported]:
+    """The engine's pass failing: the modules it names (:class:`UnsupportedModulesError`), else the model, with what
+    failed (a layout no rule handles, found by running it)."""
+    if isinstance(error, UnsupportedModulesError):
+        return list(error.modules)
+    return [Unsupported("", type(lm).__name__,
+                        f"the per-sequence gradient pass fails on it: {type(error).__name__}: {error}")]
+
+
 def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], rtol: float) -> list[Unsupported]:
     ids, attention, completion_mask = probe_batch(lm)
-    rows = range(ids.shape[0])
 
     def take() -> dict[str, torch.Tensor | None]:
         found = {n: p.grad for n, p in params.items()}
@@ -122,27 +141,29 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], rto
             p.grad = None
         return found
 
+    found = {n: (0.0, 0.0, 0.0) for n in params}
     try:
         grads = per_sequence_grads(model, ids, attention, completion_mask)
-        ours = []
-        for i in rows:  # each sequence's own gradient: its row of the per-sequence gradients, weighted 1
+    except Exception as error:
+        take()
+        return _refused(lm, error)
+    for i in range(ids.shape[0]):  # one sequence at a time: two gradient-sized buffers at once, not two per sequence
+        try:  # its row of the per-sequence gradients, weighted 1
             grads.accumulate_grad(torch.eye(ids.shape[0], device=ids.device)[i])
-            ours.append(take())
-    except UnsupportedModulesError as error:  # modules whose per-sequence gradients cannot be formed, by path
-        take()
-        return list(error.modules)
-    except Exception as error:  # a layout no rule handles, found by running it: refused, naming what failed
-        take()
-        return [Unsupported("", type(lm).__name__,
-                            f"the per-sequence gradient pass fails on it: {type(error).__name__}: {error}")]
-    try:
-        # each sequence alone through the model: autograd's gradient of its log-probability (the oracle)
-        reference = [dict(zip(params, row)) for row in oracle.per_row_grads(
-            lm, ids, attention, completion_mask, params=list(params.values()))]
-    except Exception as error:  # its own logits cannot score the sequences: nothing to check against
-        return [Unsupported("", type(lm).__name__, f"its own forward cannot score a completion's log-probability: "
-                            f"{type(error).__name__}: {error}")]
-    return _mismatches(lm, params, ours, reference, rtol)
+            ours = take()
+        except Exception as error:
+            take()
+            return _refused(lm, error)
+        try:  # the sequence alone through the model: autograd's gradient of its log-probability (the oracle)
+            (reference,) = oracle.per_row_grads(lm, ids[i : i + 1], attention[i : i + 1], completion_mask[i : i + 1],
+                                                params=list(params.values()))
+        except Exception as error:  # its own logits cannot score the sequences: nothing to check against
+            return [Unsupported("", type(lm).__name__, f"its own forward cannot score a completion's "
+                                f"log-probability: {type(error).__name__}: {error}")]
+        for name, ref in zip(params, reference):
+            found[name] = tuple(x + y for x, y in zip(found[name], pair_sums(ours[name], ref)))
+        del ours, reference
+    return _mismatches(lm, params, found, rtol)
 
 
 def check_once(model: nn.Module) -> None:

@@ -39,7 +39,8 @@ MATERIALIZE_BUDGET = 1 << 26
 CUDA_MACS_PER_BYTE = 100
 # Float32 elements of the (blocks, k T, slots) softmax columns the tied head gathers at its embedding's token ids.
 GATHER_BUDGET = 1 << 25
-# Devices where _row_products splits its long axis into a batch (a GPU's parallelism); the CPU gains nothing from it.
+# Devices where _row_products splits its long axis into a batch, and a materialized gradient's squared norm is a
+# reduction rather than a (1 x N)(N x 1) product (a GPU's parallelism); the CPU gains nothing from either.
 SPLIT_ROW_PRODUCTS = ("cuda",)
 # Float32 materialized gradients of at most this many elements (norm gains, biases) are concatenated, SMALL_BATCH at
 # a time, into one product by summed_self_products: a few operator calls instead of one per parameter.
@@ -449,6 +450,10 @@ class Materialized:
         """:func:`block_inner_products` of two materialized usages (blocked: ``(B/k, k, n)``)."""
         if not isinstance(v, Materialized):
             raise TypeError("Mixed factored and materialized usages must be materialized first.")
+        if k == 1 and v is self and self.g.device.type in SPLIT_ROW_PRODUCTS:
+            # a GPU runs each block's (1 x N)(N x 1) product as a gemv with one thread block per dot (0.6 ms at N = 1M
+            # on an H200, 56 of them a step at Qwen3-0.6B's depth): a reduction accumulating in float32 instead
+            return torch.linalg.vector_norm(self.g, dim=-1, dtype=torch.float32, keepdim=True).square_()
         dtype = self.g.dtype if self.g.dtype == v.g.dtype and self.g.dtype in HALF else None
         return mm32(as_operand(self.g, dtype), as_operand(v.g, dtype).transpose(1, 2))
 

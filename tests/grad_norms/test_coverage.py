@@ -252,13 +252,13 @@ def test_a_float32_miss_is_looked_at_again_in_float64(monkeypatch, family):
     judged = []
     real = coverage._mismatches
 
-    def strict_in_float32(lm, params, ours, reference, rtol):
+    def strict_in_float32(lm, params, sums, rtol):
         dtype = next(iter(params.values())).dtype
         judged.append(dtype)
-        found = real(lm, params, ours, reference, rtol)
+        found = real(lm, params, sums, rtol)
         assert found == [] or dtype == torch.float32
         if dtype == torch.float64:  # the engine's own float32 products (its head, mm32) leave about 1e-7
-            assert real(lm, params, ours, reference, 1e-6) == []
+            assert real(lm, params, sums, 1e-6) == []
         return found + ([coverage.Unsupported("model.norm", "RMSNorm", "a float32 miss")] if dtype == torch.float32
                         else [])
 
@@ -289,3 +289,25 @@ def test_rows_that_cannot_be_paired_are_refused_by_the_modules_path():
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
     with pytest.raises(UnsupportedModulesError, match=r"'model.layers.0.mlp.act_fn.1.lin' \(Linear\)"):
         per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+
+
+def test_the_probe_holds_two_gradients_at_a_time_not_four(monkeypatch):
+    """Construction's peak stays under a training step's: the probe compares one sequence at a time (the engine's
+    gradient and autograd's), in float64 slices, instead of holding both for every sequence (4 gradient-sized buffers
+    and float64 copies of the largest parameter, which set the run's peak on a GPU with checkpointing)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from counting import LiveBytes
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # a head-heavy model, as real ones are: the embedding is most of the parameters
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(coverage, "PAIR_CHUNK", 1 << 14)  # a slice as small against this model as 4M is against a real one
+    live = LiveBytes()
+    with live:
+        assert validate(model, strict=False) == []
+    assert live.peak < 3 * grad_bytes, live.peak / grad_bytes

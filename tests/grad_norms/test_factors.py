@@ -381,6 +381,8 @@ def test_row_products_split_into_a_batch_equal_the_plain_product(monkeypatch, k)
     torch.testing.assert_close(factors._row_products(a, b, 5), torch.bmm(a, b.transpose(1, 2)))
     torch.testing.assert_close(factors._row_products(a, a, 5), torch.bmm(a, a.transpose(1, 2)))
     torch.testing.assert_close(plain, torch.bmm(a, b.transpose(1, 2)))
+    g = factors.Materialized(torch.randn(4, 1, 6 * 5).to(torch.bfloat16))  # a squared norm: a reduction, not a gemv
+    torch.testing.assert_close(g.block_inner_products(g, 1), torch.bmm(g.g.float(), g.g.float().transpose(1, 2)))
     check_group_products(qwen3(tie=True), k=3)
 
 
@@ -489,3 +491,22 @@ def test_summed_self_products_share_an_input_gram_and_equal_the_pairs(k):
     torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5)
     assert counter.calls["aten.bmm"] + counter.calls["aten.baddbmm_"] == 3 + 1 + 2 + 1
     assert summed_self_products([], k) is None
+
+
+def test_materialized_half_squared_norms_as_a_reduction_equal_the_product(monkeypatch):
+    """Where a GPU runs them (SPLIT_ROW_PRODUCTS), the squared norms of half-precision materialized per-sample gradients
+    (bf16 autocast) are a float32-accumulating reduction instead of a (1 x N)(N x 1) product per sequence (a slow gemv
+    on an H200): the norms are those of the product path."""
+    from oblr_trl.grad_norms import factors
+
+    model, batch = qwen3(tie=True), padded_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        product = per_sequence_grad_sq_norms(model, *batch)
+    reductions, vector_norm = [], torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda x, *a, **kw: reductions.append(x.dim()) or vector_norm(
+        x, *a, **kw))
+    monkeypatch.setattr(factors, "SPLIT_ROW_PRODUCTS", ("cpu", "cuda"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reduced = per_sequence_grad_sq_norms(model, *batch)
+    assert reductions.count(3) >= 4  # the layers' materialized (B, 1, N) gradients took it
+    torch.testing.assert_close(reduced, product, rtol=1e-6, atol=0)
