@@ -244,7 +244,7 @@ def render(res: dict) -> str:
     lines += ["", "`peak GiB from build`: allocated from the model's build through construction (OBLR-PO's coverage "
               "probe), the optimizer's creation and the warm-up step; `of the steps`: over the timed steps alone."]
     if res.get("rl") is None:  # written after each update row, so a run stopped early still leaves its table
-        return "\n".join(lines + ["", "The whole RL step: not reached in this run.", ""])
+        return "\n".join(lines + ["", "The whole RL step: not in this run.", ""])
     lines += ["", f"## The whole RL step (HF generate, {res['rl']['completion']} tokens per completion, "
               "full fine-tuning)", ""]
     g = res["rl"]["modes"]["grpo"]
@@ -264,6 +264,8 @@ def parse_args(argv=None):
     p.add_argument("--rl_completion", type=int, default=256)
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--stem", default=None, help="default: bench_gpu_<device name>")
+    p.add_argument("--tuning", choices=["all", "full", "lora"], default="all",
+                   help="the update table's rows: every one, or full fine-tuning's or LoRA's alone (no RL step then)")
     p.add_argument("--profile", action="store_true", help="instead of the tables: the first update configurations "
                    "(full fine-tuning, checkpointing off and on) under torch.profiler, operators by device time, in "
                    "<stem>_profile.md")
@@ -286,11 +288,15 @@ def run(args, argv=None) -> int:
     if args.profile:
         return run_profile(args, res, stem, log)
     for cfg in update_configs(args.quick):
+        if args.tuning != "all" and cfg["lora"] != (args.tuning == "lora"):
+            continue
         row = dict(cfg, modes={mode: time_update(cfg, mode, args.device, args.repeats) for mode in MODES})
         log(f"update {cfg}: " + ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms ({v['ran']})"
                                           for k, v in row["modes"].items()))
         res["update"].append(row)
         harness.write_results(args.out, stem, res, render(res))
+    if args.tuning != "all":
+        return 0
     completion = 16 if args.quick else args.rl_completion
     res["rl"] = dict(completion=completion, modes={
         mode: time_rl_step(mode, args.device, width, completion, args.rl_steps) for mode in ("grpo", "auto")})

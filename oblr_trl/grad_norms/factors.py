@@ -93,11 +93,13 @@ def autocast_operands(u: "Usage", cache: dict | None = None) -> "Usage":
     if getattr(u, "dense_pair", False):
         dtype = half_dtype(u.left.t, u.right.t)
         if dtype is not None and (u.left.t.dtype != dtype or u.right.t.dtype != dtype):
-            return Factored(Dense(_cast(u.left.t, dtype, cache)), Dense(_cast(u.right.t, dtype, cache)))
+            return Factored(Dense(cast_once(u.left.t, dtype, cache)), Dense(cast_once(u.right.t, dtype, cache)))
     return u
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
+def cast_once(t: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
+    """``t.to(dtype)``, the same tensor for the same source while ``cache`` (the caller's) holds it: the last cast
+    is kept with its source, whose memory cannot be reused meanwhile."""
     if t.dtype == dtype:
         return t
     if cache is None:

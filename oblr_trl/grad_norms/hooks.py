@@ -10,6 +10,9 @@ from contextvars import ContextVar
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge as gradient_edge
+
+from . import factors
 
 
 # a re-run under way in this thread/task (a per-row re-run, a recogniser's probe): a context variable, so that one
@@ -135,10 +138,12 @@ class _Capture:
         self.calls: dict[nn.Module, int] = defaultdict(int)
         self.in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
         self.waiting: dict[nn.Module, deque] = defaultdict(deque)  # forward records awaiting their recomputed input
-        # Tensors the backward is taken with respect to, so that it reaches every hooked output without computing
-        # (and discarding) the parameters' gradients: inputs of hooked modules outside checkpointed layers, and the
-        # inputs of the checkpointed layers (which checkpointing keeps anyway).
-        self.inputs_with_grad: list[torch.Tensor] = []
+        # What the backward is taken with respect to, so that it reaches every hooked output without computing (and
+        # discarding) the parameters' gradients: inputs of hooked modules outside checkpointed layers, and the inputs
+        # of the checkpointed layers. Held as gradient edges (the graph's nodes), not tensors: a layer's float32
+        # input that autocast casts for its matmul is not kept alive by this list (GRPO's backward frees it too).
+        self.inputs_with_grad: list = []
+        self.cast: dict = {}  # the last half-precision cast of a hooked layer's input, for the layers that share it
         self.layer_output: torch.Tensor | None = None  # the last checkpointed layer's output in the forward
         self.failed: list[RowsError] = []  # calls whose rows cannot be paired, that a gradient reached
         # Set when the capture ends: the output-gradient hooks stay on the graph's nodes, and a later backward of the
@@ -157,7 +162,7 @@ class _Capture:
         second backward of the graph, kept with every layer's checkpointed input.)"""
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not in_backward() and torch.is_tensor(hidden) and hidden.requires_grad and hidden is not self.layer_output:
-            self.inputs_with_grad.append(hidden)
+            self.inputs_with_grad.append(gradient_edge(hidden))
 
     def layer_post_hook(self, layer, args, output):
         if not in_backward():
@@ -203,7 +208,7 @@ class _Capture:
         record.output_grad = [None] * len(outputs)
         self.records.append(record)
         live_inputs = input_tensors(args, kwargs)
-        self.inputs_with_grad.extend(live_inputs)
+        self.inputs_with_grad.extend(map(gradient_edge, live_inputs))
         record.input_has_grad = bool(live_inputs)
         for i, o in enumerate(outputs):
             o.register_hook(lambda grad, record=record, i=i: None if self.closed else
@@ -224,7 +229,8 @@ class _Capture:
             return returned  # the recomputation of a module that ran in the forward: paired by the pre-hook
         deferred = module in self.in_checkpointed and not in_backward()
         try:
-            record = Record(module, None if deferred else batch_rows(args[0].detach(), self.batch, module, "input"))
+            record = Record(module, None if deferred else batch_rows(self.held_input(module, args[0], output),
+                                                                         self.batch, module, "input"))
         except RowsError as error:  # refused only if a gradient flows back to it (DoRA's weight norm, on an identity
             output.register_hook(lambda grad, error=error: self.failed.append(error))  # matrix, is detached)
             return returned
@@ -236,7 +242,7 @@ class _Capture:
         if not args[0].requires_grad:
             record.input_has_grad = False
         elif not deferred:
-            self.inputs_with_grad.append(args[0])
+            self.inputs_with_grad.append(gradient_edge(args[0]))
 
         def grad_hook(grad, record=record):
             if self.closed:
@@ -248,11 +254,24 @@ class _Capture:
         output.register_hook(grad_hook)
         return returned
 
+    def held_input(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """What a record keeps of a layer's input: the input, or, for a linear layer that ran under half-precision
+        autocast on a device whose products take half-precision operands, the input as autocast cast it for the matmul
+        (what its weight gradient, and so its per-sample gradients, are made of: the same cast the backward's
+        ``autocast_operands`` would make), once for the layers that read one input. Half the bytes held to the
+        backward, and the float32 input is freed as GRPO's backward frees it."""
+        x = x.detach()
+        if not (isinstance(module, nn.Linear) and x.dtype == torch.float32 and output.dtype in factors.HALF
+                and x.device.type in factors.HALF_OPERAND_DEVICES):
+            return x
+        return factors.cast_once(x, output.dtype, self.cast)
+
     def release(self) -> None:
         """Drop what ties the hooks to the autograd graph. The output-gradient hooks live on the graph's nodes and
         close over this object, which holds tensors of the graph (``inputs_with_grad``): a cycle through C++ nodes that
         Python's garbage collector cannot see, which kept every pass's graph and factors alive (memory grew each step)."""
         self.inputs_with_grad.clear()
+        self.cast.clear()
         self.on_grad, self.layer_output, self.closed = None, None, True
 
     def check_paired(self) -> None:

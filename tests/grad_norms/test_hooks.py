@@ -107,3 +107,57 @@ def test_a_replayed_backward_records_nothing_and_frees_the_graph(monkeypatch):
     assert all(p.grad is not None for p in model.parameters())
     del grads
     assert graph_tensors() == before
+
+
+def test_half_autocast_layer_inputs_are_held_as_the_matmul_cast_them(monkeypatch):
+    """Under half-precision autocast on a device whose products take half-precision operands (CUDA; here the CPU, by
+    the device list), a linear layer's float32 input is held to the backward as autocast cast it for the matmul, once
+    for the layers that read it, and the backward's targets are gradient edges: the float32 inputs (LayerNorm outputs,
+    PEFT's float32 copies of bf16 inputs for LoRA) are freed as GRPO's backward frees them. The norms are the same,
+    bit for bit (the backward's autocast_operands made the same cast), and less is live when the backward starts."""
+    import sys
+    from pathlib import Path
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from oblr_trl.grad_norms import engine, factors, hooks
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from counting import LiveBytes
+
+    monkeypatch.setattr(factors, "HALF_OPERAND_DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, vocab_size=500, num_hidden_layers=2, pad_token_id=0)
+    model = get_peft_model(Qwen3ForCausalLM(config), LoraConfig(r=8, target_modules="all-linear"))
+    ids = torch.randint(1, 500, (4, 136))
+    batch = (ids, torch.ones_like(ids), torch.ones(4, 128, dtype=torch.long))
+    per_sequence_grad_sq_norms(model, *batch)  # the probe and the plan, outside the counts
+
+    def run():
+        live, at_backward = LiveBytes(), []
+        backward = engine._backward_to_hooks
+        with monkeypatch.context() as m:
+            m.setattr(engine, "_backward_to_hooks", lambda *a, **k: at_backward.append(live.live) or backward(*a, **k))
+            with torch.autocast("cpu", dtype=torch.bfloat16), live:
+                norms = per_sequence_grad_sq_norms(model, *batch)
+        gc.collect()
+        return norms, at_backward[-1]
+
+    cast_sources = {}  # the float32 inputs cast, by storage: half their bytes is saved, less the one the cast cache holds
+    cast_once = factors.cast_once
+    def counted(t, *args):
+        if t.dtype == torch.float32:
+            cast_sources.setdefault(t.data_ptr(), t.nbytes)
+        return cast_once(t, *args)
+
+    monkeypatch.setattr(factors, "cast_once", counted)
+    norms, held = run()
+    monkeypatch.setattr(factors, "cast_once", cast_once)
+    monkeypatch.setattr(hooks._Capture, "held_input", lambda self, module, x, output: x.detach())  # the float32 input
+    float32_norms, float32_held = run()
+    assert torch.equal(norms, float32_norms)
+    assert len(cast_sources) >= 4  # per layer: the q/k/v input, o's, gate/up's, down's (a freed one's address reused)
+    saved = 0.4 * sum(cast_sources.values()) - max(cast_sources.values())
+    assert float32_held - held >= saved > 0, (float32_held, held, cast_sources)
