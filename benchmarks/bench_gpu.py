@@ -259,7 +259,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="a small model and short completions (CPU-sized)")
-    p.add_argument("--repeats", type=int, default=3, help="timed update steps per mode, after one warm-up")
+    p.add_argument("--repeats", type=int, default=5, help="timed update steps per mode, after one warm-up")
     p.add_argument("--rl_steps", type=int, default=3, help="timed RL steps per trainer, after one warm-up step")
     p.add_argument("--rl_completion", type=int, default=256)
     p.add_argument("--out", type=Path, default=HERE / "results")
@@ -285,11 +285,11 @@ def run(args, argv=None) -> int:
                                             else "float32"), device_name=device_name, width=width, update=[], rl=None,
                command=" ".join(["python benchmarks/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)]))
     stem = args.stem or "bench_gpu_" + "".join(c if c.isalnum() else "_" for c in device_name.lower()).strip("_")
+    configs = [c for c in update_configs(args.quick) if args.tuning == "all" or c["lora"] == (args.tuning == "lora")]
+    time_update(configs[0], "grpo", args.device, 1)  # untimed: a fresh device's first kernels, allocator and autotuning
     if args.profile:
         return run_profile(args, res, stem, log)
-    for cfg in update_configs(args.quick):
-        if args.tuning != "all" and cfg["lora"] != (args.tuning == "lora"):
-            continue
+    for cfg in configs:
         row = dict(cfg, modes={mode: time_update(cfg, mode, args.device, args.repeats) for mode in MODES})
         log(f"update {cfg}: " + ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms ({v['ran']})"
                                           for k, v in row["modes"].items()))
