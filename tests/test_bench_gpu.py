@@ -34,3 +34,18 @@ def test_bench_gpu_quick_on_cpu(tmp_path):
     assert logging.getLogger("trl").level == trl_level  # the libraries' loggers are as they were (a shared process)
     text = (tmp_path / "b.md").read_text()
     assert "on **CPU**" in text and "## The whole RL step" in text and text.count("| two_passes |") == 2
+
+
+def test_bench_gpu_one_tuning_and_the_profile_on_cpu(tmp_path):
+    """``--tuning lora``: LoRA's rows alone and no RL step; ``--profile``: the full-fine-tuning rows of three modes
+    under torch.profiler, with their top operators."""
+    assert bench_gpu.main(["--device", "cpu", "--quick", "--repeats", "1", "--tuning", "lora", "--out", str(tmp_path),
+                           "--stem", "l"]) == 0
+    res = json.loads((tmp_path / "l.json").read_text())
+    assert [r["lora"] for r in res["update"]] == [True] and res["rl"] is None
+    assert "not in this run" in (tmp_path / "l.md").read_text()
+    assert bench_gpu.main(["--device", "cpu", "--quick", "--repeats", "1", "--profile", "--out", str(tmp_path),
+                           "--stem", "p"]) == 0
+    prof = json.loads((tmp_path / "p_profile.json").read_text())["profile"]
+    assert [r["mode"] for r in prof] == ["grpo", "auto", "one_backward"]
+    assert all(r["profile"]["kernel_ms"] > 0 and r["profile"]["top"] for r in prof)
