@@ -413,12 +413,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.rerender:
+    if args.rerender or args.repredict:  # no counting: the written result, its table rendered again
         res = json.loads((args.out / f"{args.stem}.json").read_text())
-        harness.write_results(args.out, args.stem, res, render(res))
-        return 0
-    if args.repredict:
-        res = repredict(json.loads((args.out / f"{args.stem}.json").read_text()))
+        res = repredict(res) if args.repredict else res
         harness.write_results(args.out, args.stem, res, render(res))
         return 0
     torch.set_num_threads(1)

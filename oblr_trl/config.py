@@ -96,9 +96,9 @@ class OBLRPOConfig(GRPOConfig):
     not learn over 10 steps, and well below the 22x (3.33e-3) at which no SNR arm collapsed over 20 steps (3 seeds
     each; on that 20-step lr grid 22x was OBLR-PO's best, and its window within 5 points of it, 6.7x-22x, was no wider
     than GRPO's: README, "Two questions users ask"): if `oblr/lr_mean` sits far below the lr you would give GRPO,
-    raise `learning_rate`. The SNR factor does not
-    rescue a far larger one (on SmolLM2, runs collapsed at 5-30x their best lr, and at 10x the best eta_max over 40
-    steps some seeds of every SNR arm fell; README, "When to use OBLR-PO").
+    raise `learning_rate`. The SNR factor does not rescue a far larger one (on SmolLM2, runs collapsed at 5-30x their
+    best lr, and at 10x the best eta_max over 40 steps some seeds of every SNR arm fell; README, "When to use
+    OBLR-PO").
 
     Defaults differ from `GRPOConfig` where the paper's theory requires it: `scale_rewards="none"` (std scaling biases
     the gradient), `beta=0.0` and `num_iterations=1` (on-policy, unbiased updates).

@@ -2,6 +2,7 @@
 what the real tensors would."""
 
 import contextlib
+import json
 import importlib.util
 import sys
 from pathlib import Path
@@ -134,3 +135,37 @@ def test_repredict_recomputes_the_model_columns_and_keeps_the_counts():
         assert replay[f"predicted_{what}"] == cost.at_depth(*(cost.predict(
             "Qwen3-0.6B", n, "replay", 8, 256, False, True, True, what, 8) for n in (1, 2)))
     assert "computed again" in cost.render(out)
+
+
+def test_verdict_names_each_missed_target_and_the_path_that_costs_it():
+    """The tables' 'meets targets' column: ``yes`` within every target, else each ratio over its target and why."""
+    cost = load("cost_counts")
+    full = dict(lora=False, ckpt=False, batch=8)
+    assert cost.verdict(full, "one_backward", "one_backward/8", 1.05, 0.7, 1.47) == "yes"
+    two = cost.verdict(full, "two_passes", "two_passes/8", 1.79, 1.0, 2.33)
+    assert two == "no: FLOPs 1.79x, calls 2.33x; the norms pass is a second forward and backward"
+    auto = cost.verdict(full, "auto", "two_passes/8", 1.79, 1.0, 1.0)
+    assert auto.endswith("no one_backward chunk fits the byte target")
+    ckpt = dict(full, ckpt=True)
+    assert "replayed" in cost.verdict(ckpt, "replay", "replay/8", 1.49, 0.9, 1.0)
+    assert cost.verdict(ckpt, "one_backward", "one_backward/8", 1.0, 1.74, 1.0).startswith(
+        "no: bytes 1.74x; each row's per-layer factors kept")
+    assert "chunks of 2 rows" in cost.verdict(full, "one_backward", "one_backward/2", 1.0, 1.0, 1.6)
+    lora = dict(full, lora=True)  # LoRA's FLOP target is tighter (1.05x) than full fine-tuning's (1.3x)
+    assert cost.verdict(lora, "one_backward", "one_backward/8", 1.1, 1.0, 1.0).startswith("no: FLOPs 1.10x; the norms'")
+    assert cost.verdict(full, "one_backward", "one_backward/8", 1.1, 1.0, 1.0) == "yes"
+
+
+def test_rerender_rewrites_the_table_from_the_json_without_counting(tmp_path):
+    cost = load("cost_counts")
+    cfg = dict(width="Qwen3-0.6B", batch=8, completion=256, tied=True, lora=False, ckpt=False)
+    counted = dict(flops=1.0, peak_bytes=1.0, ops=1.0, per_layer_flops=1.0, rest_flops=1.0, predicted_flops=1.0,
+                   predicted_bytes=1.0)
+    res = dict(machine=dict(date="then", torch="t", transformers="x", trl="y"), command="cmd", rows=[
+        dict(cfg, modes={"grpo": dict(counted, ran="grpo"),
+                         "two_passes": dict(counted, flops=2.0, ops=2.0, ran="two_passes/8")})])
+    (tmp_path / "c.json").write_text(json.dumps(res))
+    assert cost.main(["--rerender", "--out", str(tmp_path), "--stem", "c"]) == 0
+    md = (tmp_path / "c.md").read_text()
+    assert "no: FLOPs 2.00x, calls 2.00x; the norms pass is a second forward and backward" in md
+    assert json.loads((tmp_path / "c.json").read_text())["rows"] == res["rows"]
