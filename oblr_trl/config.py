@@ -50,7 +50,8 @@ def _check_registered(registry, value) -> None:
 
 # OBLR-PO's own options and the type each must have: a string such as "false" is truthy, so it would act as True
 _OPTION_TYPES = {"leave_one_out": "bool", "snr_lr": "bool", "one_backward": "bool or None", "snr_window": "int",
-                 "lr_scale_min": "number", "snr_ema": "number", "weight_clip": "number or None"}
+                 "lr_scale_min": "number", "snr_ema": "number", "weight_clip": "number or None",
+                 "max_extra_memory_gib": "number or None"}
 
 
 def _check_types(config) -> None:
@@ -158,10 +159,18 @@ class OBLRPOConfig(GRPOConfig):
             gradient checkpointing does, so under checkpointing it may run a micro-batch in chunks of whole groups
             (same result, tested). The automatic choice, at the first generation, on any device: from the model's and
             the batch's shapes, `oblr_trl/cost_model.py` predicts the FLOPs and peak bytes of `one_backward` (per
-            chunk) and of GRPO's update (the model `benchmarks/cost_counts.py` checks against counts); it takes
-            `one_backward` in the largest chunk whose peak is at most 1.1x GRPO's under checkpointing (1.2x without)
-            with FLOPs at most 1.3x GRPO's, and the two-pass path otherwise (with full fine-tuning under
-            checkpointing, usually). `True` takes that chunk, or one group at a time where none fits.
+            chunk) and of GRPO's update (the model `benchmarks/cost_counts.py` checks against counts). On a GPU it is
+            memory-aware: `one_backward` (whole, else in the largest chunk) wherever its FLOPs are at most 1.3x
+            GRPO's and its predicted peak, x1.25, fits the device's free memory (`torch.cuda.mem_get_info`, the
+            per-process memory fraction, the optimizer's state to come, a margin of 5% of the device, at least
+            1 GiB) and `max_extra_memory_gib`; where it does not fit, under checkpointing, `one_backward` replayed
+            (a second backward of its graph, GRPO's memory); else two passes. Off a GPU (no free-memory figure)
+            without `max_extra_memory_gib`: `one_backward` in the largest chunk whose peak is at most 1.1x GRPO's
+            under checkpointing (1.2x without), replayed or two passes otherwise. `True` takes that chunk, or one
+            group at a time where none fits.
+        max_extra_memory_gib (`float` or `None`, defaults to `None`):
+            The most memory (GiB) the automatic choice may add to GRPO's predicted peak to take `one_backward`.
+            `None`: what the GPU has free decides; `0`: never more than GRPO's peak. Must be `None` or >= 0.
     """
 
     baseline: str = field(
@@ -238,10 +247,23 @@ class OBLRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Norms and update from one forward/backward instead of a norms pass then TRL's loss pass (same "
-            "result, one pass less). Default None: automatic, by counted cost on any device: one_backward (in chunks "
-            "of whole groups) where its predicted peak bytes stay within 1.1x GRPO's under gradient checkpointing "
-            "(1.2x without) and its FLOPs within 1.3x (oblr_trl/cost_model.py), else two passes. "
+            "result, one pass less). Default None: automatic, by counted cost (oblr_trl/cost_model.py): on a GPU, "
+            "one_backward (in chunks of whole groups) wherever its FLOPs are within 1.3x GRPO's and its predicted "
+            "peak fits the free memory (and max_extra_memory_gib), else the replayed update or two passes; off a GPU, "
+            "where its peak stays within 1.1x GRPO's under gradient checkpointing (1.2x without). "
             "True: wherever valid; False: never. The choice is logged once with its reason."
+        },
+    )
+    max_extra_memory_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "The most device memory (GiB) OBLR-PO's automatic choice (one_backward=None) may add to GRPO's "
+            "predicted peak to take one_backward. Default None: on a GPU, whatever its predicted peak (x1.25) leaves "
+            "of the free memory (torch.cuda.mem_get_info, the per-process memory fraction, the optimizer's state to "
+            "come, a margin of 5% of the device, at least 1 GiB); where it does not fit, the replayed update or two "
+            "passes (GRPO's memory). 0: never more than GRPO's peak. Off a GPU with None: the ratio targets (1.1x "
+            "GRPO's peak under checkpointing, 1.2x without). The choice, its reason, predicted time and bytes are "
+            "logged once."
         },
     )
 
@@ -293,6 +315,9 @@ class OBLRPOConfig(GRPOConfig):
         _check_choice("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
         if not 0.0 <= self.lr_scale_min <= 1.0:
             raise ValueError(f"OBLRPOConfig.lr_scale_min={self.lr_scale_min} must lie in [0, 1].")
+        if self.max_extra_memory_gib is not None and not self.max_extra_memory_gib >= 0:
+            raise ValueError(f"OBLRPOConfig.max_extra_memory_gib={self.max_extra_memory_gib} is not allowed; allowed "
+                             "values: None (the device's free memory decides) or a number of GiB >= 0.")
         if self.weight_clip is not None and not self.weight_clip >= 1.0:
             raise ValueError(f"OBLRPOConfig.weight_clip={self.weight_clip} must be None or >= 1.")
         if not 0.0 <= self.snr_ema < 1.0:

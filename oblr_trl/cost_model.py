@@ -191,11 +191,16 @@ class Choice:
     flops_ratio: float  # the chosen one_backward path's predicted FLOPs / GRPO's (kept factors' where neither runs)
     bytes_ratio: float  # its predicted peak bytes (at ``chunk``, or at the smallest chunk) / GRPO's
     replay: bool = False  # one_backward's update replayed by a second backward (no factors kept), not from factors
+    reason: str = ""  # why, where the memory-aware default (:func:`choose_within`) chose
+    peak: float = 0.0  # the chosen path's predicted peak bytes (memory-aware default)
 
 
-def fitting_chunk(s: Shape) -> tuple[int, float]:
-    """The largest chunk whose predicted peak is within the memory target of GRPO's (0: none), and its ratio (the
-    smallest chunk's where none fits)."""
+def fitting_chunk(s: Shape, budget: "Budget | None" = None) -> tuple[int, float]:
+    """The largest chunk whose predicted peak is within the memory target of GRPO's (with ``budget``: fits it; 0:
+    none), and its ratio (the smallest chunk's where none fits)."""
+    if budget is not None:
+        chunk, peak = _largest_fitting(s, "one_backward", budget)
+        return chunk, peak / peak_bytes(s, "grpo")
     return _fitting(s, "one_backward")
 
 
@@ -215,9 +220,11 @@ def _fitting(s: Shape, mode: str) -> tuple[int, float]:
     return 0, ratio
 
 
-def norms_chunk(s: Shape) -> int:
+def norms_chunk(s: Shape, budget: "Budget | None" = None) -> int:
     """Rows per chunk of the two-pass path's norms pass: the largest (whole groups) whose predicted peak stays within
-    the memory target of GRPO's; the smallest where none does."""
+    the memory target of GRPO's (with ``budget``: fits it); the smallest where none does."""
+    if budget is not None:
+        return _largest_fitting(s, "two_passes", budget)[0] or chunk_sizes(s.rows, s.group)[-1]
     limit = BYTES_TARGET if s.checkpointing else BYTES_TARGET_NO_CKPT
     sizes = chunk_sizes(s.rows, s.group)
     grpo = peak_bytes(s, "grpo")
@@ -239,3 +246,87 @@ def choose(s: Shape, replay: bool = True) -> Choice:
         if chunk:
             return Choice(True, chunk, flops(s, "replay") / grpo, ratio, replay=True)
     return Choice(False, 0, flops_ratio, bytes_ratio)
+
+
+# ---- issue 56: the memory-aware default ----
+# The byte model is fitted (0.8-1.4x the counted peaks, benchmarks/results/cost_counts*.md): a prediction is weighed at
+# MEMORY_SAFETY times itself against the room the device has left, less a margin (MARGIN_FRACTION of the device, at
+# least MARGIN_MIN bytes) for the allocator's fragmentation and what the model leaves out.
+MEMORY_SAFETY = 1.25
+MARGIN_FRACTION = 0.05
+MARGIN_MIN = 1 << 30
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the memory-aware default may spend: ``room``, the bytes the update's peak (operator outputs and gradients,
+    as :func:`peak_bytes` predicts) may take on the device (``inf``: no device figure, a CPU); ``cap``, the most bytes
+    it may add to GRPO's predicted peak (``OBLRPOConfig.max_extra_memory_gib``; None: no cap)."""
+
+    room: float
+    cap: float | None = None
+
+
+def readable_bytes(b: float) -> str:
+    """``b`` bytes in GiB (MiB below 1 GiB)."""
+    return f"{b / 2**30:.2f} GiB" if abs(b) >= 2**30 or b == float("inf") else f"{b / 2**20:.1f} MiB"
+
+
+def margin_bytes(total: float) -> float:
+    """The margin kept free on a device of ``total`` bytes: :data:`MARGIN_FRACTION` of it, at least :data:`MARGIN_MIN`."""
+    return max(MARGIN_MIN, MARGIN_FRACTION * total)
+
+
+def memory_room(free: float, total: float, allocated: float, reserved: float, fraction: float, margin: float,
+                pending: float = 0.0) -> float:
+    """The bytes a step's peak may still take: what the process can allocate (the device's ``free`` bytes plus the
+    allocator's cached ``reserved - allocated``, at most ``fraction * total - allocated``, the per-process memory
+    fraction's limit), less ``margin`` and ``pending`` (allocations still to come outside the update, such as the
+    optimizer's state before its first step). Pure: every figure is handed in (``torch.cuda.mem_get_info`` and the
+    allocator's counters on a GPU)."""
+    can = min(free + max(0.0, reserved - allocated), fraction * total - allocated)
+    return max(0.0, can - margin - pending)
+
+
+def fits(predicted: float, grpo: float, budget: Budget) -> bool:
+    """Whether a path predicted to peak at ``predicted`` bytes (GRPO's update: ``grpo``) fits ``budget``:
+    :data:`MEMORY_SAFETY` times the prediction within its room, and what it adds to GRPO's within its cap."""
+    return MEMORY_SAFETY * predicted <= budget.room and (budget.cap is None or predicted - grpo <= budget.cap)
+
+
+def _largest_fitting(s: Shape, mode: str, budget: Budget) -> tuple[int, float]:
+    """The largest chunk (:func:`chunk_sizes`) whose ``mode`` peak fits ``budget`` (0: none), and its peak (the
+    smallest chunk's where none fits)."""
+    grpo, peak = peak_bytes(s, "grpo"), float("inf")
+    for size in chunk_sizes(s.rows, s.group):
+        peak = peak_bytes(s, mode, size)
+        if fits(peak, grpo, budget):
+            return size, peak
+    return 0, peak
+
+
+def choose_within(s: Shape, budget: Budget, replay: bool = True) -> Choice:
+    """The memory-aware default: ``one_backward`` (whole, else in the largest chunk of whole groups) where its FLOPs are
+    within :data:`FLOPS_TARGET` of GRPO's and its predicted peak fits ``budget``; else, under gradient checkpointing
+    (``replay`` allowed), ``one_backward`` replayed in the largest chunk that fits; else two passes. The
+    :class:`Choice` says why (``reason``) with the predicted peak (``peak``) and room."""
+    grpo_f, grpo_b = flops(s, "grpo"), peak_bytes(s, "grpo")
+    ratio = flops(s, "one_backward") / grpo_f
+    gib = readable_bytes
+    room = "no device limit" if budget.room == float("inf") else f"room {gib(budget.room)} (after the margin)"
+    cap = "" if budget.cap is None else f", cap {gib(budget.cap)} beyond GRPO's"
+    chunk, peak = _largest_fitting(s, "one_backward", budget)
+    if chunk and ratio <= FLOPS_TARGET:
+        why = (f"one_backward's predicted peak {gib(peak)} (x{MEMORY_SAFETY} safety) fits: {room}{cap}; GRPO's "
+               f"{gib(grpo_b)}")
+        return Choice(True, chunk, ratio, peak / grpo_b, reason=why, peak=peak)
+    why = (f"one_backward's FLOPs {ratio:.2f}x GRPO's exceed {FLOPS_TARGET}x" if chunk else
+           f"one_backward's predicted peak ({gib(peak)} in its smallest chunk, x{MEMORY_SAFETY} safety) does not fit: "
+           f"{room}{cap}")
+    if replay and s.checkpointing and flops(s, "replay") < flops(s, "two_passes"):
+        size, replayed = _largest_fitting(s, "replay", budget)
+        if size:
+            return Choice(True, size, flops(s, "replay") / grpo_f, replayed / grpo_b, replay=True,
+                          reason=why + f"; replayed ({gib(replayed)}) fits", peak=replayed)
+    two = peak_bytes(s, "two_passes", norms_chunk(s, budget))
+    return Choice(False, 0, ratio, peak / grpo_b, reason=why + "; two passes", peak=two)

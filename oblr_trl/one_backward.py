@@ -209,22 +209,28 @@ class Plan:
         self.enabled, self.chunk_rows, self.replay, self.decided = False, 0, False, True
 
     def decide(self, model, batch: dict, args, group_size: int, max_completion_length: int, device,
-               gather_min) -> str:
+               gather_min, budget: cost_model.Budget | None = None) -> str:
         """The automatic choice (:func:`.cost_model.choose`: ``one_backward`` in the largest chunk of whole groups
         whose predicted peak bytes and FLOPs stay within the targets against GRPO's, else two passes), or, for
         ``one_backward=True``, that chunk (one group where none fits); and the two-pass path's norms-pass chunk
         (:func:`.cost_model.norms_chunk`). The same on every rank (``gather_min``: the elementwise minimum over ranks
-        of a 1-D tensor). Returns the message to log."""
+        of a 1-D tensor). With ``budget`` (:func:`device_budget`: a GPU's free memory, or a cap) the choice is the
+        memory-aware one (:func:`.cost_model.choose_within`): ``one_backward`` wherever its predicted peak fits.
+        Returns the message to log."""
         rows = min(batch["prompt_ids"].shape[0], args.per_device_train_batch_size)
         shape = describe(model, rows, batch["prompt_ids"].shape[1], max_completion_length,
                          2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
         # replayed only in one process: its second backward runs outside DDP's and FSDP's forward (untested there)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
-        choice = cost_model.choose(shape, replay=not distributed)
-        chunk = choice.chunk if self.enabled is None else cost_model.fitting_chunk(shape)[0]
-        chunk, self.norms_chunk = (int(c) for c in gather_min(torch.tensor([chunk, cost_model.norms_chunk(shape)],
-                                                                              device=device)))
+        within = {} if budget is None else {"budget": budget}  # no budget: the ratio targets, as before
+        choice = (cost_model.choose_within(shape, budget, replay=not distributed) if budget is not None
+                  else cost_model.choose(shape, replay=not distributed))
+        chunk = choice.chunk if self.enabled is None else cost_model.fitting_chunk(shape, **within)[0]
+        chunks = [chunk, cost_model.norms_chunk(shape, **within)]
+        if distributed:  # the same on every rank: the smallest
+            chunks = gather_min(torch.tensor(chunks, device=device)).tolist()
+        chunk, self.norms_chunk = (int(c) for c in chunks)
         if self.enabled is False:
             self.decided = True
             return f"OBLR-PO (two passes, gradient checkpointing on): norms pass in chunks of {self.norms_chunk} rows."
@@ -240,6 +246,17 @@ class Plan:
                     if self.replay else ".")
         else:
             how = "two passes (norms pass, then the loss pass)."
+        if budget is not None:
+            grpo_f, grpo_b = cost_model.flops(shape, "grpo"), cost_model.peak_bytes(shape, "grpo")
+            ran = "replay" if self.replay else "one_backward" if self.enabled else "two_passes"
+            peak = cost_model.peak_bytes(shape, ran, self.chunk_rows or self.norms_chunk)
+            return (f"OBLR-PO (one_backward={args.one_backward}, gradient checkpointing "
+                    f"{'on' if args.gradient_checkpointing else 'off'}, memory-aware): for {rows} x {shape.tokens} "
+                    f"tokens it takes {how[:-1]}: {choice.reason}. Predicted: time (FLOPs) "
+                    f"{cost_model.flops(shape, ran) / grpo_f:.2f}x GRPO's, peak {cost_model.readable_bytes(peak)} "
+                    f"against GRPO's {cost_model.readable_bytes(grpo_b)} (oblr_trl/cost_model.py; "
+                    "OBLRPOConfig.max_extra_memory_gib "
+                    "caps what it may add).")
         limit = cost_model.BYTES_TARGET if args.gradient_checkpointing else cost_model.BYTES_TARGET_NO_CKPT
         return (f"OBLR-PO (one_backward={args.one_backward}, gradient checkpointing "
                 f"{'on' if args.gradient_checkpointing else 'off'}): for {rows} x {shape.tokens} tokens, "
@@ -247,6 +264,33 @@ class Plan:
                 f"{choice.flops_ratio:.2f}x the FLOPs (target "
                 f"<= {cost_model.FLOPS_TARGET}x) and {choice.bytes_ratio:.2f}x the peak bytes (target <= {limit}x; "
                 "oblr_trl/cost_model.py, verified by benchmarks/cost_counts.py): " + how)
+
+
+def device_budget(device, max_extra_gib: float | None, pending: float = 0.0) -> cost_model.Budget | None:
+    """What the memory-aware default may spend on ``device``: on a GPU, the room :func:`.cost_model.memory_room`
+    finds from ``torch.cuda.mem_get_info``, the allocator's counters and its per-process memory fraction, less a
+    margin (:func:`.cost_model.margin_bytes`) and ``pending`` bytes still to come (the optimizer's state); with
+    ``max_extra_gib`` (``OBLRPOConfig.max_extra_memory_gib``), at most that many GiB beyond GRPO's predicted peak.
+    ``None`` where neither applies (a CPU with no cap): the ratio targets of :func:`.cost_model.choose` then."""
+    cap = None if max_extra_gib is None else float(max_extra_gib) * 2**30
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None if cap is None else cost_model.Budget(float("inf"), cap)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = getter(index) if getter is not None else 1.0
+    room = cost_model.memory_room(free, total, torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index),
+                                  fraction, cost_model.margin_bytes(total), pending)
+    return cost_model.Budget(room, cap)
+
+
+def optimizer_state_pending(model, optimizer) -> float:
+    """Bytes the optimizer's state will take at its first step where it holds none yet: two float32 values per
+    trainable element (Adam's moments; an over-estimate for lighter optimizers), else 0."""
+    if optimizer is not None and getattr(optimizer, "state", None):
+        return 0.0
+    return 8.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def rows_of(batch: dict, index, n: int) -> dict:

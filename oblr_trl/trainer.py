@@ -142,8 +142,12 @@ class OBLRPOTrainer(GRPOTrainer):
                 raise NotImplementedError("one_backward=True does not take image inputs: set one_backward=False.")
             plan.switch_off()
         if not plan.decided:
+            budget = one_backward.device_budget(  # a GPU's free memory (or the configured cap): the memory-aware choice
+                self.accelerator.device, self.args.max_extra_memory_gib,
+                one_backward.optimizer_state_pending(self.model, self.optimizer))
             logger.info(plan.decide(self.model, output, self.args, self.num_generations, self.max_completion_length,
-                                    self.accelerator.device, lambda t: self.accelerator.gather(t[None]).min(0).values))
+                                    self.accelerator.device, lambda t: self.accelerator.gather(t[None]).min(0).values,
+                                    budget=budget))
         output["oblr_reward"] = rewards[rank * local_n : (rank + 1) * local_n]
         if weight_estimator(self.args.grad_norm_estimator).needs == "logit_proxy" and \
                 baseline_uses_weights(self.args.baseline):  # the proxy weights stand in for the norms

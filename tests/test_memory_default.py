@@ -1,0 +1,139 @@
+"""Issue 56: the memory-aware default. Under gradient checkpointing (TRL's default) OBLR-PO takes ``one_backward``
+(whole or in chunks) wherever its predicted peak fits the device, and the replayed update or two passes only where it
+does not. Each branch on the CPU with a simulated budget: the pure functions of ``oblr_trl/cost_model.py``
+(``memory_room``, ``fits``, ``choose_within``), ``one_backward.device_budget`` with the CUDA queries replaced, and the
+trainer's choice and its logged reason."""
+
+import logging
+
+import pytest
+import torch
+
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+from oblr_trl import cost_model as cm
+from oblr_trl import one_backward as ob
+from helpers import common_args, train
+from test_cost_model import qwen3
+
+GIB = 2**30
+
+
+def test_memory_room_takes_free_memory_the_allocators_cache_the_fraction_and_the_margin():
+    # 10 GiB free on an 80 GiB device, 6 allocated, 8 reserved (2 cached): 12 GiB can be allocated, less the margin
+    assert cm.memory_room(10 * GIB, 80 * GIB, 6 * GIB, 8 * GIB, 1.0, 1 * GIB) == 11 * GIB
+    # the per-process fraction binds: 0.1 of 80 GiB less the 6 allocated
+    assert cm.memory_room(10 * GIB, 80 * GIB, 6 * GIB, 8 * GIB, 0.1, 1 * GIB) == 1 * GIB
+    # pending allocations (the optimizer's state) come off; never below 0
+    assert cm.memory_room(10 * GIB, 80 * GIB, 6 * GIB, 8 * GIB, 1.0, 1 * GIB, pending=4 * GIB) == 7 * GIB
+    assert cm.memory_room(1 * GIB, 80 * GIB, 6 * GIB, 6 * GIB, 1.0, 4 * GIB) == 0
+    assert cm.margin_bytes(80 * GIB) == 4 * GIB and cm.margin_bytes(8 * GIB) == cm.MARGIN_MIN
+
+
+def test_fits_weighs_the_prediction_with_its_safety_factor_and_the_cap():
+    budget = cm.Budget(room=125.0)
+    assert cm.fits(100, 90, budget) and not cm.fits(101, 90, budget)
+    assert cm.fits(100, 90, cm.Budget(float("inf"), cap=10)) and not cm.fits(100, 89, cm.Budget(float("inf"), cap=10))
+    assert cm.fits(80, 90, cm.Budget(float("inf"), cap=0))  # less than GRPO's: within a cap of 0
+
+
+def _peaks(shape):
+    return {mode: cm.peak_bytes(shape, mode) for mode in ("grpo", "one_backward", "replay")}
+
+
+@pytest.mark.parametrize("width,rows", [("0.6B", 8), ("0.6B", 64), ("1.7B", 64)])
+def test_each_branch_of_the_memory_aware_default_under_checkpointing(width, rows):
+    """Full fine-tuning under checkpointing: with room for one_backward's kept factors, it runs whole; with room for
+    one group's only, in chunks; with room for GRPO's peak alone, replayed; where replaying is not allowed (several
+    processes), two passes."""
+    shape = qwen3(width, rows=rows)
+    p = _peaks(shape)
+    assert p["one_backward"] > cm.BYTES_TARGET * p["grpo"]  # the ratio rule would refuse it
+    whole = cm.choose_within(shape, cm.Budget(room=cm.MEMORY_SAFETY * p["one_backward"]))
+    assert whole.one_backward and not whole.replay and whole.chunk == rows
+    assert "fits" in whole.reason and whole.peak == pytest.approx(p["one_backward"])
+    one_group = cm.peak_bytes(shape, "one_backward", 8)
+    if rows > 8:
+        chunked = cm.choose_within(shape, cm.Budget(room=cm.MEMORY_SAFETY * one_group))
+        assert chunked.one_backward and not chunked.replay and 8 <= chunked.chunk < rows and chunked.chunk % 8 == 0
+    tight = cm.Budget(room=cm.MEMORY_SAFETY * p["grpo"])  # GRPO's peak fits, no one_backward chunk does
+    assert one_group > p["grpo"]
+    replayed = cm.choose_within(shape, tight)
+    assert replayed.one_backward and replayed.replay and "does not fit" in replayed.reason
+    two = cm.choose_within(shape, tight, replay=False)
+    assert not two.one_backward and two.chunk == 0 and "two passes" in two.reason
+    # the cap: 0 GiB beyond GRPO's keeps the replayed update (its peak is below GRPO's) however much is free
+    capped = cm.choose_within(shape, cm.Budget(room=float("inf"), cap=0))
+    assert capped.replay
+
+
+def test_lora_and_no_checkpointing_take_one_backward_when_it_fits_and_never_oom_where_grpo_fits():
+    for shape in (qwen3(lora=True), qwen3(ckpt=False), qwen3("1.7B", rows=64, lora=True)):
+        p = _peaks(shape)
+        room = cm.MEMORY_SAFETY * max(p["grpo"], p["one_backward"])
+        choice = cm.choose_within(shape, cm.Budget(room=room))
+        assert choice.one_backward and not choice.replay
+    # wherever GRPO's own peak fits a room, the path chosen fits it too (never more than GRPO needs, where that is all)
+    for shape in (qwen3(), qwen3(rows=64), qwen3("1.7B", rows=64), qwen3(lora=True), qwen3(ckpt=False),
+                  qwen3(completion=4096)):
+        grpo = cm.peak_bytes(shape, "grpo")
+        for room in (cm.MEMORY_SAFETY * grpo, 2 * grpo, 10 * grpo):
+            choice = cm.choose_within(shape, cm.Budget(room=room))
+            mode = "replay" if choice.replay else "one_backward" if choice.one_backward else "two_passes"
+            chunk = choice.chunk if choice.one_backward else cm.norms_chunk(shape, cm.Budget(room=room))
+            assert cm.peak_bytes(shape, mode, chunk) <= max(room / cm.MEMORY_SAFETY, grpo) * 1.0001, (shape, room)
+
+
+def test_device_budget_reads_the_gpu_and_the_cap(monkeypatch):
+    assert ob.device_budget("cpu", None) is None  # no figure: the ratio targets
+    assert ob.device_budget("cpu", 2.0) == cm.Budget(float("inf"), 2 * GIB)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (30 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i: 10 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 12 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 1.0)
+    budget = ob.device_budget("cuda", None, pending=3 * GIB)
+    assert budget == cm.Budget(32 * GIB - 4 * GIB - 3 * GIB, None)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.25)  # 20 GiB for this process
+    assert ob.device_budget("cuda:0", 1.5).room == 20 * GIB - 10 * GIB - 4 * GIB
+    assert ob.device_budget("cuda:0", 1.5).cap == 1.5 * GIB
+
+
+def test_the_optimizers_state_to_come_is_counted_before_its_first_step():
+    model = torch.nn.Linear(4, 3)
+    assert ob.optimizer_state_pending(model, None) == 8 * 15
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    assert ob.optimizer_state_pending(model, opt) == 8 * 15
+    opt.step()
+    assert ob.optimizer_state_pending(model, opt) == 0
+
+
+@pytest.mark.parametrize("value", [-1, -0.5])
+def test_max_extra_memory_gib_is_refused_at_construction_naming_the_option_and_allowed_values(value):
+    with pytest.raises(ValueError, match=r"max_extra_memory_gib=.*allowed values: None .* >= 0"):
+        OBLRPOConfig(**common_args(), max_extra_memory_gib=value)
+    with pytest.raises(ValueError, match="max_extra_memory_gib='1' must be a number or None"):
+        OBLRPOConfig(**common_args(), max_extra_memory_gib="1")
+
+
+@pytest.mark.parametrize("room, cap, expect", [(float("inf"), None, "one_backward"), (float("inf"), 0.0, "one_backward"),
+                                               (0.0, None, "two_passes")],
+                         ids=["room-for-one_backward", "capped-at-grpo", "no-room"])  # tiny: one_backward's peak is below GRPO's
+def test_the_trainer_chooses_by_the_simulated_budget_and_logs_why(room, cap, expect, monkeypatch, caplog):
+    """The trainer asks one_backward.device_budget (here a simulated GPU) at the first generation and logs the
+    choice, its reason, the predicted time and bytes."""
+    seen = []
+
+    def budget(device, cap, pending=0.0):
+        seen.append((cap, pending))
+        return cm.Budget(room, cap)
+
+    monkeypatch.setattr(ob, "device_budget", budget)
+    with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
+        trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1)))
+    assert trainer.args.gradient_checkpointing and seen and seen[0][1] > 0  # the optimizer's state is still to come
+    plan = trainer.one_backward_plan
+    assert plan.on is (expect != "two_passes") and plan.replay is (expect == "replay")
+    assert "memory-aware" in caplog.text and "Predicted: time (FLOPs)" in caplog.text and "iB" in caplog.text
+    assert ("fits" if expect == "one_backward" else "does not fit") in caplog.text
