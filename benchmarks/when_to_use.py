@@ -12,7 +12,7 @@
    the best arm's best mean; the same share within one grid step (~3x) of the arm's design lr; collapses above its
    lr. Exact (Clopper-Pearson) 95% intervals; arms compared with Fisher's exact test (two-sided).
 
-    python benchmarks/when_to_use.py     # results/when_to_use.md (the README's "When to use OBLR-PO" block)
+    python benchmarks/when_to_use.py     # results/when_to_use.md (docs/evidence.md's "When to use OBLR-PO" block)
 """
 
 from __future__ import annotations

@@ -92,14 +92,14 @@ class OBLRPOConfig(GRPOConfig):
     SmolLM2-135M with LoRA, at 8 prompts per step; it falls as training goes on). Set it a few times the learning rate
     you would give GRPO, more for longer runs, and watch `oblr/lr_mean`: on SmolLM2 the best eta_max was 1e-3 both over
     10 steps (1.8x GRPO's best lr there; 10x did not learn) and over 40 steps (6.7x GRPO's best there; it beat 2x by
-    5.4-8.5 points on held-out accuracy), applying about half to two-thirds of GRPO's best lr on average (README, "The
-    SNR estimator"). The default 5e-6, five times GRPO's 1e-6, lies between those two ratios, below the 10x that did
-    not learn over 10 steps, and well below the 22x (3.33e-3) at which no SNR arm collapsed over 20 steps (3 seeds
-    each; on that 20-step lr grid 22x was OBLR-PO's best, and its window within 5 points of it, 6.7x-22x, was no wider
-    than GRPO's: README, "Two questions users ask"): if `oblr/lr_mean` sits far below the lr you would give GRPO,
-    raise `learning_rate`. The SNR factor does not rescue a far larger one (on SmolLM2, runs collapsed at 5-30x their
-    best lr, and at 10x the best eta_max over 40 steps some seeds of every SNR arm fell; README, "When to use
-    OBLR-PO").
+    5.4-8.5 points on held-out accuracy), applying about half to two-thirds of GRPO's best lr on average (docs, How it
+    works, "Choosing learning_rate"). The default 5e-6, five times GRPO's 1e-6, lies between those two ratios, below
+    the 10x that did not learn over 10 steps, and well below the 22x (3.33e-3) at which no SNR arm collapsed over 20
+    steps (3 seeds each; on that 20-step lr grid 22x was OBLR-PO's best, and its window within 5 points of it,
+    6.7x-22x, was no wider than GRPO's: docs, Evidence, "Two questions users ask"): if `oblr/lr_mean` sits far below
+    the lr you would give GRPO, raise `learning_rate`. The SNR factor does not rescue a far larger one (on SmolLM2,
+    runs collapsed at 5-30x their best lr, and at 10x the best eta_max over 40 steps some seeds of every SNR arm fell;
+    docs, Evidence, "When to use OBLR-PO").
 
     Defaults differ from `GRPOConfig` where the paper's theory requires it: `scale_rewards="none"` (std scaling biases
     the gradient), `beta=0.0` and `num_iterations=1` (on-policy, unbiased updates).

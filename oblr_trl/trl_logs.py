@@ -3,7 +3,7 @@
 TRL's `GRPOTrainer._calculate_rewards` (trl/trainer/grpo_trainer.py, TRL 1.16) warns with a dump of the whole data row
 ("All reward functions returned None for the following kwargs: ... Please ensure that at least one reward function
 returns a valid reward.") on EVERY step in which some completion got None from every reward function. OBLR-PO's
-README recommends exactly that for unscorable completions: they get advantage 0, enter no baseline, and are counted
+docs recommend exactly that (docs/troubleshooting.md, "Degenerate data") for unscorable completions: they get advantage 0, enter no baseline, and are counted
 in `oblr/unscorable`. `AllNoneRewardsOnce` lets the first such warning through (the row helps to debug a reward
 function), with a note on what OBLR-PO does with those completions, and drops the repeats.
 

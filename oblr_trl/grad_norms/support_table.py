@@ -1,9 +1,9 @@
-"""Write the README's table of supported architecture families: ``python -m oblr_trl.grad_norms.support_table``.
+"""Write the docs' table of supported architecture families: ``python -m oblr_trl.grad_norms.support_table``.
 
 For each family of :mod:`.zoo` (tiny, random, tied and untied, a padded batch), and each PEFT adapter of its
 ``ADAPTERS``, it records whether :func:`validate` accepts it, which layer classes take a rule and which the exact
 per-row path, and the largest relative error of the per-sequence squared norms against one ``torch.autograd.grad``
-per row. The table goes between ``<!-- support:begin -->`` and ``<!-- support:end -->`` in README.md (``--check`` fails if it is out of date).
+per row. The table goes between ``<!-- support:begin -->`` and ``<!-- support:end -->`` in docs/models.md (``--check`` fails if it is out of date).
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def table() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", default="README.md")
-    parser.add_argument("--check", action="store_true", help="fail if the README's table is out of date")
+    parser.add_argument("--readme", default="docs/models.md", help="the page that holds the table")
+    parser.add_argument("--check", action="store_true", help="fail if the page's table is out of date")
     args = parser.parse_args(argv)
     path = Path(args.readme)
     text = path.read_text()
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: generated, text, flags=re.S)
     if args.check:
         if new != text:
-            print("README's support table is out of date", file=sys.stderr)
+            print(f"{path}'s support table is out of date", file=sys.stderr)
             return 1
         return 0
     path.write_text(new)

@@ -1,0 +1,25 @@
+"""MkDocs hooks (mkdocs.yml, ``hooks:``): the generated parts of the pages (:mod:`generate`), and the benchmark
+figures of ``benchmarks/results/`` served as ``figures/<name>.png`` (one copy of each, where the benchmarks write it)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import generate  # noqa: E402
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File
+
+    for png in sorted(generate.FIGURES.glob("*.png")):
+        files.append(File.generated(config, f"figures/{png.name}", abs_src_path=str(png)))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    return generate.render(markdown)
