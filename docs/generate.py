@@ -77,6 +77,24 @@ def field_help(f: dataclasses.Field) -> str:
     return text
 
 
+def page_title(link: str) -> str:
+    """The title (first ``# `` line) of the docs page a link ``page.md#anchor`` points to."""
+    text = (DOCS / link.split("#")[0]).read_text()
+    return re.search(r"^# (.+)$", text, re.M).group(1)
+
+
+# Where the docs say more about an option than its help text (the strict build checks each anchor exists).
+SEE_ALSO = {
+    "grad_norm_estimator": "evidence.md#gradient-variance-and-baseline-weight-proxies-on-smollm2-135m-instruct",
+    "snr_sample_unit": "troubleshooting.md#few_samples",
+    "lr_scale_min": "troubleshooting.md#stalled",
+    "weight_clip": "troubleshooting.md#weight_spread",
+    "snr_estimator": "how-it-works.md#the-snr-estimator",
+    "one_backward": "how-it-works.md#one_backward-norms-and-update-from-one-backward",
+    "learning_rate": "how-it-works.md#choosing-learning_rate-eta_max",
+}
+
+
 def option_row(f: dataclasses.Field) -> str:
     return f"| [`{f.name}`](#{f.name}) | {code(field_default(f))} | {escape(summary(field_help(f)))} |"
 
@@ -88,7 +106,8 @@ def option_detail(f: dataclasses.Field, grpo_default=dataclasses.MISSING) -> str
     choices = (f.metadata or {}).get("choices")
     if choices is not None:
         facts.append("**allowed** " + ", ".join(code(c) for c in choices))
-    return f"### `{f.name}` {{#{f.name}}}\n\n{' · '.join(facts)}\n\n{escape(field_help(f))}\n"
+    more = f" More: [{page_title(SEE_ALSO[f.name])}]({SEE_ALSO[f.name]})." if f.name in SEE_ALSO else ""
+    return f"### `{f.name}` {{#{f.name}}}\n\n{' · '.join(facts)}\n\n{escape(field_help(f))}{more}\n"
 
 
 def config_reference() -> str:
@@ -103,6 +122,8 @@ def config_reference() -> str:
         "## Options GRPOConfig lacks {#options-grpoconfig-lacks}\n", *head, *map(option_row, own), "",
         "## GRPOConfig options with OBLR-PO's own default {#grpoconfig-options-redeclared}\n", *head,
         *map(option_row, redeclared), "", "## Every option in detail\n",
+        "Each option's help text, whole; the class docstring in the [API reference](api.md#oblr_trl.OBLRPOConfig) "
+        "describes some at more length.\n",
         *(option_detail(f) for f in own), *(option_detail(f, grpo[f.name]) for f in redeclared),
     ]
     return "\n".join(parts)
