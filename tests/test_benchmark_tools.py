@@ -32,6 +32,19 @@ def test_blocks_are_replaced_by_the_generated_tables(tmp_path, monkeypatch):
     assert module.main() == 0 and (tmp_path / "README.md").read_text() == text  # idempotent
 
 
+def test_the_docs_pages_are_written_too_and_updated_is_the_pure_rewrite(tmp_path):
+    module = importlib.util.module_from_spec(SPEC)
+    SPEC.loader.exec_module(module)
+    root = Path(__file__).resolve().parents[1]
+    assert {root / "docs" / "performance.md", root / "docs" / "evidence.md", root / "README.md"} <= set(module.READMES)
+    readme = _bench_module("harness.readme")
+    (tmp_path / "x.md").write_text("# X\n\n| 1 |\n")
+    text = "a\n<!-- results:x:begin -->\nold\n<!-- results:x:end -->\n"
+    assert readme.updated(text, tmp_path / "docs", tmp_path) == (
+        "a\n<!-- results:x:begin -->\n_Generated from `../x.md` by `python benchmarks/update_readme.py`._\n\n| 1 |\n"
+        "<!-- results:x:end -->\n")
+
+
 def test_a_missing_result_file_is_an_error(tmp_path, monkeypatch):
     module = load(tmp_path, monkeypatch)
     (tmp_path / "README.md").write_text("<!-- results:absent:begin -->\n<!-- results:absent:end -->\n")

@@ -1,5 +1,6 @@
-"""The README's "Install on a GPU machine": as far as a CPU machine can check it, its commands parse with the tools'
-own parsers, the extras it names exist in setup.cfg with what the GPU recipes use, and the configs it points to load."""
+"""The GPU install of the README and of the docs' Quick start ("Install on a GPU machine"): as far as a CPU machine
+can check it, its commands parse with the tools' own parsers, the extras it names exist in setup.cfg with what the GPU
+recipes use, and the configs it points to load."""
 
 import configparser
 import re
@@ -9,11 +10,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", ROOT / "docs" / "quickstart.md"]  # both carry the GPU install
 
 
-def section(title):
-    return README.split(f"## {title}\n")[1].split("\n## ")[0]
+def section(title, page):
+    return page.read_text().split(f"## {title}\n")[1].split("\n## ")[0]
 
 
 def commands(text):
@@ -29,20 +30,22 @@ def extras():
             for name, value in config["options.extras_require"].items()}
 
 
-def test_gpu_install_section_exists_with_cuda_torch_vllm_and_accelerate_config():
-    text = section("Install on a GPU machine")
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_gpu_install_section_exists_with_cuda_torch_vllm_and_accelerate_config(page):
+    text = section("Install on a GPU machine", page)
     words = [" ".join(c) for c in commands(text)]
     assert any(c.startswith("pip install torch --index-url https://download.pytorch.org/whl/cu") for c in words)
     assert "pip install -e .[gpu]" in words and "accelerate config" in words
     assert '".[vllm]"' in text
 
 
-def test_gpu_install_commands_parse():
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_gpu_install_commands_parse(page):
     from accelerate.commands.accelerate_cli import main as _  # noqa: F401  (accelerate's CLI is installed)
     from accelerate.commands.config import get_config_parser
     from pip._internal.commands import create_command
 
-    for words in commands(section("Install on a GPU machine")):
+    for words in commands(section("Install on a GPU machine", page)):
         if words[:2] == ["pip", "install"]:
             options, requirements = create_command("install").parse_args(words[2:])
             for requirement in requirements:
@@ -55,7 +58,7 @@ def test_gpu_install_commands_parse():
         elif words[0] in ("git", "python3", "python", "source") or words[:1] == ["cd"]:
             continue
         else:
-            pytest.fail(f"unexpected command in the README's GPU install: {' '.join(words)}")
+            pytest.fail(f"unexpected command in {page.name}'s GPU install: {' '.join(words)}")
 
 
 def test_extras_hold_what_the_gpu_recipes_and_the_notebook_need():

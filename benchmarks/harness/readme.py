@@ -26,11 +26,15 @@ def render_block(name: str, readme_dir: Path, results: Path = RESULTS) -> str:
     return f"_Generated from `{source}` by `python benchmarks/update_readme.py`._\n\n{text}\n"
 
 
+def updated(text: str, readme_dir: Path, results: Path = RESULTS) -> str:
+    """``text`` (a README or docs page in ``readme_dir``) with every result block rewritten from its generated table."""
+    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group("name"), readme_dir, results) + m.group(4), text)
+
+
 def update_blocks(readme_path: Path, results: Path = RESULTS) -> list[str]:
     """Rewrite every result block of one README from its generated table; the names of the blocks (none: untouched)."""
     readme = readme_path.read_text()
     names = [m.group("name") for m in BLOCK.finditer(readme)]
     if names:
-        readme_path.write_text(BLOCK.sub(lambda m: m.group(1) + render_block(m.group("name"), readme_path.parent,
-                                                                             results) + m.group(4), readme))
+        readme_path.write_text(updated(readme, readme_path.parent, results))
     return names

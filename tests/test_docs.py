@@ -1,0 +1,278 @@
+"""Docs that cannot rot (issue 57): every option, logged metric and warning has its entry in docs/; the README's and the
+docs' code blocks run (on the tiny model); the generated tables are current; `make docs` builds strictly; the README
+stays short."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+SPEC = importlib.util.spec_from_file_location("docs_generate", DOCS / "generate.py")
+generate = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(generate)
+
+
+def code_blocks(path: Path, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+# ------------------------------------------------------------------------------------------- the options
+def test_every_option_grpoconfig_lacks_has_help_and_its_row_and_detail_on_the_configuration_page():
+    from trl import GRPOConfig
+
+    from oblr_trl import OBLRPOConfig
+
+    own, redeclared = generate.config_fields()
+    lacking = {f.name for f in dataclasses.fields(OBLRPOConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert {f.name for f in own} == lacking and {"baseline", "snr_lr", "one_backward"} <= lacking
+    assert {"learning_rate", "scale_rewards"} <= {f.name for f in redeclared}
+    page = generate.render((DOCS / "configuration.md").read_text())
+    for f in own + redeclared:
+        assert len(generate.field_help(f)) > 20, f.name
+        assert f"| [`{f.name}`](#{f.name}) |" in page, f"{f.name}: no row on the Configuration page"
+        assert f"### `{f.name}` {{#{f.name}}}" in page, f"{f.name}: no detail on the Configuration page"
+        assert generate.escape(generate.field_help(f)) in page
+
+
+def test_an_option_without_help_fails_the_configuration_page():
+    @dataclasses.dataclass
+    class Config:
+        documented: int = dataclasses.field(default=1, metadata={"help": "An option with its help."})
+        silent: int = 2
+
+    documented, silent = dataclasses.fields(Config)
+    assert generate.field_help(documented) == "An option with its help."
+    with pytest.raises(ValueError, match="silent has no help"):
+        generate.option_row(silent)
+
+
+def test_the_one_line_summary_is_the_first_sentence_cut_where_long():
+    assert generate.summary("Steps pooled by X (default 10). Ignored by the others.") == "Steps pooled by X (default 10)"
+    long = "What the estimate counts as one sample: " + "a clause, " * 20 + "and more."
+    assert generate.summary(long) == "What the estimate counts as one sample"
+    assert generate.summary("Cap it at e.g. 10 x its median. Then more.") == "Cap it at e.g. 10 x its median"
+    assert generate.escape("w_i = |o_i| * 2 <x>") == r"w\_i = \|o\_i\| \* 2 &lt;x\>"
+
+
+# ------------------------------------------------------------------------------------------- the metrics
+def test_the_metric_finder_reads_the_package_s_conventions():
+    source = ('def batch_metrics(x):\n    return {"a": 1.0, "b": 2.0}\n'
+              'def size():\n    metrics = {"c": 1.0, **other()}\n    metrics["d"] = 2.0\n    return metrics\n'
+              'KEYS = ["oblr/e", "not a metric", "oblr/ f"]\n'
+              'def text():\n    """See oblr/g in a docstring."""\n    return {"h": 0}\n')
+    assert generate.metric_names_in(source) == {"a", "b", "c", "d", "e"}
+
+
+def test_every_logged_oblr_metric_has_its_row_on_the_metrics_page_and_no_row_is_stale():
+    logged, documented = generate.logged_metrics(), generate.documented_metrics()
+    assert {"lr_scale", "snr", "lr", "lr_mean", "baseline_mean", "unscorable"} <= logged  # the finder finds them
+    assert logged - documented == set(), f"oblr/ metrics without a row in docs/metrics.md: {sorted(logged - documented)}"
+    assert documented - logged == set(), f"rows in docs/metrics.md for metrics not logged: {sorted(documented - logged)}"
+    rows = [line for line in (DOCS / "metrics.md").read_text().splitlines() if line.startswith("| `oblr/")]
+    for row in rows:  # metric | what it is | what a healthy run shows: both filled
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 3 and all(len(c) > 20 for c in cells[1:]), row
+
+
+@pytest.mark.slow
+def test_the_metric_finder_finds_every_metric_a_training_run_logs():
+    """The finder's conventions checked against what the trainer really logs: two steps on the tiny model."""
+    from helpers import common_args, train
+
+    from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+
+    trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(weight_clip=10.0)))
+    keys = {k.removeprefix("oblr/") for h in trainer.state.log_history for k in h if k.startswith("oblr/")}
+    assert {"lr_scale", "snr", "baseline_mean"} <= keys
+    assert keys <= generate.logged_metrics(), f"logged but not found in the code: {sorted(keys - generate.logged_metrics())}"
+
+
+# ------------------------------------------------------------------------------------------- the warnings
+def test_every_warning_of_advice_has_its_meaning_remedy_and_troubleshooting_entry():
+    from oblr_trl.advice import GUIDE, WARNINGS
+
+    assert set(GUIDE) == set(WARNINGS), f"warnings without a GUIDE entry: {sorted(set(WARNINGS) - set(GUIDE))}"
+    page = generate.render((DOCS / "troubleshooting.md").read_text())
+    for key in WARNINGS:
+        assert len(GUIDE[key].meaning) > 40 and len(GUIDE[key].remedy) > 20, key
+        assert f"### `{key}` {{#{key}}}" in page, f"{key}: no Troubleshooting entry"
+        assert generate.escape(generate.warning_text(WARNINGS[key])) in page
+
+
+def test_a_new_warning_without_its_guide_fails_the_troubleshooting_page(monkeypatch):
+    from oblr_trl import advice
+
+    monkeypatch.setitem(advice.WARNINGS, "brand_new", "Something new happened: {n} times.")
+    with pytest.raises(ValueError, match="brand_new"):
+        generate.troubleshooting()
+    monkeypatch.setitem(advice.GUIDE, "brand_new", advice.Guide("It means this, at length enough.", "Do that."))
+    assert "> Something new happened: {n} times." in generate.troubleshooting()
+
+
+def test_the_pages_carry_their_generated_parts_and_an_unknown_marker_is_an_error():
+    for page, name in [("configuration.md", "config"), ("troubleshooting.md", "warnings"), ("changelog.md", "changelog")]:
+        assert f"<!-- generated:{name} -->" in (DOCS / page).read_text(), page
+    assert "## [Unreleased]" in generate.render("<!-- generated:changelog -->")
+    with pytest.raises(ValueError, match="unknown docs marker"):
+        generate.render("<!-- generated:nothing -->")
+
+
+# ------------------------------------------------------------------------------------------- the generated tables
+def test_the_docs_result_blocks_are_the_generated_tables_and_the_support_table_is_on_the_models_page():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from harness.readme import BLOCK, updated
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    found = []
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        found += [m.group("name") for m in BLOCK.finditer(text)]
+        assert updated(text, DOCS) == text, f"{page.name}: a result block differs from its table; run " \
+                                             "python benchmarks/update_readme.py"
+    assert {"ablation_when", "when_to_use", "ablation_baseline", "demo_seeds_smollm2", "cost_counts", "step_cost",
+            "bench_gpu_nvidia_h200"} <= set(found)
+    update_readme = importlib.util.module_from_spec(
+        importlib.util.spec_from_file_location("update_readme", ROOT / "benchmarks" / "update_readme.py"))
+    update_readme.__spec__.loader.exec_module(update_readme)
+    assert set(DOCS.glob("*.md")) <= set(update_readme.READMES)  # `make bench` & co. rewrite the docs' blocks
+    models = (DOCS / "models.md").read_text()
+    assert "<!-- support:begin -->" in models and "| Qwen3 | exact |" in models
+    from oblr_trl.grad_norms import support_table
+
+    assert "docs/models.md" in support_table.__doc__
+    assert not re.search(r"<!-- (results:\w+|support):begin -->", README.read_text())  # the README holds none now
+
+
+# ------------------------------------------------------------------------------------------- the code blocks run
+def _python_blocks():
+    out = []
+    for path in [README, DOCS / "quickstart.md", DOCS / "how-it-works.md", DOCS / "models.md"]:
+        for i, block in enumerate(code_blocks(path, "python")):
+            marks = [pytest.mark.slow] if ".train()" in block else []
+            out.append(pytest.param(path.name, block, marks=marks, id=f"{path.name}-{i}"))
+    return out
+
+
+def test_the_readme_and_the_quick_start_have_the_swap_snippet():
+    for path in [README, DOCS / "quickstart.md"]:
+        assert any("OBLRPOTrainer(" in b and "trainer.train()" in b for b in code_blocks(path, "python")), path
+
+
+@pytest.fixture
+def tiny_world(tmp_path, monkeypatch):
+    """What the docs' snippets name, on the tiny model: `model`, a batch (`input_ids`, `attention_mask`,
+    `completion_mask`), the swap's dataset and model id, and an `OBLRPOConfig` that trains one short step."""
+    import datasets
+
+    import oblr_trl
+    from oblr_trl.demo.tiny import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model_dir = tmp_path / "tiny-model"
+    build_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rows = [{"prompt": [{"role": "user", "content": f"{i} + {i}"}], "solution": str(2 * i)} for i in range(4)]
+
+    def load_dataset(name, split=None, **kwargs):
+        assert name == "trl-lib/DeepMath-103K" and split == "train"
+        return Dataset.from_list(rows)
+
+    class OneStep(oblr_trl.OBLRPOConfig):  # the snippet's own values, then the tiny run's size and place
+        def __init__(self, **kwargs):
+            kwargs.update(output_dir=str(tmp_path / kwargs["output_dir"]), max_steps=1, max_completion_length=4,
+                          use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(oblr_trl, "OBLRPOConfig", OneStep)
+    torch.manual_seed(0)
+    input_ids = torch.randint(4, tokenizer.vocab_size, (3, 10))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :2] = 0  # one left-padded row
+    completion_mask = torch.ones(3, 4, dtype=torch.long)  # the last 4 positions, one completion ending early
+    completion_mask[2, 3:] = 0
+    return dict(model=build_model(tokenizer), input_ids=input_ids, attention_mask=attention_mask,
+                completion_mask=completion_mask, model_dir=str(model_dir))
+
+
+@pytest.mark.parametrize("page, block", _python_blocks())
+def test_the_python_blocks_of_the_readme_and_the_docs_run_on_the_tiny_model(page, block, tiny_world):
+    if "Qwen/Qwen3-0.6B" in block:
+        block = block.replace('"Qwen/Qwen3-0.6B"', repr(tiny_world["model_dir"]))
+    namespace = {k: v for k, v in tiny_world.items() if k != "model_dir"}
+    exec(compile(block, f"<{page}>", "exec"), namespace)
+    if "trainer" in namespace:  # the swap trained its one step, with OBLR-PO's metrics
+        history = namespace["trainer"].state.log_history
+        assert namespace["trainer"].state.global_step == 1 and any("oblr/lr_scale" in h for h in history)
+    if "w" in namespace:
+        assert namespace["w"].shape == (3,) and bool((namespace["w"] > 0).all())
+
+
+def test_every_make_target_the_readme_and_the_docs_name_exists():
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    named = set()
+    for path in [README, *DOCS.glob("*.md")]:
+        for block in code_blocks(path, "bash"):
+            named |= set(re.findall(r"^make ([\w-]+)", block, re.M))
+        named |= set(re.findall(r"`make ([\w-]+)", path.read_text()))
+    assert {"demo", "test", "docs", "demo-tiny"} <= named
+    assert named <= targets, f"make targets named in the docs that the Makefile lacks: {sorted(named - targets)}"
+
+
+# ------------------------------------------------------------------------------------------- the README and the build
+def test_the_readme_is_short_and_links_only_to_pages_that_exist():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    for title in ["## Install", "## Two commands", "## Swap GRPOTrainer for OBLRPOTrainer", "## When to use it",
+                  "## What is supported", "## Documentation"]:
+        assert f"\n{title}\n" in text, title
+    when = text.split("## When to use it\n")[1].split("\n## ")[0].strip().splitlines()
+    assert len(when) <= 5 and "beat GRPO" in " ".join(when) and "window" in " ".join(when)
+    links = re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", text)
+    assert links and all((ROOT / link).exists() for link in links), [link for link in links if not (ROOT / link).exists()]
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert all(f": {Path(link).name}" in nav for link in links if link.startswith("docs/"))
+
+
+def test_make_docs_builds_strictly_from_the_docs_extra_and_ci_runs_it_after_the_tests(tmp_path):
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    lines = subprocess.run(["make", "--no-print-directory", "-n", "docs", f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, env=env, check=True).stdout.splitlines()
+    assert any(line.endswith('pip install -q -e ".[docs]"') for line in lines)
+    assert lines[-1].endswith("mkdocs build --strict --site-dir site")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci.index("make test") < ci.index("make docs")
+    extras = (ROOT / "setup.cfg").read_text().split("docs =")[1].split("\n#")[0]
+    assert all(name in extras for name in ("mkdocs", "mkdocs-material", "mkdocstrings[python]"))
+
+
+@pytest.mark.slow
+def test_the_docs_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    config = (tmp_path / "site" / "configuration" / "index.html").read_text()
+    assert 'id="max_extra_memory_gib"' in config or "max_extra_memory_gib" not in generate.config_reference()
+    assert all(f'id="{f.name}"' in config for f in generate.config_fields()[0])
+    assert (tmp_path / "site" / "figures" / "lr_window.png").exists()
+    assert "per_sequence_grad_sq_norms" in (tmp_path / "site" / "api" / "index.html").read_text()
