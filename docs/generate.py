@@ -28,8 +28,9 @@ FIGURES = ROOT / "benchmarks" / "results"  # served as figures/<name>.png (docs/
 
 # ----------------------------------------------------------------------------------------------- markdown helpers
 def escape(text: str) -> str:
-    """``text`` as literal markdown: the characters that would start emphasis, a table cell, a link or HTML escaped."""
-    return re.sub(r"([\\`*_|>\[\]])", r"\\\1", text).replace("<", "&lt;")
+    """``text`` as literal markdown: the characters that would start emphasis, a table cell, a link, an attribute list
+    or HTML escaped."""
+    return re.sub(r"([\\`*_|>\[\]{}])", r"\\\1", text).replace("<", "&lt;")
 
 
 def summary(text: str, limit: int = 150) -> str:

@@ -64,7 +64,7 @@ def test_the_one_line_summary_is_the_first_sentence_cut_where_long():
     long = "What the estimate counts as one sample: " + "a clause, " * 20 + "and more."
     assert generate.summary(long) == "What the estimate counts as one sample"
     assert generate.summary("Cap it at e.g. 10 x its median. Then more.") == "Cap it at e.g. 10 x its median"
-    assert generate.escape("w_i = |o_i| * 2 <x>") == r"w\_i = \|o\_i\| \* 2 &lt;x\>"
+    assert generate.escape("w_i = |o_i| * 2 <x> {n}") == r"w\_i = \|o\_i\| \* 2 &lt;x\> \{n\}"
 
 
 # ------------------------------------------------------------------------------------------- the metrics
@@ -119,7 +119,7 @@ def test_a_new_warning_without_its_guide_fails_the_troubleshooting_page(monkeypa
     with pytest.raises(ValueError, match="brand_new"):
         generate.troubleshooting()
     monkeypatch.setitem(advice.GUIDE, "brand_new", advice.Guide("It means this, at length enough.", "Do that."))
-    assert "> Something new happened: {n} times." in generate.troubleshooting()
+    assert "> Something new happened: \\{n\\} times." in generate.troubleshooting()
 
 
 def test_the_pages_carry_their_generated_parts_and_an_unknown_marker_is_an_error():
