@@ -47,6 +47,16 @@ def test_every_option_grpoconfig_lacks_has_help_and_its_row_and_detail_on_the_co
         assert generate.escape(generate.field_help(f)) in page
 
 
+def test_the_config_docstring_describes_the_same_options_the_help_does():
+    """The field help is the source of the Configuration page; the class docstring (the API reference) says more about
+    some options, and must name the same ones: no option missing there, none left there after it went."""
+    from oblr_trl import OBLRPOConfig
+
+    params = OBLRPOConfig.__doc__.split("Parameters:")[1]
+    named = set(re.findall(r"^ {8}(\w+) \(`", params, re.M))
+    assert named == {f.name for f in generate.config_fields()[0]}
+
+
 def test_an_option_without_help_fails_the_configuration_page():
     @dataclasses.dataclass
     class Config:
