@@ -40,7 +40,8 @@ from .engine import per_sequence_grads
 from . import head_transform
 from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names  # noqa: F401
 from . import oracle
-from .lm import unwrap_causal_lm
+from .lm import unwrap_causal_lm, unwrap_distributed
+from .quantized import backward_gaps, keep_differentiable, quantized
 from .plan import plan_of
 from .support import Unsupported, UnsupportedModulesError, unsupported_modules
 
@@ -71,12 +72,13 @@ def pair_sums(got: torch.Tensor | None, ref: torch.Tensor | None) -> tuple[float
     return err, size, dot
 
 
-def _mismatches(lm: nn.Module, params: dict[str, nn.Parameter], found: dict[str, tuple[float, float, float]],
+def _mismatches(modules: dict[str, nn.Module], found: dict[str, tuple[float, float, float]],
                 rtol: float) -> list[Unsupported]:
     """Parameters whose per-sequence gradients differ from autograd's, over all sequences, by more than ``rtol``
     (relative to the parameter's own gradient, plus a floor of ``rtol * FLOOR`` relative to the whole gradient), or,
     where all parameters together differ by more than ``rtol`` of the whole, every parameter off by more than ``rtol``
-    of its own; as one entry per module. ``found``: per parameter, :func:`pair_sums` summed over the sequences."""
+    of its own; as one entry per module (``modules``: by qualified name). ``found``: per parameter, :func:`pair_sums`
+    summed over the sequences."""
     total = sum(size for _, size, _ in found.values()) ** 0.5
     total_err = sum(err for err, _, _ in found.values()) ** 0.5
     by_module: dict[str, list[str]] = defaultdict(list)
@@ -87,20 +89,33 @@ def _mismatches(lm: nn.Module, params: dict[str, nn.Parameter], found: dict[str,
             module, _, leaf = name.rpartition(".")
             by_module[module].append(f"{leaf} (relative error {err / max(size, 1e-30):.2g}, projection on "
                                      f"autograd's per-sequence gradients {share})")
-    modules = dict(lm.named_modules())
     return [Unsupported(m, type(modules[m]).__name__,
                         "its per-sequence gradients differ from autograd's, sequence by sequence (a use of its "
                         f"weights no hook sees, or rows paired with the wrong sequences): {', '.join(found)}")
             for m, found in by_module.items()]
 
 
+def trained_parameters(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, str], dict[str, nn.Module]]:
+    """Every trainable parameter of the model as the trainer runs it (under DDP, above PEFT: a prompt-learning
+    adapter's encoder lives beside the ``*ForCausalLM``, not in it), by its name in that model; the name each is
+    reported by (relative to the ``*ForCausalLM`` for its own, as the rest of the package names them); and the
+    modules by reported name."""
+    outer, lm = unwrap_distributed(model), unwrap_causal_lm(model)
+    inner = {id(p): n for n, p in lm.named_parameters()}
+    inner_modules = {id(m): n for n, m in lm.named_modules()}
+    params = {n: p for n, p in outer.named_parameters() if p.requires_grad}
+    shown = {n: inner.get(id(p), n) for n, p in params.items()}
+    modules = {inner_modules.get(id(m), n): m for n, m in outer.named_modules()}
+    return params, shown, modules
+
+
 def probe(model: nn.Module) -> list[Unsupported]:
     """Every trainable parameter whose per-sequence gradients, summed over a small batch, differ from autograd's
     gradient of that batch (see the module docstring), as :class:`~.support.Unsupported` entries by module; a pass
-    that fails is one entry naming the model. Empty when every parameter is accounted for. Leaves ``.grad`` and the
-    train/eval mode as they were."""
+    that fails, or a model whose own backward is not its forward's derivative, is one entry naming the model. Empty
+    when every parameter is accounted for. Leaves ``.grad`` and the train/eval mode as they were."""
     lm = unwrap_causal_lm(model)
-    params = {n: p for n, p in lm.named_parameters() if p.requires_grad}
+    params, shown, modules = trained_parameters(model)
     if not params or sharded(lm):
         return []
     saved = {n: p.grad for n, p in params.items()}
@@ -111,16 +126,25 @@ def probe(model: nn.Module) -> list[Unsupported]:
             p.grad = None
         with plain_mode(lm):
             with float32_mode(lm) as upcast:
-                found = _probe(model, lm, params, RTOL if upcast else NATIVE_HALF_RTOL)
-            if found and upcast and all(f.name for f in found):  # float32 rounding, or a real miss: float64 says
-                with float32_mode(lm, torch.float64):
-                    wide = _probe(model, lm, params, RTOL)
+                found = _probe(model, lm, params, shown, modules, RTOL if upcast else NATIVE_HALF_RTOL)
+            if found and not upcast or _pass_failed(found) and quantized(lm):
+                logger.warning("%s cannot be checked in float32 (%s): checked as it computes, within %g.",
+                               type(lm).__name__, found[0].reason, NATIVE_HALF_RTOL)
+                found = _probe(model, lm, params, shown, modules, NATIVE_HALF_RTOL)
+            elif found and upcast and all(f.name for f in found):  # float32 rounding, or a real miss: float64 says
+                with float32_mode(lm, torch.float64) as wide_ok:
+                    wide = _probe(model, lm, params, shown, modules, RTOL) if wide_ok else found
                 found = found if any(not f.name for f in wide) else wide  # a pass that fails in float64: float32's
             return found
     finally:
         plan.probing = False
         for n, p in params.items():
             p.grad = saved[n]
+
+
+def _pass_failed(found: list[Unsupported]) -> bool:
+    return any(not f.name and f.reason.startswith(("the per-sequence gradient pass fails", "its own forward"))
+               for f in found)
 
 
 def _refused(lm: nn.Module, error: Exception) -> list[Unsupported]:
@@ -132,8 +156,10 @@ def _refused(lm: nn.Module, error: Exception) -> list[Unsupported]:
                         f"the per-sequence gradient pass fails on it: {type(error).__name__}: {error}")]
 
 
-def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], rtol: float) -> list[Unsupported]:
+def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], shown: dict[str, str],
+           modules: dict[str, nn.Module], rtol: float) -> list[Unsupported]:
     ids, attention, completion_mask = probe_batch(lm)
+    outer = unwrap_distributed(model)
 
     def take() -> dict[str, torch.Tensor | None]:
         found = {n: p.grad for n, p in params.items()}
@@ -154,16 +180,25 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], rto
         except Exception as error:
             take()
             return _refused(lm, error)
-        try:  # the sequence alone through the model: autograd's gradient of its log-probability (the oracle)
-            (reference,) = oracle.per_row_grads(lm, ids[i : i + 1], attention[i : i + 1], completion_mask[i : i + 1],
-                                                params=list(params.values()))
+        row = ids[i : i + 1], attention[i : i + 1], completion_mask[i : i + 1]
+        try:  # the sequence alone through the model as the trainer calls it: autograd's gradient (the oracle)
+            with backward_gaps() as gaps:
+                (reference,) = oracle.per_row_grads(outer, *row, params=list(params.values()))
         except Exception as error:  # its own logits cannot score the sequences: nothing to check against
             return [Unsupported("", type(lm).__name__, f"its own forward cannot score a completion's "
                                 f"log-probability: {type(error).__name__}: {error}")]
+        if gaps:  # autograd itself, the reference, is wrong: nothing can be checked, nor trained on
+            return [Unsupported("", type(lm).__name__, (
+                f"its backward passes through {', '.join(gaps)}, which has no backward formula (PyTorch lets no "
+                "gradient through it, with only a warning): autograd's gradients, the ones GRPO would train on, are "
+                "wrong. For bitsandbytes' 4-bit layers on a CPU, oblr_trl.grad_norms.keep_differentiable(model) "
+                "switches them back to a kernel with a backward; for another library's, load the model with a "
+                "quantization whose layers train (bitsandbytes' 4-bit or 8-bit under PEFT)"))]
         for name, ref in zip(params, reference):
             found[name] = tuple(x + y for x, y in zip(found[name], pair_sums(ours[name], ref)))
-        del ours, reference
-    return _mismatches(lm, params, found, rtol)
+        del ours
+        del reference
+    return _mismatches(modules, {shown[n]: v for n, v in found.items()}, rtol)
 
 
 def check_once(model: nn.Module) -> None:
@@ -197,6 +232,7 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
     with ``strict=True`` raises :class:`~.support.UnsupportedModulesError` listing all of them at once, with advice
     that works.
     """
+    keep_differentiable(unwrap_causal_lm(model))  # bitsandbytes' CPU kernels without a backward: switched back
     try:
         found = unsupported_modules(model)
         found = found or head_transform.check(model)

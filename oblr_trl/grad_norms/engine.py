@@ -36,7 +36,8 @@ from .result import PerSequenceGradients, Replay, Slot, _fp32
 from .experts import RoutedCaptures
 from .lm import backbone_of, output_head, unwrap_causal_lm
 from .plan import ModelPlan
-from .support import Unsupported, UnsupportedModulesError, coverage_plan, refuse_outside_decoder
+from . import soft_prompt
+from .support import Unsupported, UnsupportedModulesError, coverage_plan, prompt_plan, refuse_outside_decoder
 
 
 def _hooked_modules(plan: ModelPlan) -> tuple[list[nn.Module], set[nn.Module], dict[nn.Module, tuple[str, ...]]]:
@@ -124,7 +125,7 @@ class _Pass:
     backward (``routed``: the expert banks' routed pairs, :class:`~.experts.RoutedCaptures`)."""
 
     def __init__(self, lm: nn.Module, batch: int, device: torch.device, stream_group_size: int | None,
-                 materialize: bool):
+                 materialize: bool, prompted: nn.Module | None = None):
         self.head = output_head(lm)
         if not isinstance(self.head, nn.Linear):
             raise UnsupportedModulesError([Unsupported("lm_head", type(self.head).__name__,
@@ -132,10 +133,17 @@ class _Pass:
         plan = coverage_plan(lm)
         self.hooked, self.whole_call, self.borrowed = _hooked_modules(plan)
         self.rules = {c.module: c.rule for c in plan.covered}
+        self.names = {m: n for n, m in lm.named_modules()}
+        if prompted is not None:  # a soft prompt's encoder (soft_prompt.py): its layers, each by its own rule
+            for covered in prompt_plan(prompted, plan.memo):
+                self.hooked.append(covered.module)
+                self.rules[covered.module] = covered.rule
+                if covered.whole_call:
+                    self.whole_call.add(covered.module)
+            self.names.update({m: n for n, m in soft_prompt.encoder_modules(prompted)})
         self.routed = RoutedCaptures(plan.memo)
         self.slot_of, self.slots, self.sharing = _slots(self.hooked, self.head, self.borrowed)
         self.batch, self.device, self.k, self.materialize = batch, device, stream_group_size, materialize
-        self.names = {m: n for n, m in lm.named_modules()}
         self.failed: list[Unsupported] = []
         self.usages: dict[Slot, list[Usage]] = defaultdict(list)
         self.cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
@@ -354,17 +362,20 @@ def per_sequence_grads(
     if completion_length >= length:
         raise ValueError("completion_mask must cover fewer positions than input_ids (a prompt token is needed).")
     lm = unwrap_causal_lm(model)
-    if batch == 0 or not any(p.requires_grad for p in lm.parameters()):
+    prompted = soft_prompt.soft_prompt_model(model)
+    if batch == 0 or not any(p.requires_grad for p in (prompted or lm).parameters()):
         return PerSequenceGradients(defaultdict(list), batch, input_ids.device)
-    run = _Pass(lm, batch, input_ids.device, stream_group_size, materialize)
+    run = _Pass(lm, batch, input_ids.device, stream_group_size, materialize, prompted)
     if model_inputs:  # images: the modules that see them (a vision tower) have rows that are not the sequences
         refuse_outside_decoder(lm, run.hooked, model_inputs)
     transform = transform_of(lm)  # the head's scale, soft cap and offset, as observed on the model's own logits
     alpha = transform.scale / temperature
-    span = slice(length - completion_length - 1, length - 1)  # the positions that predict completion tokens
+    virtual = 0 if prompted is None else prompted.peft_config[prompted.active_adapter].num_virtual_tokens
+    span = slice(virtual + length - completion_length - 1, virtual + length - 1)  # those that predict completions
     labels, mask = input_ids[:, length - completion_length :], completion_mask.to(torch.float32)
     records, (h, head_weight, head_bias, lse, head_self_done), graph = _forward_backward(
-        run, lm, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph)
+        run, lm, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph,
+        prompted)
     run.collect(records)
     before = {slot: len(usages) for slot, usages in run.usages.items()}
     head = run.head
@@ -379,11 +390,12 @@ def per_sequence_grads(
 
 
 def _forward_backward(run: _Pass, lm: nn.Module, inputs: tuple, span: slice, scored: tuple, alpha: float, transform,
-                      keep_graph: bool = False):
+                      keep_graph: bool = False, prompted: nn.Module | None = None):
     """The pass's forward and backward of ``inputs`` (``input_ids``, ``attention_mask``, ``model_inputs``) under its
     hooks and its expert banks' routed forwards: the records, and the head's operands and terms (:func:`_head_terms`:
     ``h``, weight, bias, log-sum-exp, and whether its own products were formed), and, for ``keep_graph``, the last
-    hidden state and its output gradient (``(None, None)`` when it carries no gradient)."""
+    hidden state and its output gradient (``(None, None)`` when it carries no gradient). ``prompted``: a soft
+    prompt's ``PeftModel``, whose virtual tokens go first (:mod:`.soft_prompt`)."""
     input_ids, attention_mask, model_inputs = inputs
     backbone = backbone_of(lm)
     checkpointed = checkpointed_layers(backbone)
@@ -394,8 +406,12 @@ def _forward_backward(run: _Pass, lm: nn.Module, inputs: tuple, span: slice, sco
     try:
         with _fsdp_root_unsharded(lm), run.routed.routed_forwards(banks), capture(
                 run.hooked, run.batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
-            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                              **(model_inputs or {})).last_hidden_state
+            if prompted is None:
+                tokens = dict(input_ids=input_ids, attention_mask=attention_mask)
+            else:
+                embeds, prompted_mask = soft_prompt.prompted_inputs(prompted, input_ids, attention_mask)
+                tokens = dict(inputs_embeds=embeds, attention_mask=prompted_mask)
+            hidden = backbone(**tokens, use_cache=False, **(model_inputs or {})).last_hidden_state
             h, head_weight, head_bias, lse, grad_h, head_self_done = _head_terms(
                 run, lm, hidden, span, scored, alpha, transform, zero3_head)
             if hidden.requires_grad:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .lm import backbone_of, output_head, unwrap_causal_lm
 from .plan import plan_of
+from .quantized import compute_dtype, quantized
 
 PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
 
@@ -70,21 +71,21 @@ def float32_mode(lm: nn.Module, dtype: torch.dtype = torch.float32):
     """The model in ``dtype`` (float32, or float64 for the probe's second look) while inside, every floating parameter
     and buffer put back in its own dtype after (a bf16/fp16/float32 value is exact in a wider type, so nothing
     changes). In half precision the reference itself is too coarse to judge by: bf16 logits of a 49k vocabulary are
-    spaced 0.125 apart near 20, which moves each sequence's gradient by tens of percent. Yields whether the model runs
-    in ``dtype``; a model with non-floating weights (quantized) stays as it is (yields False)."""
+    spaced 0.125 apart near 20, which moves each sequence's gradient by tens of percent. A quantized model (weights
+    stored 4- or 8-bit) keeps those weights: its floating parameters (the adapters, norms, biases) and buffers are
+    upcast, and layers with their own compute dtype (bitsandbytes' 4-bit) compute in float32; it cannot run in float64
+    (the dequantizing kernels have no float64). Yields whether the model runs in ``dtype``."""
     tensors = list(lm.parameters()) + list(lm.buffers())
     wide = (torch.float32, torch.float64) if dtype == torch.float32 else (torch.float64,)
-    if all(t.dtype in wide for t in tensors if t.is_floating_point()):
-        yield True
-        return
-    if any(not t.is_floating_point() for t in lm.parameters()):
+    if quantized(lm) and dtype != torch.float32:
         yield False
         return
-    dtypes = [(t, t.dtype) for t in tensors if t.is_floating_point()]
+    dtypes = [(t, t.dtype) for t in tensors if t.is_floating_point() and t.dtype not in wide]
     try:
         for t, _ in dtypes:
             t.data = t.data.to(dtype)
-        yield True
+        with compute_dtype(lm, dtype):
+            yield True
     finally:
         for t, old in dtypes:
             t.data = t.data.to(old)

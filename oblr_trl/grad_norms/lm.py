@@ -6,10 +6,17 @@ from __future__ import annotations
 from torch import nn
 
 
-def unwrap_causal_lm(model: nn.Module) -> nn.Module:
-    """The ``*ForCausalLM`` module under DDP/Accelerate and PEFT wrappers."""
+def unwrap_distributed(model: nn.Module) -> nn.Module:
+    """The model under DDP/Accelerate wrappers, as the trainer's forward calls it (a PEFT wrapper kept: its forward
+    can add what the ``*ForCausalLM`` never sees, a prompt-learning adapter's virtual tokens)."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "get_base_model"):
         model = model.module  # DistributedDataParallel
+    return model
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` module under DDP/Accelerate and PEFT wrappers."""
+    model = unwrap_distributed(model)
     if hasattr(model, "get_base_model"):  # peft.PeftModel
         model = model.get_base_model()
     return model

@@ -40,3 +40,4 @@ def per_row_sq_norms(model: nn.Module, input_ids, attention_mask, completion_mas
     rows = per_row_grads(model, input_ids, attention_mask, completion_mask, temperature)
     return torch.stack([sum((g.double().pow(2).sum() for g in row if g is not None),
                             torch.zeros((), dtype=torch.float64)) for row in rows])
+

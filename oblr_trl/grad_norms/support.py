@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from . import generic
+from . import generic, soft_prompt
 from . import experts, routers  # noqa: F401 (their call rules register on import)
 from .ledger import functional_owners, trainable_names
-from .lm import backbone_of, output_head, unwrap_causal_lm
+from .lm import backbone_of, output_head, unwrap_causal_lm, unwrap_distributed
 from .plan import ModelPlan, plan_of
 from .recognise import find_rule
 from .rules import CallRule, Rule, find_call_rule, registered, switched_off_now
@@ -148,12 +148,71 @@ def coverage_plan(model: nn.Module) -> ModelPlan:
     return plan
 
 
+PROMPT_LEARNING_ADVICE = (
+    "PEFT's {kind} adds virtual tokens in the PeftModel's forward, which the per-sequence pass (it runs the "
+    "{lm} itself) does not see. Train a LoRA adapter instead (peft_config=LoraConfig(...), exact on every layer), or "
+    "keep the soft prompt without exact norms: OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
+)
+PREFIX_TUNING_ADVICE = (
+    "PEFT's prefix tuning hands the model a past key-value cache, which the per-sequence pass does not see; "
+    "GRPOTrainer itself (TRL 1.16) fails on it in its first forward. Use prompt tuning or a LoRA adapter."
+)
+
+
+def prompt_plan(prompted: nn.Module, memo: dict | None = None) -> list[Covered]:
+    """How each trainable layer of a soft prompt's encoder (:mod:`.soft_prompt`: prompt tuning, P-tuning) is covered;
+    raises naming every layer that no rule or path covers (P-tuning's LSTM above the per-row path's limit)."""
+    covered, found = [], []
+    for name, module in soft_prompt.encoder_modules(prompted):
+        chosen = resolve(module, 0, memo)
+        if chosen is None:
+            trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            found.append(Unsupported(name, type(module).__name__, (
+                f"a soft prompt's encoder layer with no rule for its type, and its trainable parameters {trainable} "
+                f"({generic.trainable_numel(module):,} elements) are more than the per-row path's limit "
+                f"({generic.MAX_NUMEL:,})")))
+        else:
+            covered.append(Covered(module, chosen[1]))
+    if found:
+        raise UnsupportedModulesError(found)
+    return covered
+
+
+def outside_modules(model: nn.Module) -> list[Unsupported]:
+    """Trainable modules of the model as the trainer calls it that lie outside its ``*ForCausalLM`` and that the
+    per-sequence pass does not take on: a soft prompt's encoder it covers (:func:`prompt_plan`) is not listed; prefix
+    tuning's, or any other wrapper's trainable module, is refused by name, with advice that works."""
+    outer, lm = unwrap_distributed(model), unwrap_causal_lm(model)
+    prompted = soft_prompt.soft_prompt_model(model)
+    if prompted is not None:
+        try:
+            prompt_plan(prompted, plan_of(lm).memo)
+        except UnsupportedModulesError as error:
+            return list(error.modules)
+    inside = {id(p) for p in lm.parameters()}
+    if prompted is not None:
+        inside |= {id(p) for _, m in soft_prompt.encoder_modules(prompted) for p in m.parameters(recurse=False)}
+    config = getattr(outer, "peft_config", {}).get(getattr(outer, "active_adapter", None), None) \
+        if isinstance(getattr(outer, "peft_config", None), dict) else None
+    kind = str(getattr(getattr(config, "peft_type", None), "value", "adapter")).lower().replace("_", " ")
+    advice = (PREFIX_TUNING_ADVICE if kind == "prefix tuning" else
+              PROMPT_LEARNING_ADVICE.format(kind=kind, lm=type(lm).__name__))
+    found = []
+    for name, module in outer.named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) not in inside]
+        if own:
+            found.append(Unsupported(name, type(module).__name__,
+                                     f"trainable {own} outside the {type(lm).__name__}. {advice}"))
+    return found
+
+
 def unsupported_modules(model: nn.Module) -> list[Unsupported]:
     """Every trainable module of ``model`` (a causal LM, possibly PEFT/DDP-wrapped) the exact norms do not cover, by
     type (the probe of :func:`~.coverage.validate` checks the rest by running them)."""
     lm = unwrap_causal_lm(model)
-    if not any(p.requires_grad for p in lm.parameters()):
-        return []
+    outside = outside_modules(model)
+    if outside or not any(p.requires_grad for p in lm.parameters()):
+        return outside + (coverage_plan(lm).unsupported if any(p.requires_grad for p in lm.parameters()) else [])
     found: list[Unsupported] = []
     head = output_head(lm)
     if not isinstance(head, nn.Linear):

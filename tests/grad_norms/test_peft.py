@@ -8,7 +8,7 @@ from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms.zoo import ADAPTERS, VOCAB, build_adapted
 from reference import padded_batch, per_sample_sq_norms
 
-pytest.importorskip("peft")
+peft = pytest.importorskip("peft")
 
 # Before this pass: LoRA on embed_tokens was refused ("'Embedding' object has no attribute 'num_embeddings'": the probe
 # batch read it off PEFT's wrapper); VeRA, LoHa, LoKr, IA3 (and LoRA's embedding adapter), whose parameters sit in
@@ -28,3 +28,56 @@ def test_adapter_is_exact(adapter, tie):
     reference = per_sample_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     assert reference[[0, 1, 3, 4]].min() > 0
     torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
+
+
+# Soft prompts (soft_prompt.py). Before: the pass ran the *ForCausalLM under the PeftModel, so the prompt encoder's
+# virtual tokens never entered it: every norm was exactly 0, and the probe, which enumerated the *ForCausalLM's
+# parameters only and scored sequences through it, saw nothing to check and passed.
+SOFT_PROMPTS = {
+    "prompt tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=8),
+    "P-tuning (MLP)": lambda: peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=8,
+                                                       encoder_hidden_size=16),
+}
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+@pytest.mark.parametrize("kind", list(SOFT_PROMPTS))
+def test_soft_prompts_are_exact(kind, family, tie):
+    from oblr_trl.grad_norms.zoo import build
+
+    model = peft.get_peft_model(build(family, tie), SOFT_PROMPTS[kind]())
+    assert validate(model) == []
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=5)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    reference = per_sample_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    assert reference[[0, 1, 3, 4]].min() > 0
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-12)
+
+
+def test_prefix_tuning_is_refused_by_name():
+    from oblr_trl.grad_norms.zoo import build
+
+    model = peft.get_peft_model(build("Llama", True),
+                                peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    found = validate(model, strict=False)
+    assert [f.name for f in found] == ["prompt_encoder.default.embedding"]
+    assert "prefix tuning" in found[0].reason and "LoRA" in found[0].reason
+
+
+def test_a_trainable_parameter_outside_the_causal_lm_is_checked_not_skipped():
+    """The class of hole soft prompts fell through: the probe's parameters are the model's as the trainer calls it.
+    A prompt-tuning encoder the pass cannot see (its soft-prompt path switched off here) is refused, by the probe."""
+    from oblr_trl.grad_norms import coverage, soft_prompt
+    from oblr_trl.grad_norms.zoo import build
+
+    model = peft.get_peft_model(build("Llama", True), SOFT_PROMPTS["prompt tuning"]())
+    params, shown, _ = coverage.trained_parameters(model)
+    assert [shown[n] for n in params] == ["prompt_encoder.default.embedding.weight"]
+    original = soft_prompt.soft_prompt_model
+    try:
+        soft_prompt.soft_prompt_model = lambda m: None
+        found = coverage.probe(model)
+    finally:
+        soft_prompt.soft_prompt_model = original
+    assert [f.name for f in found] == ["prompt_encoder.default.embedding"]

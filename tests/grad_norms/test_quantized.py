@@ -1,0 +1,162 @@
+"""Quantized bases under PEFT (oblr_trl/grad_norms/quantized.py, coverage.py): QLoRA exact against per-row autograd
+whatever bitsandbytes' CPU kernel did to the weights before, the probe at the promised tolerance on them, and a
+model whose backward goes through an operator without a backward formula refused by name, with advice that works.
+
+Before: on a CPU with AVX512-BF16, one eval-mode forward without gradients (generation, evaluation, the probe's own
+discovery) repacked the 4-bit weights for bitsandbytes' inference kernel, which has no backward; every later gradient
+through those layers was wrong, autograd's too, so the probe compared wrong with wrong and passed (norms 2-6x too
+small on a 2-layer Llama)."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from oblr_trl import per_sequence_grad_sq_norms, validate
+from oblr_trl.grad_norms import coverage, keep_differentiable
+from oblr_trl.grad_norms.quantized import backward_gaps
+from reference import padded_batch, per_sample_sq_norms
+
+bnb = pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+from bitsandbytes.functional import has_avx512bf16  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Llama checkpoint (hidden 64, 2 layers): what a user's model folder is."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def qlora(path, quant="nf4", double=False, compute=torch.float32, bits=4):
+    if bits == 4:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double,
+                                    bnb_4bit_compute_dtype=compute)
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    base = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=compute)
+    torch.manual_seed(0)  # LoRA's A: the same draw in every copy
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    torch.manual_seed(1)
+    with torch.no_grad():  # LoRA's B starts at 0: give every adapter a gradient path through the base layers
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model.eval()
+
+
+def reference_norms(path, ids, attention, completion_mask, **kwargs):
+    """Per-row autograd on a copy whose 4-bit layers never took the inference kernel (repacking switched off before
+    its first forward), with no operator lacking a backward on the way (checked)."""
+    model = qlora(path, **kwargs)
+    keep_differentiable(model)
+    with backward_gaps() as gaps:
+        norms = per_sample_sq_norms(model, ids, attention, completion_mask)
+    assert gaps == []
+    return norms
+
+
+CASES = [dict(quant=q, double=d, compute=c) for q in ("nf4", "fp4") for d in (False, True)
+         for c in (torch.float32, torch.bfloat16)]
+
+
+def tolerance(kwargs):
+    return 1e-5 if kwargs["compute"] == torch.float32 else 2e-2  # bf16 compute: two runs' own rounding
+
+
+IDS = lambda k: f"{k['quant']}-{'dq' if k['double'] else 'sq'}-{str(k['compute']).split('.')[-1]}"  # noqa: E731
+
+
+@pytest.mark.parametrize("kwargs", CASES, ids=IDS)
+def test_qlora_is_exact(saved, kwargs):
+    """The model as loaded, as OBLRPOTrainer sees it at construction (nothing has run it yet)."""
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    ours = per_sequence_grad_sq_norms(qlora(saved, **kwargs), ids, attention, completion_mask).double()
+    expected = reference_norms(saved, ids, attention, completion_mask, **kwargs)
+    assert expected[[0, 1, 3]].min() > 0
+    torch.testing.assert_close(ours, expected, rtol=tolerance(kwargs), atol=1e-9)
+
+
+@pytest.mark.parametrize("kwargs", CASES, ids=IDS)
+def test_qlora_is_exact_after_an_inference_forward(saved, kwargs):
+    """After an eval-mode forward without gradients (a generation, an evaluation), which repacks the 4-bit weights on
+    an AVX512-BF16 CPU: the repacking is undone, and the norms are autograd's on the model as it now computes, with no
+    operator lacking a backward on the way. (bitsandbytes' round trip itself moves the dequantized weights by ~0.3%,
+    so a never-repacked copy is not the reference: the weights are not the same any more.)"""
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    model = qlora(saved, **kwargs)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=attention)
+    if has_avx512bf16():  # the case the issue found: the weights now sit in the kernel without a backward
+        assert any(getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+                   for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask).double()
+    with backward_gaps() as gaps:
+        expected = per_sample_sq_norms(model, ids, attention, completion_mask)
+    assert gaps == [] and expected[[0, 1, 3]].min() > 0
+    torch.testing.assert_close(ours, expected, rtol=tolerance(kwargs), atol=1e-9)
+
+
+def test_lora_on_an_8bit_base_is_exact(saved):
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    model = qlora(saved, bits=8)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask).double()
+    torch.testing.assert_close(ours, per_sample_sq_norms(model, ids, attention, completion_mask), rtol=1e-5,
+                               atol=1e-9)
+
+
+def test_the_probe_checks_a_quantized_base_at_the_promised_tolerance(saved, monkeypatch):
+    """bf16 compute, bf16 adapters: the probe upcasts what floats and computes the 4-bit layers in float32, so it
+    judges at 1e-4, not at the half-precision bound it used to apply to any quantized model."""
+    model = qlora(saved, compute=torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert torch.bfloat16 in dtypes.values()  # the norms, the embedding: what made the probe fall back before
+    seen = []
+    real = coverage._mismatches
+    monkeypatch.setattr(coverage, "_mismatches", lambda modules, found, rtol: seen.append(rtol) or real(
+        modules, found, rtol))
+    assert validate(model) == []
+    assert seen == [coverage.RTOL]
+    assert {n: p.dtype for n, p in model.named_parameters()} == dtypes  # put back
+
+
+@pytest.mark.skipif(not has_avx512bf16(), reason="bitsandbytes' CPU inference kernel needs AVX512-BF16")
+def test_a_backward_without_a_formula_is_refused_by_name_and_the_advice_works(saved, monkeypatch):
+    """The class of hole: autograd itself wrong, so a probe against autograd passes. With the repair switched off,
+    validate refuses, naming the operator; the advice it gives (keep_differentiable) then makes it pass."""
+    ids, attention, _ = padded_batch(VOCAB, batch=4)
+    model = qlora(saved)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=attention)
+    monkeypatch.setattr(coverage, "keep_differentiable", lambda lm: [])
+    found = validate(model, strict=False)
+    assert len(found) == 1 and "bitsandbytes::gemv_4bit" in found[0].reason
+    assert "keep_differentiable" in found[0].reason
+    assert keep_differentiable(model)  # the layers it undid
+    monkeypatch.undo()
+    assert validate(model) == []
+
+
+def test_undoing_the_repacking_warns_once_naming_the_layers(saved, caplog):
+    ids, attention, _ = padded_batch(VOCAB, batch=4)
+    model = qlora(saved)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=attention)
+    with caplog.at_level(logging.WARNING, logger="oblr_trl.grad_norms.quantized"):
+        undone = keep_differentiable(model)
+        assert keep_differentiable(model) == []  # switched off: nothing repacks again
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=attention)
+        assert keep_differentiable(model) == []
+    assert len(caplog.records) == (1 if undone else 0)
+    if has_avx512bf16():
+        assert undone and undone[0] in caplog.records[0].getMessage()
