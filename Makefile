@@ -85,9 +85,10 @@ bench-counts: install-dev
 	$(PY) benchmarks/update_readme.py
 
 # On a lent GPU machine (issue 47), from a carried checkout: its image has python3 with torch, transformers,
-# accelerate and peft, and lacks trl and datasets, which travel as wheels in $(GPU_WHEELS) (`make gpu-wheels` fetches
-# them here, ~2 MB). The update and the whole RL step of OBLRPOTrainer against GRPOTrainer, timed in one run, the FLOP
-# model beside each timing; table in benchmarks/results/bench_gpu_<device>.md. Budgeted at <= 8 min on an H100.
+# accelerate and peft, and lacks trl, datasets and bitsandbytes, which travel as wheels in $(GPU_WHEELS) (`make
+# gpu-wheels` fetches them here, ~9 MB). The update (0.6B, 1.7B and 4B widths; full, LoRA, QLoRA; a memory-tight row)
+# and the whole RL step of OBLRPOTrainer against GRPOTrainer, timed in one run, the FLOP model beside each timing;
+# table in benchmarks/results/bench_gpu_<device>.md. Budgeted at <= 8 min on an H100 (--budget_s skips late rows).
 GPU_WHEELS ?= .whl
 GPU_PYTHON ?= python3
 bench-gpu:
@@ -95,10 +96,15 @@ bench-gpu:
 	PYTHONPATH=/tmp/site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/bench_gpu.py
 	$(GPU_PYTHON) benchmarks/update_readme.py
 
+# bitsandbytes (the QLoRA row, issue 56) too, slimmed to the libraries of CUDA 13 and the CPU (41 -> ~7 MiB): the
+# carried tree stays within the device tool's 64 MiB (~20 MiB in all).
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
-		trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 bitsandbytes==0.50.2
+	$(PYTHON) benchmarks/slim_wheel.py $(GPU_WHEELS)/bitsandbytes-*.whl \
+		--drop 'bitsandbytes/libbitsandbytes_cuda1[12]*' 'bitsandbytes/libbitsandbytes_rocm*'
+	du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) outputs site *.egg-info

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's oblr_trl
 import harness  # noqa: E402
 from studies.prepared import prepared_batch  # noqa: E402
-from counting import LiveBytes, OpCounter, Shapes  # noqa: E402
+from counting import HostSyncs, LiveBytes, OpCounter, Shapes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEPTH = 28
@@ -51,8 +51,11 @@ WIDTHS = {
     "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936),
 }
-# auto: OBLR-PO's default; replay: one_backward with its update replayed by a second backward (checkpointing only)
-MODES = {"grpo": None, "one_backward": True, "two_passes": False, "replay": None, "auto": None}
+# auto: OBLR-PO's default, as on a CPU (no free-memory figure: the ratio targets); auto_gpu: the default as on a GPU
+# with GPU_GIB free (the memory-aware choice, issue 56); replay: one_backward with its update replayed by a second
+# backward (checkpointing only)
+MODES = {"grpo": None, "one_backward": True, "two_passes": False, "replay": None, "auto": None, "auto_gpu": None}
+GPU_GIB = 80  # the simulated device of auto_gpu: an H100's memory, free
 
 
 class _NoModules:
@@ -80,8 +83,9 @@ def flop_counter():
 
 def extra_flops() -> dict:
     """FlopCounterMode's formulas for what it misses: the in-place ``addmm_`` (TRL's fused head forms its output and
-    weight gradients with it on a CPU) and the CPU flash-attention kernels (it counts the CUDA ones only)."""
-    from torch.utils.flop_counter import addmm_flop, sdpa_backward_flop_count, sdpa_flop_count
+    weight gradients with it on a CPU) and ``baddbmm_`` (Grams accumulated in place), and the CPU flash-attention
+    kernels (it counts the CUDA ones only)."""
+    from torch.utils.flop_counter import addmm_flop, baddbmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
     aten = torch.ops.aten
 
@@ -94,7 +98,10 @@ def extra_flops() -> dict:
     def addmm_(acc, a, b, *args, out_val=None, **kw):
         return addmm_flop(acc, a, b)
 
-    return {aten.addmm_: addmm_, aten._scaled_dot_product_flash_attention_for_cpu: fwd,
+    def baddbmm_(acc, a, b, *args, out_val=None, **kw):  # the norms' Grams accumulated in place (issue 56: counted)
+        return baddbmm_flop(acc, a, b)
+
+    return {aten.addmm_: addmm_, aten.baddbmm_: baddbmm_, aten._scaled_dot_product_flash_attention_for_cpu: fwd,
             aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd}
 
 
@@ -189,18 +196,19 @@ def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, compl
         model = build_model(width, layers, tied, shapes)
         trainer = trainer_for(mode, model, batch, completion, lora, ckpt)
         trainer.model.train()
-        flops, live, ops = flop_counter(), LiveBytes(), OpCounter()
+        flops, live, ops, syncs = flop_counter(), LiveBytes(), OpCounter(), HostSyncs()
         gc.collect()
         gc.disable()  # garbage in reference cycles stays counted until the end, the same in every run
         try:
             # the default's choice is made for the model at its real depth (DEPTH layers), then counted at this one
-            with flops, live, ops, mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)), \
-                    forced_replay(mode == "replay"):
+            with flops, live, ops, syncs, \
+                    mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)), \
+                    forced_replay(mode == "replay"), simulated_gpu(mode == "auto_gpu"):
                 trainer.training_step(trainer.model, [{"prompt": "x"}] * batch, torch.tensor(batch * completion))
         finally:
             gc.enable()
         plan = getattr(trainer, "one_backward_plan", None)
-        row = dict(flops=flops.get_total_flops(), peak_bytes=live.peak, ops=ops.total,
+        row = dict(flops=flops.get_total_flops(), peak_bytes=live.peak, ops=ops.total, syncs=syncs.total,
                    mm_calls=sum(ops.calls[k] for k in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm")),
                    ran=("grpo" if plan is None else
                         f"{'replay' if plan.replay else 'one_backward'}/{plan.chunk_rows or batch}" if plan.on
@@ -228,6 +236,24 @@ def forced_replay(on: bool):
                                  choice.flops_ratio, ratio, replay=True)
 
     return mock.patch.object(cost_model, "choose", choose)
+
+
+def simulated_gpu(on: bool):
+    """For ``auto_gpu``: the default's budget as on a GPU of :data:`GPU_GIB` GiB with nothing else on it
+    (``one_backward.device_budget`` finds that room on a real one)."""
+    from contextlib import nullcontext
+
+    from oblr_trl import cost_model, one_backward
+
+    if not on:
+        return nullcontext()
+    total = GPU_GIB * 2**30
+
+    def budget(device, cap, pending=0.0):
+        room = cost_model.memory_room(total, total, 0, 0, 1.0, cost_model.margin_bytes(total), pending)
+        return cost_model.Budget(room, None if cap is None else cap * 2**30)
+
+    return mock.patch.object(one_backward, "device_budget", budget)
 
 
 def at_real_depth(describe):
@@ -298,13 +324,14 @@ def measure(cfg: dict, log) -> dict:
         deep = {k: at_depth(counts[0][k], counts[1][k]) for k in counts[0]}
         deep["ran"] = ran
         deep.update(predictions(cfg, ran))
-        for k in ("flops", "ops", "peak_bytes"):
+        for k in ("flops", "ops", "peak_bytes"):  # syncs: per step, not per layer
             deep[f"per_layer_{k}"], deep[f"rest_{k}"] = counts[1][k] - counts[0][k], 2 * counts[0][k] - counts[1][k]
         row["modes"][mode] = deep
     g = row["modes"]["grpo"]
     log(f"{cfg}: " + ", ".join(
         f"{m} flops {v['flops'] / g['flops']:.2f}x (model {v['predicted_flops'] / g['predicted_flops']:.2f}x) "
-        f"bytes {v['peak_bytes'] / g['peak_bytes']:.2f}x ops {v['ops'] / g['ops']:.2f}x"
+        f"bytes {v['peak_bytes'] / g['peak_bytes']:.2f}x ops {v['ops'] / g['ops']:.2f}x "
+        f"syncs {v.get('syncs', 0) - g.get('syncs', 0):+.0f}"
         for m, v in row["modes"].items() if m != "grpo" and "error" not in v))
     return row
 
@@ -329,16 +356,16 @@ def repredict(res: dict) -> dict:
     return res
 
 
-TARGETS = dict(flops_full=1.3, flops_lora=1.05, bytes_ckpt=1.1, bytes=1.2, ops=1.5)
+TARGETS = dict(flops_full=1.3, flops_lora=1.05, bytes_ckpt=1.1, bytes=1.2, ops=1.25, syncs=2)  # syncs: GRPO's + 2
 
 
-def verdict(row: dict, mode: str, ran: str, flops: float, bytes_: float, ops: float) -> str:
+def verdict(row: dict, mode: str, ran: str, flops: float, bytes_: float, ops: float, syncs: float = 0) -> str:
     """``yes``, or ``no:`` with each target missed and what in the path that ran costs it (the reason it is not lower:
     an exact update either keeps each row's per-layer factors from the backward to the update, or forms them again)."""
     missed = [f"{what} {ratio:.2f}x" for what, ratio, limit in (
         ("FLOPs", flops, TARGETS["flops_lora" if row["lora"] else "flops_full"]),
         ("bytes", bytes_, TARGETS["bytes_ckpt" if row["ckpt"] else "bytes"]), ("calls", ops, TARGETS["ops"]))
-        if ratio > limit]
+        if ratio > limit] + ([f"host syncs GRPO's {syncs:+.0f}"] if syncs > TARGETS["syncs"] else [])
     if not missed:
         return "yes"
     path, _, chunk = ran.partition("/")
@@ -360,7 +387,7 @@ def verdict(row: dict, mode: str, ran: str, flops: float, bytes_: float, ops: fl
 def render(res: dict) -> str:
     head = ["width", "B x C", "head", "tuning", "ckpt", "mode", "ran (rows per chunk)", "FLOPs (T)", "model (T)",
             "FLOPs / GRPO", "model / GRPO", "per layer / GRPO", "head+rest / GRPO", "peak GiB", "model GiB",
-            "bytes / GRPO", "model bytes / GRPO", "ops", "ops / GRPO", "meets targets"]
+            "bytes / GRPO", "model bytes / GRPO", "ops", "ops / GRPO", "host syncs", "meets targets"]
     rows = []
     for r in res["rows"]:
         g = r["modes"]["grpo"]
@@ -371,13 +398,16 @@ def render(res: dict) -> str:
                 rows.append(where + [f"counting failed: {v['error']}"] + [""] * (len(head) - 7))
                 continue
             f, b, o = v["flops"] / g["flops"], v["peak_bytes"] / g["peak_bytes"], v["ops"] / g["ops"]
-            ok = "" if mode == "grpo" else verdict(r, mode, v["ran"], f, b, o)
+            counted = "syncs" in v and "syncs" in g  # tables counted before issue 56 have no syncs
+            extra = v["syncs"] - g["syncs"] if counted else 0
+            ok = "" if mode == "grpo" else verdict(r, mode, v["ran"], f, b, o, extra)
+            syncs = "" if not counted else f"{v['syncs']:.0f}" + ("" if mode == "grpo" else f" ({extra:+.0f})")
             rows.append(where + [
                 v["ran"].replace("/", " / "), f"{v['flops'] / 1e12:.2f}", f"{v['predicted_flops'] / 1e12:.2f}",
                 f"{f:.2f}x", f"{v['predicted_flops'] / g['predicted_flops']:.2f}x",
                 f"{v['per_layer_flops'] / g['per_layer_flops']:.2f}x", f"{v['rest_flops'] / g['rest_flops']:.2f}x",
                 f"{v['peak_bytes'] / 2**30:.2f}", f"{v['predicted_bytes'] / 2**30:.2f}", f"{b:.2f}x",
-                f"{v['predicted_bytes'] / g['predicted_bytes']:.2f}x", f"{v['ops']:,.0f}", f"{o:.2f}x", ok])
+                f"{v['predicted_bytes'] / g['predicted_bytes']:.2f}x", f"{v['ops']:,.0f}", f"{o:.2f}x", syncs, ok])
     m = res["machine"]
     return "\n".join([
         "# The update's cost, counted (FLOPs, peak live bytes, operator calls)", "",
@@ -387,7 +417,9 @@ def render(res: dict) -> str:
         f"{PROMPT} prompt tokens. Counts at 1 and 2 layers, extrapolated to {DEPTH} layers as c1 + 27 (c2 - c1); "
         "`per layer` and `head+rest` are the two parts. `model`: the prediction of `oblr_trl/cost_model.py` (the "
         "model OBLR-PO's default chooses by), at 1 and 2 layers combined the same way, for the path that ran. "
-        f"`auto`: OBLR-PO's default (`one_backward=None`), its choice made for the {DEPTH}-layer model; `ran`: the "
+        f"`auto`: OBLR-PO's default (`one_backward=None`) as on a CPU (no free-memory figure: the ratio targets), "
+        f"its choice made for the {DEPTH}-layer model; `auto_gpu`: the default as on a GPU with {GPU_GIB} GiB free "
+        "(the memory-aware choice: `one_backward` wherever its predicted peak fits); `ran`: the "
         "path and rows per chunk each mode took (`one_backward`'s chunks, or the two-pass path's norms-pass chunks; "
         "`one_backward=True` under checkpointing: the largest chunk the model says fits, else one group; `replay`, "
         "checkpointing only: `one_backward` with its update from a second backward of the pass's graph, no "
@@ -396,7 +428,8 @@ def render(res: dict) -> str:
            if res.get("repredicted") else "") +
         f"Targets: FLOPs <= {TARGETS['flops_full']}x GRPO (full), <= {TARGETS['flops_lora']}x (LoRA); peak bytes "
         f"<= {TARGETS['bytes_ckpt']}x with checkpointing, <= {TARGETS['bytes']}x without; operator calls <= "
-        f"{TARGETS['ops']}x.", "",
+        f"{TARGETS['ops']}x; host syncs (scalar reads, value-sized outputs, `.tolist()`/`.cpu()`: "
+        f"`counting.HostSyncs`) <= GRPO's + {TARGETS['syncs']} (the column: count, and against GRPO's).", "",
         *harness.md_table(head, rows), ""])
 
 

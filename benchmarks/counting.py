@@ -200,3 +200,49 @@ class LiveBytes(TorchDispatchMode):
         if entry[1] == 0:
             self.live -= entry[0]
             del self._holders[key]
+
+
+# Operators whose result the host must wait for on a GPU: a scalar read (``.item()``, ``bool(t)``, ``float(t)``) and
+# those whose output size depends on values.
+SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
+            "aten._unique2", "aten.unique_dim", "aten.unique_consecutive", "aten.equal", "aten.nonzero_static"}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Host syncs, counted on any device (issue 56): the operators of :data:`SYNC_OPS`, and every ``.tolist()``,
+    ``.cpu()`` and ``.numpy()`` (each a device-to-host copy the host waits for on a GPU; on a CPU they dispatch
+    nothing, so they are counted by wrapping the methods while the mode is on). ``calls``: by name."""
+
+    METHODS = ("tolist", "cpu", "numpy")
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+        self._saved = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+    def __enter__(self):
+        for name in self.METHODS:
+            original = self._saved[name] = getattr(torch.Tensor, name)
+
+            def counted(t, *args, _name=name, _original=original, **kwargs):
+                self.calls[f"Tensor.{_name}"] += 1
+                return _original(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        self._saved.clear()
+        return super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in SYNC_OPS:
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))

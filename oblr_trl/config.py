@@ -315,6 +315,13 @@ class OBLRPOConfig(GRPOConfig):
         _check_choice("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
         if not 0.0 <= self.lr_scale_min <= 1.0:
             raise ValueError(f"OBLRPOConfig.lr_scale_min={self.lr_scale_min} must lie in [0, 1].")
+        if self.torch_compile and needs_norms(self):
+            raise ValueError(
+                "OBLRPOConfig.torch_compile=True is not supported while OBLR-PO computes per-sequence gradient norms "
+                "(snr_lr=True, or grad_norm_estimator='exact' with a weighted baseline): their pass hooks every layer's "
+                "input and output gradient and calls the backbone and head itself, which a compiled model's graph "
+                "would bypass or break. Allowed values: torch_compile=False (the default); or snr_lr=False with "
+                "grad_norm_estimator='logit' or 'length' (no norms).")
         if self.max_extra_memory_gib is not None and not self.max_extra_memory_gib >= 0:
             raise ValueError(f"OBLRPOConfig.max_extra_memory_gib={self.max_extra_memory_gib} is not allowed; allowed "
                              "values: None (the device's free memory decides) or a number of GiB >= 0.")

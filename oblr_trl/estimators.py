@@ -271,16 +271,19 @@ def unit_sq_norms(
 
 
 # ------------------------------------------------------------------------------------------ rewards and metrics
-def aggregate_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+def aggregate_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor,
+                      count_on_device: bool = False) -> tuple[torch.Tensor, int | torch.Tensor]:
     """Each completion's reward as TRL's ``sum_then_normalize`` forms it (the weighted sum of the reward functions,
     NaN where every function returned None), with ``+-inf`` also made NaN (unscorable: no baseline, advantage 0).
 
-    Returns ``(rewards, num_infinite)``.
+    Returns ``(rewards, num_infinite)``; ``count_on_device``: ``num_infinite`` as a 0-d tensor (no host sync here).
     """
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
     infinite = ~torch.isfinite(rewards) & ~unscorable
-    return torch.where(unscorable | infinite, torch.full_like(rewards, float("nan")), rewards), int(infinite.sum())
+    count = infinite.sum()
+    return (torch.where(unscorable | infinite, torch.full_like(rewards, float("nan")), rewards),
+            count if count_on_device else int(count))
 
 
 def mask_nonfinite_products(products: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,14 +300,23 @@ def baseline_metrics(
 ) -> dict[str, float]:
     """The baseline's metrics for one generation batch (unscorable rewards, NaN, excluded; 0 where nothing is left)."""
     valid = ~torch.isnan(rewards)
-    any_valid = bool(valid.any())
+    # every value on the device first, read by the host in one transfer (one sync instead of six, issue 56)
+    dtype = torch.float32 if rewards.device.type == "mps" else torch.float64  # MPS has no float64
+    v = valid.to(dtype)
+    n = v.sum()
+    mean = lambda x: (torch.where(valid, x.to(dtype), 0.0) * v).sum() / n.clamp(min=1)  # noqa: E731  (0 with none)
+    w = torch.where(valid, weights.to(dtype), 0.0)
+    w_mean = w.sum() / n.clamp(min=1)
+    w_std = ((torch.where(valid, w - w_mean, 0.0) ** 2).sum() / (n - 1).clamp(min=1)).sqrt()
+    spread = torch.where((n >= 2) & (w_mean > 0), w_std / torch.where(w_mean > 0, w_mean, 1.0), 0.0)
+    values = torch.stack([mean(baseline), mean(rewards), spread, valid.numel() - n]).tolist()
     return {
-        "baseline_mean": baseline[valid].mean().item() if any_valid else 0.0,
-        "reward_mean": rewards[valid].mean().item() if any_valid else 0.0,
-        "weight_spread": weight_spread(weights[valid]),
+        "baseline_mean": values[0],
+        "reward_mean": values[1],
+        "weight_spread": values[2],
         "fallback_samples": float(num_fallback),
         "clipped_weights": float(num_clipped),
-        "unscorable": float((~valid).sum().item()),
+        "unscorable": values[3],
     }
 
 

@@ -363,7 +363,7 @@ def chunk_norms(model, batch: dict, *, chunk: int, temperature: float, autocast,
     second backward of that graph (:func:`replayed_update`)."""
     n = batch["oblr_row"].shape[0]
     for s in range(0, n, chunk):
-        part = rows_of(batch, slice(s, s + chunk), n)
+        part = batch if s == 0 and chunk >= n else rows_of(batch, slice(s, s + chunk), n)  # whole: no slicing calls
         input_ids, attention_mask, mask = sequence_inputs(part)
         with torch.enable_grad(), autocast():
             grads = per_sequence_grads(model, input_ids, attention_mask, mask, temperature=temperature,
@@ -384,6 +384,7 @@ def replayed_update(grads, a: torch.Tensor, bad: torch.Tensor) -> None:
     checkpointed inputs is held); the head's from its usages (:meth:`.PerSequenceGradients.accumulate_grad`).
     Rows ``bad`` (a norm that was not finite) add nothing."""
     from .grad_norms import PerSequenceGradients
+    from .grad_norms.factors import VOCAB_CHUNK
 
     hidden, grad, head_usages = grads.replay
     scale = torch.where(bad, torch.zeros_like(a), a)
@@ -391,4 +392,6 @@ def replayed_update(grads, a: torch.Tensor, bad: torch.Tensor) -> None:
         row_grad = grad * scale.to(grad.dtype)[:, None, None]
         torch.autograd.backward(hidden, torch.where(bad[:, None, None], torch.zeros_like(row_grad), row_grad))
     if head_usages:
-        PerSequenceGradients(head_usages, a.shape[0], a.device, slots=list(head_usages)).accumulate_grad(scale)
+        head = PerSequenceGradients(head_usages, a.shape[0], a.device, slots=list(head_usages))
+        head.head_rows = VOCAB_CHUNK  # small slices: this runs beside every weight gradient, where GRPO peaks
+        head.accumulate_grad(scale)

@@ -29,11 +29,14 @@ class StepSamples:
     (unit, position, ``a_i = c_i A_i``, within-unit Gram row) and whole-unit ``||H_q||^2`` formed by ``one_backward``."""
 
     rows: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
-    formed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    formed: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (units, sum of their ||H_q||^2)
 
     def reduce_all_ranks(self) -> tuple[float, int]:
         """``(sum_q ||H_q||^2, N)`` over every rank's samples of the step (a collective call); empties the record."""
-        everyone = gather_object([(self.rows, self.formed)])
+        # one_backward's ||H_q||^2 summed on the device, read by the host in one transfer (issue 56: one sync, not 3)
+        sums = [sq for _, sq in self.formed]
+        local = [(sum(count for count, _ in self.formed), float(torch.stack(sums).sum()))] if sums else []
+        everyone = gather_object([(self.rows, local)])
         self.rows, self.formed = [], []
         rows = [r for rank_rows, _ in everyone for r in rank_rows]
         formed = [f for _, rank_formed in everyone for f in rank_formed]
@@ -41,8 +44,8 @@ class StepSamples:
         if rows:
             _, sq = unit_sq_norms(*(torch.cat(part) for part in zip(*rows)))
             total, n = total + float(sq.sum()), n + sq.numel()
-        for units, sq in formed:
-            total, n = total + float(sq.sum()), n + units.numel()
+        for count, sq in formed:  # each rank's whole-unit sums, read once (record_formed keeps them on the device)
+            total, n = total + sq, n + count
         return total, n
 
 
@@ -76,7 +79,11 @@ def parameters_grad_sq_norm(parameters, scaler=None) -> float:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
-    norm = torch.nn.utils.get_total_norm(grads)
+    if not any(hasattr(g, "device_mesh") for g in grads) and len({(g.device, g.dtype) for g in grads}) == 1:
+        # one operator for every gradient (as get_total_norm's foreach path on a GPU), on any device (issue 56)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+    else:
+        norm = torch.nn.utils.get_total_norm(grads)
     if hasattr(norm, "full_tensor"):  # FSDP2: a norm of DTensor shards
         norm = norm.full_tensor()
     if scaler is not None and scaler.is_enabled():  # fp16: gradients are still scaled here
@@ -114,7 +121,7 @@ class StepSizer:
 
     def record_formed(self, units: torch.Tensor, unit_sq: torch.Tensor) -> None:
         """``one_backward``'s whole-unit ``||H_q||^2``, with the units' ids."""
-        self.samples.formed.append((units.cpu(), unit_sq.double().cpu()))
+        self.samples.formed.append((units.numel(), unit_sq.double().sum()))  # on the device until the step is sized
 
     def drop_samples(self) -> list[str]:
         """Forget the step's samples on every rank (DeepSpeed skipped the step: an overflow); returns the warning."""

@@ -125,8 +125,10 @@ class OBLRPOTrainer(GRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return output
-        rewards, num_infinite = aggregate_rewards(self._rewards_per_func, self.reward_weights)  # all ranks
-        self._unscored_batch = bool(torch.isnan(rewards).all())
+        rewards, num_infinite = aggregate_rewards(self._rewards_per_func, self.reward_weights, count_on_device=True)
+        # both read in one transfer (one host sync; all ranks' rewards)
+        num_infinite, unscored = torch.stack([num_infinite, torch.isnan(rewards).all()]).tolist()
+        self._unscored_batch = bool(unscored)
         if num_infinite:
             self.advice("nonfinite_reward")
         if self._unscored_batch:

@@ -137,3 +137,12 @@ def test_the_trainer_chooses_by_the_simulated_budget_and_logs_why(room, cap, exp
     assert plan.on is (expect != "two_passes") and plan.replay is (expect == "replay")
     assert "memory-aware" in caplog.text and "Predicted: time (FLOPs)" in caplog.text and "iB" in caplog.text
     assert ("fits" if expect == "one_backward" else "does not fit") in caplog.text
+
+
+def test_torch_compile_is_refused_by_name_where_the_norms_are_needed():
+    with pytest.raises(ValueError, match=r"OBLRPOConfig.torch_compile=True is not supported.*Allowed values: "
+                                         r"torch_compile=False"):
+        OBLRPOConfig(**common_args(), torch_compile=True)
+    # without the norms (no SNR step, a proxy weight) nothing of OBLR-PO's hooks the model: allowed
+    config = OBLRPOConfig(**common_args(), torch_compile=True, snr_lr=False, grad_norm_estimator="length")
+    assert config.torch_compile

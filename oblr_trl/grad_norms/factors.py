@@ -46,7 +46,25 @@ SPLIT_ROW_PRODUCTS = ("cuda",)
 # a time, into one product by summed_self_products: a few operator calls instead of one per parameter.
 SMALL_MATERIALIZED = 1 << 20
 SMALL_BATCH = 64
+# TRL's fused head holds (up to HEAD_TILE_TOKENS tokens) x vocab float32 logits at a time; the head's passes here take
+# vocabulary chunks of at most 1 / HEAD_TILE_SHARE of that (tokens x chunk float32), VOCAB_CHUNK columns at least
+# (issue 56: 4 chunks instead of 19 at 2,048 tokens, each some 40 operator calls, within GRPO's head memory)
+HEAD_TILE_TOKENS = 4096
+HEAD_TILE_SHARE = 4
 _OUT_DTYPE = {"ok": True}  # whether torch.mm/bmm(..., out_dtype=torch.float32) works here (CUDA, torch >= 2.8)
+
+
+def vocab_chunk(tokens: int, vocab: int) -> int:
+    """Vocabulary columns per chunk of the head's passes over ``tokens`` scored tokens: equal chunks of at least
+    ``VOCAB_CHUNK`` columns, each a ``(tokens, chunk)`` float32 buffer of at most ``1 / HEAD_TILE_SHARE`` of the
+    logits tile TRL's fused head holds (``min(tokens, HEAD_TILE_TOKENS) x vocab``): fewer chunks (fewer operator
+    calls) where the tokens are few, no more memory than GRPO's head holds."""
+    budget = min(tokens, HEAD_TILE_TOKENS) * vocab // HEAD_TILE_SHARE
+    chunk = max(VOCAB_CHUNK, budget // max(1, tokens))
+    if chunk >= vocab:
+        return max(1, vocab)
+    chunks = -(-vocab // chunk)
+    return -(-vocab // chunks)
 
 
 def half_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
@@ -724,7 +742,13 @@ def _block_sums(prod: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _summed_left_grams(group: list[Factored]) -> torch.Tensor:
-    """``sum_u gram(u.left, u.left)`` over dense usages: float32 Grams accumulated in place by ``baddbmm``."""
+    """``sum_u gram(u.left, u.left)`` over dense usages: one Gram of their factors concatenated along the features
+    (the sum of their Grams: one batched product instead of one per usage, issue 56) where they share a dtype and
+    shape; else float32 Grams accumulated in place by ``baddbmm``."""
+    lefts = [u.left.t for u in group]
+    if len(lefts) > 1 and len({(t.dtype, t.shape[:-1]) for t in lefts}) == 1:
+        joined = Dense(torch.cat(lefts, dim=-1))
+        return gram(joined, joined)
     total = None
     for u in group:
         if total is not None and half_dtype(u.left.t) is None:

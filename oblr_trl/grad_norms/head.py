@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import factors
-from .factors import VOCAB_CHUNK, Dense, Factored, SoftmaxDelta, as_operand, head_logits, mm32
+from .factors import Dense, Factored, SoftmaxDelta, as_operand, head_logits, mm32
 
 
 @torch.no_grad()
@@ -21,7 +21,8 @@ def lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, wei
     chunks of the softmax delta as the output gradient (:func:`~.factors.head_self_products`), else None: the widest
     tensors of the pass are then formed twice (log-sum-exp, then delta) instead of three times."""
     lse = torch.full(h.shape[:-1], -float("inf"), device=h.device)
-    chunks = [(start, min(start + VOCAB_CHUNK, weight.shape[0])) for start in range(0, weight.shape[0], VOCAB_CHUNK)]
+    size = factors.vocab_chunk(h.shape[0] * h.shape[1], weight.shape[0])  # VOCAB_CHUNK columns at least
+    chunks = [(start, min(start + size, weight.shape[0])) for start in range(0, weight.shape[0], size)]
     for start, end in chunks:
         z, _ = head_logits(h, weight[start:end], None if bias is None else bias[start:end], alpha, softcap)
         lse = torch.logaddexp(lse, torch.logsumexp(z, dim=-1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from contextlib import contextmanager
 from contextvars import ContextVar
+import weakref
 
 import torch
 from torch import nn
@@ -247,7 +248,8 @@ class _Capture:
         def grad_hook(grad, record=record):
             if self.closed:
                 return
-            record.output_grad = batch_rows(grad.detach(), self.batch, record.module, "output gradient")
+            grad = grad.detach() if grad.requires_grad else grad  # a hook's gradient carries no graph (an op saved)
+            record.output_grad = batch_rows(grad, self.batch, record.module, "output gradient")
             if record.activation is not None:
                 self.ready(record)
 
@@ -260,7 +262,14 @@ class _Capture:
         (what its weight gradient, and so its per-sample gradients, are made of: the same cast the backward's
         ``autocast_operands`` would make), once for the layers that read one input. Half the bytes held to the
         backward, and the float32 input is freed as GRPO's backward frees it."""
-        x = x.detach()
+        # the layers reading one input (q/k/v, gate/up; q_norm runs between q and k) share one detached view; held
+        # weakly, so that nothing here outlives the records that use it (checkpointing's recomputed inputs)
+        recent = self.cast.setdefault("detached", [])
+        found = next((d() for src, d in recent if src() is x), None)
+        if found is None:
+            found = x.detach()
+            recent[:] = [*recent[-3:], (weakref.ref(x), weakref.ref(found))]
+        x = found
         if not (isinstance(module, nn.Linear) and x.dtype == torch.float32 and output.dtype in factors.HALF
                 and x.device.type in factors.HALF_OPERAND_DEVICES):
             return x

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .factors import (
-    VOCAB_CHUNK,
+    vocab_chunk,
     Factored,
     Materialized,
     SoftmaxDelta,
@@ -119,6 +119,7 @@ class PerSequenceGradients:
     # float32 elements of the LM head's (B, T, rows) softmax slice in accumulate_grad: at most what the head pass's own
     # vocabulary chunks hold at 8,192 tokens (each slice costs some 30 operator calls)
     HEAD_BUDGET = 1 << 26
+    head_rows = None  # rows of the head's weight formed at a time in the update (None: factors.vocab_chunk's)
 
     @torch.no_grad()
     def accumulate_grad(self, scale: torch.Tensor, group_size: int | None = None) -> torch.Tensor | None:
@@ -175,7 +176,10 @@ class PerSequenceGradients:
         step = max(1, min(rows, self.ROW_BUDGET // max(1, nb * cols)))
         for u in param_usages:  # the LM head's (B, T, rows) softmax slice is a buffer too
             if isinstance(u, Factored) and isinstance(u.left, SoftmaxDelta):
-                step = min(step, VOCAB_CHUNK, max(1, self.HEAD_BUDGET // (self.batch * u.right.t.shape[1])))
+                # the head pass's chunks (factors.vocab_chunk: few where the tokens are few), or ``head_rows``
+                # (the replayed update's VOCAB_CHUNK: it runs beside the weight gradients, at GRPO's peak)
+                rows_at_once = self.head_rows or vocab_chunk(self.batch * u.right.t.shape[1], rows)
+                step = min(step, rows_at_once, max(1, self.HEAD_BUDGET // (self.batch * u.right.t.shape[1])))
         if not param_usages:
             return torch.zeros(rows, cols, device=self.device)
         grad = None if step >= rows else torch.zeros(rows, cols, device=self.device)
@@ -187,8 +191,8 @@ class PerSequenceGradients:
                 part.add_(more)
             if sq_parts is not None:
                 sq_parts.append(part.pow(2).sum(dim=(1, 2), dtype=sq_dtype))
-            if grad is None:
-                return part.sum(0)
-            grad[start:end] = part.sum(0)
+            if grad is None:  # one block: its rows as they are (the caller reshapes; no copy, one call fewer)
+                return part.sum(0) if nb > 1 else part
+            torch.sum(part, 0, out=grad[start:end])  # into its rows: one call fewer than a sum and a copy
         return grad
 
