@@ -368,8 +368,13 @@ def render(result: dict, args, command: str) -> str:
         "gradients, `accumulate_grad`); a step of N prompts is N groups drawn from the pool, its SNR and factor "
         "N SNR/(1+N SNR) from `oblr_trl.step_size.snr_step_size` on that step's sum of ||H_q||^2 and ||G||^2. "
         f"{args.draws} draws per N, without replacement unless marked. `per_step`: the paper's estimate from the step "
-        "alone (also every estimator's first step). Default: `ema_soft` (beta 0.9) after "
-        f"{args.chain} steps whose batches are independent draws at these same parameters.",
+        "alone (also every estimator's first step); SNR clipped at 0 as the trainer clips it; factor 0: steps whose "
+        "signal estimate is <= 0 (they do not move). Default: `ema_soft` (beta 0.9) after "
+        f"{args.chain} steps whose batches are independent draws at these same parameters. Without replacement, a "
+        "draw of N of the pool's M groups varies less than a fresh batch of N would (by about sqrt((M-N)/(M-1)) for "
+        "a mean: 0.71 at 64 of 128), and N = M does not vary at all; the rows with replacement (a bootstrap: fresh "
+        "batches from the pool) show the spread of a fresh batch, but their SNR is the pool's plug-in value, biased "
+        "up by about 1/M (doubled where the SNR is near 1/M): read their spread, not their mean.",
         "",
     ]
     for name, rec in recs.items():
