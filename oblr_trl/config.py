@@ -260,7 +260,7 @@ class OBLRPOConfig(GRPOConfig):
             "help": "The most device memory (GiB) OBLR-PO's automatic choice (one_backward=None) may add to GRPO's "
             "predicted peak to take one_backward. Default None: on a GPU, whatever its predicted peak (x1.25) leaves "
             "of the free memory (torch.cuda.mem_get_info, the per-process memory fraction, the optimizer's state to "
-            "come, a margin of 5% of the device, at least 1 GiB); where it does not fit, the replayed update or two "
+            "come, a margin of 5 percent of the device, at least 1 GiB); where it does not fit, the replayed update or two "
             "passes (GRPO's memory). 0: never more than GRPO's peak. Off a GPU with None: the ratio targets (1.1x "
             "GRPO's peak under checkpointing, 1.2x without). The choice, its reason, predicted time and bytes are "
             "logged once."

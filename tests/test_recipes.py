@@ -22,6 +22,7 @@ RECIPES = sorted((EXAMPLES / "recipes").glob("*.yaml"))
 RECIPES_README = (EXAMPLES / "recipes" / "README.md").read_text()
 FULL_FINETUNING = {"qwen3_4b_base_math.yaml": "Qwen/Qwen3-4B-Base", "qwen3_8b_base_math.yaml": "Qwen/Qwen3-8B-Base"}
 ONE_GPU = "qwen3_4b_base_math_1gpu.yaml"
+QLORA = "qwen3_4b_base_math_qlora_24gb.yaml"
 CPU_RECIPES = ("tiny_cpu.yaml", "smollm2_cpu.yaml", "tiny_cpu_zero2.yaml")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -56,7 +57,7 @@ def _restore_env(monkeypatch):
 
 # ------------------------------------------------------------------ recipes
 def test_all_expected_recipes_exist():
-    assert {p.name for p in RECIPES} >= {*CPU_RECIPES, ONE_GPU, *FULL_FINETUNING}
+    assert {p.name for p in RECIPES} >= {*CPU_RECIPES, ONE_GPU, QLORA, *FULL_FINETUNING}
 
 
 def test_cpu_recipes_name_their_model_and_smollm2_cpu_holds_the_demos_measured_settings():
@@ -105,7 +106,7 @@ def test_recipe_parses_into_oblrpo_config_and_its_arithmetic_holds(recipe):
     assert (config.num_generations, prompts) == (8, 128)
     assert script_args.dataset_name and script_args.reward_funcs == ["accuracy_reward"]
     assert (config.baseline, config.snr_lr, config.scale_rewards) == ("gradient_weighted", True, "none")
-    assert config.bf16 and config.use_vllm
+    assert config.bf16 and (config.use_vllm or recipe.name == QLORA)
     assert config.save_total_limit == 2
     assert config.report_to and set(config.report_to) & {"trackio", "wandb", "tensorboard"}, config.report_to
     if recipe.name in FULL_FINETUNING:
@@ -113,9 +114,22 @@ def test_recipe_parses_into_oblrpo_config_and_its_arithmetic_holds(recipe):
         assert config.vllm_mode == "server"
         # fp32 master weights under bf16 autocast: updates at lr ~1e-6 round away on bf16 weights
         assert model_args.dtype == "float32" and not model_args.use_peft
+    elif recipe.name == QLORA:  # one 24 GB GPU: a 4-bit base under LoRA, no second (vLLM) copy of the weights
+        assert processes == 1 and model_args.use_peft and not config.use_vllm
+        assert model_args.model_name_or_path == "Qwen/Qwen3-4B-Base"
     else:
         assert recipe.name == ONE_GPU and processes == 1
         assert config.vllm_mode == "colocate" and model_args.use_peft  # bf16 base, fp32 adapters (PEFT's default)
+
+
+def test_the_qlora_recipe_loads_a_4bit_nf4_double_quantized_base():
+    from trl import get_quantization_config
+
+    _, _, model_args = parse_recipe(EXAMPLES / "recipes" / QLORA)
+    quantization = get_quantization_config(model_args)
+    assert quantization.load_in_4bit and quantization.bnb_4bit_quant_type == "nf4"
+    assert quantization.bnb_4bit_use_double_quant
+    assert "qwen3_4b_base_math_qlora_24gb.yaml" in RECIPES_README
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
