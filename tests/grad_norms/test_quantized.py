@@ -160,3 +160,33 @@ def test_undoing_the_repacking_warns_once_naming_the_layers(saved, caplog):
     assert len(caplog.records) == (1 if undone else 0)
     if has_avx512bf16():
         assert undone and undone[0] in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("fmt", ["torchao-int8", "quanto-int8", "quanto-int4"])
+def test_other_quantized_bases_under_lora_are_exact(fmt, tmp_path):
+    """Quantization formats beyond bitsandbytes that run on a CPU, through transformers' own loading: exact, or
+    (were they not) refused by the probe; never silently wrong."""
+    import transformers
+
+    if fmt.startswith("torchao"):
+        pytest.importorskip("torchao")
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        config = transformers.TorchAoConfig(Int8WeightOnlyConfig())
+    else:
+        pytest.importorskip("optimum.quanto")
+        config = transformers.QuantoConfig(weights=fmt.split("-")[1])
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+                     ).save_pretrained(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.float32,
+                                                device_map="cpu")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0,
+                                                      init_lora_weights="gaussian")).eval()
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    expected = per_sample_sq_norms(model, ids, attention, completion_mask)
+    assert validate(model) == []
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask).double()
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-9)
