@@ -190,3 +190,24 @@ def test_other_quantized_bases_under_lora_are_exact(fmt, tmp_path):
     assert validate(model) == []
     ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask).double()
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-9)
+
+
+def test_a_quantized_model_that_cannot_run_in_float32_is_judged_as_it_computes_with_a_warning(saved, monkeypatch,
+                                                                                             caplog):
+    """The one exception to 1e-4: a forward that fails with the floats upcast (a kernel without float32) is probed
+    as it computes, within NATIVE_HALF_RTOL, and says so."""
+    model = qlora(saved, compute=torch.bfloat16)
+    real, rtols = coverage._probe, []
+
+    def failing_upcast(model, lm, params, shown, modules, rtol):
+        rtols.append(rtol)
+        if len(rtols) == 1:  # the float32 look: its pass fails
+            return [coverage.Unsupported("", "LlamaForCausalLM", "the per-sequence gradient pass fails on it: "
+                                         "RuntimeError: no float32 kernel")]
+        return real(model, lm, params, shown, modules, rtol)
+
+    monkeypatch.setattr(coverage, "_probe", failing_upcast)
+    with caplog.at_level(logging.WARNING, logger="oblr_trl.grad_norms.coverage"):
+        assert validate(model) == []
+    assert rtols == [coverage.RTOL, coverage.NATIVE_HALF_RTOL]
+    assert any("cannot be checked in float32" in r.getMessage() for r in caplog.records)
