@@ -71,11 +71,9 @@ OUT = RESULTS / "prompts_per_step"
 WORK = ROOT / "outputs" / "prompts_per_step"
 NS = [8, 16, 32, 64, 128]
 QUICK_NS = [2, 4, 8, 16]
-# Stage 2 as issue 58 specifies it (GRPO at its best lr of the lr window, 1.5e-4, against OBLR-PO at its best eta_max,
-# 3.33e-3 = 22.2 x that; 3 seeds, 20 steps, 64 prompts x 8 per step in micro-batches of 32), through the ablation's
-# resumable runner (a run's record is kept when it ends; a run killed with its session is lost whole). Its
-# --finish_by reckons 1 min a step (N = 8): at N = 64 a step takes about 8x that, so a session passes --stop_launching
-# HH:MM (UTC), at least 150 min before it ends, instead. Not run: see STAGE2_STATUS.
+# Stage 2 as issue 58 specifies it, through the ablation's resumable runner (GRPO at 1.5e-4 vs OBLR-PO at 3.33e-3 =
+# 22.2x, the lr window's best). Its --finish_by reckons N = 8's 1 min a step (N = 64: ~8x): pass --stop_launching
+# HH:MM (UTC) at least 150 min before the session ends (a run killed with its session is lost whole).
 STAGE2_COMMAND = (
     "OMP_NUM_THREADS=1 nohup nice -n 10 .venv/bin/python benchmarks/ablation.py --arms GRPO OBLR-PO --seeds 0 1 2 "
     "--max_steps 20 --eval_every 10 --grpo_lr 1.5e-4 --eta_multiple 22.2 --lr_check_arms --long_arms "
@@ -136,9 +134,8 @@ def summary(values: list[float]) -> dict:
     if not v:
         return dict(n=0, mean=math.nan, std=math.nan, p5=math.nan, p50=math.nan, p95=math.nan)
 
-    def pct(p: float) -> float:
-        pos = p * (len(v) - 1)
-        lo, hi = math.floor(pos), math.ceil(pos)
+    def pct(p: float) -> float:  # linear interpolation, as numpy.percentile's default
+        lo, hi, pos = math.floor(p * (len(v) - 1)), math.ceil(p * (len(v) - 1)), p * (len(v) - 1)
         return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
     return dict(n=len(v), mean=statistics.fmean(v), std=statistics.stdev(v) if len(v) > 1 else 0.0, p5=pct(0.05),
@@ -275,10 +272,6 @@ def build_trainer(args, d, trained: Path | None):
     return trainer, train
 
 
-def flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
-
-
 def measure(args, name: str, trained: Path | None) -> dict:
     """One checkpoint's pool: sample, score, per-group gradients, their Gram matrix (see the module)."""
     from oblr_trl.advantages import compute_advantages
@@ -325,7 +318,8 @@ def measure(args, name: str, trained: Path | None) -> dict:
                 only = torch.zeros_like(a)
                 only[q * G : (q + 1) * G] = a[q * G : (q + 1) * G]
                 grads.accumulate_grad(-only)
-                vectors[(s * G + m) // G + q] = flat_grad(params)
+                vectors[(s * G + m) // G + q] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                                                           .reshape(-1).float() for p in params])
             for p in params:
                 p.grad = None
             del grads
