@@ -21,7 +21,8 @@ Design:
   first step excluded.
 * **Robust for one call**: each row is written as soon as it is measured; a row that fails (an OOM, a missing
   package) is recorded with its error and the run goes on; rows past ``--budget_s`` seconds are skipped (the first
-  row's repeat at the end, which shows a warm-up artefact, included). The device and the date are printed first.
+  row's repeat at the end, which shows a warm-up artefact, included). The device and the date are printed first; with
+  ``$OUT`` set (the device tool's folder that comes back) the results are copied there after every row.
 
     make bench-gpu                               # on a lent GPU: python3 benchmarks/bench_gpu.py (<= 8 min on an H100)
     python benchmarks/bench_gpu.py --device cpu --quick
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -161,7 +163,7 @@ def tight_fraction(trainer, cfg: dict, need_gib: float) -> tuple[float | None, s
     from oblr_trl import cost_model, one_backward
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    shape = one_backward.describe(trainer.model, cfg["batch"], PROMPT, cfg["completion"], 2, cfg["ckpt"], GROUP)
+    shape = one_backward_shape(trainer, cfg)
     smallest = min(cost_model.peak_bytes(shape, "one_backward", c) for c in cost_model.chunk_sizes(cfg["batch"], GROUP))
     limit = (torch.cuda.memory_allocated() + cost_model.margin_bytes(total)
              + one_backward.optimizer_state_pending(trainer.model, trainer.optimizer)
@@ -170,6 +172,13 @@ def tight_fraction(trainer, cfg: dict, need_gib: float) -> tuple[float | None, s
         return None, (f"a fraction that refuses one_backward ({limit / 2**30:.1f} GiB) would not hold GRPO's measured "
                       f"peak ({need_gib:.1f} GiB): not forced")
     return min(1.0, limit / total), f"fraction {limit / total:.3f} ({limit / 2**30:.1f} GiB of {total / 2**30:.0f})"
+
+
+def one_backward_shape(trainer, cfg: dict):
+    """The cost model's shape of ``trainer``'s model and a ``cfg`` micro-batch, in bf16 (the GPU's autocast)."""
+    from oblr_trl import one_backward
+
+    return one_backward.describe(trainer.model, cfg["batch"], PROMPT, cfg["completion"], 2, cfg["ckpt"], GROUP)
 
 
 def time_update(cfg: dict, mode: str, device: str, repeats: int, profile: bool = False, fraction=None,
@@ -474,7 +483,13 @@ def run(args, argv=None) -> int:
     if args.profile:
         return run_profile(args, res, stem, log)
     over = lambda: time.perf_counter() - started > args.budget_s  # noqa: E731
-    save = lambda: harness.write_results(args.out, stem, res, render(res))  # noqa: E731
+
+    def save():
+        written = harness.write_results(args.out, stem, res, render(res))
+        if os.environ.get("OUT"):  # the device tool's folder that comes back: a copy after every row
+            harness.write_results(Path(os.environ["OUT"]), stem, res, render(res))
+        return written
+
     for i, cfg in enumerate(configs):
         if args.tuning == "all" and i == RL_AFTER[args.quick]:  # after the core rows, before the larger models
             rl_step(args, res, width, log, over)
@@ -487,6 +502,7 @@ def run(args, argv=None) -> int:
     res["update"].append(dict(measure_row(first, args, res, log, over), repeat=True))  # a warm-up artefact shows
     js, md = save()
     log(f"wrote {js} and {md} in {time.perf_counter() - started:.0f} s")
+    print(render(res), flush=True)  # the table in the run's output too
     return 0
 
 

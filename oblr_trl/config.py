@@ -258,12 +258,12 @@ class OBLRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "The most device memory (GiB) OBLR-PO's automatic choice (one_backward=None) may add to GRPO's "
-            "predicted peak to take one_backward. Default None: on a GPU, whatever its predicted peak (x1.25) leaves "
-            "of the free memory (torch.cuda.mem_get_info, the per-process memory fraction, the optimizer's state to "
-            "come, a margin of 5 percent of the device, at least 1 GiB); where it does not fit, the replayed update or two "
-            "passes (GRPO's memory). 0: never more than GRPO's peak. Off a GPU with None: the ratio targets (1.1x "
-            "GRPO's peak under checkpointing, 1.2x without). The choice, its reason, predicted time and bytes are "
-            "logged once."
+            "predicted peak to take one_backward. Default None: on a GPU, one_backward wherever its predicted peak "
+            "(x1.25) fits the free memory (torch.cuda.mem_get_info, the per-process memory fraction, the optimizer's "
+            "state to come, a margin of 5 percent of the device, at least 1 GiB); where it does not fit, the replayed "
+            "update or two passes (GRPO's memory). 0: never more than GRPO's peak. Off a GPU with None: the ratio "
+            "targets (1.1x GRPO's peak under checkpointing, 1.2x without). The choice, its reason, predicted time and "
+            "bytes are logged once."
         },
     )
 
@@ -318,9 +318,9 @@ class OBLRPOConfig(GRPOConfig):
         if self.torch_compile and needs_norms(self):
             raise ValueError(
                 "OBLRPOConfig.torch_compile=True is not supported while OBLR-PO computes per-sequence gradient norms "
-                "(snr_lr=True, or grad_norm_estimator='exact' with a weighted baseline): their pass hooks every layer's "
-                "input and output gradient and calls the backbone and head itself, which a compiled model's graph "
-                "would bypass or break. Allowed values: torch_compile=False (the default); or snr_lr=False with "
+                "(snr_lr=True, or grad_norm_estimator='exact' with a weighted baseline): their pass hooks every "
+                "layer's input and output gradient and calls the backbone and head itself, which a compiled model's "
+                "graph would bypass or break. Allowed values: torch_compile=False (the default); or snr_lr=False with "
                 "grad_norm_estimator='logit' or 'length' (no norms).")
         if self.max_extra_memory_gib is not None and not self.max_extra_memory_gib >= 0:
             raise ValueError(f"OBLRPOConfig.max_extra_memory_gib={self.max_extra_memory_gib} is not allowed; allowed "

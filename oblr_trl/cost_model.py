@@ -275,7 +275,8 @@ def readable_bytes(b: float) -> str:
 
 
 def margin_bytes(total: float) -> float:
-    """The margin kept free on a device of ``total`` bytes: :data:`MARGIN_FRACTION` of it, at least :data:`MARGIN_MIN`."""
+    """The margin kept free on a device of ``total`` bytes: :data:`MARGIN_FRACTION` of it, at least
+    :data:`MARGIN_MIN`."""
     return max(MARGIN_MIN, MARGIN_FRACTION * total)
 
 

@@ -209,14 +209,18 @@ class Plan:
         self.enabled, self.chunk_rows, self.replay, self.decided = False, 0, False, True
 
     def decide(self, model, batch: dict, args, group_size: int, max_completion_length: int, device,
-               gather_min, budget: cost_model.Budget | None = None) -> str:
+               gather, optimizer=None, budget: cost_model.Budget | None = None) -> str:
         """The automatic choice (:func:`.cost_model.choose`: ``one_backward`` in the largest chunk of whole groups
         whose predicted peak bytes and FLOPs stay within the targets against GRPO's, else two passes), or, for
         ``one_backward=True``, that chunk (one group where none fits); and the two-pass path's norms-pass chunk
-        (:func:`.cost_model.norms_chunk`). The same on every rank (``gather_min``: the elementwise minimum over ranks
-        of a 1-D tensor). With ``budget`` (:func:`device_budget`: a GPU's free memory, or a cap) the choice is the
-        memory-aware one (:func:`.cost_model.choose_within`): ``one_backward`` wherever its predicted peak fits.
-        Returns the message to log."""
+        (:func:`.cost_model.norms_chunk`). The same on every rank (``gather``: the accelerator's, whose result's
+        elementwise minimum over ranks is taken). With a budget (``budget``, else :func:`device_budget`: a GPU's
+        free memory less the state ``optimizer`` has yet to allocate, or ``args.max_extra_memory_gib``) the choice
+        is the memory-aware one (:func:`.cost_model.choose_within`): ``one_backward`` wherever its predicted peak
+        fits. Returns the message to log."""
+        if budget is None:
+            budget = device_budget(device, getattr(args, "max_extra_memory_gib", None),
+                                   optimizer_state_pending(model, optimizer))
         rows = min(batch["prompt_ids"].shape[0], args.per_device_train_batch_size)
         shape = describe(model, rows, batch["prompt_ids"].shape[1], max_completion_length,
                          2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
@@ -229,7 +233,7 @@ class Plan:
         chunk = choice.chunk if self.enabled is None else cost_model.fitting_chunk(shape, **within)[0]
         chunks = [chunk, cost_model.norms_chunk(shape, **within)]
         if distributed:  # the same on every rank: the smallest
-            chunks = gather_min(torch.tensor(chunks, device=device)).tolist()
+            chunks = gather(torch.tensor(chunks, device=device)[None]).min(0).values.tolist()
         chunk, self.norms_chunk = (int(c) for c in chunks)
         if self.enabled is False:
             self.decided = True

@@ -126,9 +126,7 @@ class OBLRPOTrainer(GRPOTrainer):
         if not self.model.training:
             return output
         rewards, num_infinite = aggregate_rewards(self._rewards_per_func, self.reward_weights, count_on_device=True)
-        # both read in one transfer (one host sync; all ranks' rewards)
-        num_infinite, unscored = torch.stack([num_infinite, torch.isnan(rewards).all()]).tolist()
-        self._unscored_batch = bool(unscored)
+        num_infinite, self._unscored_batch = map(bool, torch.stack([num_infinite, torch.isnan(rewards).all()]).tolist())
         if num_infinite:
             self.advice("nonfinite_reward")
         if self._unscored_batch:
@@ -144,12 +142,8 @@ class OBLRPOTrainer(GRPOTrainer):
                 raise NotImplementedError("one_backward=True does not take image inputs: set one_backward=False.")
             plan.switch_off()
         if not plan.decided:
-            budget = one_backward.device_budget(  # a GPU's free memory (or the configured cap): the memory-aware choice
-                self.accelerator.device, self.args.max_extra_memory_gib,
-                one_backward.optimizer_state_pending(self.model, self.optimizer))
             logger.info(plan.decide(self.model, output, self.args, self.num_generations, self.max_completion_length,
-                                    self.accelerator.device, lambda t: self.accelerator.gather(t[None]).min(0).values,
-                                    budget=budget))
+                                    self.accelerator.device, self.accelerator.gather, self.optimizer))
         output["oblr_reward"] = rewards[rank * local_n : (rank + 1) * local_n]
         if weight_estimator(self.args.grad_norm_estimator).needs == "logit_proxy" and \
                 baseline_uses_weights(self.args.baseline):  # the proxy weights stand in for the norms

@@ -58,6 +58,7 @@ def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, ca
     def no_bnb(*a, **kw):
         raise ImportError("No module named 'bitsandbytes'")
 
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))  # the device tool's folder: a copy after every row
     monkeypatch.setattr(bench_gpu, "time_update", flaky)
     monkeypatch.setattr(bench_gpu, "build_qlora_base", no_bnb)
     monkeypatch.setattr(bench_gpu, "time_rl_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no generate")))
@@ -70,6 +71,7 @@ def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, ca
     assert res["rl"]["modes"]["grpo"]["error"] == "RuntimeError: no generate"
     text = (tmp_path / "f.md").read_text()
     assert "RuntimeError: CUDA out of memory" in text and "skipped: bitsandbytes does not import" in text
+    assert (tmp_path / "out" / "f.md").read_text() == text
     # past the budget every row is skipped, said so, and the table is still written
     assert bench_gpu.main(["--device", "cpu", "--quick", "--repeats", "1", "--budget_s", "0", "--out", str(tmp_path),
                            "--stem", "s"]) == 0
@@ -113,3 +115,33 @@ def test_slim_wheel_drops_the_members_and_their_record_lines(tmp_path):
         assert sorted(z.namelist()) == ["pkg-1.0.dist-info/RECORD", "pkg/__init__.py", "pkg/libpkg_cuda130.so"]
         assert "cuda118" not in z.read("pkg-1.0.dist-info/RECORD").decode()
         assert z.read("pkg/__init__.py") == b"x = 1\n"
+
+
+def test_the_memory_tight_fraction_refuses_one_backward_and_holds_grpos_peak(monkeypatch):
+    """The memory-tight row's per-process fraction (a GPU's queries replaced): what is allocated, the default's margin,
+    the optimizer's state to come and 0.9x one_backward's smallest need; not forced where GRPO's peak would not fit."""
+    import types
+
+    import torch
+    from datasets import Dataset
+
+    from oblr_trl import cost_model
+
+    cfg = dict(width="small", batch=8, completion=16, lora=False, ckpt=True)
+    model = bench_gpu.build_model("small", "cpu")
+    args = bench_gpu.config_args("auto", "cpu", per_device_train_batch_size=8, gradient_checkpointing=True,
+                                 max_completion_length=16)
+    trainer = bench_gpu.make_trainer("auto", model, args, bench_gpu.build_tokenizer(vocab_size=512),
+                                     Dataset.from_list([{"prompt": "x"}] * 8), False)
+    trainer.create_optimizer()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 * 2**30)
+    fraction, note = bench_gpu.tight_fraction(trainer, cfg, need_gib=1.0)
+    total = 80 * 2**30
+    pending = 8.0 * sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)  # Adam's state to come
+    room = cost_model.memory_room(fraction * total, total, 2 * 2**30, 2 * 2**30, fraction,
+                                  cost_model.margin_bytes(total), pending)
+    assert "fraction" in note and room < cost_model.MEMORY_SAFETY * min(
+        cost_model.peak_bytes(bench_gpu.one_backward_shape(trainer, cfg), "one_backward", c) for c in (8,))
+    assert bench_gpu.tight_fraction(trainer, cfg, need_gib=10.0)[0] is None  # GRPO's 10 GiB would not fit: not forced
