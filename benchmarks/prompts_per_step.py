@@ -48,6 +48,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -200,8 +201,7 @@ def load_demo():
 def demo_args(args, extra: list[str] = ()):
     """The demo's own argument namespace (its preset) for this study's model."""
     flags = ["--model", args.model, "--seed", str(args.seed)]
-    if args.task_config:
-        flags += ["--task_config", json.dumps(args.task_config)]
+    flags += shlex.split(args.demo_flags)
     if args.model == "tiny":
         flags += ["--warmup_steps", str(args.warmup_steps)]
     return load_demo().parse_args(flags + list(extra))
@@ -219,8 +219,7 @@ def train_checkpoint(args, steps: int) -> Path:
            "--max_steps", str(steps), "--skip_before_eval", "--output_dir", str(out)]
     if args.model == "tiny":
         cmd += ["--warmup_steps", str(args.warmup_steps), "--num_eval", "8", "--eval_samples", "1"]
-    if args.task_config:
-        cmd += ["--task_config", json.dumps(args.task_config)]
+    cmd += shlex.split(args.demo_flags)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -445,7 +444,8 @@ def main(argv=None) -> dict:
     p.add_argument("--chain", type=int, default=15, help="steps of the default estimator's chain")
     p.add_argument("--micro_batch", type=int, default=16, help="rows per gradient pass (a multiple of the group)")
     p.add_argument("--gen_prompts", type=int, default=8, help="prompts per generation call (the demo's step)")
-    p.add_argument("--task_config", type=json.loads, default={})
+    p.add_argument("--demo_flags", default="", help="more examples/demo.py flags, for its run and this study's "
+                   "trainer alike (e.g. '--task_config {\"max_digits\": 2} --max_completion_length 12')")
     p.add_argument("--warmup_steps", type=int, default=200, help="the tiny model's SFT warm-up")
     p.add_argument("--seed", type=int, default=0, help="the demo's seed (its run, its training problems)")
     p.add_argument("--prompt_seed", type=int, default=58)
