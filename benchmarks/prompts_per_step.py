@@ -88,9 +88,8 @@ STAGE2_STATUS = (
     "about 13 CPU-hours with their evaluations: more than the issue's 8 and than this session had left. Its memory "
     "at 512 completions a step (the issue's bound: 12 GB) is not measured yet: a 2-step pilot of each arm first. "
     "Note that both lrs were tuned at N = 8: at N = 64 OBLR-PO's factor, and so its applied lr, is about 2x what it "
-    "was at N = 8 at the start and 6-9x after 15 steps (the table above), while GRPO's lr stays where N = 8 put it; "
-    "and that this stage ran on the demo's one-digit sums, while the lr window and this command use the ablation's "
-    "1-2 digit sums (its TASK_ARGS), where the factor was not measured at N > 8.")
+    "was at N = 8 at the start and 6-9x after 15 steps (on the one-digit sums), while GRPO's lr stays where N = 8 "
+    "put it. The lr window and this command use the ablation's 1-2 digit sums (its TASK_ARGS); this table's task: ")
 DEFAULT_ESTIMATOR = "ema_soft"  # OBLRPOConfig.snr_estimator's default (checked in main against the config)
 
 
@@ -424,7 +423,10 @@ def render(result: dict, args, command: str) -> str:
                   f"**{'Run' if dec['run_stage2'] else 'Skip'} stage 2**: {dec['why']} (issue 58's rule: spread over "
                   f"the re-samples, or change between the checkpoints, >= {dec['threshold']:g}).", ""]
         if dec["run_stage2"] and not args.quick:
-            lines += [STAGE2_STATUS, "", "The command that runs it (resumable):", "", f"    {STAGE2_COMMAND}", ""]
+            task = ", ".join(f"{r['task']} {r['task_config'] or '(one-digit)'}, max {r['max_completion_length']} "
+                             f"tokens" for r in result["records"][:1])
+            lines += [STAGE2_STATUS + task + ".", "", "The command that runs it (resumable):", "",
+                      f"    {STAGE2_COMMAND}", ""]
     return "\n".join(lines)
 
 
@@ -460,8 +462,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true",
                    help="the tiny model, 16 prompts, N = 2..16, 2 demo steps, 50 draws (the tests' path)")
     args = p.parse_args(argv)
-    command = "python benchmarks/prompts_per_step.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
-                                                         ).rstrip()
+    command = shlex.join(["python", "benchmarks/prompts_per_step.py", *(sys.argv[1:] if argv is None else argv)])
     if args.quick:
         args.model, args.steps, args.prompts, args.ns, args.draws, args.chain = "tiny", 2, 16, QUICK_NS, 50, 5
         args.warmup_steps, args.decision_n = 5, 8
@@ -482,9 +483,8 @@ def main(argv=None) -> dict:
                 continue
             trained = train_checkpoint(args, args.steps) if name != "start" else None
             record = measure(args, name, trained)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record))
-            tmp.replace(path)
+            path.with_suffix(".tmp").write_text(json.dumps(record))
+            path.with_suffix(".tmp").replace(path)
     result = analyse(load_records(args.records, order), args)
     text = render(result, args, command)
     args.out.parent.mkdir(parents=True, exist_ok=True)
