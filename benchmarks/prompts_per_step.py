@@ -71,10 +71,9 @@ RECORDS = RESULTS / "prompts_per_step_runs"
 OUT = RESULTS / "prompts_per_step"
 WORK = ROOT / "outputs" / "prompts_per_step"
 NS = [8, 16, 32, 64, 128]
-QUICK_NS = [2, 4, 8, 16]
-# Stage 2 as issue 58 specifies it, through the ablation's resumable runner (GRPO at 1.5e-4 vs OBLR-PO at 3.33e-3 =
-# 22.2x, the lr window's best). Its --finish_by reckons N = 8's 1 min a step (N = 64: ~8x): pass --stop_launching
-# HH:MM (UTC) at least 150 min before the session ends (a run killed with its session is lost whole).
+QUICK = dict(model="tiny", steps=2, prompts=16, ns=[2, 4, 8, 16], draws=50, chain=5, warmup_steps=5, decision_n=8)
+# Stage 2 as issue 58 specifies it, by the ablation's resumable runner (GRPO 1.5e-4, OBLR-PO 22.2x: the window's best);
+# its --finish_by reckons 1 min a step (N = 64: ~8x), so pass --stop_launching 150 min before the session ends.
 STAGE2_COMMAND = (
     "OMP_NUM_THREADS=1 nohup nice -n 10 .venv/bin/python benchmarks/ablation.py --arms GRPO OBLR-PO --seeds 0 1 2 "
     "--max_steps 20 --eval_every 10 --grpo_lr 1.5e-4 --eta_multiple 22.2 --lr_check_arms --long_arms "
@@ -192,8 +191,7 @@ def stage2_decision(rows: dict[str, list[dict]], n: int = 64, threshold: float =
 # --------------------------------------------------------------------------------------------- measurement
 def load_demo():
     spec = importlib.util.spec_from_file_location("oblr_demo_script", ROOT / "examples" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
     return module
 
 
@@ -261,12 +259,14 @@ def build_trainer(args, d, trained: Path | None):
         train = without_questions_of(train, eval_dataset)
     options = {k: getattr(d, k) for k in load_demo().OBLR_OPTIONS if getattr(d, k) is not None}
     config = OBLRPOConfig(
-        **options, output_dir=str(args.work / "trainer"), max_steps=1, per_device_train_batch_size=d.per_device_train_batch_size,
-        gradient_accumulation_steps=1, num_generations=args.group_size, learning_rate=d.learning_rate,
+        **options, output_dir=str(args.work / "trainer"), max_steps=1, gradient_accumulation_steps=1,
+        per_device_train_batch_size=d.per_device_train_batch_size, num_generations=args.group_size,
+        learning_rate=d.learning_rate,
         lr_scheduler_type=d.lr_scheduler_type, max_completion_length=d.max_completion_length, temperature=1.0,
         seed=d.seed, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True)
-    trainer = OBLRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[make_reward_func(d.task, **d.task_config)],
-                            args=config, train_dataset=train, peft_config=peft_config)
+    reward = make_reward_func(d.task, **d.task_config)
+    trainer = OBLRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward], args=config,
+                            train_dataset=train, peft_config=peft_config)
     return trainer, train
 
 
@@ -395,14 +395,15 @@ def render(result: dict, args, command: str) -> str:
         lines += [
             f"## {name}: {rec['model']} after {rec['steps']} demo steps",
             "",
-            f"{rec['prompts']} prompts x {rec['group_size']} completions (task {rec['task']} {rec['task_config'] or ''}, "
-            f"max {rec['max_completion_length']} tokens, mean {rec['mean_completion_tokens']:.1f}); mean reward "
+            f"{rec['prompts']} prompts x {rec['group_size']} completions (task {rec['task']} "
+            f"{rec['task_config'] or ''}, max {rec['max_completion_length']} tokens, mean "
+            f"{rec['mean_completion_tokens']:.1f}); mean reward "
             f"{rec['reward_mean']:.3f}; {rec['groups_all_equal']} of {rec['prompts']} groups with all rewards equal "
             f"(H_q = 0); {rec['trainable_params']:,} trainable parameters; {rec['seconds'] / 60:.0f} min. "
             f"The pool's own SNR (all {rec['prompts']} groups): {f(pool['snr'], '.4f')}. "
             f"||H_q||^2 against the trainer's: max relative difference {rec['diag_check_max_rel_err']:.1e}."
-            + (f" The {rec['steps']}-step demo run's own log: mean SNR {f(rec['trained_run']['mean_snr'], '.4f')}, mean factor "
-               f"{f(rec['trained_run']['mean_lr_scale'])} (N = 8, ema_soft)." if rec.get("trained_run") else ""),
+            + (f" The {rec['steps']}-step demo run's own log: mean SNR {f(run['mean_snr'], '.4f')}, mean factor "
+               f"{f(run['mean_lr_scale'])} (N = 8, ema_soft)." if (run := rec.get("trained_run")) else ""),
             "",
         ]
         table = []
@@ -446,8 +447,9 @@ def main(argv=None) -> dict:
     p.add_argument("--chain", type=int, default=15, help="steps of the default estimator's chain")
     p.add_argument("--micro_batch", type=int, default=16, help="rows per gradient pass (a multiple of the group)")
     p.add_argument("--gen_prompts", type=int, default=8, help="prompts per generation call (the demo's step)")
-    p.add_argument("--demo_flags", default="", help="more examples/demo.py flags, for its run and this study's "
-                   "trainer alike (e.g. '--task_config {\"max_digits\": 2} --max_completion_length 12')")
+    p.add_argument("--demo_flags", default="", help="more examples/demo.py flags, one shell-quoted string, for its "
+                   "run and this study's trainer (e.g. \"--task_config '{\\\"max_digits\\\": 2}' "
+                   "--max_completion_length 12\")")
     p.add_argument("--warmup_steps", type=int, default=200, help="the tiny model's SFT warm-up")
     p.add_argument("--seed", type=int, default=0, help="the demo's seed (its run, its training problems)")
     p.add_argument("--prompt_seed", type=int, default=58)
@@ -464,8 +466,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     command = shlex.join(["python", "benchmarks/prompts_per_step.py", *(sys.argv[1:] if argv is None else argv)])
     if args.quick:
-        args.model, args.steps, args.prompts, args.ns, args.draws, args.chain = "tiny", 2, 16, QUICK_NS, 50, 5
-        args.warmup_steps, args.decision_n = 5, 8
+        vars(args).update(QUICK)
     if args.micro_batch % args.group_size or args.gen_prompts * args.group_size % args.micro_batch:
         p.error("--micro_batch must be a multiple of --group_size that divides --gen_prompts x --group_size")
     from oblr_trl import OBLRPOConfig
