@@ -47,6 +47,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # this checkout's oblr_trl
 import harness  # noqa: E402
 from studies.prepared import prepared_batch  # noqa: E402
+from studies import gpu_memory  # noqa: E402
+from studies.gpu_report import failure, profile_table, ran_of, render as render_results  # noqa: E402
 
 from oblr_trl.demo.tiny import build_tokenizer  # noqa: E402
 
@@ -156,29 +158,11 @@ def sync(device: str) -> None:
 
 
 def tight_fraction(trainer, cfg: dict, need_gib: float) -> tuple[float | None, str]:
-    """The per-process memory fraction for the memory-tight row: what is allocated now, the default's margin, the
-    optimizer's state to come and 0.9x what ``one_backward``'s smallest chunk would need (its predicted peak times
-    the default's safety factor), so that it cannot fit; ``None`` and why where that would not hold ``need_gib``
-    (GRPO's measured peak from the build, plus 5%), since GRPO must still run."""
-    from oblr_trl import cost_model, one_backward
-
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    shape = one_backward_shape(trainer, cfg)
-    smallest = min(cost_model.peak_bytes(shape, "one_backward", c) for c in cost_model.chunk_sizes(cfg["batch"], GROUP))
-    limit = (torch.cuda.memory_allocated() + cost_model.margin_bytes(total)
-             + one_backward.optimizer_state_pending(trainer.model, trainer.optimizer)
-             + 0.9 * cost_model.MEMORY_SAFETY * smallest)
-    if limit < 1.05 * need_gib * 2**30:
-        return None, (f"a fraction that refuses one_backward ({limit / 2**30:.1f} GiB) would not hold GRPO's measured "
-                      f"peak ({need_gib:.1f} GiB): not forced")
-    return min(1.0, limit / total), f"fraction {limit / total:.3f} ({limit / 2**30:.1f} GiB of {total / 2**30:.0f})"
+    return gpu_memory.tight_fraction(trainer, cfg, need_gib, PROMPT, GROUP)
 
 
 def one_backward_shape(trainer, cfg: dict):
-    """The cost model's shape of ``trainer``'s model and a ``cfg`` micro-batch, in bf16 (the GPU's autocast)."""
-    from oblr_trl import one_backward
-
-    return one_backward.describe(trainer.model, cfg["batch"], PROMPT, cfg["completion"], 2, cfg["ckpt"], GROUP)
+    return gpu_memory.one_backward_shape(trainer, cfg, PROMPT, GROUP)
 
 
 def time_update(cfg: dict, mode: str, device: str, repeats: int, profile: bool = False, fraction=None,
@@ -264,30 +248,6 @@ def time_update(cfg: dict, mode: str, device: str, repeats: int, profile: bool =
             torch.cuda.empty_cache()
 
 
-def ran_of(plan, batch: int) -> str:
-    """The path a trainer took, as ``cost_counts`` names it: ``grpo``, ``one_backward/<rows per chunk>``,
-    ``replay/<rows>`` or ``two_passes/<norms-pass rows>``."""
-    if plan is None:
-        return "grpo"
-    if plan.on:
-        return f"{'replay' if plan.replay else 'one_backward'}/{plan.chunk_rows or batch}"
-    return f"two_passes/{plan.norms_chunk or batch}"
-
-
-def profile_table(prof, cuda: bool, top: int = 25) -> dict:
-    """A profiled step: operators and kernels by self device time (CPU time off CUDA), the kernels launched, the host
-    syncs, and ``kernel_ms``: the kernels' time alone (an operator's self device time is its kernels', so a sum over
-    operators and kernels together counts each kernel twice)."""
-    events = prof.key_averages()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:top]
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
-    syncs = sum(e.count for e in events if "Synchronize" in e.key or e.key == "cudaMemcpyAsync")
-    timed = [e for e in events if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
-    return dict(launches=launches, syncs=syncs, kernel_ms=sum(getattr(e, key, 0) for e in timed) / 1e3,
-                top=[dict(op=e.key[:60], calls=e.count, ms=getattr(e, key, 0) / 1e3) for e in rows])
-
-
 def qlora_exactness(width: str, device: str, rows: int = 4, completion: int = 48) -> dict:
     """The engine's per-sequence squared norms on a 4-bit (nf4) base with LoRA r=16, fp32 compute, against one
     autograd backward per row: the largest relative error (the target: <= 1e-5)."""
@@ -367,78 +327,8 @@ def time_rl_step(mode: str, device: str, width: str, completion: int, steps: int
     return dict(seconds=step, generation=gen, share=gen / step, generator=generator)
 
 
-def failure(error: BaseException) -> dict:
-    """A row's failure as the table says it: the exception's type and first line."""
-    if torch.cuda.is_available():
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    return dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
-
-
-def _fmt_mode(v: dict, g: dict) -> list[str]:
-    if "error" in v:
-        return [v["error"], "", "", "", "", "", ""]
-    nan = float("nan")
-    ok = "error" not in g
-    ratio = lambda a, b: f"{a / b:.2f}x" if ok and b == b and b else "-"  # noqa: E731
-    return [v["ran"], f"{v['seconds'] * 1e3:.1f}", ratio(v["seconds"], g.get("seconds", nan)),
-            f"{v['flops'] / v.get('grpo_flops', g.get('flops', nan)):.2f}x", f"{v['peak_gib']:.2f}",
-            f"{v.get('step_peak_gib', nan):.2f}", ratio(v.get("step_peak_gib", nan), g.get("step_peak_gib", nan))]
-
-
 def render(res: dict) -> str:
-    m = res["machine"]
-    lines = ["# OBLR-PO against GRPO on a GPU: the update and the whole RL step", "",
-             f"Measured {m['date']} on **{res['device_name']}** with `{res['command']}` (torch {m['torch']}, "
-             f"transformers {m['transformers']}, trl {m['trl']}). Random-initialised Qwen3s (tied heads), "
-             f"{PROMPT} prompt tokens, groups of {GROUP}, bf16 autocast on a GPU. `auto`: OBLR-PO's default (on a GPU "
-             "memory-aware: `one_backward` wherever its predicted peak fits the free memory); `ran`: the path it "
-             "took and rows per chunk. `model FLOPs`: the FLOP model's ratio (`oblr_trl/cost_model.py`) for the path "
-             "that ran.", "", "## The update", ""]
-    rows = []
-    for r in res["update"]:
-        g = r["modes"].get("grpo", {"error": "not run"})
-        kind = {"tight": "memory-tight", "qlora": "QLoRA r=16 (nf4)"}.get(r.get("kind"), "")
-        tuning = kind if r.get("kind") == "qlora" else ("LoRA r=16" if r["lora"] else "full")
-        label = r.get("width", res.get("width", "")) + (" (again, last)" if r.get("repeat") else "") + (
-            f" ({kind})" if r.get("kind") == "tight" else "")
-        if r.get("skipped"):
-            rows.append([label, f"{r['batch']} x {r['completion']}", tuning, "on" if r["ckpt"] else "off", "-",
-                         f"skipped: {r['skipped']}", "", "", "", "", "", ""])
-            continue
-        for mode, v in r["modes"].items():
-            rows.append([label, f"{r['batch']} x {r['completion']}", tuning, "on" if r["ckpt"] else "off", mode,
-                         *_fmt_mode(v, g)])
-    lines += harness.md_table(["width", "B x C", "tuning", "ckpt", "mode", "ran", "ms", "time / GRPO",
-                               "model FLOPs / GRPO", "peak GiB from build", "peak GiB of the steps",
-                               "step peak / GRPO"], rows)
-    lines += ["", "`peak GiB from build`: allocated from the model's build through construction (OBLR-PO's coverage "
-              "probe), the optimizer's creation and the warm-up step; `of the steps`: over the timed steps alone."]
-    tight = [v for r in res["update"] if r.get("kind") == "tight" for v in r["modes"].values() if v.get("note")]
-    if tight:
-        lines += ["", f"Memory-tight row: `torch.cuda.set_per_process_memory_fraction`, {tight[0]['note']}."]
-    q = res.get("qlora")
-    if q is not None:
-        lines += ["", "## QLoRA: the norms against per-row autograd", "",
-                  f"skipped: {q['skipped']}" if "skipped" in q else
-                  f"failed: {q['error']}" if "error" in q else
-                  f"4-bit nf4 base, LoRA r=16 (B random), fp32 compute, {q['rows']} rows x {q['completion']} tokens: "
-                  f"largest relative error of the per-sequence squared norms {q['max_rel_err']:.2e} (target <= 1e-5)."]
-    if res.get("rl") is None:  # written after each update row, so a run stopped early still leaves its table
-        return "\n".join(lines + ["", "The whole RL step: not in this run.", ""])
-    rl = res["rl"]
-    gen = {"cb": "transformers continuous batching", "hf": "HF generate"}.get(rl.get("generator"), "HF generate")
-    lines += ["", f"## The whole RL step ({gen}, {rl['completion']} tokens per completion, full fine-tuning)", ""]
-    if rl.get("cb_error"):
-        lines += [f"Continuous batching did not run here ({rl['cb_error']}); HF generate instead.", ""]
-    g = rl["modes"].get("grpo", {})
-    lines += harness.md_table(["trainer", "s / step", "step / GRPO", "generation s", "generation's share"], [
-        [mode, v["error"], "", "", ""] if "error" in v else
-        [mode, f"{v['seconds']:.2f}", f"{v['seconds'] / g['seconds']:.2f}x" if "seconds" in g else "-",
-         f"{v['generation']:.2f}", f"{v['share']:.0%}"]
-        for mode, v in rl["modes"].items()])
-    return "\n".join(lines + [""])
+    return render_results(res, PROMPT, GROUP)
 
 
 def parse_args(argv=None):
