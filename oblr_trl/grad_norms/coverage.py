@@ -16,12 +16,17 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
    sequence's gradient as the engine forms it must equal autograd's gradient of that sequence's log-probability run
    alone, within the promise: relative error <= 1e-4 per parameter (plus a floor of 1e-7 of the whole gradient,
    for parameters whose gradient is nearly 0) and over all parameters together. It runs in float32 (a bf16/fp16
-   model is upcast while it runs, since bf16 logits are too coarse a reference; a quantized one runs as it is, at
-   0.2); a parameter that misses in float32 is looked at again with the whole model in float64, where the model's
-   own rounding is gone (the engine's float32 products leave about 1e-7), and only a miss there is refused. A
-   parameter where it does not hold (a share no hook sees, rows paired with the wrong sequence, a head transform the
-   engine does not compute), or a pass that fails, is refused by name before training. Before it, the head is checked
-   by observation (:mod:`.head_transform`).
+   model is upcast while it runs, since bf16 logits are too coarse a reference; a quantized base keeps its packed
+   weights and computes in float32, :mod:`.quantized`; only a model whose forward cannot run so is judged as it
+   computes, at 0.2, with a warning); a parameter that misses in float32 is looked at again with the whole model in
+   float64, where the model's own rounding is gone (the engine's float32 products leave about 1e-7), and only a miss
+   there is refused. A parameter where it does not hold (a share no hook sees, rows paired with the wrong sequence, a
+   head transform the engine does not compute), or a pass that fails, is refused by name before training. Before it,
+   the head is checked by observation (:mod:`.head_transform`).
+   What it checks is the model as the trainer runs it (:func:`trained_parameters`: under DDP, above PEFT, so a soft
+   prompt's encoder is checked, never skipped), against autograd on that model; and since autograd is the reference,
+   a backward through an operator with no backward formula (PyTorch's autograd fallback: bitsandbytes' CPU inference
+   kernel) is refused naming the operator, as autograd itself is wrong there (issue 55).
    This check also covers ``one_backward``: its update is the same per-sequence gradients, weighted. Cost: one
    engine pass of that batch and one forward+backward per sequence (twice where float32 misses), and two
    gradient-sized buffers while it runs (one sequence at a time: the engine's gradient and autograd's), so that
