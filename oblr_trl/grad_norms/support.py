@@ -210,10 +210,9 @@ def unsupported_modules(model: nn.Module) -> list[Unsupported]:
     """Every trainable module of ``model`` (a causal LM, possibly PEFT/DDP-wrapped) the exact norms do not cover, by
     type (the probe of :func:`~.coverage.validate` checks the rest by running them)."""
     lm = unwrap_causal_lm(model)
-    outside = outside_modules(model)
-    if outside or not any(p.requires_grad for p in lm.parameters()):
-        return outside + (coverage_plan(lm).unsupported if any(p.requires_grad for p in lm.parameters()) else [])
-    found: list[Unsupported] = []
+    found = outside_modules(model)
+    if not any(p.requires_grad for p in lm.parameters()):
+        return found
     head = output_head(lm)
     if not isinstance(head, nn.Linear):
         found.append(Unsupported("lm_head", type(head).__name__, "the LM head must be an nn.Linear"))
