@@ -151,3 +151,35 @@ def run_equivalence(tmp_path, nproc: int, per_device: int, mode: str = "ddp") ->
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+# ------------------------------------------- cost-model shapes and benchmark scripts (test_cost_*, memory, overhead)
+def qwen3_shape(width="0.6B", *, rows=8, completion=512, lora=False, ckpt=True, layers=28, prompt=32, vocab=151936):
+    """A Qwen3 of ``width`` (28 layers, its 151,936-token tied head) with a micro-batch of ``rows`` x (32 +
+    ``completion``) tokens, as :func:`oblr_trl.one_backward.describe` gives it (:class:`oblr_trl.cost_model.Shape`)."""
+    from oblr_trl import cost_model as cm
+
+    d, f = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}[width]
+    q, kv = 2048, 1024
+    base = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+    adapters = tuple((i, 16) for i, _ in base) + tuple((16, o) for _, o in base) if lora else ()
+    return cm.Shape(layers=layers, hidden=d, vocab=vocab, heads=16, head_dim=128,
+                    linears=tuple((i, o, not lora) for i, o in base), adapters=adapters, head_trainable=not lora,
+                    tied=True, rows=rows, prompt=prompt, completion=completion, itemsize=4, checkpointing=ckpt,
+                    group=8)
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def load_benchmark(name):
+    """``benchmarks/NAME.py`` as a module (its folder on the path, as when run as a script)."""
+    import importlib.util
+
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+

@@ -3,23 +3,14 @@ what the real tensors would."""
 
 import contextlib
 import json
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers import load_benchmark
 
-
-def load(name):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+load = load_benchmark
 
 
 counting = load("counting")

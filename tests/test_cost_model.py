@@ -6,18 +6,11 @@ at 28 layers, counted through training_step): each would fail if the rule picked
 import pytest
 import torch
 
+from helpers import qwen3_shape
 from oblr_trl import cost_model as cm
 
 
-def qwen3(width="0.6B", *, rows=8, completion=512, lora=False, ckpt=True, layers=28, prompt=32, vocab=151936):
-    d, f = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}[width]
-    q, kv = 2048, 1024
-    base = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
-    adapters = tuple((i, 16) for i, _ in base) + tuple((16, o) for _, o in base) if lora else ()
-    return cm.Shape(layers=layers, hidden=d, vocab=vocab, heads=16, head_dim=128,
-                    linears=tuple((i, o, not lora) for i, o in base), adapters=adapters, head_trainable=not lora,
-                    tied=True, rows=rows, prompt=prompt, completion=completion, itemsize=4, checkpointing=ckpt,
-                    group=8)
+qwen3 = qwen3_shape
 
 
 def test_without_checkpointing_the_default_takes_one_backward_whole():

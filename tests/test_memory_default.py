@@ -12,21 +12,11 @@ import torch
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl import cost_model as cm
 from oblr_trl import one_backward as ob
-from helpers import common_args, train
+from helpers import common_args, qwen3_shape, train
 GIB = 2**30
 
 
-def qwen3(width="0.6B", *, rows=8, completion=512, lora=False, ckpt=True, layers=28, prompt=32, vocab=151936):
-    """A Qwen3 of ``width`` (28 layers, its 151,936-token tied head) with a micro-batch of ``rows`` x (32 +
-    ``completion``) tokens, as :func:`oblr_trl.one_backward.describe` gives it."""
-    d, f = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}[width]
-    q, kv = 2048, 1024
-    base = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
-    adapters = tuple((i, 16) for i, _ in base) + tuple((16, o) for _, o in base) if lora else ()
-    return cm.Shape(layers=layers, hidden=d, vocab=vocab, heads=16, head_dim=128,
-                    linears=tuple((i, o, not lora) for i, o in base), adapters=adapters, head_trainable=not lora,
-                    tied=True, rows=rows, prompt=prompt, completion=completion, itemsize=4, checkpointing=ckpt,
-                    group=8)
+qwen3 = qwen3_shape
 
 
 def test_memory_room_takes_free_memory_the_allocators_cache_the_fraction_and_the_margin():

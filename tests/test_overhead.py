@@ -2,25 +2,15 @@
 counters on Qwen3-0.6B's real shapes, phantom tensors): OBLR-PO's default within 1.25x GRPO's operator calls and
 GRPO's host syncs + 2, and the head's vocabulary chunks sized by the tokens."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from oblr_trl.grad_norms import factors
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers import load_benchmark
 
-
-def load(name):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+load = load_benchmark
 
 
 def test_vocab_chunks_are_few_where_the_tokens_are_few_and_never_above_a_quarter_of_trls_tile():
