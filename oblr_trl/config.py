@@ -163,7 +163,8 @@ class OBLRPOConfig(GRPOConfig):
             memory-aware: `one_backward` (whole, else in the largest chunk) wherever its FLOPs are at most 1.3x
             GRPO's and its predicted peak, x1.25, fits the device's free memory (`torch.cuda.mem_get_info`, the
             per-process memory fraction, the optimizer's state to come, a margin of 5% of the device, at least
-            1 GiB) and `max_extra_memory_gib`; where it does not fit, under checkpointing, `one_backward` replayed
+            1 GiB), or is no more than GRPO's own predicted peak, and fits `max_extra_memory_gib`; where it does not
+            fit, under checkpointing, `one_backward` replayed
             (a second backward of its graph, GRPO's memory); else two passes. Off a GPU (no free-memory figure)
             without `max_extra_memory_gib`: `one_backward` in the largest chunk whose peak is at most 1.1x GRPO's
             under checkpointing (1.2x without), replayed or two passes otherwise. `True` takes that chunk, or one
@@ -260,7 +261,8 @@ class OBLRPOConfig(GRPOConfig):
             "help": "The most device memory (GiB) OBLR-PO's automatic choice (one_backward=None) may add to GRPO's "
             "predicted peak to take one_backward. Default None: on a GPU, one_backward wherever its predicted peak "
             "(x1.25) fits the free memory (torch.cuda.mem_get_info, the per-process memory fraction, the optimizer's "
-            "state to come, a margin of 5 percent of the device, at least 1 GiB); where it does not fit, the replayed "
+            "state to come, a margin of 5 percent of the device, at least 1 GiB) or is no more than GRPO's own "
+            "predicted peak; where it does not fit, the replayed "
             "update or two passes (GRPO's memory). 0: never more than GRPO's peak. Off a GPU with None: the ratio "
             "targets (1.1x GRPO's peak under checkpointing, 1.2x without). The choice, its reason, predicted time and "
             "bytes are logged once."

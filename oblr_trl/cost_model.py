@@ -293,8 +293,12 @@ def memory_room(free: float, total: float, allocated: float, reserved: float, fr
 
 def fits(predicted: float, grpo: float, budget: Budget) -> bool:
     """Whether a path predicted to peak at ``predicted`` bytes (GRPO's update: ``grpo``) fits ``budget``:
-    :data:`MEMORY_SAFETY` times the prediction within its room, and what it adds to GRPO's within its cap."""
-    return MEMORY_SAFETY * predicted <= budget.room and (budget.cap is None or predicted - grpo <= budget.cap)
+    :data:`MEMORY_SAFETY` times the prediction within its room, or no more than GRPO's own peak (it then runs wherever
+    GRPO's update runs: the safety factor is for what a path adds, and a large batch whose GRPO peak nearly fills the
+    device must not be pushed into chunks that cost operator calls and host syncs); and what it adds to GRPO's within
+    its cap."""
+    within_room = MEMORY_SAFETY * predicted <= budget.room or predicted <= grpo
+    return within_room and (budget.cap is None or predicted - grpo <= budget.cap)
 
 
 def _largest_fitting(s: Shape, mode: str, budget: Budget) -> tuple[int, float]:

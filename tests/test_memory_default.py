@@ -35,6 +35,22 @@ def test_fits_weighs_the_prediction_with_its_safety_factor_and_the_cap():
     assert cm.fits(100, 90, budget) and not cm.fits(101, 90, budget)
     assert cm.fits(100, 90, cm.Budget(float("inf"), cap=10)) and not cm.fits(100, 89, cm.Budget(float("inf"), cap=10))
     assert cm.fits(80, 90, cm.Budget(float("inf"), cap=0))  # less than GRPO's: within a cap of 0
+    # no more than GRPO's own peak fits wherever GRPO's does, safety factor or not; more than it needs the room
+    assert cm.fits(90, 90, cm.Budget(room=95.0)) and cm.fits(80, 90, cm.Budget(room=0.0))
+    assert not cm.fits(91, 90, cm.Budget(room=100.0))
+
+
+def test_a_batch_whose_grpo_peak_nearly_fills_the_device_is_not_chunked_where_one_backward_needs_no_more():
+    """LoRA without checkpointing at 64 x 512 on Qwen3-0.6B's 151,936-token head: GRPO's own peak x1.25 exceeds the
+    room, one_backward whole needs no more than GRPO: it runs whole (chunks cost operator calls and host syncs:
+    3.00x GRPO's calls, +10 syncs, counted), not in chunks."""
+    shape = qwen3(rows=64, lora=True, ckpt=False)
+    p = _peaks(shape)
+    assert p["one_backward"] <= p["grpo"]
+    room = 1.1 * p["grpo"]  # GRPO fits, but not with the safety factor
+    assert cm.MEMORY_SAFETY * p["one_backward"] > room
+    choice = cm.choose_within(shape, cm.Budget(room=room))
+    assert choice.one_backward and not choice.replay and choice.chunk == 64, choice
 
 
 def _peaks(shape):
