@@ -7,22 +7,38 @@ Design:
   override runs on top, so its norms are timed). Modes: GRPO, OBLR-PO's default (``auto``: memory-aware on a GPU,
   issue 56), ``one_backward``, two passes, not every mode on every row. Models: random Qwen3s of Qwen3-0.6B's,
   Qwen3-1.7B's and Qwen3-4B's widths and depths with their real 151,936-token tied heads, bf16 autocast, full
-  fine-tuning or LoRA r=16 on all linear layers, gradient checkpointing off and on (TRL's default). Medians of
-  ``--repeats`` steps after a warm-up; beside each ratio, the FLOP model's (``cost_model.flops`` of
-  ``one_backward.describe(model)``) for the path that ran, and the peaks.
+  fine-tuning or LoRA r=16 on all linear layers, gradient checkpointing off and on (TRL's default); beside each
+  ratio, the FLOP model's (``cost_model.flops`` of ``one_backward.describe(model)``) for the path that ran.
+* **Paired timing** (``studies/paired.py``): timed one mode after another, identical paths differed by up to 1.5x on
+  the H100 (2026-11-27), so a row's trainers now live together (one seeded model copy each), each warmed up once
+  (``auto`` built first, so its memory-aware choice sees the device as alone), then ``--repeats`` rounds of one step
+  of each, the order rotated every round. ``time / GRPO`` is the median of the per-round ratios, with their range.
+  Memory is each trainer's own, above what was allocated before its build (``gpu_memory.Meter``): the peak from its
+  build, and its resident bytes plus the largest rise of a step. Timed alone (one trainer at a time, as before): the
+  memory-tight row (its fraction binds the process) and Qwen3-1.7B's full fine-tuning (two hold ~51 GiB).
 * **A memory-tight row**: ``torch.cuda.set_per_process_memory_fraction`` set so that GRPO's measured peak fits but
   ``one_backward``'s predicted peak does not: the default must fall back (replayed or two passes), without an OOM.
 * **A QLoRA row**: a bitsandbytes 4-bit (nf4) base with LoRA r=16: the norms against per-row autograd (fp32 compute,
   relative error), then the update's cost against GRPOTrainer's. Skipped, saying why, where bitsandbytes does not
   import (it travels as a wheel: ``make gpu-wheels``).
-* **The whole RL step**: ``trainer.train()`` of each trainer for ``--rl_steps`` steps with the fastest generator TRL
-  offers here (``use_transformers_continuous_batching=True`` where it runs, else HF ``generate``) at a fixed
-  completion length, the step's time and generation's share of it (the time inside TRL's ``_generate_single_turn``),
-  first step excluded.
+* **The whole RL step**, last: ``trainer.train()`` of each trainer for one warm-up step and ``--rl_steps`` (1) timed
+  ones with the fastest generator TRL offers here (``use_transformers_continuous_batching=True`` where it runs, else
+  HF ``generate``) at a fixed completion length, the step's time and generation's share of it (the time inside
+  TRL's ``_generate_single_turn``). ~30 s a step on the H100, 99% generation: the least wanted per second.
 * **Robust for one call**: each row is written as soon as it is measured; a row that fails (an OOM, a missing
-  package) is recorded with its error and the run goes on; rows past ``--budget_s`` seconds are skipped (the first
-  row's repeat at the end, which shows a warm-up artefact, included). The device and the date are printed first; with
-  ``$OUT`` set (the device tool's folder that comes back) the results are copied there after every row.
+  package) is recorded with its error and the run goes on; rows, the first row's repeat (which shows a warm-up
+  artefact) and the RL step starting past ``--budget_s`` (330) seconds are skipped. The device and the date are
+  printed first; with ``$OUT`` set (the device tool's folder that comes back) the results are copied there after
+  every row.
+
+Expected on an H100: ~275 s for the update rows and the repeat, then ~125 s for the RL step: ~400 s, ~430 s with
+the imports and ``make``'s wheels (the 10-minute call holds it; ~8 minutes at worst: the RL step starts by 330 s or not at all).
+Estimated from the run of 2026-11-27 (``results/gpu/bench_gpu_nvidia_h100_2026-11-27.log``): its rows' wall times
+where measured (8.7-22.7 s; the QLoRA row with its check 48 s; the steps are as many as before, one warm-up and
+``--repeats`` per trainer, only interleaved); elsewhere 5 steps per trainer at ms fitted to the measured rows against
+the FLOP model's FLOPs (full, checkpointing: ~190 ms + 2.8 ms/TFLOP; LoRA: ~350 ms + 3.6; ``auto`` ~1.45x GRPO's)
+plus ~2 s a build (3-5 s at 1.7B and 4B): 8 x 2048 LoRA 13 s, Qwen3-1.7B 12 and 15 s, Qwen3-4B 26 s, 8 x 4096 LoRA
+20 s, 16 x 1024 9 s; the RL step: 4 steps at the ~30 s its 8 took then (238 s).
 
     make bench-gpu                               # on a lent GPU: python3 benchmarks/bench_gpu.py (<= 8 min on an H100)
     python benchmarks/bench_gpu.py --device cpu --quick
@@ -32,11 +48,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,109 +63,39 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # this checkout's oblr_trl
 import harness  # noqa: E402
 from studies.prepared import prepared_batch  # noqa: E402
-from studies import gpu_memory  # noqa: E402
-from studies.gpu_report import failure, profile_table, ran_of, render as render_results  # noqa: E402
+from studies import gpu_memory, gpu_models, paired  # noqa: E402
+from studies.gpu_models import GROUP, MODES, PROMPT, build_model, build_qlora_base, config_args, make_trainer  # noqa: E402
+from studies.gpu_report import failure, profile_lines, profile_table, ran_of, render as render_results  # noqa: E402
 
 from oblr_trl.demo.tiny import build_tokenizer  # noqa: E402
 
-GROUP, PROMPT = 8, 32
-QWEN3 = dict(num_key_value_heads=8, head_dim=128, vocab_size=151936)
-WIDTHS = {
-    "Qwen3-0.6B": dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_hidden_layers=28),
-    "Qwen3-1.7B": dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_hidden_layers=28),
-    "Qwen3-4B": dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_hidden_layers=36),
-    "small": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  vocab_size=512, num_hidden_layers=2),
-}
-QWEN3_06B = WIDTHS["Qwen3-0.6B"]
-SMALL = WIDTHS["small"]
-MODES = {"grpo": None, "auto": None, "one_backward": True, "two_passes": False}
 ALL, CORE, PAIR = tuple(MODES), ("grpo", "auto", "one_backward"), ("grpo", "auto")
 
 
-def row(width, batch, completion, lora, ckpt, modes=PAIR, kind="plain") -> dict:
-    return dict(width=width, batch=batch, completion=completion, lora=lora, ckpt=ckpt, modes=list(modes), kind=kind)
+def row(width, batch, completion, lora, ckpt, modes=PAIR, kind="plain", paired=True) -> dict:
+    """One row of the update table; ``paired``: its trainers timed together in interleaved rounds (never the
+    memory-tight row's: its memory fraction binds the whole process)."""
+    return dict(width=width, batch=batch, completion=completion, lora=lora, ckpt=ckpt, modes=list(modes), kind=kind,
+                paired=paired and kind != "tight")
 
 
 def update_configs(quick: bool) -> list[dict]:
     """The update table's rows, most wanted first (a run out of time skips the last): (width, B, C, LoRA,
-    checkpointing, modes, kind: ``plain``, ``tight`` (the memory-tight fallback) or ``qlora``)."""
+    checkpointing, modes, kind: ``plain``, ``tight`` (the memory-tight fallback) or ``qlora``, paired). First the
+    modes side by side at Qwen3-0.6B with full fine-tuning, then LoRA at TRL's default (checkpointing on) and
+    without, the fallbacks (memory-tight, QLoRA), the larger models (never measured yet), and last Qwen3-0.6B's
+    other shapes (no checkpointing at 8 x 2048, measured on 2026-11-27; 8 x 4096; 16 x 1024)."""
     if quick:
         return [row("small", 8, 16, False, False, ALL), row("small", 8, 16, True, False, ALL),
                 row("small", 8, 16, False, True, PAIR, "tight"), row("small", 8, 16, True, True, PAIR, "qlora")]
     w = "Qwen3-0.6B"  # the memory-tight row follows its unconstrained twin (8 x 2048, full, checkpointing)
     return [row(w, 8, 512, False, False, ALL), row(w, 8, 512, False, True, ALL), row(w, 8, 2048, False, True, ALL),
-            row(w, 8, 512, True, False, CORE), row(w, 8, 2048, False, False, CORE), row(w, 8, 2048, True, False),
-            row(w, 8, 512, True, True), row(w, 8, 2048, False, True, PAIR, "tight"),
-            row(w, 8, 512, True, True, PAIR, "qlora"),
-            # the whole RL step runs here (RL_AFTER), then the larger shapes and models
-            row(w, 8, 4096, False, True), row(w, 8, 4096, True, True), row(w, 16, 1024, False, True),
-            row("Qwen3-1.7B", 8, 1024, False, True), row("Qwen3-1.7B", 8, 1024, True, True),
-            row("Qwen3-4B", 8, 1024, True, True), row(w, 8, 2048, True, True)]
-
-
-RL_AFTER = {True: 1, False: 9}  # rows of update_configs(quick) before the whole RL step
-
-
-def build_model(width: str, device: str, seed: int = 0):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(**WIDTHS[width], tie_word_embeddings=True, max_position_embeddings=8192, pad_token_id=0,
-                         eos_token_id=1, bos_token_id=2)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return Qwen3ForCausalLM(config)
-
-
-def build_qlora_base(width: str, device: str, compute_dtype=torch.bfloat16):
-    """A random Qwen3 of ``width`` saved and loaded again with its linear layers in bitsandbytes 4-bit (nf4), as
-    users load a QLoRA base (``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))``)."""
-    import bitsandbytes  # noqa: F401  (the row is skipped, with the reason, where it does not import)
-    from transformers import BitsAndBytesConfig, Qwen3ForCausalLM
-
-    model = build_model(width, "cpu")
-    with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder)
-        del model
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
-        return Qwen3ForCausalLM.from_pretrained(folder, quantization_config=quant, device_map={"": device},
-                                                torch_dtype=compute_dtype)
-
-
-def config_args(mode: str, device: str, **kw):
-    from trl import GRPOConfig
-
-    from oblr_trl import OBLRPOConfig
-
-    common = dict(output_dir="/tmp/bench_gpu", num_generations=GROUP, gradient_accumulation_steps=1,
-                  steps_per_generation=1, report_to="none", use_cpu=device == "cpu", bf16=device != "cpu",
-                  save_strategy="no", logging_steps=1, disable_tqdm=True, **kw)
-    return GRPOConfig(**common) if mode == "grpo" else OBLRPOConfig(**common, one_backward=MODES[mode])
-
-
-def make_trainer(mode: str, model, args, tokenizer, dataset, lora: bool, base=None):
-    from trl import GRPOTrainer
-
-    from oblr_trl import OBLRPOTrainer
-
-    from transformers.trainer_callback import PrinterCallback
-
-    base = base or GRPOTrainer
-    cls = base if mode == "grpo" else type("Timed" + base.__name__, (OBLRPOTrainer, base), {})
-    peft = None
-    if lora:
-        from peft import LoraConfig
-
-        peft = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = cls(model=model, args=args, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
-                  peft_config=peft)
-    trainer.remove_callback(PrinterCallback)  # the per-step metric dicts; the benchmark logs its own lines
-    return trainer
-
-
-def reward(completions, completion_ids=None, **kwargs):
-    """Rewards with spread inside each group, from the completions' token ids."""
-    return [float(sum(ids) % 7) / 7 for ids in completion_ids]
+            row(w, 8, 512, True, True), row(w, 8, 2048, True, True), row(w, 8, 512, True, False, CORE),
+            row(w, 8, 2048, False, True, PAIR, "tight"), row(w, 8, 512, True, True, PAIR, "qlora"),
+            # two full 1.7B trainers hold ~51 GiB before a step: timed alone
+            row("Qwen3-1.7B", 8, 1024, False, True, paired=False), row("Qwen3-1.7B", 8, 1024, True, True),
+            row("Qwen3-4B", 8, 1024, True, True), row(w, 8, 2048, False, False), row(w, 8, 2048, True, False),
+            row(w, 8, 4096, False, True), row(w, 8, 4096, True, True), row(w, 16, 1024, False, True)]
 
 
 def sync(device: str) -> None:
@@ -165,21 +111,13 @@ def one_backward_shape(trainer, cfg: dict):
     return gpu_memory.one_backward_shape(trainer, cfg, PROMPT, GROUP)
 
 
-def time_update(cfg: dict, mode: str, device: str, repeats: int, profile: bool = False, fraction=None,
-                model=None) -> dict:
-    """Median seconds of one training_step in ``mode``, the FLOP model's FLOPs for what ran, and the peak GiB allocated
-    from the model's build (construction and its coverage probe, the warm-up step) and over the timed steps alone.
-    ``profile``: the last step under ``torch.profiler``, its operators by device time (``profile`` in the row).
-    ``fraction``: a per-process memory fraction to run under (a number, or a function of the trainer returning
-    ``(fraction or None, note)``), reset afterwards; ``model``: a model built already (QLoRA's)."""
+def prepared_trainer(cfg: dict, mode: str, device: str, model=None):
+    """A trainer of ``mode`` whose batch is a fixed prepared one (generation excluded; OBLR-PO's own override runs on
+    top, so its norms are timed), its optimizer created, checkpointing as the row says. ``model``: one built
+    already (QLoRA's), else a seeded :func:`build_model` (so the trainers of a row start from identical copies)."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
-    from oblr_trl import cost_model, one_backward
-
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     model = model if model is not None else build_model(cfg["width"], device)
     prepared, rewards = prepared_batch(cfg["batch"], cfg["completion"], model.config.vocab_size, PROMPT, GROUP, device)
 
@@ -198,85 +136,106 @@ def time_update(cfg: dict, mode: str, device: str, repeats: int, profile: bool =
     if cfg["ckpt"]:
         trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainer.model.train()
-    note = ""
+    return trainer
+
+
+def one_step(trainer, cfg: dict, device: str, prof=None) -> float:
+    """Seconds of one update: ``training_step``, the optimizer's step, the gradients dropped, the device synced
+    before and after (``prof``: a profiler around it)."""
+    rows = cfg["batch"]
+    sync(device)
+    start = time.perf_counter()
+    with prof or contextlib.nullcontext():
+        trainer.training_step(trainer.model, [{"prompt": "x"}] * rows, torch.tensor(rows * cfg["completion"]))
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        sync(device)
+    return time.perf_counter() - start
+
+
+def mode_result(trainer, cfg: dict, device: str, times: list[float], meter) -> dict:
+    """A mode's record: its timed steps and their median, the path it took, the FLOP model's FLOPs for that path and
+    GRPO's, and its own memory (``gpu_memory.Meter``)."""
+    from oblr_trl import cost_model, one_backward
+
+    ran = ran_of(getattr(trainer, "one_backward_plan", None), cfg["batch"])
+    shape = one_backward.describe(trainer.model, cfg["batch"], PROMPT, cfg["completion"], 2 if device != "cpu" else 4,
+                                  cfg["ckpt"], GROUP)
+    return dict(seconds=statistics.median(times), times=times, ran=ran, flops=cost_model.flops(shape, ran.split("/")[0]),
+                grpo_flops=cost_model.flops(shape, "grpo"), **meter.gib())
+
+
+def time_update(cfg: dict, mode: str, device: str, repeats: int, profile: bool = False, fraction=None,
+                model=None) -> dict:
+    """One trainer alone: built, one warm-up step, ``repeats`` timed steps (:func:`mode_result`).
+    ``profile``: the last step under ``torch.profiler``, its operators by device time (``profile`` in the row).
+    ``fraction``: a per-process memory fraction to run under (a number, or a function of the trainer returning
+    ``(fraction or None, note)``), reset afterwards; ``model``: a model built already (QLoRA's)."""
+    cuda = device.startswith("cuda")
+    meter = gpu_memory.Meter(cuda)
+    trainer = prepared_trainer(cfg, mode, device, model)
+    note, table = "", None
     if callable(fraction):
         fraction, note = fraction(trainer)
-    times, peaks, table = [], [], None
     try:
         if fraction is not None and cuda:
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(fraction)
-        for i in range(repeats + 1):
-            last = profile and i == repeats
+        one_step(trainer, cfg, device)  # the warm-up
+        meter.built()
+        times = []
+        for i in range(repeats):
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if last else contextlib.nullcontext()
-            sync(device)
-            start = time.perf_counter()
-            rows = cfg["batch"]
-            with prof:
-                trainer.training_step(trainer.model, [{"prompt": "x"}] * rows, torch.tensor(rows * cfg["completion"]))
-                trainer.optimizer.step()
-                trainer.optimizer.zero_grad(set_to_none=True)
-                sync(device)
-            times.append(time.perf_counter() - start)
-            if cuda:  # the build's and warm-up's peak, then the timed steps' own
-                peaks.append(torch.cuda.max_memory_allocated() / 2**30)
-                torch.cuda.reset_peak_memory_stats()
-            if last:
-                table = profile_table(prof, cuda)
-        plan = getattr(trainer, "one_backward_plan", None)
-        ran = ran_of(plan, cfg["batch"])
-        shape = one_backward.describe(trainer.model, cfg["batch"], PROMPT, cfg["completion"],
-                                      2 if device != "cpu" else 4, cfg["ckpt"], GROUP)
-        nan = float("nan")
-        out = dict(seconds=statistics.median(times[1:]), ran=ran, flops=cost_model.flops(shape, ran.split("/")[0]),
-                   peak_gib=peaks[0] if peaks else nan, step_peak_gib=max(peaks[1:]) if peaks else nan,
-                   grpo_flops=cost_model.flops(shape, "grpo"))
+                [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profile and i == repeats - 1 else None
+            times.append(meter.step(functools.partial(one_step, trainer, cfg, device, prof)))
+            table = profile_table(prof, cuda) if prof is not None else table
+        out = mode_result(trainer, cfg, device, times, meter)
         if fraction is not None:
-            out["fraction"], out["note"] = fraction, note
-        elif note:
-            out["note"] = note
-        if table is not None:
-            out["profile"] = table
+            out["fraction"] = fraction
+        out.update({"note": note} if note else {}, **({"profile": table} if table is not None else {}))
         return out
     finally:
         if fraction is not None and cuda:
             torch.cuda.set_per_process_memory_fraction(1.0)
         del trainer, model
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        gpu_memory.release(device)
 
 
-def qlora_exactness(width: str, device: str, rows: int = 4, completion: int = 48) -> dict:
-    """The engine's per-sequence squared norms on a 4-bit (nf4) base with LoRA r=16, fp32 compute, against one
-    autograd backward per row: the largest relative error (the target: <= 1e-5)."""
-    from peft import LoraConfig, get_peft_model
+def time_paired(cfg: dict, modes: list[str], device: str, repeats: int, model_of=None) -> dict:
+    """Every mode of a row alive at once and timed in ``repeats`` interleaved rounds (``studies.paired``): each
+    built and warmed up in turn, ``auto`` first, so that its memory-aware choice sees the device as a lone trainer's
+    would (the others' weights not there yet); then one step of each per round, the order rotated. A mode that fails
+    to build or to step is recorded with its error; the rest run. ``model_of(mode)``: a model built already."""
+    try:
+        return _paired(cfg, modes, device, repeats, model_of)
+    finally:  # the trainers went with _paired's frame
+        gpu_memory.release(device)
 
-    from oblr_trl.grad_norms import per_sequence_grad_sq_norms
 
-    model = build_qlora_base(width, device, compute_dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
-    torch.manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at 0: the norms of A's gradient alone; a random B tests both
-            torch.nn.init.normal_(p, std=0.02)
-    batch, _ = prepared_batch(rows, completion, model.config.vocab_size, PROMPT, rows, device)
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    ours = per_sequence_grad_sq_norms(model, ids, mask, batch["completion_mask"]).double()
-    params = [p for p in model.parameters() if p.requires_grad]
-    reference = []
-    for i in range(rows):
-        logits = model(input_ids=ids[i : i + 1], attention_mask=mask[i : i + 1]).logits[:, PROMPT - 1 : -1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[i : i + 1, PROMPT:, None]).squeeze(-1)
-        grads = torch.autograd.grad((logp * batch["completion_mask"][i : i + 1]).sum(), params, allow_unused=True)
-        reference.append(sum(g.double().pow(2).sum() for g in grads if g is not None))
-    reference = torch.stack(reference).to(ours.device)
-    err = ((ours - reference).abs() / reference.abs().clamp(min=1e-30)).max().item()
-    del model
-    gc.collect()
-    return dict(rows=rows, completion=completion, max_rel_err=err, ours=ours.tolist(), reference=reference.tolist())
+def _paired(cfg: dict, modes: list[str], device: str, repeats: int, model_of) -> dict:
+    live, failed = {}, {}
+    for mode in sorted(modes, key=lambda m: m != "auto"):
+        try:
+            live[mode] = warmed_up(cfg, mode, device, model_of(mode) if model_of else None)
+        except Exception as error:  # noqa: BLE001 - an OOM at build: recorded, the row goes on
+            failed[mode] = failure(error)
+    steps = {m: functools.partial(me.step, functools.partial(one_step, t, cfg, device)) for m, (t, me) in live.items()}
+    times, errors = paired.interleave(steps, repeats)
+    failed.update({m: failure(e) for m, e in errors.items()})
+    return {m: mode_result(live[m][0], cfg, device, times[m], live[m][1]) if m in times else failed[m] for m in modes}
+
+
+def warmed_up(cfg: dict, mode: str, device: str, model=None) -> tuple:
+    """A trainer built and stepped once (the warm-up), with its memory :class:`gpu_memory.Meter`."""
+    meter = gpu_memory.Meter(device.startswith("cuda"))
+    trainer = prepared_trainer(cfg, mode, device, model)
+    one_step(trainer, cfg, device)
+    meter.built()
+    return trainer, meter
+
+
+def qlora_exactness(width: str, device: str) -> dict:
+    return gpu_models.qlora_exactness(build_qlora_base(width, device, compute_dtype=torch.float32), device)
 
 
 def time_rl_step(mode: str, device: str, width: str, completion: int, steps: int, generator: str = "hf") -> dict:
@@ -335,11 +294,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="a small model and short completions (CPU-sized)")
-    p.add_argument("--repeats", type=int, default=4, help="timed update steps per mode, after one warm-up")
-    p.add_argument("--rl_steps", type=int, default=3, help="timed RL steps per trainer, after one warm-up step")
+    p.add_argument("--repeats", type=int, default=4,
+                   help="timed update steps per mode (rounds, on a paired row), after one warm-up step each")
+    p.add_argument("--rl_steps", type=int, default=1, help="timed RL steps per trainer, after one warm-up step")
     p.add_argument("--rl_completion", type=int, default=256)
-    p.add_argument("--budget_s", type=float, default=400,
-                   help="rows starting after this many seconds are skipped (the whole run stays within ~8 minutes)")
+    p.add_argument("--budget_s", type=float, default=330, help="rows and the RL step starting after this many "
+                   "seconds are skipped (the update rows take ~275 s on an H100, the RL step ~125 s after them)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--stem", default=None, help="default: bench_gpu_<device name>")
     p.add_argument("--tuning", choices=["all", "full", "lora"], default="all",
@@ -380,16 +340,14 @@ def run(args, argv=None) -> int:
             harness.write_results(Path(os.environ["OUT"]), stem, res, render(res))
         return written
 
-    for i, cfg in enumerate(configs):
-        if args.tuning == "all" and i == RL_AFTER[args.quick]:  # after the core rows, before the larger models
-            rl_step(args, res, width, log, over)
-            save()
+    for cfg in configs:
         res["update"].append(measure_row(cfg, args, res, log, over))
         save()
-    if args.tuning == "all" and res["rl"] is None:
-        rl_step(args, res, width, log, over)
     first = dict(configs[0], modes=list(PAIR), kind="plain")
     res["update"].append(dict(measure_row(first, args, res, log, over), repeat=True))  # a warm-up artefact shows
+    save()
+    if args.tuning == "all":  # last: ~30 s a step on an H100 (generation), the least wanted per second
+        rl_step(args, res, width, log, over)
     js, md = save()
     log(f"wrote {js} and {md} in {time.perf_counter() - started:.0f} s")
     print(render(res), flush=True)  # the table in the run's output too
@@ -402,8 +360,7 @@ def measure_row(cfg: dict, args, res: dict, log, over) -> dict:
     if over():
         log(f"update {cfg}: skipped (past --budget_s {args.budget_s:.0f} s)")
         return dict(out, skipped=f"past the run's time budget ({args.budget_s:.0f} s)", modes={})
-    out["modes"], cuda = {}, args.device.startswith("cuda")
-    kind, fraction = cfg.get("kind", "plain"), None
+    out["modes"], cuda, kind = {}, args.device.startswith("cuda"), cfg.get("kind", "plain")
     if kind == "qlora":
         try:
             res["qlora"] = qlora_exactness(cfg["width"], args.device if cuda else "cpu")
@@ -415,32 +372,49 @@ def measure_row(cfg: dict, args, res: dict, log, over) -> dict:
         except Exception as error:  # noqa: BLE001 - said in the table; the run goes on
             res["qlora"] = failure(error)
             log(f"QLoRA exactness failed: {res['qlora']['error']}")
-    for mode in (["auto", "grpo"] if kind == "tight" else cfg["modes"]):
-        try:
-            model = build_qlora_base(cfg["width"], args.device) if kind == "qlora" else None
-            if kind == "tight" and cuda:
-                if mode == "auto":
-                    grpo_peak = next((r["modes"]["grpo"].get("peak_gib") for r in res["update"] if r.get("width") ==
-                                      cfg["width"] and (r["batch"], r["completion"], r["lora"], r["ckpt"]) ==
-                                      (cfg["batch"], cfg["completion"], cfg["lora"], cfg["ckpt"]) and
-                                      "seconds" in r.get("modes", {}).get("grpo", {})), None)
-                    if grpo_peak is None:
-                        grpo_peak = time_update(cfg, "grpo", args.device, 1)["peak_gib"]
-
-                    def fraction(trainer, need=grpo_peak):
-                        value, note = tight_fraction(trainer, cfg, need)
-                        out["note"] = note
-                        return value, note
-                else:
-                    fraction = out["modes"].get("auto", {}).get("fraction")  # GRPO under the same limit
-            out["modes"][mode] = time_update(cfg, mode, args.device, args.repeats, fraction=fraction, model=model)
-        except Exception as error:  # noqa: BLE001 - an OOM, a failing path: recorded, the run goes on
-            out["modes"][mode] = failure(error)
+    model_of = (lambda mode: build_qlora_base(cfg["width"], args.device)) if kind == "qlora" else None
     if kind == "tight":
-        out["modes"] = {m: out["modes"][m] for m in ("grpo", "auto") if m in out["modes"]}
-    log(f"update {cfg}: " + ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms ({v['ran']})" if "seconds" in v else
-                                      f"{k} {v['error']}" for k, v in out["modes"].items()))
+        out["modes"] = tight_row(cfg, args, res, out)
+    elif cfg.get("paired"):
+        try:
+            out["modes"] = time_paired(cfg, cfg["modes"], args.device, args.repeats, model_of)
+        except Exception as error:  # noqa: BLE001 - a failure outside one mode's: every mode says it
+            out["modes"] = dict.fromkeys(cfg["modes"], failure(error))
+    else:
+        for mode in cfg["modes"]:
+            try:
+                out["modes"][mode] = time_update(cfg, mode, args.device, args.repeats,
+                                                 model=model_of(mode) if model_of else None)
+            except Exception as error:  # noqa: BLE001 - an OOM, a failing path: recorded, the run goes on
+                out["modes"][mode] = failure(error)
+    out["modes"] = paired.with_ratios(out["modes"], "grpo")
+    log(f"update {cfg}: " + ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms ({v['ran']}, {v['ratio']:.2f}x)"
+                                      if "seconds" in v else f"{k} {v['error']}" for k, v in out["modes"].items()))
     return out
+
+
+def tight_row(cfg: dict, args, res: dict, out: dict) -> dict:
+    """The memory-tight row, one trainer at a time (the fraction binds the process): the default under a fraction
+    that refuses ``one_backward`` but holds GRPO's peak from the build (its unconstrained twin's, else measured
+    now), then GRPO under the same fraction."""
+    modes, cuda = {}, args.device.startswith("cuda")
+    for mode in ("auto", "grpo"):
+        try:
+            fraction = modes.get("auto", {}).get("fraction")  # GRPO under the default's limit
+            if cuda and mode == "auto":
+                need = gpu_memory.twin_peak(res["update"], cfg)
+                need = need if need is not None else time_update(cfg, "grpo", args.device, 1)["peak_gib"]
+                fraction = functools.partial(noted_fraction, cfg, need, out)
+            modes[mode] = time_update(cfg, mode, args.device, args.repeats, fraction=fraction)
+        except Exception as error:  # noqa: BLE001 - an OOM, a failing path: recorded, the run goes on
+            modes[mode] = failure(error)
+    return {m: modes[m] for m in ("grpo", "auto")}
+
+
+def noted_fraction(cfg: dict, need_gib: float, out: dict, trainer) -> tuple[float | None, str]:
+    """:func:`tight_fraction` for ``trainer``, its note kept in the row (``out``) for the table."""
+    value, out["note"] = tight_fraction(trainer, cfg, need_gib)
+    return value, out["note"]
 
 
 def rl_step(args, res: dict, width: str, log, over) -> None:
@@ -481,14 +455,7 @@ def run_profile(args, res: dict, stem: str, log) -> int:
             log(f"profile {cfg} {mode}: {row['seconds'] * 1e3:.1f} ms, {prof['launches']} launches, "
                 f"{prof['syncs']} syncs/copies")
             res["profile"].append(dict(cfg, mode=mode, **row))
-            lines += [f"## {cfg['batch']} x {cfg['completion']}, full, checkpointing {'on' if cfg['ckpt'] else 'off'}: "
-                      f"{mode} ({row['ran']})", "",
-                      f"{row['seconds'] * 1e3:.1f} ms a step (median, the profiled step included), profiled step "
-                      f"{prof['kernel_ms']:.1f} ms of kernel time (CPU time on a CPU), {prof['launches']} kernel "
-                      f"launches, {prof['syncs']} host syncs and copies; "
-                      f"peak {row['step_peak_gib']:.2f} GiB (steps), {row['peak_gib']:.2f} GiB (from build).", ""]
-            lines += harness.md_table(["operator", "calls", "ms"], [[t["op"].replace("|", "/"), t["calls"],
-                                                                    f"{t['ms']:.2f}"] for t in prof["top"]]) + [""]
+            lines += profile_lines(cfg, mode, row)
             harness.write_results(args.out, stem + "_profile", res, "\n".join(lines))
     log(f"wrote {args.out / (stem + '_profile.md')}")
     return 0

@@ -1,7 +1,8 @@
 """benchmarks/bench_gpu.py (issues 47 and 56, `make bench-gpu`) runs end to end on a CPU with its small model: every
-mode of the update timed beside the FLOP model, the memory-tight and QLoRA rows, the whole RL step of both trainers
-with generation's share, the first row again at the end, and the table; a failing row is recorded and the run goes
-on; rows past the time budget are skipped."""
+mode of the update timed beside the FLOP model, the memory-tight and QLoRA rows, the first row again, the whole RL
+step of both trainers last with generation's share, and the table; a failing row is recorded and the run goes on;
+rows past the time budget are skipped. A row's trainers are timed in interleaved rounds (studies/paired.py, tested
+here with fake steps) and each trainer's memory is its own (studies/gpu_memory.py's Meter, with fake counters)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,15 @@ def test_bench_gpu_quick_on_cpu(tmp_path, capsys):
                            "--stem", "b"]) == 0
     assert "bench_gpu: CPU, " in capsys.readouterr().out  # the device and the date, first
     res = json.loads((tmp_path / "b.json").read_text())
-    kinds = [(r["lora"], r.get("kind"), bool(r.get("repeat"))) for r in res["update"]]
-    assert kinds == [(False, "plain", False), (True, "plain", False), (False, "tight", False),
-                     (True, "qlora", False), (False, "plain", True)]
+    kinds = [(r["lora"], r.get("kind"), bool(r.get("repeat")), r["paired"]) for r in res["update"]]
+    assert kinds == [(False, "plain", False, True), (True, "plain", False, True), (False, "tight", False, False),
+                     (True, "qlora", False, True), (False, "plain", True, True)]
+    for r in res["update"]:  # every mode: its timed steps, their median and its per-round ratio to GRPO
+        for v in r["modes"].values():
+            assert len(v["times"]) == 1 and v["seconds"] == v["times"][0] and v["ratio_range"][0] <= v["ratio"]
+        assert r["modes"]["grpo"]["ratio"] == 1.0
     for r in res["update"][:2]:
-        assert set(r["modes"]) == set(bench_gpu.MODES)
+        assert list(r["modes"]) == list(bench_gpu.MODES)  # the row's order, though `auto` is built first
         assert r["modes"]["grpo"]["ran"] == "grpo"
         assert r["modes"]["one_backward"]["ran"].startswith("one_backward/")
         assert r["modes"]["two_passes"]["ran"].startswith("two_passes/")
@@ -43,14 +48,15 @@ def test_bench_gpu_quick_on_cpu(tmp_path, capsys):
     assert logging.getLogger("trl").level == trl_level  # the libraries' loggers are as they were (a shared process)
     text = (tmp_path / "b.md").read_text()
     assert "on **CPU**" in text and "## The whole RL step (HF generate" in text and text.count("| two_passes |") == 2
+    assert text.count("| paired |") == 12 and text.count("| alone |") == 2 and "| range |" in text
     assert "(again, last)" in text and "largest relative error" in text
 
 
 def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     """An OOM in one mode, bitsandbytes missing, and the time budget: each said in the table, nothing raised."""
-    real = bench_gpu.time_update
+    real = bench_gpu.prepared_trainer
 
-    def flaky(cfg, mode, *a, **kw):
+    def flaky(cfg, mode, *a, **kw):  # a build that fails in a paired row
         if mode == "one_backward" and not cfg["lora"]:
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(cfg, mode, *a, **kw)
@@ -59,14 +65,14 @@ def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, ca
         raise ImportError("No module named 'bitsandbytes'")
 
     monkeypatch.setenv("OUT", str(tmp_path / "out"))  # the device tool's folder: a copy after every row
-    monkeypatch.setattr(bench_gpu, "time_update", flaky)
+    monkeypatch.setattr(bench_gpu, "prepared_trainer", flaky)
     monkeypatch.setattr(bench_gpu, "build_qlora_base", no_bnb)
     monkeypatch.setattr(bench_gpu, "time_rl_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no generate")))
     assert bench_gpu.main(["--device", "cpu", "--quick", "--repeats", "1", "--out", str(tmp_path), "--stem", "f"]) == 0
     assert "the QLoRA row is skipped: bitsandbytes does not import" in capsys.readouterr().out
     res = json.loads((tmp_path / "f.json").read_text())
     assert res["update"][0]["modes"]["one_backward"]["error"].startswith("RuntimeError: CUDA out of memory")
-    assert "seconds" in res["update"][0]["modes"]["auto"]  # the row's other modes ran
+    assert all("seconds" in res["update"][0]["modes"][m] for m in ("grpo", "auto", "two_passes"))  # the others ran
     assert res["update"][3]["skipped"].startswith("bitsandbytes does not import") and "skipped" in res["qlora"]
     assert res["rl"]["modes"]["grpo"]["error"] == "RuntimeError: no generate"
     text = (tmp_path / "f.md").read_text()
@@ -93,6 +99,143 @@ def test_bench_gpu_one_tuning_and_the_profile_on_cpu(tmp_path):
     prof = json.loads((tmp_path / "p_profile.json").read_text())["profile"]
     assert [r["mode"] for r in prof] == ["grpo", "auto", "one_backward"]
     assert all(r["profile"]["kernel_ms"] > 0 and r["profile"]["top"] for r in prof)
+
+
+def test_the_update_rows_come_first_the_repeat_next_and_the_rl_step_last(tmp_path, monkeypatch):
+    """The order of a run (the RL step took 238 s of a 400 s budget in the middle on 2026-11-27, and 8 rows were
+    skipped): every update row, then the first row again, then the whole RL step."""
+    calls = []
+
+    def row(cfg, args, res, log, over):
+        calls.append(("repeat" if len(calls) == len(configs) else "update", cfg["width"], cfg["kind"]))
+        return dict({k: v for k, v in cfg.items() if k != "modes"}, modes={})
+
+    configs = bench_gpu.update_configs(True)
+    monkeypatch.setattr(bench_gpu, "time_update", lambda *a, **k: {})  # the untimed first step
+    monkeypatch.setattr(bench_gpu, "measure_row", row)
+    monkeypatch.setattr(bench_gpu, "rl_step", lambda args, res, *a: calls.append(("rl", args.rl_steps)))
+    assert bench_gpu.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--stem", "o"]) == 0
+    assert calls == [("update", c["width"], c["kind"]) for c in configs] + [("repeat", "small", "plain"), ("rl", 1)]
+
+
+def test_the_rows_most_wanted_first():
+    """Qwen3-0.6B's modes side by side first, then LoRA at TRL's default, the fallbacks (the memory-tight row after
+    its unconstrained twin, whose GRPO peak it reads), the larger models, Qwen3-0.6B's other shapes last; paired
+    but for the memory-tight row and two full Qwen3-1.7B trainers."""
+    rows = bench_gpu.update_configs(False)
+    key = [(r["width"], r["batch"], r["completion"], r["lora"], r["ckpt"], r["kind"]) for r in rows]
+    w = "Qwen3-0.6B"
+    assert key[:3] == [(w, 8, 512, False, False, "plain"), (w, 8, 512, False, True, "plain"),
+                       (w, 8, 2048, False, True, "plain")] and all(len(r["modes"]) == 4 for r in rows[:3])
+    assert key[3] == (w, 8, 512, True, True, "plain")
+    tight = [k[-1] for k in key].index("tight")
+    assert key.index((w, 8, 2048, False, True, "plain")) < tight < [k[-1] for k in key].index("qlora")
+    larger = [i for i, k in enumerate(key) if k[0] != w]
+    assert larger == list(range(larger[0], larger[0] + 3)) and larger[0] > tight
+    assert all(k[0] == w and k[-1] == "plain" for k in key[larger[-1] + 1:])
+    assert [(r["width"], r["kind"]) for r in rows if not r["paired"]] == [(w, "tight"), ("Qwen3-1.7B", "plain")]
+    assert all(r["modes"][:2] == ["grpo", "auto"] for r in rows)
+
+
+def test_paired_rounds_rotate_and_take_each_rounds_ratio():
+    """Pure (studies/paired.py), with fake steps: each round runs every mode once, the order rotated, so each is first
+    once in as many rounds; the ratio is the median of the per-round ratios, and a drift that slows every mode in one
+    round (which a ratio of medians measured apart would keep) does not move it."""
+    import itertools
+
+    from studies import paired
+
+    assert [paired.rotation(["g", "a", "o"], r) for r in range(4)] == [["g", "a", "o"], ["a", "o", "g"],
+                                                                        ["o", "g", "a"], ["g", "a", "o"]]
+    order, clock = [], itertools.count()
+    drift = {0: 1.0, 1: 4.0, 2: 1.0, 3: 1.0}  # round 1 runs 4x slower for everyone (clocks, a neighbour's job)
+    base = {"grpo": 0.25, "auto": 0.5, "two": 1.0}
+
+    def step(name):
+        def run():
+            order.append(name)
+            return base[name] * drift[next(clock) // 3]
+        return run
+
+    times, errors = paired.interleave({m: step(m) for m in base}, 4)
+    assert not errors and order == ["grpo", "auto", "two", "auto", "two", "grpo", "two", "grpo", "auto",
+                                    "grpo", "auto", "two"]
+    assert times["auto"] == [0.5, 2.0, 0.5, 0.5]
+    out = paired.summarise(times, "grpo")
+    assert out["auto"]["ratio"] == 2.0 and out["two"]["ratio"] == 4.0 and out["grpo"]["ratio"] == 1.0
+    assert out["auto"]["seconds"] == 0.5 and out["auto"]["ratio_range"] == [2.0, 2.0]
+    # one round noisy for one mode alone widens its range; the median stays
+    times["auto"][2] = 1.0
+    out = paired.summarise(times, "grpo")
+    assert out["auto"]["ratio"] == 2.0 and out["auto"]["ratio_range"] == [2.0, 4.0]
+
+
+def test_a_failing_step_drops_its_mode_and_the_others_go_on():
+    from studies import paired
+
+    calls = {"grpo": 0, "auto": 0}
+
+    def step(name, fail_at=None):
+        def run():
+            calls[name] += 1
+            if calls[name] == fail_at:
+                raise RuntimeError("CUDA out of memory")
+            return 1.0
+        return run
+
+    times, errors = paired.interleave({"grpo": step("grpo"), "auto": step("auto", fail_at=2)}, 4)
+    assert list(times) == ["grpo"] and times["grpo"] == [1.0] * 4 and calls["auto"] == 2
+    assert isinstance(errors["auto"], RuntimeError)
+    rows = paired.with_ratios({"grpo": dict(times=[1.0, 2.0]), "auto": dict(times=[3.0, 2.0]), "x": dict(error="e")},
+                              "grpo")
+    assert rows["auto"]["ratio"] == 2.0 and rows["auto"]["ratio_range"] == [1.0, 3.0] and "ratio" not in rows["x"]
+    nan = paired.summarise({"auto": [1.0]}, "grpo")["auto"]  # no GRPO to pair with: no ratio
+    assert nan["ratio"] != nan["ratio"] and nan["seconds"] == 1.0
+
+
+def test_each_trainers_memory_is_its_own_beside_the_others(monkeypatch):
+    """gpu_memory.Meter with a fake allocator: 10 GiB of another trainer already allocated; this one's build peaks at
+    16 GiB (6 above), holds 4 GiB after its warm-up, and its steps rise 3 and 5 GiB above their start; its figures
+    leave the other trainer out: peak from build 6, resident 4, step peak 4 + 5 = 9."""
+    import torch
+
+    from studies import gpu_memory
+
+    g = 2**30
+    state = dict(now=10 * g, peak=10 * g)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: state.update(peak=state["now"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: state["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: state["peak"])
+
+    def rise(by):
+        state["peak"] = max(state["peak"], state["now"] + by)
+        return 0.1
+
+    meter = gpu_memory.Meter(cuda=True)
+    state.update(now=14 * g, peak=16 * g)  # built, warmed up
+    meter.built()
+    assert [meter.step(lambda by=by: rise(by)) for by in (3 * g, 5 * g)] == [0.1, 0.1]
+    assert meter.gib() == dict(peak_gib=6.0, resident_gib=4.0, step_peak_gib=9.0)
+    cpu = gpu_memory.Meter(cuda=False)
+    cpu.built()
+    assert cpu.step(lambda: 0.2) == 0.2 and all(v != v for v in cpu.gib().values())  # NaN off a GPU
+
+
+def test_the_table_says_how_each_row_was_timed():
+    """The rendered table: `paired`/`alone`, the per-round ratio and its range; a record from before the per-round
+    ratios (none stored) shows the medians' ratio."""
+    from studies.gpu_report import render
+
+    mode = dict(ran="grpo", seconds=0.2, flops=1.0, grpo_flops=1.0, peak_gib=1.0, step_peak_gib=2.0)
+    cfg = dict(width="w", batch=8, completion=16, lora=False, ckpt=True, kind="plain")
+    res = dict(machine=dict(date="d", torch="t", transformers="x", trl="y"), device_name="D", command="c", rl=None,
+               update=[dict(cfg, paired=True, modes=dict(grpo=dict(mode, ratio=1.0, ratio_range=[1.0, 1.0]),
+                                                         auto=dict(mode, seconds=0.5, ratio=1.2,
+                                                                   ratio_range=[1.1, 1.4]))),
+                       dict(cfg, modes=dict(grpo=mode, auto=dict(mode, seconds=0.3)))])  # an old record
+    text = render(res, 32, 8)
+    assert "| paired | auto | grpo | 500.0 | 1.20x | 1.10-1.40x |" in text  # not 0.5 / 0.2 = 2.50x
+    assert "| alone | auto | grpo | 300.0 | 1.50x | - |" in text
 
 
 def test_slim_wheel_drops_the_members_and_their_record_lines(tmp_path):

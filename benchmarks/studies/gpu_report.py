@@ -1,5 +1,6 @@
 """The tables of ``benchmarks/bench_gpu.py`` (issues 47 and 56): the path a trainer took, a profiled step's summary,
-a row's failure, and the markdown of a run's results. Pure but for :func:`failure` (which frees the device)."""
+a row's failure, the markdown of a run's results and of ``--profile``'s sections. Pure but for :func:`failure` (which
+frees the device)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,30 @@ def failure(error: BaseException) -> dict:
 
 def _fmt_mode(v: dict, g: dict) -> list[str]:
     if "error" in v:
-        return [v["error"], "", "", "", "", "", ""]
+        return [v["error"]] + [""] * 7
     nan = float("nan")
     ok = "error" not in g
     ratio = lambda a, b: f"{a / b:.2f}x" if ok and b == b and b else "-"  # noqa: E731
-    return [v["ran"], f"{v['seconds'] * 1e3:.1f}", ratio(v["seconds"], g.get("seconds", nan)),
+    (lo, hi), median = v.get("ratio_range", (nan, nan)), v.get("ratio", nan)
+    # a record from before the per-round ratios (no "ratio"): the ratio of the medians
+    time = f"{median:.2f}x" if ok and median == median else ratio(v["seconds"], g.get("seconds", nan))
+    return [v["ran"], f"{v['seconds'] * 1e3:.1f}", time, f"{lo:.2f}-{hi:.2f}x" if lo == lo and ok else "-",
             f"{v['flops'] / v.get('grpo_flops', g.get('flops', nan)):.2f}x", f"{v['peak_gib']:.2f}",
             f"{v.get('step_peak_gib', nan):.2f}", ratio(v.get("step_peak_gib", nan), g.get("step_peak_gib", nan))]
+
+
+HEADER = ["width", "B x C", "tuning", "ckpt", "timed", "mode", "ran", "ms", "time / GRPO", "range",
+          "model FLOPs / GRPO", "peak GiB from build", "peak GiB of the steps", "step peak / GRPO"]
+LEGEND = ("`timed`: `paired`: the row's trainers alive together (one seeded model copy each), each warmed up once, "
+          "then rounds of one step of every trainer, the order rotated each round (`benchmarks/studies/paired.py`); "
+          "`alone`: one trainer after another (the memory-tight row, whose memory fraction binds the process, and "
+          "rows two of whose trainers would crowd the device). `ms`: the median step; `time / GRPO`: the median of "
+          "the per-round ratios (a round's step against that round's GRPO step; on `alone` rows the i-th against "
+          "GRPO's i-th, measured apart), `range`: their smallest and largest. Memory, each trainer's own, above "
+          "what was allocated before its build: `peak GiB from build`: the most allocated from the model's build "
+          "through construction (OBLR-PO's coverage probe), the optimizer's creation and the warm-up step; `of the "
+          "steps`: what it holds after the warm-up (resident, in the json) plus the largest rise of a timed step "
+          "above its start.")
 
 
 def render(res: dict, prompt: int, group: int) -> str:
@@ -70,18 +88,14 @@ def render(res: dict, prompt: int, group: int) -> str:
         tuning = kind if r.get("kind") == "qlora" else ("LoRA r=16" if r["lora"] else "full")
         label = r.get("width", res.get("width", "")) + (" (again, last)" if r.get("repeat") else "") + (
             f" ({kind})" if r.get("kind") == "tight" else "")
+        head = [label, f"{r['batch']} x {r['completion']}", tuning, "on" if r["ckpt"] else "off",
+                "paired" if r.get("paired") else "alone"]
         if r.get("skipped"):
-            rows.append([label, f"{r['batch']} x {r['completion']}", tuning, "on" if r["ckpt"] else "off", "-",
-                         f"skipped: {r['skipped']}", "", "", "", "", "", ""])
+            rows.append(head + ["-", f"skipped: {r['skipped']}"] + [""] * (len(HEADER) - len(head) - 2))
             continue
         for mode, v in r["modes"].items():
-            rows.append([label, f"{r['batch']} x {r['completion']}", tuning, "on" if r["ckpt"] else "off", mode,
-                         *_fmt_mode(v, g)])
-    lines += harness.md_table(["width", "B x C", "tuning", "ckpt", "mode", "ran", "ms", "time / GRPO",
-                               "model FLOPs / GRPO", "peak GiB from build", "peak GiB of the steps",
-                               "step peak / GRPO"], rows)
-    lines += ["", "`peak GiB from build`: allocated from the model's build through construction (OBLR-PO's coverage "
-              "probe), the optimizer's creation and the warm-up step; `of the steps`: over the timed steps alone."]
+            rows.append(head + [mode, *_fmt_mode(v, g)])
+    lines += harness.md_table(HEADER, rows) + ["", LEGEND]
     tight = [v for r in res["update"] if r.get("kind") == "tight" for v in r["modes"].values() if v.get("note")]
     if tight:
         lines += ["", f"Memory-tight row: `torch.cuda.set_per_process_memory_fraction`, {tight[0]['note']}."]
@@ -106,3 +120,17 @@ def render(res: dict, prompt: int, group: int) -> str:
          f"{v['generation']:.2f}", f"{v['share']:.0%}"]
         for mode, v in rl["modes"].items()])
     return "\n".join(lines + [""])
+
+
+def profile_lines(cfg: dict, mode: str, row: dict) -> list[str]:
+    """``--profile``'s section of one trainer: its step, the profiled step's kernel time, launches and syncs, its
+    peaks, then its operators by device time."""
+    prof = row["profile"]
+    return [f"## {cfg['batch']} x {cfg['completion']}, full, checkpointing {'on' if cfg['ckpt'] else 'off'}: "
+            f"{mode} ({row['ran']})", "",
+            f"{row['seconds'] * 1e3:.1f} ms a step (median, the profiled step included), profiled step "
+            f"{prof['kernel_ms']:.1f} ms of kernel time (CPU time on a CPU), {prof['launches']} kernel launches, "
+            f"{prof['syncs']} host syncs and copies; peak {row['step_peak_gib']:.2f} GiB (steps), "
+            f"{row['peak_gib']:.2f} GiB (from build).", ""] + harness.md_table(
+        ["operator", "calls", "ms"], [[t["op"].replace("|", "/"), t["calls"], f"{t['ms']:.2f}"] for t in prof["top"]]
+    ) + [""]
