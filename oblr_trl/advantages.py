@@ -17,7 +17,7 @@ from .estimators import (baseline_metrics, baseline_uses_weights, baseline_weigh
 class BaselineStats:
     """What the baseline's metrics (:func:`.estimators.baseline_metrics`) are formed from, for some rows: all ranks'
     ``rewards`` (NaN: unscorable), their ``baseline`` and ``weights``, the rows whose baseline fell back to the plain
-    mean (``num_fallback``) and the weights clipped (``num_clipped``).
+    mean (``num_fallback``) and the weights clipped (``num_clipped``): ints or 0-d tensors on the device.
 
     Merged across the chunks of one micro-batch (:meth:`merge`) before logging, so ``one_backward``'s micro-batch logs
     once however many chunks it runs in: the chunks hold disjoint whole groups, so their rows concatenate and their
@@ -28,8 +28,8 @@ class BaselineStats:
     rewards: torch.Tensor
     baseline: torch.Tensor
     weights: torch.Tensor
-    num_fallback: int
-    num_clipped: int
+    num_fallback: int | torch.Tensor
+    num_clipped: int | torch.Tensor
 
     @classmethod
     def merge(cls, parts: Sequence["BaselineStats"]) -> "BaselineStats":
@@ -44,14 +44,32 @@ class BaselineStats:
         return baseline_metrics(self.rewards, self.baseline, self.weights, self.num_fallback, self.num_clipped)
 
 
+def raised(*found: dict) -> tuple[str, ...]:
+    """The keys of :data:`.advice.WARNINGS` that apply, from dicts of ``key -> whether it applies`` (a bool, or a 0-d
+    tensor still on the device): every tensor read by the host at once, one sync however many checks and chunks
+    there are (issue 56: a chunked ``one_backward`` step read each check of each chunk on its own). In first-seen
+    order, each key once."""
+    flat = [(k, v) for d in found for k, v in d.items()]
+    tensors = [v.reshape(()).bool() for _, v in flat if torch.is_tensor(v)]
+    read = iter(torch.stack(tensors).tolist() if tensors else ())
+    hits = [k for k, v in flat if (next(read) if torch.is_tensor(v) else bool(v))]
+    return tuple(dict.fromkeys(hits))
+
+
 @dataclass(frozen=True)
 class AdvantageResult:
     """``values``: the local rows' advantages. ``stats``: what the baseline's metrics are formed from (all ranks'
-    rows). ``warnings``: keys of :data:`.advice.WARNINGS`."""
+    rows). ``found``: for each check, key of :data:`.advice.WARNINGS` -> whether it applies (a 0-d tensor, read when
+    :attr:`warnings` or :func:`raised` asks)."""
 
     values: torch.Tensor
     stats: BaselineStats
-    warnings: tuple[str, ...]
+    found: dict
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """The keys that apply (reads the checks: one host sync)."""
+        return raised(self.found)
 
 
 def identical_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -87,15 +105,14 @@ def compute_advantages(
     grad_norm_estimator, weight_clip, scale_rewards). With ``scale_rewards != "none"`` (plain GRPO, an ablation) TRL's
     own ``trl_advantages`` stand and only the metrics are formed.
     """
-    warnings = []
+    found = {}
     if unscorable is not None:
         rewards = torch.where(unscorable, torch.full_like(rewards, float("nan")), rewards)
     if sq_norms is None and weight_estimator(args.grad_norm_estimator).needs is not None:
         sq_norms = torch.zeros_like(lengths, dtype=torch.float32)  # not formed: the baseline is the mean, no SNR
     weights = baseline_weights(args.grad_norm_estimator, loss_type, lengths, sq_norms)
     if args.weight_clip is None and baseline_uses_weights(args.baseline):
-        if bool((max_weight_ratio(weights, group_size) > WEIGHT_RATIO_WARNING).any()):
-            warnings.append("weight_spread")
+        found["weight_spread"] = (max_weight_ratio(weights, group_size) > WEIGHT_RATIO_WARNING).any()
     num_clipped = 0
     if args.weight_clip is not None:
         weights, num_clipped = clip_weights(weights, group_size, args.weight_clip)
@@ -106,9 +123,7 @@ def compute_advantages(
         baseline, num_fallback = get_baseline(args.baseline)(rewards, weights, group_size, args.leave_one_out)
         values = torch.nan_to_num(rewards - baseline, nan=0.0)
         values = torch.where(identical_groups(rewards, group_size), torch.zeros_like(values), values)[local]
-    if num_fallback:
-        warnings.append("fallback")
-    if torch.isnan(rewards).any():
-        warnings.append("unscorable")
+    found["fallback"] = torch.as_tensor(num_fallback, device=rewards.device) > 0
+    found["unscorable"] = torch.isnan(rewards).any()
     stats = BaselineStats(rewards, baseline, weights, num_fallback, num_clipped)
-    return AdvantageResult(values, stats, tuple(warnings))
+    return AdvantageResult(values, stats, found)

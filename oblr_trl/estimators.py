@@ -42,14 +42,16 @@ BASELINES = Registry("baseline", "baseline")  # name -> Baseline, selected by OB
 
 @dataclass(frozen=True)
 class Baseline:
-    """A registered baseline: ``fn(rewards, weights, group_size, leave_one_out) -> (baseline, num_fallback)``, and
+    """A registered baseline: ``fn(rewards, weights, group_size, leave_one_out) -> (baseline, num_fallback)``
+    (``num_fallback``: an ``int`` or a 0-d integer tensor; the built-ins keep it on the device, so that the trainer
+    reads it with the step's other figures instead of waiting for it), and
     whether it uses ``weights`` (the trainer then forms them, with the per-sequence norms the weight estimator needs,
     even with ``snr_lr=False``; otherwise it may skip the norms and pass weights it did not form)."""
 
     fn: BaselineFn
     uses_weights: bool
 
-    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, int]:
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, int | torch.Tensor]:
         return self.fn(*args, **kwargs)
 
 
@@ -111,7 +113,7 @@ def _grouped_weighted_mean(
     plain_mean = torch.where(n_sum > 0, r_sum / n_sum.clamp(min=1), torch.zeros_like(r_sum))
     weighted = wr_sum / torch.where(weighted_ok, w_sum, torch.ones_like(w_sum))
     baseline = torch.where(weighted_ok, weighted, plain_mean)
-    num_fallback = int((~weighted_ok).sum())
+    num_fallback = (~weighted_ok).sum()  # on the device: read with the step's metrics (no host sync here)
     return baseline.reshape(-1).to(rewards.dtype), num_fallback
 
 
@@ -134,7 +136,8 @@ def gradient_weighted_baseline(
 
     Returns:
         ``(baseline, num_fallback)``: the per-sample baseline, shaped like ``rewards``, and the number of samples whose
-        set of weights summed to zero; those fall back to the plain mean of the set's rewards (0 for an empty set).
+        set of weights summed to zero; those fall back to the plain mean of the set's rewards (0 for an empty set), as
+        a 0-d tensor on the rewards' device (``int(num_fallback)`` reads it).
     """
     return _grouped_weighted_mean(rewards, weights, group_size, leave_one_out)
 
@@ -157,7 +160,7 @@ def clip_weights(weights: torch.Tensor, group_size: int, max_ratio: float) -> tu
     returned as they are (the baseline ignores them).
 
     Returns:
-        ``(clipped_weights, num_clipped)``.
+        ``(clipped_weights, num_clipped)``, the count a 0-d tensor on the weights' device.
     """
     if not max_ratio >= 1.0:
         raise ValueError(f"max_ratio={max_ratio} must be >= 1.")
@@ -168,7 +171,7 @@ def clip_weights(weights: torch.Tensor, group_size: int, max_ratio: float) -> tu
     cap = median * max_ratio
     over = usable & (w > cap)
     clipped = torch.where(over, cap.expand_as(w), w)
-    return clipped.reshape(weights.shape), int(over.sum())
+    return clipped.reshape(weights.shape), over.sum()  # the count on the device, as num_fallback
 
 
 # ------------------------------------------------------------------------------------------ baseline weights
@@ -296,7 +299,8 @@ def mask_nonfinite_products(products: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def baseline_metrics(
-    rewards: torch.Tensor, baseline: torch.Tensor, weights: torch.Tensor, num_fallback: int, num_clipped: int
+    rewards: torch.Tensor, baseline: torch.Tensor, weights: torch.Tensor, num_fallback: int | torch.Tensor,
+    num_clipped: int | torch.Tensor
 ) -> dict[str, float]:
     """The baseline's metrics for one generation batch (unscorable rewards, NaN, excluded; 0 where nothing is left)."""
     valid = ~torch.isnan(rewards)
@@ -309,13 +313,15 @@ def baseline_metrics(
     w_mean = w.sum() / n.clamp(min=1)
     w_std = ((torch.where(valid, w - w_mean, 0.0) ** 2).sum() / (n - 1).clamp(min=1)).sqrt()
     spread = torch.where((n >= 2) & (w_mean > 0), w_std / torch.where(w_mean > 0, w_mean, 1.0), 0.0)
-    values = torch.stack([mean(baseline), mean(rewards), spread, valid.numel() - n]).tolist()
+    count = lambda c: torch.as_tensor(c, device=n.device).to(dtype)  # noqa: E731  (an int, or a count on the device)
+    values = torch.stack([mean(baseline), mean(rewards), spread, valid.numel() - n, count(num_fallback),
+                          count(num_clipped)]).tolist()
     return {
         "baseline_mean": values[0],
         "reward_mean": values[1],
         "weight_spread": values[2],
-        "fallback_samples": float(num_fallback),
-        "clipped_weights": float(num_clipped),
+        "fallback_samples": values[4],
+        "clipped_weights": values[5],
         "unscorable": values[3],
     }
 

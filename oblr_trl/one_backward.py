@@ -24,6 +24,7 @@ import torch
 from trl.trainer.utils import split_tensor_dict
 
 from . import cost_model
+from .advantages import raised
 from .estimators import mask_nonfinite_products
 from .grad_norms import per_sequence_grads
 from .grad_norms.lm import output_head, unwrap_causal_lm
@@ -325,7 +326,11 @@ class ChunkNorms:
         products, self.unscorable = mask_nonfinite_products(grads.inner_products(unit))
         self._products = products if grads.replay is not None else None
         self.sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
-        self.warnings = ("nonfinite_norms",) if self.unscorable.any() else ()
+        self.found = {"nonfinite_norms": self.unscorable.any()}  # read with the step's other checks (advantages.raised)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return raised(self.found)
 
     @property
     def pending(self) -> bool:

@@ -23,7 +23,7 @@ import torch
 from trl import GRPOTrainer
 
 from . import deepspeed_step, multimodal, norm_passes, one_backward, state_file
-from .advantages import BaselineStats, compute_advantages
+from .advantages import BaselineStats, compute_advantages, raised
 from .advice import Advice
 from .card import PAPER, append_oblr_section
 from .config import config_for, needs_norms
@@ -158,19 +158,18 @@ class OBLRPOTrainer(GRPOTrainer):
             chunk = max(unit, -(-(plan.norms_chunk or self.args.per_device_train_batch_size) // unit) * unit)
             products, bad = norm_passes.norm_products(self.model, output, unit=unit, chunk=chunk,
                                                       temperature=self.temperature, autocast=self.accelerator.autocast)
-            if bad.any():
-                self.advice("nonfinite_norms")
             output["oblr_gram"] = products.reshape(local_n, unit)  # products with the unit's members, by position
             sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
         result = self._advantages(output, sq_norms, bad)
+        self.advice(*raised({} if bad is None else {"nonfinite_norms": bad.any()}, result.found))  # one read
         self._log(result.stats.metrics())
         output["advantages"] = result.values
         return output
 
     def _advantages(self, batch: dict, sq_norms: torch.Tensor | None, bad: torch.Tensor | None):
         """:func:`.advantages.compute_advantages` of the local rows of ``batch``, over every rank's rewards, lengths
-        and norms (gathered here; the logit proxy's weights in place of the norms where the batch has them); its
-        warnings given."""
+        and norms (gathered here; the logit proxy's weights in place of the norms where the batch has them). Its
+        checks are left to the caller to read (``result.found``: one host read for all of them)."""
         gather, n = self.accelerator.gather, batch["oblr_row"].shape[0]
         sq_norms = batch.get("oblr_proxy", sq_norms)
         local = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
@@ -180,7 +179,6 @@ class OBLRPOTrainer(GRPOTrainer):
             group_size=self.num_generations, local=local, unscorable=None if bad is None else gather(bad),
             trl_advantages=batch.get("advantages"),
         )
-        self.advice(*result.warnings)
         return result
 
     # --------------------------------------------------------- training loss
@@ -206,17 +204,18 @@ class OBLRPOTrainer(GRPOTrainer):
         DDP's all-reduce at the step's last micro-batch. Returns the loss as a leaf (its backward is a no-op)."""
         n = batch["oblr_row"].shape[0]
         batch = one_backward.rows_of(batch, torch.argsort(batch["oblr_row"]), n)  # undo TRL's shuffle
-        unit, loss, stats = self._unit(n), 0.0, []
+        unit, loss, stats, found = self._unit(n), 0.0, [], []
         for norms in one_backward.chunk_norms(self.model, batch, chunk=self.one_backward_plan.chunk_rows or n,
                                               temperature=self.temperature, autocast=self.accelerator.autocast,
                                               replay_unit=unit if self.one_backward_plan.replay else None):
             result = self._advantages(norms.batch, norms.sq_norms, norms.unscorable)
             update = norms.update(self._policy_weights(batch, result.values, norms.rows),
                                   snr_unit=unit if self.args.snr_lr else None)
-            self.advice(*norms.warnings)
+            found += [result.found, norms.found]  # read once, after the last chunk
             if update.unit_sq is not None:
                 self.step_sizer.record_formed(update.units, update.unit_sq)
             loss, stats = loss + update.loss, stats + [result.stats]
+        self.advice(*raised(*found))
         self._log(BaselineStats.merge(stats).metrics())
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
             one_backward.all_reduce_grads(self.model.parameters())  # DDP's job (c_i already has 1/world)

@@ -125,3 +125,40 @@ def test_baseline_stats_of_chunks_merge_into_the_whole_batchs():
     assert merged.metrics() == whole.stats.metrics() and merged.metrics()["unscorable"] == 1.0
     assert torch.equal(torch.cat([c.values for c in chunks]), whole.values)
     assert BaselineStats.merge([whole.stats]).metrics() == whole.stats.metrics()
+
+
+def test_raised_reads_every_check_at_once_in_first_seen_order_each_key_once():
+    from oblr_trl.advantages import raised
+
+    found = [{"weight_spread": torch.tensor(False), "fallback": torch.tensor(True)},
+             {"nonfinite_norms": True, "fallback": torch.tensor(False), "unscorable": torch.tensor([True])},
+             {"weight_spread": torch.tensor(True), "group_span": False}]
+    assert raised(*found) == ("fallback", "nonfinite_norms", "unscorable", "weight_spread")
+    assert raised() == () and raised({"fallback": torch.tensor(False)}) == ()
+
+
+def test_advantages_and_their_checks_take_no_host_sync_until_read():
+    """Issue 56: a chunked ``one_backward`` step read each check of each chunk (weight spread, fallback count,
+    unscorable rows, non-finite norms) on its own, 4 host syncs a chunk; the checks now stay on the device and the
+    trainer reads them all once (``raised``: one ``.tolist()``), the counts with the metrics."""
+    import sys
+
+    from helpers import BENCHMARKS
+    sys.path.insert(0, BENCHMARKS)
+    from counting import HostSyncs
+
+    from oblr_trl.advantages import raised
+
+    rewards = torch.tensor([1.0, 0.0, float("nan"), 1.0, 0.0, 0.0, 0.0, 1.0])
+    sq = torch.tensor([1.0, 2.0, 3.0, 0.0, 1e6, 1.0, 1.0, 1.0])
+    with HostSyncs() as syncs:
+        results = [compute_advantages(rewards, torch.full((8,), 4), sq, args=args(weight_clip=c), loss_type="dapo",
+                                      group_size=G, local=slice(0, 8)) for c in (None, 3.0)]
+    assert syncs.total == 0, syncs.calls
+    with HostSyncs() as syncs:
+        keys = raised(*(r.found for r in results))
+    assert syncs.total == 1 and keys == ("weight_spread", "unscorable")
+    assert results[0].warnings == ("weight_spread", "unscorable") and results[1].warnings == ("unscorable",)
+    with HostSyncs() as syncs:
+        metrics = BaselineStats.merge([r.stats for r in results]).metrics()
+    assert syncs.total == 1 and metrics["clipped_weights"] == 1.0 and metrics["unscorable"] == 2.0

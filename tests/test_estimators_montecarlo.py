@@ -522,7 +522,7 @@ def test_return_types():
             baseline, num_fallback = fn(rewards, weights, 3, leave_one_out=loo)
             assert baseline.shape == rewards.shape, f"{fn.__name__}(leave_one_out={loo}) returned {baseline.shape}"
             assert baseline.dtype == rewards.dtype
-            assert isinstance(num_fallback, int) and num_fallback == 0
+            assert int(num_fallback) == 0
 
 
 def test_group_size_one():

@@ -90,7 +90,7 @@ def test_baseline_matches_reference_shape_dtype_finite(batch):
     rewards, weights, group_size, leave_one_out = batch
     baseline, num_fallback = gradient_weighted_baseline(rewards, weights, group_size, leave_one_out=leave_one_out)
     assert baseline.shape == rewards.shape and baseline.dtype == rewards.dtype
-    assert isinstance(num_fallback, int)
+    assert torch.is_tensor(num_fallback) and num_fallback.dim() == 0  # on the device: read with the metrics
     assert torch.isfinite(baseline).all(), f"non-finite baseline {baseline}"
     expected, scale, expected_fallback = reference_baseline(rewards, weights, group_size, leave_one_out)
     assert_close_to(baseline, expected, scale, rewards.dtype)
