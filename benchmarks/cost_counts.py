@@ -384,6 +384,36 @@ def verdict(row: dict, mode: str, ran: str, flops: float, bytes_: float, ops: fl
     return f"no: {', '.join(missed)}; {why}"
 
 
+def ratios(r: dict, mode: str) -> tuple[float, float, float, float] | None:
+    """A configuration's FLOPs, bytes and calls against GRPO's, and its host syncs beyond GRPO's (None: not counted)."""
+    g, v = r["modes"]["grpo"], r["modes"].get(mode)
+    if v is None or "error" in v or "error" in g:
+        return None
+    extra = v["syncs"] - g["syncs"] if "syncs" in v and "syncs" in g else 0
+    return v["flops"] / g["flops"], v["peak_bytes"] / g["peak_bytes"], v["ops"] / g["ops"], extra
+
+
+def summary(res: dict) -> list[str]:
+    """Per mode: how many configurations meet every target, each ratio's range, and how many miss each target."""
+    head = ["mode", "meets every target", "FLOPs / GRPO", "bytes / GRPO", "calls / GRPO", "host syncs vs GRPO's",
+            "configurations missing: FLOPs, bytes, calls, syncs"]
+    rows = []
+    for mode in [m for m in MODES if m != "grpo"]:
+        found = [(r, x) for r in res["rows"] if (x := ratios(r, mode)) is not None]
+        if not found:
+            continue
+        verdicts = [verdict(r, mode, r["modes"][mode]["ran"], *x) for r, x in found]
+        def span(i: int, fmt: str, unit: str = "") -> str:
+            low, high = (f"{f(x[i] for _, x in found):{fmt}}{unit}" for f in (min, max))
+            return low if low == high else f"{low} to {high}"
+
+        misses = [sum(f"{what} " in v.split(";")[0] for v in verdicts) for what in ("FLOPs", "bytes", "calls")]
+        misses.append(sum("host syncs" in v for v in verdicts))
+        rows.append([mode, f"{verdicts.count('yes')} of {len(found)}", span(0, ".2f", "x"), span(1, ".2f", "x"),
+                     span(2, ".2f", "x"), span(3, "+.0f"), ", ".join(map(str, misses))])
+    return harness.md_table(head, rows)
+
+
 def render(res: dict) -> str:
     head = ["width", "B x C", "head", "tuning", "ckpt", "mode", "ran (rows per chunk)", "FLOPs (T)", "model (T)",
             "FLOPs / GRPO", "model / GRPO", "per layer / GRPO", "head+rest / GRPO", "peak GiB", "model GiB",
@@ -430,7 +460,7 @@ def render(res: dict) -> str:
         f"<= {TARGETS['bytes_ckpt']}x with checkpointing, <= {TARGETS['bytes']}x without; operator calls <= "
         f"{TARGETS['ops']}x; host syncs (scalar reads, value-sized outputs, `.tolist()`/`.cpu()`: "
         f"`counting.HostSyncs`) <= GRPO's + {TARGETS['syncs']} (the column: count, and against GRPO's).", "",
-        *harness.md_table(head, rows), ""])
+        "Per mode, over the configurations below:", "", *summary(res), "", *harness.md_table(head, rows), ""])
 
 
 def parse_args(argv=None):

@@ -186,3 +186,16 @@ def test_host_syncs_counts_scalar_reads_and_device_to_host_copies():
         x * 2
     assert syncs.total == 5 and syncs.calls["Tensor.tolist"] == 1 and syncs.calls["aten.nonzero"] == 1
     assert torch.Tensor.tolist is tolist
+
+
+def test_the_summary_counts_each_modes_configurations_meeting_the_targets_and_each_ratios_range():
+    cost = load("cost_counts")
+    counted = dict(flops=1.0, peak_bytes=1.0, ops=100.0, syncs=9, per_layer_flops=1.0, rest_flops=1.0,
+                   predicted_flops=1.0, predicted_bytes=1.0)
+    rows = [dict(width="w", batch=8, completion=c, tied=True, lora=False, ckpt=False,
+                 modes={"grpo": dict(counted, ran="grpo"),
+                        "one_backward": dict(counted, ops=ops, syncs=syncs, ran="one_backward/8")})
+            for c, ops, syncs in ((256, 120.0, 6), (512, 130.0, 12))]
+    table = "\n".join(cost.summary(dict(rows=rows)))
+    assert "| one_backward | 1 of 2 | 1.00x | 1.00x | 1.20x to 1.30x | -3 to +3 | 0, 0, 1, 1 |" in table
+    assert "two_passes" not in table  # a mode not counted has no row
