@@ -39,9 +39,13 @@ MATERIALIZE_BUDGET = 1 << 26
 CUDA_MACS_PER_BYTE = 100
 # Float32 elements of the (blocks, k T, slots) softmax columns the tied head gathers at its embedding's token ids.
 GATHER_BUDGET = 1 << 25
-# Devices where _row_products splits its long axis into a batch, and a materialized gradient's squared norm is a
-# reduction rather than a (1 x N)(N x 1) product (a GPU's parallelism); the CPU gains nothing from either.
-SPLIT_ROW_PRODUCTS = ("cuda",)
+# Products of per-sample gradients over their long axis (N = n_L n_R entries, ~3M for a Qwen3-0.6B MLP map) take it
+# in pieces of about PIECE entries, the pieces' partial products summed by a reduction: one (k, N)(N, k) product
+# accumulates each dot serially in float32, ~sqrt(N) eps, 2-4e-4 relative at N = 2-3M on a CPU (measured, issue 56),
+# where the exactness target is 1e-5; in pieces it is ~1e-7, and faster on a CPU and a GPU alike. Axes up to
+# SPLIT_MIN entries are multiplied whole (~4e-6 at most).
+PIECE = 1024
+SPLIT_MIN = 4096
 # Float32 materialized gradients of at most this many elements (norm gains, biases) are concatenated, SMALL_BATCH at
 # a time, into one product by summed_self_products: a few operator calls instead of one per parameter.
 SMALL_MATERIALIZED = 1 << 20
@@ -470,12 +474,11 @@ class Materialized:
         """:func:`block_inner_products` of two materialized usages (blocked: ``(B/k, k, n)``)."""
         if not isinstance(v, Materialized):
             raise TypeError("Mixed factored and materialized usages must be materialized first.")
-        if k == 1 and v is self and self.g.device.type in SPLIT_ROW_PRODUCTS:
-            # a GPU runs each block's (1 x N)(N x 1) product as a gemv with one thread block per dot (0.6 ms at N = 1M
-            # on an H200, 56 of them a step at Qwen3-0.6B's depth): a reduction accumulating in float32 instead
-            return torch.linalg.vector_norm(self.g, dim=-1, dtype=torch.float32, keepdim=True).square_()
+        # by _row_products: a squared norm (k = 1) a float32-accumulating reduction (a GPU would run each block's
+        # (1 x N)(N x 1) product as a slow gemv: 0.6 ms at N = 1M on an H200), a long axis in pieces (exact to ~1e-7)
         dtype = self.g.dtype if self.g.dtype == v.g.dtype and self.g.dtype in HALF else None
-        return mm32(as_operand(self.g, dtype), as_operand(v.g, dtype).transpose(1, 2))
+        g = as_operand(self.g, dtype)
+        return _row_products(g, g if v is self else as_operand(v.g, dtype), 0)
 
 
 Usage = Factored | Materialized
@@ -561,20 +564,45 @@ def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
     return materialized < gram
 
 
+def _piece(n: int, inner: int) -> int:
+    """The length of the pieces :func:`_row_products` cuts an axis of ``n`` entries into: whole rows of ``inner``
+    entries (the per-sample gradient's last axis), as many as make about :data:`PIECE`, where ``inner`` divides ``n``;
+    else :data:`PIECE` (the axis zero-padded to a multiple)."""
+    if inner <= 0 or n % inner:
+        return PIECE
+    rows = n // inner
+    return inner * next(m for m in range(min(rows, max(1, PIECE // inner)), 0, -1) if rows % m == 0)
+
+
 def _row_products(a: torch.Tensor, b: torch.Tensor, inner: int) -> torch.Tensor:
-    """``a @ b^T`` per block for ``(nb, k, N)`` float32 rows (``k`` per-sample gradients of ``N`` entries; ``b`` may
-    be ``a``): ``(nb, k, k)``. With ``k > 1`` the long axis is split into ``N / inner`` pieces that become the batch
-    of one matmul (then summed), because a ``(k, N) @ (N, k)`` product with a small ``k`` leaves most of a GPU idle;
-    ``inner`` must divide ``N`` (the per-sample gradient's last axis)."""
+    """``a @ b^T`` per block for ``(nb, k, N)`` rows (``k`` per-sample gradients of ``N`` entries; ``b`` may be
+    ``a``), in float32: ``(nb, k, k)``. A long axis (over :data:`SPLIT_MIN` entries) is cut into pieces
+    (:func:`_piece`; ``inner``: the per-sample gradient's last axis) that become the batch of one matmul, summed
+    by a reduction: exact to ~1e-7 where a single product over ``N`` accumulates ~sqrt(N) rounding errors, and faster
+    (a ``(k, N) @ (N, k)`` product with a small ``k`` leaves most of a GPU idle). A squared norm (``k = 1``,
+    ``b`` is ``a``) is a float32-accumulating reduction per piece (a GPU would run a (1 x N)(N x 1) product as a
+    slow gemv; the CPU's ``vector_norm`` over N accumulates serially too: 1.2e-4 at N = 3M, measured)."""
     nb, k, n = a.shape
-    if k == 1:
-        return (a * b).sum(-1, keepdim=True) if b is not a else a.pow(2).sum(-1, keepdim=True)
-    if a.device.type not in SPLIT_ROW_PRODUCTS or inner <= 0 or n % inner or n // inner == 1:
-        return torch.bmm(a, b.transpose(1, 2))
-    pieces = n // inner
-    x = a.reshape(nb, k, pieces, inner).transpose(1, 2).reshape(nb * pieces, k, inner)
-    y = x if b is a else b.reshape(nb, k, pieces, inner).transpose(1, 2).reshape(nb * pieces, k, inner)
-    return torch.bmm(x, y.transpose(1, 2)).reshape(nb, pieces, k, k).sum(1)
+    if k == 1 and b is not a:
+        return (a.float() * b.float()).sum(-1, keepdim=True)  # a reduction: pairwise sums on every device
+    if n <= SPLIT_MIN:
+        if k == 1:
+            return torch.linalg.vector_norm(a, dim=-1, dtype=torch.float32, keepdim=True).square_()
+        return mm32(a, b.transpose(1, 2))
+    piece = _piece(n, inner)
+    pieces = -(-n // piece)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if pieces * piece != n:
+            t = torch.nn.functional.pad(t, (0, pieces * piece - n))
+        return t.reshape(nb, k, pieces, piece).transpose(1, 2).reshape(nb * pieces, k, piece)
+
+    if k == 1:  # (nb, 1, N) as (nb, pieces, piece): a view where no padding is needed
+        squares = torch.linalg.vector_norm(cut(a).reshape(nb, pieces, piece), dim=-1, dtype=torch.float32).square_()
+        return squares.sum(-1).reshape(nb, 1, 1)
+    x = cut(a)
+    y = x if b is a else cut(b)
+    return mm32(x, y.transpose(1, 2)).reshape(nb, pieces, k, k).sum(1)
 
 
 def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
@@ -783,7 +811,7 @@ def summed_self_products(usages: list[Usage], k: int) -> torch.Tensor | None:
         parts.append(_block_sums(_summed_left_grams(group).mul_(gram(group[0].right, group[0].right)), k))
     for start in range(0, len(small), SMALL_BATCH):
         g = small[start] if len(small) == start + 1 else torch.cat(small[start : start + SMALL_BATCH], dim=-1)
-        parts.append(torch.bmm(g, g.transpose(1, 2)))
+        parts.append(_row_products(g, g, 0))
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)

@@ -368,13 +368,18 @@ def test_autocast_operands_cast_a_shared_input_once_and_never_reuse_another(monk
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_row_products_split_into_a_batch_equal_the_plain_product(monkeypatch, k):
-    """The within-block products of materialized per-sample gradients, with the long axis split into a batch (what a
-    GPU runs) or not, and the norms end to end with the split on this device."""
+    """The within-block products of materialized per-sample gradients, with the long axis cut into pieces (whole rows
+    of ``inner``, or zero-padded pieces where ``inner`` does not divide it) or not, and the norms end to end with every
+    axis cut."""
     from oblr_trl.grad_norms import factors
 
     a, b = torch.randn(2, k, 6 * 5), torch.randn(2, k, 6 * 5)
     plain = factors._row_products(a, b, 5)
-    monkeypatch.setattr(factors, "SPLIT_ROW_PRODUCTS", ("cpu", "cuda"))
+    monkeypatch.setattr(factors, "SPLIT_MIN", 0)
+    monkeypatch.setattr(factors, "PIECE", 8)
+    assert factors._piece(30, 5) == 5 and factors._piece(30, 2) == 6 and factors._piece(30, 7) == 8
+    for inner in (5, 2, 7, 0):  # rows of 5; 3 rows of 2; padded pieces of 8 (7 does not divide 30; 0: no rows)
+        torch.testing.assert_close(factors._row_products(a, b, inner), torch.bmm(a, b.transpose(1, 2)))
     all_dense = lambda u, v: all(isinstance(f, factors.Dense) for f in (u.left, u.right, v.left, v.right))
     monkeypatch.setattr(factors, "_materialize_cheaper", lambda u, v, k: all_dense(u, v))  # every layer split
     monkeypatch.setattr(factors, "_head_materialize_cheaper", lambda u, k: True)
@@ -490,24 +495,46 @@ def test_summed_self_products_share_an_input_gram_and_equal_the_pairs(k):
     with counter:
         summed = summed_self_products(blocked, k)
     torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5)
-    assert counter.calls["aten.bmm"] + counter.calls["aten.baddbmm_"] == 1 + 1 + 2 + 1
+    # the small ones' one product: with k = 1, a squared norm, a reduction (linalg_vector_norm)
+    products = counter.calls["aten.bmm"] + counter.calls["aten.baddbmm_"] + counter.calls["aten.linalg_vector_norm"]
+    assert products == 1 + 1 + 2 + 1
     assert summed_self_products([], k) is None
 
 
 def test_materialized_half_squared_norms_as_a_reduction_equal_the_product(monkeypatch):
-    """Where a GPU runs them (SPLIT_ROW_PRODUCTS), the squared norms of half-precision materialized per-sample gradients
-    (bf16 autocast) are a float32-accumulating reduction instead of a (1 x N)(N x 1) product per sequence (a slow gemv
-    on an H200): the norms are those of the product path."""
+    """The squared norms of half-precision materialized per-sample gradients (bf16 autocast) are a float32-accumulating
+    reduction instead of a (1 x N)(N x 1) product per sequence (a slow gemv on an H200): the norms are those of the
+    product path (a float64 product of the same gradients, patched in)."""
     from oblr_trl.grad_norms import factors
 
     model, batch = qwen3(tie=True), padded_batch()
+    real = factors._row_products
+    monkeypatch.setattr(factors, "_row_products", lambda a, b, inner: torch.bmm(
+        a.double(), b.double().transpose(1, 2)).float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         product = per_sequence_grad_sq_norms(model, *batch)
+    monkeypatch.setattr(factors, "_row_products", real)
     reductions, vector_norm = [], torch.linalg.vector_norm
     monkeypatch.setattr(torch.linalg, "vector_norm", lambda x, *a, **kw: reductions.append(x.dim()) or vector_norm(
         x, *a, **kw))
-    monkeypatch.setattr(factors, "SPLIT_ROW_PRODUCTS", ("cpu", "cuda"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reduced = per_sequence_grad_sq_norms(model, *batch)
     assert reductions.count(3) >= 4  # the layers' materialized (B, 1, N) gradients took it
     torch.testing.assert_close(reduced, product, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("k", [1, 8])
+@pytest.mark.parametrize("inner", [1024, 0])
+def test_products_over_a_layers_long_axis_are_exact_to_1e_6(k, inner):
+    """Issue 56: per-sample gradients of a Qwen3-0.6B MLP map hold N = 3,145,728 entries; one float32 (k, N)(N, k)
+    product accumulates each dot serially: 2-4e-4 relative error on a CPU (measured), 20-40x the 1e-5 target. In
+    pieces, summed by a reduction, within 1e-6 of float64, materialized usages and concatenated small ones alike
+    (``inner`` 0: no row length known, zero-padded pieces)."""
+    from oblr_trl.grad_norms import factors
+
+    n = 1024 * 3072 + (0 if inner else 5)
+    a = torch.randn(1, k, n, generator=torch.Generator().manual_seed(0)) * 1e-3
+    exact = torch.bmm(a.double(), a.double().transpose(1, 2))
+    for got in (factors._row_products(a, a, inner), factors.Materialized(a).block_inner_products(
+            factors.Materialized(a), k)):
+        assert ((got.double() - exact).abs().max() / exact.abs().max()).item() < 1e-6
