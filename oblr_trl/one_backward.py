@@ -24,7 +24,6 @@ import torch
 from trl.trainer.utils import split_tensor_dict
 
 from . import cost_model
-from .advantages import raised
 from .estimators import mask_nonfinite_products
 from .grad_norms import per_sequence_grads
 from .grad_norms.lm import output_head, unwrap_causal_lm
@@ -327,10 +326,6 @@ class ChunkNorms:
         self._products = products if grads.replay is not None else None
         self.sq_norms = torch.diagonal(products, dim1=1, dim2=2).reshape(-1)
         self.found = {"nonfinite_norms": self.unscorable.any()}  # read with the step's other checks (advantages.raised)
-
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        return raised(self.found)
 
     @property
     def pending(self) -> bool:
