@@ -51,7 +51,8 @@ WIDTHS = {
     "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936),
 }
-# auto: OBLR-PO's default, as on a CPU (no free-memory figure: the ratio targets); auto_gpu: the default as on a GPU
+# auto: OBLR-PO's default on a device with no free-memory figure (the ratio targets; the CPU's default reads the host's
+# memory, which would make the table depend on this machine); auto_gpu: the default as on a GPU
 # with GPU_GIB free (the memory-aware choice, issue 56); replay: one_backward with its update replayed by a second
 # backward (checkpointing only)
 MODES = {"grpo": None, "one_backward": True, "two_passes": False, "replay": None, "auto": None, "auto_gpu": None}
@@ -203,7 +204,7 @@ def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, compl
             # the default's choice is made for the model at its real depth (DEPTH layers), then counted at this one
             with flops, live, ops, syncs, \
                     mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)), \
-                    forced_replay(mode == "replay"), simulated_gpu(mode == "auto_gpu"):
+                    forced_replay(mode == "replay"), simulated_gpu(mode == "auto_gpu"), no_figure(mode == "auto"):
                 trainer.training_step(trainer.model, [{"prompt": "x"}] * batch, torch.tensor(batch * completion))
         finally:
             gc.enable()
@@ -254,6 +255,16 @@ def simulated_gpu(on: bool):
         return cost_model.Budget(room, None if cap is None else cap * 2**30)
 
     return mock.patch.object(one_backward, "device_budget", budget)
+
+
+def no_figure(on: bool):
+    """For ``auto``: the default's budget as on a device with no free-memory figure (``device_budget`` gives None:
+    the ratio targets of ``cost_model.choose``)."""
+    from contextlib import nullcontext
+
+    from oblr_trl import one_backward
+
+    return mock.patch.object(one_backward, "device_budget", lambda *args, **kwargs: None) if on else nullcontext()
 
 
 def at_real_depth(describe):
@@ -447,7 +458,7 @@ def render(res: dict) -> str:
         f"{PROMPT} prompt tokens. Counts at 1 and 2 layers, extrapolated to {DEPTH} layers as c1 + 27 (c2 - c1); "
         "`per layer` and `head+rest` are the two parts. `model`: the prediction of `oblr_trl/cost_model.py` (the "
         "model OBLR-PO's default chooses by), at 1 and 2 layers combined the same way, for the path that ran. "
-        f"`auto`: OBLR-PO's default (`one_backward=None`) as on a CPU (no free-memory figure: the ratio targets), "
+        f"`auto`: OBLR-PO's default (`one_backward=None`) on a device with no free-memory figure (the ratio targets), "
         f"its choice made for the {DEPTH}-layer model; `auto_gpu`: the default as on a GPU with {GPU_GIB} GiB free "
         "(the memory-aware choice: `one_backward` wherever its predicted peak fits); `ran`: the "
         "path and rows per chunk each mode took (`one_backward`'s chunks, or the two-pass path's norms-pass chunks; "

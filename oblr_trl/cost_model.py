@@ -291,6 +291,16 @@ def memory_room(free: float, total: float, allocated: float, reserved: float, fr
     return max(0.0, can - margin - pending)
 
 
+def host_free(available: float, limit: float | None = None, used: float = 0.0, processes: int = 1) -> float:
+    """The host memory one process may count on for a step on the CPU: the system's ``available`` bytes (psutil's
+    figure: free memory plus what the kernel can reclaim), within a container's memory ``limit`` less what it has
+    ``used`` (cgroup; reclaimable page cache not counted), shared evenly by the ``processes`` of this machine that
+    each make this choice (``torchrun --nproc_per_node``). Pure: every figure is handed in
+    (:func:`.one_backward.host_memory` reads them)."""
+    free = available if limit is None else min(available, max(0.0, limit - used))
+    return free / max(1, processes)
+
+
 def fits(predicted: float, grpo: float, budget: Budget) -> bool:
     """Whether a path predicted to peak at ``predicted`` bytes (GRPO's update: ``grpo``) fits ``budget``:
     :data:`MEMORY_SAFETY` times the prediction within its room, or no more than GRPO's own peak (it then runs wherever

@@ -266,10 +266,10 @@ def unit_sq_norms(
     """
     unit_ids, slot = torch.unique(units, return_inverse=True)
     k = gram_rows.shape[1]
-    a = torch.zeros(unit_ids.numel(), k, dtype=torch.float64)
-    gram = torch.zeros(unit_ids.numel(), k, k, dtype=torch.float64)
-    a[slot, positions] = coefficients.double().cpu()
-    gram[slot, positions] = gram_rows.double().cpu()
+    a = torch.zeros(unit_ids.numel(), k, dtype=torch.float64, device=coefficients.device)
+    gram = torch.zeros(unit_ids.numel(), k, k, dtype=torch.float64, device=gram_rows.device)
+    a[slot, positions] = coefficients.double()
+    gram[slot, positions] = gram_rows.double()
     return unit_ids, torch.einsum("qi,qij,qj->q", a, gram, a)
 
 

@@ -17,6 +17,7 @@ the trainer takes each chunk's norms, forms its advantages as the two-pass path 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -215,8 +216,8 @@ class Plan:
         ``one_backward=True``, that chunk (one group where none fits); and the two-pass path's norms-pass chunk
         (:func:`.cost_model.norms_chunk`). The same on every rank (``gather``: the accelerator's, whose result's
         elementwise minimum over ranks is taken). With a budget (``budget``, else :func:`device_budget`: a GPU's
-        free memory less the state ``optimizer`` has yet to allocate, or ``args.max_extra_memory_gib``) the choice
-        is the memory-aware one (:func:`.cost_model.choose_within`): ``one_backward`` wherever its predicted peak
+        free memory or the host's available memory, less the state ``optimizer`` has yet to allocate, or
+        ``args.max_extra_memory_gib``) the choice is the memory-aware one (:func:`.cost_model.choose_within`): ``one_backward`` wherever its predicted peak
         fits. Returns the message to log."""
         if budget is None:
             budget = device_budget(device, getattr(args, "max_extra_memory_gib", None),
@@ -272,12 +273,19 @@ class Plan:
 
 def device_budget(device, max_extra_gib: float | None, pending: float = 0.0) -> cost_model.Budget | None:
     """What the memory-aware default may spend on ``device``: on a GPU, the room :func:`.cost_model.memory_room`
-    finds from ``torch.cuda.mem_get_info``, the allocator's counters and its per-process memory fraction, less a
-    margin (:func:`.cost_model.margin_bytes`) and ``pending`` bytes still to come (the optimizer's state); with
-    ``max_extra_gib`` (``OBLRPOConfig.max_extra_memory_gib``), at most that many GiB beyond GRPO's predicted peak.
-    ``None`` where neither applies (a CPU with no cap): the ratio targets of :func:`.cost_model.choose` then."""
+    finds from ``torch.cuda.mem_get_info``, the allocator's counters and its per-process memory fraction; on the CPU,
+    the host's available memory (:func:`host_memory`: within a container's limit, shared by this machine's
+    processes); either less a margin (:func:`.cost_model.margin_bytes`) and ``pending`` bytes still to come (the
+    optimizer's state). With ``max_extra_gib`` (``OBLRPOConfig.max_extra_memory_gib``), at most that many GiB beyond
+    GRPO's predicted peak. ``None`` on a device with no free-memory figure (MPS, XPU, ...) and no cap: the ratio
+    targets of :func:`.cost_model.choose` then."""
     cap = None if max_extra_gib is None else float(max_extra_gib) * 2**30
     device = torch.device(device)
+    if device.type == "cpu":
+        free, total = host_memory()
+        if free is not None:
+            return cost_model.Budget(cost_model.memory_room(free, total, 0.0, 0.0, 1.0, cost_model.margin_bytes(total),
+                                                            pending), cap)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None if cap is None else cost_model.Budget(float("inf"), cap)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -287,6 +295,50 @@ def device_budget(device, max_extra_gib: float | None, pending: float = 0.0) -> 
     room = cost_model.memory_room(free, total, torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index),
                                   fraction, cost_model.margin_bytes(total), pending)
     return cost_model.Budget(room, cap)
+
+
+CGROUP = "/sys/fs/cgroup"  # cgroup v2's files (memory.max, memory.current, memory.stat); v1's under memory/
+
+
+def _read_cgroup(name: str) -> str | None:
+    try:
+        with open(f"{CGROUP}/{name}") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _cgroup_memory() -> tuple[float | None, float]:
+    """A container's memory limit (None: none) and what it uses less its reclaimable page cache (``inactive_file``),
+    from cgroup v2, else v1."""
+    for limit_file, used_file, stat_file, key in (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                                                  ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                                   "memory/memory.stat", "total_inactive_file")):
+        limit = _read_cgroup(limit_file)
+        if limit is None:
+            continue
+        limit = limit.strip()
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes ~2^63 for no limit
+            return None, 0.0
+        stat = dict(line.split() for line in (_read_cgroup(stat_file) or "").splitlines() if len(line.split()) == 2)
+        used = float((_read_cgroup(used_file) or "0").strip() or 0) - float(stat.get(key, 0))
+        return float(limit), max(0.0, used)
+    return None, 0.0
+
+
+def host_memory() -> tuple[float | None, float]:
+    """The host memory this process may count on for a step (:func:`.cost_model.host_free`: psutil's available
+    bytes, within a container's limit, shared by ``LOCAL_WORLD_SIZE`` processes) and the total it is part of;
+    ``(None, 0)`` where psutil is missing."""
+    try:
+        import psutil  # accelerate's dependency
+    except ImportError:
+        return None, 0.0
+    memory = psutil.virtual_memory()
+    limit, used = _cgroup_memory()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    total = memory.total if limit is None else min(memory.total, limit)
+    return cost_model.host_free(memory.available, limit, used, processes), float(total)
 
 
 def optimizer_state_pending(model, optimizer) -> float:

@@ -100,9 +100,43 @@ def test_lora_and_no_checkpointing_take_one_backward_when_it_fits_and_never_oom_
             assert cm.peak_bytes(shape, mode, chunk) <= max(room / cm.MEMORY_SAFETY, grpo) * 1.0001, (shape, room)
 
 
+def test_host_free_takes_the_available_memory_within_a_containers_limit_shared_by_processes():
+    assert cm.host_free(20 * GIB) == 20 * GIB
+    assert cm.host_free(20 * GIB, limit=16 * GIB, used=10 * GIB) == 6 * GIB  # the container binds
+    assert cm.host_free(4 * GIB, limit=16 * GIB, used=2 * GIB) == 4 * GIB  # the host binds
+    assert cm.host_free(20 * GIB, limit=8 * GIB, used=9 * GIB) == 0  # over its limit: nothing
+    assert cm.host_free(20 * GIB, processes=2) == 10 * GIB  # torchrun --nproc_per_node 2 on one host
+
+
+def test_device_budget_on_the_cpu_reads_the_hosts_available_memory(monkeypatch, tmp_path):
+    """On the CPU the default is memory-aware too (issue 56: the ratio rule replayed the update under checkpointing,
+    a second backward, where the host had room): psutil's available memory, a cgroup v2 limit, LOCAL_WORLD_SIZE."""
+    import psutil
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=20 * GIB, total=32 * GIB))
+    monkeypatch.setattr(ob, "CGROUP", str(tmp_path / "absent"))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    # 20 GiB available less the margin (1.6 GiB: 5% of 32) and the optimizer's state to come
+    assert ob.device_budget("cpu", None, pending=2 * GIB) == cm.Budget(20 * GIB - 1.6 * GIB - 2 * GIB, None)
+    assert ob.device_budget("cpu", 2.0).cap == 2 * GIB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ob.device_budget("cpu", None).room == 10 * GIB - 1.6 * GIB
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    # a container of 8 GiB using 5 GiB, 1 GiB of it reclaimable page cache: 4 GiB free, a margin of 1 GiB
+    (tmp_path / "memory.max").write_text(f"{8 * GIB}\n")
+    (tmp_path / "memory.current").write_text(f"{5 * GIB}\n")
+    (tmp_path / "memory.stat").write_text(f"anon 123\ninactive_file {GIB}\n")
+    monkeypatch.setattr(ob, "CGROUP", str(tmp_path))
+    assert ob.device_budget("cpu", None).room == 4 * GIB - 1 * GIB
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: the host's figure
+    assert ob.device_budget("cpu", None).room == 20 * GIB - 1.6 * GIB
+    # a device with no free-memory figure: the ratio targets, or the cap alone
+    assert ob.device_budget("meta", None) is None
+    assert ob.device_budget("meta", 2.0) == cm.Budget(float("inf"), 2 * GIB)
+
+
 def test_device_budget_reads_the_gpu_and_the_cap(monkeypatch):
-    assert ob.device_budget("cpu", None) is None  # no figure: the ratio targets
-    assert ob.device_budget("cpu", 2.0) == cm.Budget(float("inf"), 2 * GIB)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (30 * GIB, 80 * GIB))

@@ -138,12 +138,18 @@ def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
 
 
 # ------------------------------------------------------------------------------------- the automatic choice
-def test_the_default_follows_the_cost_model(caplog):
-    """Whatever the device, the automatic choice is cost_model.choose of the model's and the batch's shapes, made at
-    the first generation and logged with the predicted ratios."""
+@pytest.mark.parametrize("figure", [True, False], ids=["memory-aware-cpu", "no-memory-figure"])
+def test_the_default_follows_the_cost_model(figure, monkeypatch, caplog):
+    """The automatic choice is the cost model's for the model's and the batch's shapes, made at the first generation
+    and logged with the predicted ratios: cost_model.choose_within the budget device_budget finds (on the CPU, the
+    host's memory), or cost_model.choose (the ratio targets) on a device with no free-memory figure."""
     from oblr_trl import cost_model
+    from oblr_trl import one_backward as ob
     from oblr_trl.one_backward import describe
 
+    budgets, real = [], ob.device_budget
+    monkeypatch.setattr(ob, "device_budget", lambda *a, **k: budgets.append(real(*a, **k) if figure else None)
+                        or budgets[-1])
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
         trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, gradient_checkpointing=False)))
     batch = trainer.generations[0]
@@ -151,19 +157,24 @@ def test_the_default_follows_the_cost_model(caplog):
     shape = describe(trainer.model, args.per_device_train_batch_size, batch["prompt_ids"].shape[1],
                      trainer.max_completion_length, 2 if args.bf16 else 4, False, GROUP)
     assert shape.layers == trainer.model.config.num_hidden_layers and shape.vocab == trainer.model.config.vocab_size
-    choice = cost_model.choose(shape)
+    assert len(budgets) == 1 and (budgets[0] is not None) is figure
+    choice = cost_model.choose_within(shape, budgets[0]) if figure else cost_model.choose(shape)
     assert trainer.args.one_backward is None and trainer.uses_one_backward is choice.one_backward
     assert trainer.one_backward_plan.chunk_rows == choice.chunk
-    assert f"{choice.flops_ratio:.2f}x the FLOPs" in caplog.text
+    assert (f"{choice.flops_ratio:.2f}x GRPO's" if figure else f"{choice.flops_ratio:.2f}x the FLOPs") in caplog.text
+    assert ("memory-aware" in caplog.text) is figure
 
 
 @pytest.mark.parametrize("grpo_bytes, chunk", [(800, 8), (4, 4), (1, 0)],
                          ids=["micro-batch-fits", "one-group-per-chunk", "not-one-group"])
 def test_the_default_chunks_by_the_cost_models_bytes(grpo_bytes, chunk, monkeypatch, caplog):
-    """The default runs the largest chunk of whole groups whose predicted peak is within 1.1x GRPO's under
-    checkpointing: the whole micro-batch of 8 (2 groups of 4) where it fits, one group at a time where only one does,
-    the two-pass path where not even one (the byte model replaced by one where a chunk of ``c`` rows costs ``c``)."""
-    from oblr_trl import cost_model
+    """On a device with no free-memory figure the default runs the largest chunk of whole groups whose predicted peak
+    is within 1.1x GRPO's under checkpointing: the whole micro-batch of 8 (2 groups of 4) where it fits, one group at a
+    time where only one does, the two-pass path where not even one (the byte model replaced by one where a chunk of
+    ``c`` rows costs ``c``)."""
+    from oblr_trl import cost_model, one_backward
+
+    monkeypatch.setattr(one_backward, "device_budget", lambda *args, **kwargs: None)
 
     def bytes_(shape, mode, chunk=0):
         return (chunk or shape.rows) if mode == "one_backward" else grpo_bytes
@@ -208,7 +219,7 @@ def test_each_chunks_factors_are_freed_before_the_next_chunks_forward(monkeypatc
         earlier.append(weakref.ref(grads))
         return grads
 
-    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape: (0, float("inf")))
+    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
     monkeypatch.setattr(ob, "per_sequence_grads", spy)
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=True))
     assert trainer.one_backward_plan.chunk_rows == GROUP and len(alive_at_call) == 2
@@ -226,7 +237,7 @@ def test_the_two_pass_norms_pass_runs_in_the_cost_models_chunks(monkeypatch):
         chunks.append(chunk)
         return real(*args, chunk=chunk, **kwargs)
 
-    monkeypatch.setattr(cost_model, "norms_chunk", lambda shape: GROUP)
+    monkeypatch.setattr(cost_model, "norms_chunk", lambda shape, budget=None: GROUP)
     monkeypatch.setattr(norm_passes, "norm_products", spy)
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=False))
     assert trainer.args.gradient_checkpointing and chunks == [GROUP] < [trainer.args.per_device_train_batch_size]
@@ -235,7 +246,7 @@ def test_the_two_pass_norms_pass_runs_in_the_cost_models_chunks(monkeypatch):
 def test_one_backward_true_under_checkpointing_runs_one_group_at_a_time_where_none_fits(monkeypatch):
     from oblr_trl import cost_model
 
-    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape: (0, float("inf")))
+    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=True))
     assert trainer.uses_one_backward and trainer.one_backward_plan.chunk_rows == GROUP
 
@@ -246,7 +257,7 @@ def test_one_backward_in_chunks_matches_two_passes(loss_type, monkeypatch):
     path (a token-mean loss's denominator spans the whole micro-batch, not the chunk)."""
     from oblr_trl import cost_model
 
-    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape: (0, float("inf")))
+    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
     kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
     two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
@@ -305,9 +316,10 @@ def test_the_replayed_update_matches_per_row_autograd_under_checkpointing(tied):
 
 def force_replay(monkeypatch, rows: int = GROUP):
     """The default's choice replaced by one_backward replayed, ``rows`` per chunk."""
-    from oblr_trl import cost_model
+    from oblr_trl import cost_model, one_backward
 
     real = cost_model.choose
+    monkeypatch.setattr(one_backward, "device_budget", lambda *args, **kwargs: None)  # the ratio rule's choose
 
     def replay(shape, replay=True):
         return cost_model.Choice(True, rows, real(shape, replay).flops_ratio, 1.0, replay=True)

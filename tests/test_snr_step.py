@@ -120,3 +120,27 @@ def test_parameters_grad_sq_norm_is_the_squared_total_norm_and_skips_parameters_
     assert parameters_grad_sq_norm([c]) == 0.0
     c.grad = torch.tensor([float("inf")])  # not finite: NaN, as DeepSpeed's reported norm (one squared_norm)
     assert math.isnan(parameters_grad_sq_norm([a, c]))
+
+
+def test_the_two_pass_rows_are_read_in_one_transfer_and_their_sum_is_the_per_unit_quadratic_form(monkeypatch):
+    """record_rows packs a micro-batch's row ids, a_i and Gram rows into one tensor for the host (one sync, not 4):
+    the ids stay exact beyond float32's 2^24 (they count up over training), and the step's sum_q ||H_q||^2 is
+    sum_q a_q^T G_q a_q whether a unit's rows came in one micro-batch or two."""
+    calls = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    base, unit = 2**40, 2  # row ids far beyond float32's exact integers
+    a = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    gram = torch.tensor([[2.0, 0.5], [0.5, 1.0], [4.0, -1.0], [-1.0, 3.0]])  # each row's Gram row within its unit
+    rows = base + torch.arange(4)
+    whole, split = StepSizer(config()), StepSizer(config())
+    whole.record_rows(rows, unit, a, gram)
+    assert len(calls) == 1
+    ids = whole.samples.rows[0][0]
+    assert ids.dtype == torch.int64 and ids.tolist() == [base // 2, base // 2, base // 2 + 1, base // 2 + 1]
+    for part in ([0, 2], [1, 3]):  # each unit's two rows in different micro-batches
+        split.record_rows(rows[part], unit, a[part], gram[part])
+    expected = sum(float(a[q] @ gram[q] @ a[q]) for q in ([0, 1], [2, 3]))  # gram[q] is the unit's 2 x 2 Gram
+    for sizer in (whole, split):
+        total, n = sizer.samples.reduce_all_ranks()
+        assert n == 2 and total == pytest.approx(expected)

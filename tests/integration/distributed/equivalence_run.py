@@ -152,7 +152,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     if "chunk" in flags:  # no chunk fits: one_backward under checkpointing (on here) runs one group at a time
         import oblr_trl.cost_model
 
-        oblr_trl.cost_model.fitting_chunk = lambda shape: (0, float("inf"))
+        oblr_trl.cost_model.fitting_chunk = lambda shape, budget=None: (0, float("inf"))
     extra = {"bf16": False} if "fp32" in flags else {}
     if "ga2" in flags:  # two micro-batches per optimizer step, one generation batch for both
         extra["gradient_accumulation_steps"] = 2
