@@ -75,10 +75,10 @@ def layer_work(lefts: list[torch.Tensor], rights: list[torch.Tensor], scale: tor
     grads, sq = [], []
     for u, left in zip(usages, lefts):
         keep_scaled(cache, [u])
-        part = block_weighted_rows(u, scale, k, 0, left.shape[-1], cache)
-        sq.append(part.pow(2).sum(dim=(1, 2), dtype=torch.float64))
-        grads.append(part[0])
-    return norms, grads, torch.stack(sq).sum(0)
+        part = block_weighted_rows(u, scale, k, 0, left.shape[-1], cache)  # one block: (rows, cols)
+        sq.append(part.pow(2).sum(dtype=torch.float64))
+        grads.append(part)
+    return norms, grads, torch.stack(sq).sum(0).reshape(1)
 
 
 def make_inputs(maps, batch: int, length: int, dtype: torch.dtype, device: str, seed: int = 0):

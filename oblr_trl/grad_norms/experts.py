@@ -96,7 +96,7 @@ class PerExpert:
                              for t in (f.left.t, f.right.t)))
             rows = block_weighted_rows(sub, scale.repeat(len(inside)), k, 0, self.shape[0])
             out[:, [experts[i] - start for i in inside]] = rows.reshape(len(inside), nb, -1).transpose(0, 1)
-        return out
+        return out if nb > 1 else out[0]  # one block: no block axis (factors.block_weighted_rows)
 
 
 # ----------------------------------------------------------------------------------------------- what a bank computes

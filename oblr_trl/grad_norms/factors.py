@@ -43,7 +43,7 @@ GATHER_BUDGET = 1 << 25
 # in pieces of about PIECE entries, the pieces' partial products summed by a reduction: one (k, N)(N, k) product
 # accumulates each dot serially in float32, ~sqrt(N) eps, 2-4e-4 relative at N = 2-3M on a CPU (measured, issue 56),
 # where the exactness target is 1e-5; in pieces it is ~1e-7, and faster on a CPU and a GPU alike. Axes up to
-# SPLIT_MIN entries are multiplied whole (~4e-6 at most).
+# SPLIT_MIN entries are one piece (~4e-6 at most).
 PIECE = 1024
 SPLIT_MIN = 4096
 # Float32 materialized gradients of at most this many elements (norm gains, biases) are concatenated, SMALL_BATCH at
@@ -139,6 +139,12 @@ def _block(x: torch.Tensor, k: int) -> torch.Tensor:
     if k == 1:
         return x  # a reshape to the same shape would still be an operator call
     return x.reshape(x.shape[0] // k, k * x.shape[1], *x.shape[2:])
+
+
+def _update_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, T, n) as the update's contraction over the tokens takes it: ``(B/k, kT, n)``, or for one block (``k = B``)
+    ``(BT, n)``, whose product is the parameter's rows with no block axis to reshape away."""
+    return x.reshape(-1, x.shape[-1]) if k == x.shape[0] else _block(x, k)
 
 
 class Factor(Protocol):
@@ -410,7 +416,7 @@ class Factored:
         if self.right.dense is None:
             raise NotImplementedError("A factored usage needs a dense right (input-side) factor.")
         nb = scale.shape[0] // k
-        right = _scaled_right(self.right.t, scale, k, cache)  # (nb, kT, n_R)
+        right = _scaled_right(self.right.t, scale, k, cache)  # (nb, kT, n_R); one block: (BT, n_R)
         left = self.left
         dtype = _operand_dtype(left, self.right)
         if left.ids is not None:  # each token's row added at its id, ids outside the slice to a spare row at each end
@@ -419,12 +425,12 @@ class Factored:
             rows = (ids - (start - 1)).clamp_(0, width + 1).add_(block * (width + 2))
             out = right.new_zeros(nb * (width + 2), right.shape[-1])
             out.index_add_(0, rows, right.reshape(-1, right.shape[-1]))
-            return out.view(nb, width + 2, -1)[:, 1:-1]
+            return out[1:-1] if nb == 1 else out.view(nb, width + 2, -1)[:, 1:-1]
         if left.dense is not None:
             cols = left.dense if start == 0 and end == left.width else left.dense[..., start:end]
         else:
             cols = left.cols(start, end)
-        return mm32(as_operand(_block(cols, k), dtype).transpose(1, 2), as_operand(right, dtype))
+        return mm32(as_operand(_update_rows(cols, k), dtype).transpose(-2, -1), as_operand(right, dtype))
 
     def block_inner_products(self, v: "Usage", k: int) -> torch.Tensor:
         """:func:`block_inner_products` of two factored usages."""
@@ -444,9 +450,15 @@ class Factored:
 
 @dataclass
 class Materialized:
-    """A per-sample gradient held explicitly, ``(B, *param.shape)``: for small parameters (norm weights, biases)."""
+    """A per-sample gradient held explicitly, ``(B, *param.shape)``: for small parameters (norm weights, biases), and
+    layers whose per-sample gradients take no more memory than their factors.
+
+    ``block``: set by :meth:`blocked` (``k`` rows per block), which keeps ``g`` as it is: the products read it as
+    ``(B/k, k, N)`` in the one view that cuts it into pieces (:func:`_row_products`), a reshape fewer. None: ``g`` is
+    ``(B/k, k, N)`` already."""
 
     g: torch.Tensor
+    block: int | None = None
     dense_pair = False
     shared_input = None
 
@@ -456,18 +468,27 @@ class Materialized:
         return self.g.dtype == torch.float32 and self.g.numel() <= SMALL_MATERIALIZED
 
     def blocked(self, k: int) -> "Materialized":
-        return Materialized(self.g.reshape(self.g.shape[0] // k, k, -1))
+        return Materialized(self.g, k)
 
-    def weighted_rows(self, scale: torch.Tensor, k: int, start: int, end: int) -> torch.Tensor:
-        """:func:`block_weighted_rows`: ``(nb, 1, k) x (nb, k, rows * cols)``, a batched matmul, no scaled copy."""
+    @property
+    def flat(self) -> torch.Tensor:
+        """``g`` as ``(B, N)`` (``block`` None: ``(B/k, k, N)``), for concatenation: a view where it has more axes."""
+        lead = self.g.shape[:1] if self.block else self.g.shape[:2]
+        return self.g if self.g.dim() == len(lead) + 1 else self.g.reshape(*lead, -1)
+
+    def weighted_rows(self, scale: torch.Tensor, k: int, start: int, end: int, cache: dict | None = None):
+        """:func:`block_weighted_rows`: ``(nb, 1, k) x (nb, k, rows * cols)``, a batched matmul, no scaled copy; one
+        block, ``(1, B) x (B, rows * cols)`` with the scale's row from ``cache`` (formed once per weighted sum)."""
         batch = scale.shape[0]
         nb = batch // k
         rows = self.g.shape[1] if self.g.dim() > 1 else 1
-        if start == 0 and end == rows:
-            g = self.g.reshape(nb, k, -1).float()
-        else:  # this slice only
-            g = self.g.reshape(batch, rows, -1)[:, start:end].float().reshape(nb, k, -1)
-        out = torch.bmm(scale.float().reshape(nb, 1, k), g)
+        g = self.g if start == 0 and end == rows else self.g.reshape(batch, rows, -1)[:, start:end]  # this slice
+        if nb == 1:
+            row = scale.float().reshape(1, batch) if cache is None else cache.get("scale_row")
+            if row is None:
+                row = cache["scale_row"] = scale.float().reshape(1, batch)
+            return torch.mm(row, g.reshape(batch, -1).float()).view(end - start, -1)
+        out = torch.bmm(scale.float().reshape(nb, 1, k), g.reshape(nb, k, -1).float())
         return out.reshape(nb, end - start, -1)
 
     def block_inner_products(self, v: "Usage", k: int) -> torch.Tensor:
@@ -478,14 +499,14 @@ class Materialized:
         # (1 x N)(N x 1) product as a slow gemv: 0.6 ms at N = 1M on an H200), a long axis in pieces (exact to ~1e-7)
         dtype = self.g.dtype if self.g.dtype == v.g.dtype and self.g.dtype in HALF else None
         g = as_operand(self.g, dtype)
-        return _row_products(g, g if v is self else as_operand(v.g, dtype), 0)
+        return _row_products(g, g if v is self else as_operand(v.g, dtype), 0, self.block)
 
 
 Usage = Factored | Materialized
 
 
 def _scaled_right(t: torch.Tensor, scale: torch.Tensor, k: int, cache: dict | None) -> torch.Tensor:
-    """``t`` (``(B, T, n)``) with each row times its ``scale``, float32, blocked by ``k``; ``cache`` (the caller's,
+    """``t`` (``(B, T, n)``) with each row times its ``scale``, float32, as :func:`_update_rows`; ``cache`` (the caller's,
     one weighted sum long, pruned by :func:`keep_scaled`) keeps them by source, for the layers that read one input
     and for the row slices of one parameter."""
     key = (_tensor_key(t), k)
@@ -494,7 +515,7 @@ def _scaled_right(t: torch.Tensor, scale: torch.Tensor, k: int, cache: dict | No
     column = scale.float().view(-1, 1, 1) if cache is None else cache.get("scale")
     if column is None:
         column = cache["scale"] = scale.float().view(-1, 1, 1)
-    right = _block(t.float() * column, k)
+    right = _update_rows(t.float() * column, k)
     if cache is not None:  # the source is held so that its memory is not reused under the same key
         cache[key] = (t, right)
     return right
@@ -503,22 +524,23 @@ def _scaled_right(t: torch.Tensor, scale: torch.Tensor, k: int, cache: dict | No
 def keep_scaled(cache: dict, usages: list) -> None:
     """Drop from a :func:`_scaled_right` cache every scaled input that ``usages`` (the next parameter's) do not read."""
     wanted = {_tensor_key(t) for t in (getattr(u, "shared_input", None) for u in usages) if t is not None}
-    for key in [key for key in cache if key != "scale" and key[0] not in wanted]:
+    for key in [key for key in cache if isinstance(key, tuple) and key[0] not in wanted]:  # not the scale's views
         del cache[key]
 
 
 def block_weighted_rows(u: Usage, scale: torch.Tensor, k: int, start: int, end: int,
                         cache: dict | None = None) -> torch.Tensor:
     """``sum_{i in block} scale_i g_i[start:end]`` for each block of ``k`` consecutive rows of an (unblocked) usage,
-    ``(B/k, end - start, n)`` in float32: rows ``start:end`` of the gradient of ``sum_i scale_i sum_t log pi(o_i)``
-    that each block (a group of completions) contributes, formed once the per-sample coefficients are known.
+    ``(B/k, end - start, n)`` in float32 (one block, ``k = B``: ``(end - start, n)``, the rows as the product leaves
+    them, a reshape fewer): rows ``start:end`` of the gradient of ``sum_i scale_i sum_t log pi(o_i)`` that each block
+    (a group of completions) contributes, formed once the per-sample coefficients are known.
 
     ``n`` is the parameter's size over its first axis. A factored usage costs what autograd's weight gradient costs
     (one contraction over the tokens, batched by block); the LM head's rows come from their vocabulary slice only.
     """
-    if isinstance(u, Factored):  # the only usage that shares a scaled input through ``cache``
+    if isinstance(u, (Factored, Materialized)):  # a scaled input, or the scale's row, shared through ``cache``
         return u.weighted_rows(scale, k, start, end, cache)
-    return u.weighted_rows(scale, k, start, end)  # materialized, or one that forms its own (an expert bank's)
+    return u.weighted_rows(scale, k, start, end)  # one that forms its own (an expert bank's)
 
 
 def per_sample_dtype(u: Factored) -> torch.dtype:
@@ -565,44 +587,66 @@ def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
 
 
 def _piece(n: int, inner: int) -> int:
-    """The length of the pieces :func:`_row_products` cuts an axis of ``n`` entries into: whole rows of ``inner``
-    entries (the per-sample gradient's last axis), as many as make about :data:`PIECE`, where ``inner`` divides ``n``;
-    else :data:`PIECE` (the axis zero-padded to a multiple)."""
-    if inner <= 0 or n % inner:
-        return PIECE
-    rows = n // inner
-    return inner * next(m for m in range(min(rows, max(1, PIECE // inner)), 0, -1) if rows % m == 0)
-
-
-def _row_products(a: torch.Tensor, b: torch.Tensor, inner: int) -> torch.Tensor:
-    """``a @ b^T`` per block for ``(nb, k, N)`` rows (``k`` per-sample gradients of ``N`` entries; ``b`` may be
-    ``a``), in float32: ``(nb, k, k)``. A long axis (over :data:`SPLIT_MIN` entries) is cut into pieces
-    (:func:`_piece`; ``inner``: the per-sample gradient's last axis) that become the batch of one matmul, summed
-    by a reduction: exact to ~1e-7 where a single product over ``N`` accumulates ~sqrt(N) rounding errors, and faster
-    (a ``(k, N) @ (N, k)`` product with a small ``k`` leaves most of a GPU idle). A squared norm (``k = 1``,
-    ``b`` is ``a``) is a float32-accumulating reduction per piece (a GPU would run a (1 x N)(N x 1) product as a
-    slow gemv; the CPU's ``vector_norm`` over N accumulates serially too: 1.2e-4 at N = 3M, measured)."""
-    nb, k, n = a.shape
-    if k == 1 and b is not a:
-        return (a.float() * b.float()).sum(-1, keepdim=True)  # a reduction: pairwise sums on every device
+    """The length of the pieces :func:`_row_products` cuts an axis of ``n`` entries into: the whole axis up to
+    :data:`SPLIT_MIN` entries; else whole rows of ``inner`` entries (the per-sample gradient's last axis), as many as
+    make about :data:`PIECE`, where ``inner`` divides ``n``; else the longest divisor of ``n`` from ``PIECE / 2`` to
+    ``PIECE``; else :data:`PIECE` (the axis zero-padded to a multiple)."""
     if n <= SPLIT_MIN:
-        if k == 1:
-            return torch.linalg.vector_norm(a, dim=-1, dtype=torch.float32, keepdim=True).square_()
-        return mm32(a, b.transpose(1, 2))
+        return n
+    if inner > 0 and n % inner == 0:
+        rows = n // inner
+        return inner * next(m for m in range(min(rows, max(1, PIECE // inner)), 0, -1) if rows % m == 0)
+    return next((p for p in range(PIECE, PIECE // 2, -1) if n % p == 0), PIECE)
+
+
+def _in_pieces(t: torch.Tensor, lead: tuple[int, ...], n: int, piece: int) -> torch.Tensor:
+    """Rows of ``n`` entries held in ``t`` (any shape, ``lead`` rows first) as ``(*lead, pieces, piece)``: one view (a
+    copy where ``t`` is not contiguous), the axis zero-padded first where ``piece`` does not divide it."""
+    if n % piece:
+        t = torch.nn.functional.pad(t.reshape(-1, n), (0, piece - n % piece))
+    return t.reshape(*lead, -1, piece)
+
+
+def _row_products(a: torch.Tensor, b: torch.Tensor, inner: int, k: int | None = None) -> torch.Tensor:
+    """``a @ b^T`` per block, ``(nb, k, k)`` in float32, between per-sample gradients of ``N`` entries (``b`` may be
+    ``a``): ``a`` is ``(nb, k, N)``, or with ``k`` given, ``(nb * k, ...)`` in any shape (a materialized gradient as
+    it was formed: read as blocks by the one view below, not reshaped first).
+
+    The axis is cut into pieces (:func:`_piece`; ``inner``: the per-sample gradient's last axis, 0 if none): one
+    float32 product over ``N`` accumulates ~sqrt(N) rounding errors (2-4e-4 at N = 3M, where the target is 1e-5); the
+    pieces' partial products, summed by a reduction, are exact to ~1e-7. Every length takes the same route (a short
+    axis is one piece), in a fixed number of operator calls:
+
+    * a squared norm (``k = 1``, ``b`` is ``a``): each piece's float32-accumulating norm, squared, summed (view, norm,
+      square, sum): no product (a GPU would run a ``(1 x N)(N x 1)`` product as a slow gemv);
+    * ``k = 1`` otherwise: an elementwise product summed by a reduction (pairwise sums on every device);
+    * ``k > 1``: the pieces become the batch of one matmul, summed over. One block (``nb = 1``) is read in that
+      layout where it lies (``as_strided``: piece ``p`` of row ``i`` starts ``p * piece + i * N`` entries in): no
+      copy, no reshape of the products; several blocks are copied into it (their rows interleave).
+    """
+    if k is None:
+        nb, k = a.shape[:2]
+    else:
+        nb = a.shape[0] // k
+    n = a.numel() // (nb * k)
+    if k == 1 and b is not a:  # a reduction: pairwise sums on every device
+        return (a.reshape(nb, 1, n).float() * b.reshape(nb, 1, n).float()).sum(-1, keepdim=True)
     piece = _piece(n, inner)
+    if k == 1:  # (nb, 1, pieces, piece) -> (nb, 1, pieces) -> (nb, 1, 1)
+        norms = torch.linalg.vector_norm(_in_pieces(a, (nb, 1), n, piece), dim=-1, dtype=torch.float32)
+        return norms.square_().sum(-1, keepdim=True)
     pieces = -(-n // piece)
 
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        if pieces * piece != n:
-            t = torch.nn.functional.pad(t, (0, pieces * piece - n))
-        return t.reshape(nb, k, pieces, piece).transpose(1, 2).reshape(nb * pieces, k, piece)
+    def batch(t: torch.Tensor) -> torch.Tensor:
+        """``(nb * pieces, k, piece)``: each block's pieces as the batch."""
+        if nb == 1:  # contiguous rows (padded: a copy) that as_strided reads in place
+            t = _in_pieces(t, (k,), n, piece) if n % piece else t.contiguous()
+            return t.as_strided((pieces, k, piece), (piece, pieces * piece, 1))
+        return _in_pieces(t, (nb, k), n, piece).transpose(1, 2).reshape(nb * pieces, k, piece)
 
-    if k == 1:  # (nb, 1, N) as (nb, pieces, piece): a view where no padding is needed
-        squares = torch.linalg.vector_norm(cut(a).reshape(nb, pieces, piece), dim=-1, dtype=torch.float32).square_()
-        return squares.sum(-1).reshape(nb, 1, 1)
-    x = cut(a)
-    y = x if b is a else cut(b)
-    return mm32(x, y.transpose(1, 2)).reshape(nb, pieces, k, k).sum(1)
+    x = batch(a)
+    products = mm32(x, (x if b is a else batch(b)).transpose(1, 2))  # (nb * pieces, k, k)
+    return products.sum(0, keepdim=True) if nb == 1 else products.reshape(nb, pieces, k, k).sum(1)
 
 
 def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
@@ -620,11 +664,11 @@ def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tens
             dtype = half_dtype(f.left.t, f.right.t)
             left = as_operand(f.left.t[start:end], dtype).reshape((end - start) * k, -1, f.left.width)
             right = as_operand(f.right.t[start:end], dtype).reshape((end - start) * k, -1, f.right.width)
-            return mm32(left.transpose(1, 2), right).reshape(end - start, k, -1)
+            return mm32(left.transpose(1, 2), right)  # ((end - start) k, n_L, n_R): read as blocks in pieces
 
         grads_u = per_sample(u)
         grads_v = grads_u if v is u else per_sample(v)
-        out.append(_row_products(grads_u, grads_v, u.right.width))
+        out.append(_row_products(grads_u, grads_v, u.right.width, k))
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
@@ -732,8 +776,8 @@ def _head_materialized_block_products(u: Factored, k: int, columns=None) -> torc
     for _, _, cols in head_columns(u, min(VOCAB_CHUNK, sub)) if columns is None else columns:
         for first in range(0, cols.shape[-1], sub):
             delta = cols[..., first : first + sub]
-            grads = mm32(delta.reshape(nb * k, kt // k, -1).transpose(1, 2), h).reshape(nb, k, -1)
-            out += _row_products(grads, grads, d)
+            grads = mm32(delta.reshape(nb * k, kt // k, -1).transpose(1, 2), h)  # (nb k, chunk, d)
+            out += _row_products(grads, grads, d, k)
     return out
 
 
@@ -804,14 +848,14 @@ def summed_self_products(usages: list[Usage], k: int) -> torch.Tensor | None:
         if getattr(u, "dense_pair", False) and not _materialize_cheaper(u, u, k):
             by_input.setdefault(_tensor_key(u.right.t), []).append(u)
         elif getattr(u, "concatenable", False):
-            small.append(u.g)
+            small.append(u.flat)
         else:
             parts.append(block_inner_products(u, u, k))
     for group in by_input.values():
         parts.append(_block_sums(_summed_left_grams(group).mul_(gram(group[0].right, group[0].right)), k))
     for start in range(0, len(small), SMALL_BATCH):
         g = small[start] if len(small) == start + 1 else torch.cat(small[start : start + SMALL_BATCH], dim=-1)
-        parts.append(_row_products(g, g, 0))
+        parts.append(_row_products(g, g, 0, k if g.dim() == 2 else None))
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)

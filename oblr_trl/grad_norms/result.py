@@ -163,8 +163,10 @@ class PerSequenceGradients:
                 param.grad += grad
         if sq_parts is None:
             return None
-        return torch.zeros(nb, device=self.device, dtype=sq_dtype) if not sq_parts else (
-            sq_parts[0] if len(sq_parts) == 1 else torch.stack(sq_parts).sum(0))
+        if not sq_parts:
+            return torch.zeros(nb, device=self.device, dtype=sq_dtype)
+        total = sq_parts[0] if len(sq_parts) == 1 else torch.stack(sq_parts).sum(0)
+        return total if nb > 1 else total.reshape(nb)  # one block's: a scalar each
 
     def _weighted_sum(self, param, param_usages: list[Usage], scale: torch.Tensor, k: int, sq_parts: list | None,
                       sq_dtype: torch.dtype, cache: dict) -> torch.Tensor:
@@ -189,10 +191,14 @@ class PerSequenceGradients:
             part = parts[0] if len(parts) == 1 else parts[0] + parts[1]
             for more in parts[2:]:
                 part.add_(more)
-            if sq_parts is not None:
-                sq_parts.append(part.pow(2).sum(dim=(1, 2), dtype=sq_dtype))
+            if sq_parts is not None:  # one block's rows have no block axis (factors.block_weighted_rows)
+                sq_parts.append(part.pow(2).sum(dim=(1, 2), dtype=sq_dtype) if nb > 1 else
+                                part.pow(2).sum(dtype=sq_dtype))
             if grad is None:  # one block: its rows as they are (the caller reshapes; no copy, one call fewer)
                 return part.sum(0) if nb > 1 else part
-            torch.sum(part, 0, out=grad[start:end])  # into its rows: one call fewer than a sum and a copy
+            if nb > 1:
+                torch.sum(part, 0, out=grad[start:end])  # into its rows: one call fewer than a sum and a copy
+            else:
+                grad[start:end] = part
         return grad
 

@@ -136,6 +136,13 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
+def _sum_tokens(x: torch.Tensor) -> torch.Tensor:
+    """(B, ..., n) -> (B, n): summed over every position between the batch and the feature axis, in place of a
+    :func:`_tokens` reshape and a sum (q/k norms' (B, T, heads, d) output gradients are not contiguous: that reshape
+    would be a copy)."""
+    return x if x.dim() == 2 else x.sum(dim=tuple(range(1, x.dim() - 1)))
+
+
 @register_grad_norm_rule(nn.Linear, "FalconLinear")
 def linear_rule(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
     """``y = x W^T + b``: per-sample ``dW = sum_t g_t (x) x_t`` (factored), ``db = sum_t g_t``."""
@@ -189,8 +196,8 @@ def rms_norm_rule(layer: nn.Module, activation: torch.Tensor, output_grad: torch
     ``dw = sum_t g_t * xhat_t`` either way (materialized, d values)."""
     if not layer.weight.requires_grad:
         return {}
-    xhat = _tokens(_rms_normalized(layer, activation))
-    return {"weight": Materialized((_tokens(output_grad).float() * xhat.float()).sum(1))}
+    xhat = _rms_normalized(layer, activation)
+    return {"weight": Materialized(_sum_tokens(output_grad.float() * xhat.float()))}
 
 
 @register_grad_norm_rule(nn.LayerNorm)
@@ -198,13 +205,13 @@ def layer_norm_rule(layer: nn.LayerNorm, activation: torch.Tensor, output_grad: 
     """``y = w * (x - mean) / std + b``: per-sample ``dw = sum_t g_t * xhat_t``, ``db = sum_t g_t``."""
     if len(layer.normalized_shape) != 1:
         raise NotImplementedError("LayerNorm over more than one trailing dimension has no per-sample rule.")
-    g = _tokens(output_grad).float()
+    g = output_grad.float()
     usages: dict[str, Usage] = {}
     if layer.weight is not None and layer.weight.requires_grad:
         xhat = nn.functional.layer_norm(activation.float(), layer.normalized_shape, eps=layer.eps)
-        usages["weight"] = Materialized((g * _tokens(xhat)).sum(1))
+        usages["weight"] = Materialized(_sum_tokens(g * xhat))
     if layer.bias is not None and layer.bias.requires_grad:
-        usages["bias"] = Materialized(g.sum(1))
+        usages["bias"] = Materialized(_sum_tokens(g))
     return usages
 
 
@@ -214,7 +221,7 @@ def centred_norm_rule(layer: nn.Module, activation: torch.Tensor, output_grad: t
         return {}
     eps = getattr(layer, "variance_epsilon", getattr(layer, "eps", 1e-5))
     xhat = nn.functional.layer_norm(activation.float(), activation.shape[-1:], eps=eps)
-    return {"weight": Materialized((_tokens(output_grad).float() * _tokens(xhat)).sum(1))}
+    return {"weight": Materialized(_sum_tokens(output_grad.float() * xhat))}
 
 
 @register_grad_norm_rule("Conv1D")

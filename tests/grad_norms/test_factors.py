@@ -369,17 +369,24 @@ def test_autocast_operands_cast_a_shared_input_once_and_never_reuse_another(monk
 @pytest.mark.parametrize("k", [1, 3])
 def test_row_products_split_into_a_batch_equal_the_plain_product(monkeypatch, k):
     """The within-block products of materialized per-sample gradients, with the long axis cut into pieces (whole rows
-    of ``inner``, or zero-padded pieces where ``inner`` does not divide it) or not, and the norms end to end with every
-    axis cut."""
+    of ``inner``, a divisor of the axis where ``inner`` does not divide it, or zero-padded pieces where none is near
+    ``PIECE``) or not, held as blocks or as formed (``k`` given: one or several blocks), and the norms end to end with
+    every axis cut."""
     from oblr_trl.grad_norms import factors
 
     a, b = torch.randn(2, k, 6 * 5), torch.randn(2, k, 6 * 5)
     plain = factors._row_products(a, b, 5)
     monkeypatch.setattr(factors, "SPLIT_MIN", 0)
     monkeypatch.setattr(factors, "PIECE", 8)
-    assert factors._piece(30, 5) == 5 and factors._piece(30, 2) == 6 and factors._piece(30, 7) == 8
-    for inner in (5, 2, 7, 0):  # rows of 5; 3 rows of 2; padded pieces of 8 (7 does not divide 30; 0: no rows)
+    assert factors._piece(30, 5) == 5 and factors._piece(30, 2) == 6 and factors._piece(30, 7) == 6
+    assert factors._piece(31, 0) == 8  # 31 is prime: pieces of 8, the last zero-padded
+    for inner in (5, 2, 7, 0):  # rows of 5; 3 rows of 2; pieces of 6 (7 does not divide 30; 0: no rows)
         torch.testing.assert_close(factors._row_products(a, b, inner), torch.bmm(a, b.transpose(1, 2)))
+    for x, y in ((a, b), (a[:1], b[:1]), (a[..., :29], b[..., :29]), (torch.randn(1, k, 31),) * 2):
+        exact = torch.bmm(x, y.transpose(1, 2))  # (several blocks, one block, not contiguous, padded) as formed:
+        formed = x.reshape(-1, 1, x.shape[-1]), y.reshape(-1, 1, y.shape[-1])  # (nb k, 1, N)
+        torch.testing.assert_close(factors._row_products(*formed, 0, k), exact)
+        torch.testing.assert_close(factors._row_products(formed[0], formed[0], 0, k), torch.bmm(x, x.transpose(1, 2)))
     all_dense = lambda u, v: all(isinstance(f, factors.Dense) for f in (u.left, u.right, v.left, v.right))
     monkeypatch.setattr(factors, "_materialize_cheaper", lambda u, v, k: all_dense(u, v))  # every layer split
     monkeypatch.setattr(factors, "_head_materialize_cheaper", lambda u, k: True)
@@ -509,8 +516,9 @@ def test_materialized_half_squared_norms_as_a_reduction_equal_the_product(monkey
 
     model, batch = qwen3(tie=True), padded_batch()
     real = factors._row_products
-    monkeypatch.setattr(factors, "_row_products", lambda a, b, inner: torch.bmm(
-        a.double(), b.double().transpose(1, 2)).float())
+    blocks = lambda t, k: t if k is None else t.reshape(t.shape[0] // k, k, -1)  # noqa: E731 - (nb, k, N)
+    monkeypatch.setattr(factors, "_row_products", lambda a, b, inner, k=None: torch.bmm(
+        blocks(a, k).double(), blocks(b, k).double().transpose(1, 2)).float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         product = per_sequence_grad_sq_norms(model, *batch)
     monkeypatch.setattr(factors, "_row_products", real)
@@ -519,7 +527,7 @@ def test_materialized_half_squared_norms_as_a_reduction_equal_the_product(monkey
         x, *a, **kw))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reduced = per_sequence_grad_sq_norms(model, *batch)
-    assert reductions.count(3) >= 4  # the layers' materialized (B, 1, N) gradients took it
+    assert reductions.count(4) >= 4  # the layers' materialized gradients took it, as (B, 1, pieces, piece)
     torch.testing.assert_close(reduced, product, rtol=1e-6, atol=0)
 
 
