@@ -51,6 +51,13 @@ class Phantom(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         return f"Phantom(shape={tuple(self.shape)}, dtype={self.dtype})"
 
+    def data_ptr(self) -> int:
+        """A stand-in for where its data would start: its meta storage's address plus its offset, distinct per
+        storage and shared by its views and detached aliases, as real tensors' pointers are (else 0 for every phantom:
+        code keyed on data pointers, such as ``factors._tensor_key`` grouping the layers that read one input, would
+        take every same-shaped input of every layer for one tensor and count one Gram for them all)."""
+        return self.meta.untyped_storage()._cdata + self.storage_offset() * self.element_size()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError(f"Phantom tensors compute only under counting.Shapes (got {func}).")

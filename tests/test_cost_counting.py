@@ -77,6 +77,16 @@ def test_shapes_counts_what_real_tensors_count():
     assert counts[0] == counts[1]
 
 
+def test_phantoms_have_a_data_pointer_per_storage():
+    """A phantom's ``data_ptr`` stands for its storage: two tensors differ, a view or a detached alias shares it (the
+    norms' algebra groups the layers that read one input by it; 0 for all would group every layer's inputs)."""
+    shapes = counting.Shapes(big=1 << 10)
+    with shapes:
+        a, b = shapes.phantom(torch.empty(4, 512)), shapes.phantom(torch.empty(4, 512))
+        assert a.data_ptr() != b.data_ptr()
+        assert a.detach().data_ptr() == a.data_ptr() and a[1:].data_ptr() == a.data_ptr() + 512 * 4
+
+
 def test_shapes_indexes_with_a_real_boolean_mask():
     shapes = counting.Shapes(big=16)
     with shapes:
