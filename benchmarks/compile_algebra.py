@@ -10,7 +10,7 @@ the norms ``PerSequenceGradients.inner_products(1)`` takes (``summed_self_produc
 ``accumulate_grad(-a, group_size=k)`` forms (``block_weighted_rows``, its scaled-input cache, the group's squared
 norm). Eager, and under ``torch.compile`` (the default, ``dynamic=True``; ``fullgraph=True`` tried first).
 
-Per shape: (a) ATen operator calls eager (a ``TorchDispatchMode``; views apart) against what the compiled graph
+Per shape: (a) ATen operator calls eager (``studies.counting.OpCounter``; views apart) against what the compiled graph
 launches (the calls of its wrapper's ``call``: generated kernels, extern kernels such as mm/bmm, ATen fallbacks;
 ``torch._inductor.metrics.generated_kernel_count`` beside); (b) median seconds eager vs compiled after a warm-up,
 interleaved; (c) the largest difference of the outputs, ``max|compiled - eager| / max|eager|``, and each path's
@@ -31,7 +31,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
 for p in (str(HERE.parent), str(HERE)):
@@ -39,6 +38,7 @@ for p in (str(HERE.parent), str(HERE)):
         sys.path.insert(0, p)
 
 import harness  # noqa: E402
+from studies.counting import OpCounter  # noqa: E402
 from oblr_trl.grad_norms.factors import (Dense, Factored, Materialized, autocast_operands,  # noqa: E402
                                          block_weighted_rows, keep_scaled, materializing_saves_memory,
                                          per_sample_dtype, summed_self_products)
@@ -97,19 +97,6 @@ def reference(lefts, rights, scale):
     return sum(g.pow(2).sum((1, 2)) for g in grads).view(-1, 1, 1), upd, sum(u.pow(2).sum() for u in upd).view(1)
 
 
-class OpCount(TorchDispatchMode):
-    """ATen operator calls by name (the eager launch proxy), views apart."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.views = Counter(), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        self.views += bool(func.is_view)
-        return func(*args, **(kwargs or {}))
-
-
 def max_rel_diff(a, b) -> float:
     """``max |a - b| / max |b|`` over two outputs of :func:`layer_work` (each tensor its own scale)."""
     return max(float((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-30))
@@ -166,9 +153,9 @@ def measure(name: str, length: int, dtype_name: str, args) -> dict:
     row = dict(shape=name, maps=len(maps), T=length, dtype=dtype_name, batch=args.batch, seconds={})
     with torch.no_grad():
         eager_out, exact = layer_work(*inputs), reference(*inputs)  # a warm-up (lazy initialisations), the maths
-        with OpCount() as count:
+        with OpCounter() as count:
             layer_work(*inputs)
-        row.update(eager_ops=sum(count.ops.values()), eager_views=count.views, eager_top=count.ops.most_common(6),
+        row.update(eager_ops=count.total, eager_views=count.views, eager_top=count.calls.most_common(6),
                    eager_err_vs_float64=max_rel_diff(eager_out, exact))
         explained = torch._dynamo.explain(layer_work)(*inputs)
         row.update(graphs=explained.graph_count, graph_breaks=explained.graph_break_count,

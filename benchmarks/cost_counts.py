@@ -9,7 +9,7 @@ Design:
   loss, the backward), on a prepared batch: generation is replaced by a fixed batch of ``B`` completions of ``C``
   tokens after ``P`` prompt tokens (``_generate_and_score_completions`` of GRPOTrainer returns it; OBLR-PO's own
   override runs on top, so its two-pass norms are counted). One group of 8 completions per 8 rows.
-* Counting (``counting.py``): ``FlopCounterMode`` (with the CPU flash-attention kernels added), peak live bytes of
+* Counting (``studies/counting.py``): ``FlopCounterMode`` (with the CPU flash-attention kernels added), peak live bytes of
   operator outputs (weights not included; gradients are), ATen operator calls. Under ``counting.Shapes`` every large
   tensor is a shape without data, so the full shapes cost nothing; values are not computed (see counting.py).
 * Depth: each configuration is counted at 1 and 2 layers; the cost at 28 layers is ``c1 + 27 (c2 - c1)`` (per layer
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's oblr_trl
 import harness  # noqa: E402
 from studies.prepared import prepared_batch  # noqa: E402
-from counting import HostSyncs, LiveBytes, OpCounter, Shapes  # noqa: E402
+from studies.counting import HostSyncs, LiveBytes, OpCounter, Shapes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEPTH = 28
@@ -204,7 +204,7 @@ def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, compl
             # the default's choice is made for the model at its real depth (DEPTH layers), then counted at this one
             with flops, live, ops, syncs, \
                     mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)), \
-                    forced_replay(mode == "replay"), simulated_gpu(mode == "auto_gpu"), no_figure(mode == "auto"):
+                    forced_replay(mode == "replay"), default_budget(mode):
                 trainer.training_step(trainer.model, [{"prompt": "x"}] * batch, torch.tensor(batch * completion))
         finally:
             gc.enable()
@@ -239,32 +239,22 @@ def forced_replay(on: bool):
     return mock.patch.object(cost_model, "choose", choose)
 
 
-def simulated_gpu(on: bool):
-    """For ``auto_gpu``: the default's budget as on a GPU of :data:`GPU_GIB` GiB with nothing else on it
-    (``one_backward.device_budget`` finds that room on a real one)."""
+def default_budget(mode: str):
+    """The default's budget: for ``auto_gpu`` as on a GPU of :data:`GPU_GIB` GiB with nothing else on it
+    (``one_backward.device_budget`` finds that room on a real one); for ``auto`` none (a device with no free-memory
+    figure: the ratio targets of ``cost_model.choose``)."""
     from contextlib import nullcontext
 
     from oblr_trl import cost_model, one_backward
 
-    if not on:
-        return nullcontext()
     total = GPU_GIB * 2**30
 
     def budget(device, cap, pending=0.0):
         room = cost_model.memory_room(total, total, 0, 0, 1.0, cost_model.margin_bytes(total), pending)
         return cost_model.Budget(room, None if cap is None else cap * 2**30)
 
-    return mock.patch.object(one_backward, "device_budget", budget)
-
-
-def no_figure(on: bool):
-    """For ``auto``: the default's budget as on a device with no free-memory figure (``device_budget`` gives None:
-    the ratio targets of ``cost_model.choose``)."""
-    from contextlib import nullcontext
-
-    from oblr_trl import one_backward
-
-    return mock.patch.object(one_backward, "device_budget", lambda *args, **kwargs: None) if on else nullcontext()
+    patch = {"auto_gpu": budget, "auto": lambda *args, **kwargs: None}.get(mode)
+    return nullcontext() if patch is None else mock.patch.object(one_backward, "device_budget", patch)
 
 
 def at_real_depth(describe):

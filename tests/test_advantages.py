@@ -145,7 +145,7 @@ def test_advantages_and_their_checks_take_no_host_sync_until_read():
 
     from helpers import BENCHMARKS
     sys.path.insert(0, BENCHMARKS)
-    from counting import HostSyncs
+    from studies.counting import HostSyncs
 
     from oblr_trl.advantages import raised
 

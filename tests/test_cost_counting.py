@@ -1,19 +1,21 @@
-"""benchmarks/counting.py and cost_counts.py: the counters give known counts on known operators, and Shapes counts
+"""benchmarks/studies/counting.py and cost_counts.py: the counters give known counts on known operators, and Shapes counts
 what the real tensors would."""
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import load_benchmark
+from helpers import BENCHMARKS, load_benchmark
 
 load = load_benchmark
+if BENCHMARKS not in sys.path:
+    sys.path.insert(0, BENCHMARKS)
 
-
-counting = load("counting")
+from studies import counting  # noqa: E402
 
 
 def matmul_step(x, w):
@@ -32,6 +34,14 @@ def test_counters_on_a_known_matmul_and_backward():
     assert ops.calls["aten.mm"] == 2 and ops.total > 2
     logits = 8 * 64 * 128 * 4
     assert 2 * logits <= live.peak <= 5 * logits  # logits-sized temporaries only, never the weights (made before)
+
+
+def test_op_counter_counts_views_apart():
+    x = torch.randn(4, 6)
+    with counting.OpCounter() as ops:
+        y = x.view(2, 12).transpose(0, 1)  # two views
+        y.sum()
+    assert ops.views == 2 and ops.total == 3 and ops.calls["aten.sum"] == 1
 
 
 def test_live_bytes_follows_frees_and_autograd_saves():
@@ -183,7 +193,7 @@ def test_host_syncs_counts_scalar_reads_and_device_to_host_copies():
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from counting import HostSyncs
+    from studies.counting import HostSyncs
 
     x = torch.arange(6.0)
     tolist = torch.Tensor.tolist

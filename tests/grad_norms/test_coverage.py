@@ -299,7 +299,7 @@ def test_the_probe_holds_two_gradients_at_a_time_not_four(monkeypatch):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from counting import LiveBytes
+    from studies.counting import LiveBytes
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)  # a head-heavy model, as real ones are: the embedding is most of the parameters

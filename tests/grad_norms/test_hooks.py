@@ -124,7 +124,7 @@ def test_half_autocast_layer_inputs_are_held_as_the_matmul_cast_them(monkeypatch
     from oblr_trl.grad_norms import engine, factors, hooks
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from counting import LiveBytes
+    from studies.counting import LiveBytes
 
     monkeypatch.setattr(factors, "HALF_OPERAND_DEVICES", ("cuda", "cpu"))
     torch.manual_seed(0)
