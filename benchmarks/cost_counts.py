@@ -241,8 +241,8 @@ def forced_replay(on: bool):
 
 def default_budget(mode: str):
     """The default's budget: for ``auto_gpu`` as on a GPU of :data:`GPU_GIB` GiB with nothing else on it
-    (``one_backward.device_budget`` finds that room on a real one); for ``auto`` none (a device with no free-memory
-    figure: the ratio targets of ``cost_model.choose``)."""
+    (``one_backward.device_budget`` finds that room on a real one); for ``auto`` and ``replay`` none (a device with no
+    free-memory figure: ``cost_model.choose``, the ratio targets, which :func:`forced_replay` replaces)."""
     from contextlib import nullcontext
 
     from oblr_trl import cost_model, one_backward
@@ -253,7 +253,7 @@ def default_budget(mode: str):
         room = cost_model.memory_room(total, total, 0, 0, 1.0, cost_model.margin_bytes(total), pending)
         return cost_model.Budget(room, None if cap is None else cap * 2**30)
 
-    patch = {"auto_gpu": budget, "auto": lambda *args, **kwargs: None}.get(mode)
+    patch = {"auto_gpu": budget, "auto": lambda *args, **kwargs: None, "replay": lambda *args, **kwargs: None}.get(mode)
     return nullcontext() if patch is None else mock.patch.object(one_backward, "device_budget", patch)
 
 

@@ -229,9 +229,18 @@ class Plan:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         within = {} if budget is None else {"budget": budget}  # no budget: the ratio targets, as before
-        choice = (cost_model.choose_within(shape, budget, replay=not distributed) if budget is not None
-                  else cost_model.choose(shape, replay=not distributed))
-        chunk = choice.chunk if self.enabled is None else cost_model.fitting_chunk(shape, **within)[0]
+        host = budget is not None and budget.host
+        if budget is None:
+            choice = cost_model.choose(shape, replay=not distributed)
+        else:
+            choose = cost_model.choose_on_host if host else cost_model.choose_within
+            choice = choose(shape, budget, replay=not distributed)
+        if self.enabled is None:
+            chunk = choice.chunk
+        elif host:  # one_backward=True on a CPU: the host rule's chunk, else (below) one group at a time
+            chunk = choice.chunk if choice.one_backward and not choice.replay else 0
+        else:
+            chunk = cost_model.fitting_chunk(shape, **within)[0]
         chunks = [chunk, cost_model.norms_chunk(shape, **within)]
         if distributed:  # the same on every rank: the smallest
             chunks = gather(torch.tensor(chunks, device=device)[None]).min(0).values.tolist()
@@ -284,8 +293,8 @@ def device_budget(device, max_extra_gib: float | None, pending: float = 0.0) -> 
     if device.type == "cpu":
         free, total = host_memory()
         if free is not None:
-            return cost_model.Budget(cost_model.memory_room(free, total, 0.0, 0.0, 1.0, cost_model.margin_bytes(total),
-                                                            pending), cap)
+            room = cost_model.memory_room(free, total, 0.0, 0.0, 1.0, cost_model.margin_bytes(total), pending)
+            return cost_model.Budget(room, cap, host=True)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None if cap is None else cost_model.Budget(float("inf"), cap)
     index = device.index if device.index is not None else torch.cuda.current_device()

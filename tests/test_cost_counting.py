@@ -219,3 +219,13 @@ def test_the_summary_counts_each_modes_configurations_meeting_the_targets_and_ea
     table = "\n".join(cost.summary(dict(rows=rows)))
     assert "| one_backward | 1 of 2 | 1.00x | 1.00x | 1.20x to 1.30x | -3 to +3 | 0, 0, 1, 1 |" in table
     assert "two_passes" not in table  # a mode not counted has no row
+
+
+def test_each_counted_mode_runs_the_path_it_is_named_for():
+    """``replay`` replays and ``auto_gpu`` keeps the factors on a simulated 80 GiB GPU, whatever the counting machine's
+    own memory (the CPU's default reads the host's: a replay column that silently ran the host's choice was caught
+    on 2026-11-28)."""
+    cost = load("cost_counts")
+    for mode, ran in [("replay", "replay/"), ("auto_gpu", "one_backward/"), ("one_backward", "one_backward/")]:
+        row = cost.count_step("Qwen3-0.6B", 1, True, mode, 8, 64, False, True)
+        assert row["ran"].startswith(ran), (mode, row["ran"])

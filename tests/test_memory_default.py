@@ -83,6 +83,38 @@ def test_each_branch_of_the_memory_aware_default_under_checkpointing(width, rows
     assert capped.replay
 
 
+@pytest.mark.parametrize("width,rows", [("0.6B", 8), ("0.6B", 64), ("1.7B", 64)])
+def test_on_a_cpu_the_default_keeps_the_ratio_target_in_chunks_and_takes_one_group_before_a_second_backward(width,
+                                                                                                         rows):
+    """The CPU's host rule (step_cost --quick: one group at a time 1.03x GRPO's step at 0.73x its peak RSS; whole
+    0.96x at 1.54x; the replayed update 1.53x): the largest chunk within 1.1x GRPO's predicted peak where one is;
+    else one group at a time where it fits the host's room; else the replayed update or two passes, as on a GPU."""
+    shape = qwen3(width, rows=rows)
+    grpo = cm.peak_bytes(shape, "grpo")
+    roomy = cm.Budget(room=float("inf"), host=True)
+    sizes = cm.chunk_sizes(rows, 8)
+    within = [c for c in sizes if cm.peak_bytes(shape, "one_backward", c) <= cm.BYTES_TARGET * grpo]
+    choice = cm.choose_on_host(shape, roomy)
+    assert choice.one_backward and not choice.replay
+    assert choice.chunk == (within[0] if within else 8), (within, choice)  # never the whole batch beyond the target
+    assert "within 1.1x" in choice.reason if within else "one group at a time" in choice.reason
+    # not even one group fits the host's room: the replayed update (GRPO's bytes), or two passes in several processes
+    tight = cm.Budget(room=cm.MEMORY_SAFETY * grpo, host=True)
+    if cm.peak_bytes(shape, "one_backward", 8) > grpo:
+        assert cm.choose_on_host(shape, tight).replay
+        assert not cm.choose_on_host(shape, tight, replay=False).one_backward
+    # the cap binds as on a GPU: 0 GiB beyond GRPO's, and no chunk needs no more than GRPO
+    capped = cm.choose_on_host(shape, cm.Budget(room=float("inf"), cap=0, host=True))
+    assert not capped.one_backward or capped.replay or capped.peak <= grpo
+
+
+def test_on_a_cpu_a_small_batch_within_the_target_runs_whole():
+    shape = qwen3(lora=True)  # LoRA's kept factors are small: the whole micro-batch is within 1.1x GRPO's peak
+    assert cm.peak_bytes(shape, "one_backward") <= cm.BYTES_TARGET * cm.peak_bytes(shape, "grpo")
+    choice = cm.choose_on_host(shape, cm.Budget(room=float("inf"), host=True))
+    assert choice.one_backward and choice.chunk == 8 and "within" in choice.reason
+
+
 def test_lora_and_no_checkpointing_take_one_backward_when_it_fits_and_never_oom_where_grpo_fits():
     for shape in (qwen3(lora=True), qwen3(ckpt=False), qwen3("1.7B", rows=64, lora=True)):
         p = _peaks(shape)
@@ -118,7 +150,7 @@ def test_device_budget_on_the_cpu_reads_the_hosts_available_memory(monkeypatch, 
     monkeypatch.setattr(ob, "CGROUP", str(tmp_path / "absent"))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     # 20 GiB available less the margin (1.6 GiB: 5% of 32) and the optimizer's state to come
-    assert ob.device_budget("cpu", None, pending=2 * GIB) == cm.Budget(20 * GIB - 1.6 * GIB - 2 * GIB, None)
+    assert ob.device_budget("cpu", None, pending=2 * GIB) == cm.Budget(20 * GIB - 1.6 * GIB - 2 * GIB, None, host=True)
     assert ob.device_budget("cpu", 2.0).cap == 2 * GIB
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert ob.device_budget("cpu", None).room == 10 * GIB - 1.6 * GIB

@@ -158,9 +158,10 @@ def test_the_default_follows_the_cost_model(figure, monkeypatch, caplog):
                      trainer.max_completion_length, 2 if args.bf16 else 4, False, GROUP)
     assert shape.layers == trainer.model.config.num_hidden_layers and shape.vocab == trainer.model.config.vocab_size
     assert len(budgets) == 1 and (budgets[0] is not None) is figure
-    choice = cost_model.choose_within(shape, budgets[0]) if figure else cost_model.choose(shape)
+    choice = cost_model.choose_on_host(shape, budgets[0]) if figure else cost_model.choose(shape)
     assert trainer.args.one_backward is None and trainer.uses_one_backward is choice.one_backward
     assert trainer.one_backward_plan.chunk_rows == choice.chunk
+    assert budgets[0] is None or budgets[0].host  # the CPU's host rule
     assert (f"{choice.flops_ratio:.2f}x GRPO's" if figure else f"{choice.flops_ratio:.2f}x the FLOPs") in caplog.text
     assert ("memory-aware" in caplog.text) is figure
 
