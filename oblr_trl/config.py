@@ -264,8 +264,8 @@ class OBLRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "The most device memory (GiB) OBLR-PO's automatic choice (one_backward=None) may add to GRPO's "
-            "predicted peak to take one_backward. Default None: on a GPU, one_backward wherever its predicted peak (x1.25) "
-            "fits the free memory (torch.cuda.mem_get_info and the per-process memory fraction, less the optimizer's "
+            "predicted peak to take one_backward. Default None: on a GPU, one_backward wherever its predicted peak "
+            "(x1.25) fits the free memory (torch.cuda.mem_get_info and the per-process memory fraction, less the optimizer's "
             "state to come and a margin of 5 percent of the device, at least 1 GiB) or is no more than GRPO's own "
             "predicted peak; where it does not fit, the replayed update or two passes (GRPO's memory); on the CPU, "
             "the host's available memory (within a container's limit, shared by LOCAL_WORLD_SIZE processes) is the "

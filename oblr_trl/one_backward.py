@@ -217,8 +217,9 @@ class Plan:
         (:func:`.cost_model.norms_chunk`). The same on every rank (``gather``: the accelerator's, whose result's
         elementwise minimum over ranks is taken). With a budget (``budget``, else :func:`device_budget`: a GPU's
         free memory or the host's available memory, less the state ``optimizer`` has yet to allocate, or
-        ``args.max_extra_memory_gib``) the choice is the memory-aware one (:func:`.cost_model.choose_within`): ``one_backward`` wherever its predicted peak
-        fits. Returns the message to log."""
+        ``args.max_extra_memory_gib``) the choice is the memory-aware one: on a GPU
+        :func:`.cost_model.choose_within` (``one_backward`` wherever its predicted peak fits), on the CPU
+        :func:`.cost_model.choose_on_host` (chunks within the ratio target first). Returns the message to log."""
         if budget is None:
             budget = device_budget(device, getattr(args, "max_extra_memory_gib", None),
                                    optimizer_state_pending(model, optimizer))
@@ -229,12 +230,10 @@ class Plan:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         within = {} if budget is None else {"budget": budget}  # no budget: the ratio targets, as before
-        host = budget is not None and budget.host
-        if budget is None:
-            choice = cost_model.choose(shape, replay=not distributed)
-        else:
-            choose = cost_model.choose_on_host if host else cost_model.choose_within
-            choice = choose(shape, budget, replay=not distributed)
+        host = budget is not None and budget.host  # the CPU's host rule, else a GPU's memory-aware choice
+        choose = (cost_model.choose if budget is None else
+                  cost_model.choose_on_host if host else cost_model.choose_within)
+        choice = choose(shape, **within, replay=not distributed)
         if self.enabled is None:
             chunk = choice.chunk
         elif host:  # one_backward=True on a CPU: the host rule's chunk, else (below) one group at a time
