@@ -354,24 +354,18 @@ def choose_within(s: Shape, budget: Budget, replay: bool = True) -> Choice:
 def choose_on_host(s: Shape, budget: Budget, replay: bool = True) -> Choice:
     """The CPU's default. Host memory is shared with the rest of the machine, and on a CPU a chunk costs little time
     (no kernel launches to amortise: one group at a time measured 1.03x GRPO's step), while the replayed update is a
-    second backward (1.53x). So: ``one_backward`` in the largest chunk of whole groups whose predicted peak is within
-    the ratio target of GRPO's (:data:`BYTES_TARGET` under checkpointing, :data:`BYTES_TARGET_NO_CKPT` without) and
-    fits ``budget``; else one group at a time where that fits; else as :func:`choose_within`."""
-    grpo_b = peak_bytes(s, "grpo")
+    second backward (1.53x). So: ``one_backward`` in the largest chunk of whole groups within the ratio target of
+    GRPO's peak (:func:`_fitting`) that also fits ``budget`` (:func:`_largest_fitting`; peaks fall with the chunk, so
+    that is the smaller of the two); else one group at a time where that fits; else as :func:`choose_within`."""
     ratio = flops(s, "one_backward") / flops(s, "grpo")
+    within, fitting = _fitting(s, "one_backward")[0], _largest_fitting(s, "one_backward", budget)[0]
+    if ratio > FLOPS_TARGET or not fitting:
+        return choose_within(s, budget, replay)
+    size = min(within, fitting) if within else chunk_sizes(s.rows, s.group)[-1]
+    grpo, peak = peak_bytes(s, "grpo"), peak_bytes(s, "one_backward", size)
     limit = BYTES_TARGET if s.checkpointing else BYTES_TARGET_NO_CKPT
-    if ratio <= FLOPS_TARGET:
-        sizes = chunk_sizes(s.rows, s.group)
-        for size in sizes:
-            peak = peak_bytes(s, "one_backward", size)
-            if peak <= limit * grpo_b and fits(peak, grpo_b, budget):
-                why = (f"one_backward's predicted peak {readable_bytes(peak)} is within {limit}x GRPO's "
-                       f"{readable_bytes(grpo_b)} (on a CPU the host's memory is shared; a chunk costs little time)")
-                return Choice(True, size, ratio, peak / grpo_b, reason=why, peak=peak)
-        if fits(peak, grpo_b, budget):  # the smallest chunk's: one group at a time, not a second backward
-            why = (f"no chunk keeps one_backward's peak within {limit}x GRPO's {readable_bytes(grpo_b)}; one group "
-                   f"at a time ({readable_bytes(peak)}) fits the host's room {readable_bytes(budget.room)} (on a CPU a "
-                   "chunk costs little time, the replayed update a second backward)")
-            return Choice(True, sizes[-1], ratio, peak / grpo_b, reason=why, peak=peak)
-    return choose_within(s, budget, replay)
-
+    why = (f"one_backward's predicted peak {readable_bytes(peak)} is within {limit}x GRPO's {readable_bytes(grpo)}"
+           if within else f"no chunk keeps one_backward's peak within {limit}x GRPO's {readable_bytes(grpo)}; one "
+           f"group at a time ({readable_bytes(peak)}) fits the host's room {readable_bytes(budget.room)}")
+    return Choice(True, size, ratio, peak / grpo, reason=why + " (on a CPU a chunk costs little time, the replayed "
+                  "update a second backward)", peak=peak)
