@@ -1,0 +1,121 @@
+"""LoRA on fused MoE expert banks (PEFT's ``ParamWrapper``, oblr_trl/grad_norms/lora_experts.py): through
+``target_parameters`` (the gpt-oss recipe) and ``target_modules="all-linear"`` (which PEFT turns into expert-bank
+targets on Qwen3-MoE and Mixtral), on tiny Qwen3-MoE, GPT-OSS and Mixtral models, tied and untied: the norms, the
+within-group products and one_backward's weighted sum equal per-sequence autograd on a freshly built copy.
+
+Before: every wrapped bank was refused (the inner wrapper, re-run row by row without the outer one's LoRA delta,
+"does not treat the sequences independently")."""
+
+import pytest
+import torch
+
+from oblr_trl import per_sequence_grad_sq_norms, validate
+from oblr_trl.grad_norms import generic
+from oblr_trl.grad_norms.api import per_sequence_grads
+from oblr_trl.grad_norms.support import coverage_plan
+from oblr_trl.grad_norms.zoo import VOCAB, build
+from reference import padded_batch, per_sample_grads
+
+peft = pytest.importorskip("peft")
+
+BANK = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def adapted(family: str, tie: bool, how: str, seed: int = 0, **lora):
+    """The family's tiny model with LoRA on its expert banks (``how``: 'target_parameters' or 'all-linear'), every
+    factor random (PEFT's ``init_lora_weights=False``: A and B both drawn, so every factor has a gradient)."""
+    targets = dict(target_modules=[], target_parameters=BANK) if how == "target_parameters" else \
+        dict(target_modules="all-linear")
+    torch.manual_seed(seed + 1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **targets, **lora)
+    return peft.get_peft_model(build(family, tie, seed=seed), config).eval()
+
+
+def fresh_copy(model, family: str, tie: bool, how: str, **lora):
+    """Another model built the same way, its weights loaded from ``model``'s state (what a user's reload gives),
+    before any of our code ran on ``model``."""
+    copy = adapted(family, tie, how, seed=7, **lora)
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def wrappers(model) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper"]
+
+
+CASES = [(f, tie, how) for f in ("Qwen3-MoE", "GPT-OSS", "Mixtral") for tie in (True, False)
+         for how in ("target_parameters", "all-linear")]
+
+
+@pytest.mark.parametrize("family,tie,how", CASES,
+                         ids=[f"{f}-{'tied' if t else 'untied'}-{h}" for f, t, h in CASES])
+def test_lora_on_expert_banks_is_exact_against_a_fresh_copy(family, tie, how):
+    model = adapted(family, tie, how)
+    reference_model = fresh_copy(model, family, tie, how)
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=5)
+    reference = torch.stack([g.double().pow(2).sum() for g in per_sample_grads(
+        reference_model, ids, attention, completion_mask, temperature=0.7)])
+    banks = [n for n in wrappers(model) if n.endswith("mlp.experts")]
+    if how == "target_parameters" or family != "GPT-OSS":
+        assert banks  # PEFT put LoRA on the expert banks
+    else:
+        assert not banks  # GPT-OSS's all-linear: its attention's nn.Linear only (no bank, no router is nn.Linear)
+    assert validate(model) == []
+    limit = generic.MAX_NUMEL
+    generic.MAX_NUMEL = 0  # no per-row fallback: the banks' factors must take their rule
+    try:
+        plan = coverage_plan(model)
+        by_rule = {type(c.module).__name__: c.rule.name for c in plan.covered if c.how == "routed"}
+        if banks:
+            assert by_rule.get("ParamWrapper") == "lora_expert_bank", by_rule
+        ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    finally:
+        generic.MAX_NUMEL = limit
+    assert reference[[0, 1, 3, 4]].min() > 0
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
+    for a, b in zip(model.state_dict().values(), reference_model.state_dict().values()):
+        assert torch.equal(a, b)  # our pass left the model as it was
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["captured", "recomputed"])
+@pytest.mark.parametrize("family", ["Qwen3-MoE", "GPT-OSS"])
+def test_group_products_and_weighted_sum_of_expert_factors(family, checkpointing):
+    """The factors' rows in PEFT's layout (A ``(E r, in)`` expert-major, B ``(out, r E)`` expert-minor): one_backward's
+    weighted sum equals autograd's, and the within-group products too; under gradient checkpointing the bank's pairs
+    are recomputed with the adapted weights, else kept from the forward."""
+    model = adapted(family, False, "target_parameters")
+    reference_model = fresh_copy(model, family, False, "target_parameters")
+    if checkpointing:
+        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    rows = torch.stack([g.double() for g in per_sample_grads(reference_model, ids, attention, completion_mask)])
+    grads = per_sequence_grads(model, ids, attention, completion_mask, materialize=True)
+    blocks = rows.reshape(2, 2, -1)
+    torch.testing.assert_close(grads.inner_products(2).double(), blocks @ blocks.transpose(1, 2), rtol=1e-5,
+                               atol=1e-9)
+    scale = torch.tensor([0.5, -1.0, 2.0, 0.3])
+    sq = grads.accumulate_grad(scale, group_size=2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    formed = torch.cat([p.grad.flatten() for p in params]).double()
+    expected = (scale.double()[:, None] * rows).sum(0)
+    torch.testing.assert_close(formed, expected, rtol=1e-5, atol=1e-7)
+    halves = (scale.double()[:, None] * rows).reshape(2, 2, -1).sum(1)
+    torch.testing.assert_close(sq.double(), halves.pow(2).sum(-1), rtol=1e-5, atol=1e-9)
+
+
+def test_rank_stabilised_scaling_and_one_bank_parameter():
+    """use_rslora (scaling alpha / sqrt(r)) and LoRA on the down projection alone."""
+    model = peft.get_peft_model(build("Qwen3-MoE"), peft.LoraConfig(
+        r=3, lora_alpha=5, use_rslora=True, init_lora_weights=False, target_modules=[],
+        target_parameters=["mlp.experts.down_proj"])).eval()
+    reference_model = peft.get_peft_model(build("Qwen3-MoE", seed=5), peft.LoraConfig(
+        r=3, lora_alpha=5, use_rslora=True, init_lora_weights=False, target_modules=[],
+        target_parameters=["mlp.experts.down_proj"])).eval()
+    reference_model.load_state_dict(model.state_dict())
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    reference = torch.stack([g.double().pow(2).sum() for g in per_sample_grads(
+        reference_model, ids, attention, completion_mask)])
+    assert validate(model) == []
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
