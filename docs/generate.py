@@ -1,11 +1,14 @@
-"""The docs' generated parts, computed from the code at build time (``docs/hooks.py`` calls :func:`render` on every
-page), so that no option, metric or warning is typed twice and none can go stale:
+"""The docs' generated parts, computed from the code, so that no option, metric or warning is typed twice and none
+can go stale. Each lies between ``<!-- generated:NAME:begin -->`` and ``<!-- generated:NAME:end -->`` and is committed
+in the page (the repository's web view shows the whole page); ``python docs/generate.py`` rewrites them (``make docs``
+runs it first), the site's build renders them again (``docs/hooks.py``), and ``tests/test_docs.py`` fails where a
+committed part differs from what the code generates:
 
-- ``<!-- generated:config -->``: every ``OBLRPOConfig`` option that ``GRPOConfig`` lacks, and the ``GRPOConfig``
+- ``config``: every ``OBLRPOConfig`` option that ``GRPOConfig`` lacks, and the ``GRPOConfig``
   options it redeclares, from the dataclass fields' ``help`` metadata (the one source of truth: the same text is
   ``examples/oblrpo.py --help``);
-- ``<!-- generated:warnings -->``: every warning of ``oblr_trl/advice.py`` with its meaning and remedy (``GUIDE``);
-- ``<!-- generated:changelog -->``: CHANGELOG.md.
+- ``warnings``: every warning of ``oblr_trl/advice.py`` with its meaning and remedy (``GUIDE``);
+- ``changelog``: CHANGELOG.md.
 
 The benchmark tables are not made here: they are committed blocks that ``benchmarks/update_readme.py`` rewrites from
 ``benchmarks/results/`` (their runs take hours), as is the support table (``python -m
@@ -22,8 +25,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-MARKER = re.compile(r"<!-- generated:(?P<name>[\w-]+) -->")
+MARKER = re.compile(r"(?P<begin><!-- generated:(?P<name>[\w-]+):begin -->\n)(?P<body>.*?)(?P<end><!-- generated:(?P=name):end -->)",
+                    re.S)
+PAGES = ["configuration.md", "troubleshooting.md", "changelog.md"]  # the pages with generated parts
 FIGURES = ROOT / "benchmarks" / "results"  # served as figures/<name>.png (docs/hooks.py)
+FIGURE_LINK = re.compile(r"\]\(\.\./benchmarks/results/(?P<name>[\w.-]+\.png)\)")
+
+
+def site_figures(markdown: str) -> str:
+    """A page's figure links ``](../benchmarks/results/NAME.png)`` (the path in the repository) as the site serves
+    them, ``](figures/NAME.png)``."""
+    return FIGURE_LINK.sub(lambda m: f"](figures/{m.group('name')})", markdown)
 
 
 # ----------------------------------------------------------------------------------------------- markdown helpers
@@ -163,14 +175,30 @@ GENERATORS = {"config": config_reference, "warnings": troubleshooting, "changelo
 
 
 def render(markdown: str) -> str:
-    """``markdown`` with each ``<!-- generated:NAME -->`` marker replaced by its generator's output; an unknown name
-    is an error."""
+    """``markdown`` with the body of each ``<!-- generated:NAME:begin -->`` ... ``<!-- generated:NAME:end -->`` block
+    replaced by its generator's output; an unknown name is an error."""
     def one(match: re.Match) -> str:
         name = match.group("name")
         if name not in GENERATORS:
-            raise ValueError(f"unknown docs marker <!-- generated:{name} -->; known: {sorted(GENERATORS)}")
-        return GENERATORS[name]()
+            raise ValueError(f"unknown docs block <!-- generated:{name}:begin -->; known: {sorted(GENERATORS)}")
+        return f"{match.group('begin')}\n{GENERATORS[name]().strip()}\n\n{match.group('end')}"
     return MARKER.sub(one, markdown)
+
+
+def stale_pages(docs: Path = DOCS) -> list[str]:
+    """The pages whose committed generated parts differ from what the code generates now."""
+    return [name for name in PAGES if render((docs / name).read_text()) != (docs / name).read_text()]
+
+
+def main() -> int:
+    """Rewrite the generated parts of the pages in place; print the pages that changed."""
+    for name in PAGES:
+        page = DOCS / name
+        text = page.read_text()
+        if render(text) != text:
+            page.write_text(render(text))
+            print(f"Updated the generated parts of docs/{name}.")
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------- logged metrics
@@ -215,3 +243,7 @@ def logged_metrics(package: Path = ROOT / "oblr_trl") -> set[str]:
 def documented_metrics(page: Path = DOCS / "metrics.md") -> set[str]:
     """The metrics with a row on the Logged metrics page: rows that start ``| `oblr/NAME` |``."""
     return set(re.findall(r"^\| `oblr/([a-z][a-z0-9_]*)` \|", page.read_text(), re.M))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

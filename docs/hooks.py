@@ -1,5 +1,7 @@
-"""MkDocs hooks (mkdocs.yml, ``hooks:``): the generated parts of the pages (:mod:`generate`), and the benchmark
-figures of ``benchmarks/results/`` served as ``figures/<name>.png`` (one copy of each, where the benchmarks write it)."""
+"""MkDocs hooks (mkdocs.yml, ``hooks:``): the generated parts of the pages rendered again (:mod:`generate`), and the
+benchmark figures of ``benchmarks/results/`` served as ``figures/<name>.png`` (one copy of each, where the benchmarks
+write it). A page links a figure by its path in the repository, ``../benchmarks/results/<name>.png``, which the
+repository's web view resolves; the site's build rewrites it to ``figures/<name>.png``."""
 
 from __future__ import annotations
 
@@ -22,4 +24,4 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    return generate.render(markdown)
+    return generate.site_figures(generate.render(markdown))

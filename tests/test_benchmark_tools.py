@@ -138,3 +138,13 @@ def test_the_runner_log_is_kept_in_runner_json_and_continued(tmp_path, capsys):
     lines = json.loads((tmp_path / "runs" / "runner.json").read_text())["log"]
     assert [line.split(" UTC ", 1)[1] for line in lines] == ["start", "end"] and again.lines == lines
     assert capsys.readouterr().out.splitlines() == lines
+
+
+def test_a_block_with_columns_shows_those_columns_of_its_wide_tables_and_names_the_whole_file(tmp_path):
+    readme = _bench_module("harness.readme")
+    (tmp_path / "x.md").write_text("# X\n\n| a | b | c |\n|---|---|---|\n| 1 | 2 | 3 |\n\n| a | d |\n|---|---|\n| 4 | 5 |\n")
+    text = '<!-- results:x:begin columns="c; a" -->\n<!-- results:x:end -->\n'
+    out = readme.updated(text, tmp_path, tmp_path)
+    assert "| c | a |\n| --- | --- |\n| 3 | 1 |\n\n_2 of its 3 columns; every column: `x.md`._" in out
+    assert "| a | d |\n|---|---|\n| 4 | 5 |" in out  # a table without every named column stays whole
+    assert readme.updated(out, tmp_path, tmp_path) == out

@@ -57,7 +57,7 @@ def test_the_demo_helpers_name_the_extra_when_its_packages_are_missing(monkeypat
     for name in BLOCKED:
         monkeypatch.setitem(sys.modules, name, None)
     args = {"make_dataset": ("chain_sum",), "make_reward_func": ("chain_sum",), "plot_training": ([], tmp_path)}[call]
-    with pytest.raises(ImportError, match=r'oblr-trl\[demo\]') as info:
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[demo\]" from your clone') as info:
         getattr(oblr_trl.demo, call)(*args)
     assert f"{'oblr_trl.plotting' if call == 'plot_training' else 'oblr_trl.demo'}.{call}" in str(info.value)
 
@@ -67,5 +67,5 @@ def test_the_reference_model_names_the_extra_without_gguf(monkeypatch, tmp_path)
 
     monkeypatch.setitem(sys.modules, "gguf", None)
     spec = reference_model.REFERENCE_MODELS["smollm2"]
-    with pytest.raises(ImportError, match=r"load_reference_model .*oblr-trl\[demo\]"):
+    with pytest.raises(ImportError, match=r'load_reference_model .*pip install -e "\.\[demo\]" from your clone'):
         reference_model._convert(spec, tmp_path / "missing.whl", tmp_path / "target")
