@@ -11,8 +11,8 @@ from .design import ARMS, PRIMARY, TITLES
 def plot(curves: dict, contrasts: list[dict], path: Path, title: str) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(16, 4.4), layout="constrained")
-    axes = fig.subplots(1, 4)
+    fig = Figure(figsize=(13, 10), layout="constrained")  # 2 x 2: each panel readable at a page's width
+    axes = fig.subplots(2, 2).ravel()
     palette = dict(zip(ARMS, ("tab:red", "tab:gray", "tab:green", "tab:orange", "tab:blue", "tab:purple")))
     for arm, c in curves.items():
         if c["lr_scale"]:
@@ -32,15 +32,16 @@ def plot(curves: dict, contrasts: list[dict], path: Path, title: str) -> None:
                              color="black", capsize=4, marker="|")
     axes[3].axvline(0, color="gray", linestyle="--")
     axes[3].set_yticks(range(len(shown)), [f"{c['a']} ({c['lr_a']:.2g}) - {c['b']} ({c['lr_b']:.2g})" for c in shown],
-                       fontsize=7)
+                       fontsize=9)
     axes[3].set(xlabel=f"{TITLES[metric]} difference, same seed (pts)", title="paired differences, 95% CI")
     for ax in axes[:3]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=9)
     axes[3].grid(alpha=0.3)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
+
 
 def plot_long(runs: list[dict], path: Path, title: str) -> None:
     """The long runs: applied lr, training reward (10-step running mean) and held-out accuracy against the step."""
