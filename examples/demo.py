@@ -31,8 +31,8 @@ import shutil
 import sys
 import time
 
-# Per-model defaults (a flag given on the command line wins). Chosen by measurement: benchmarks/README.md, "Demo on a
-# real model", lists what was tried.
+# Per-model defaults (a flag given on the command line wins). Chosen by measurement: benchmarks/demo_seeds.md,
+# "The demo on a real model", lists what was tried.
 PRESETS = {
     "smollm2": dict(
         prompt_template="chain_sum", lora_r=16, learning_rate=1e-3, max_steps=15, num_eval=100, eval_samples=4,

@@ -30,7 +30,7 @@ def _task_config(task: str, task_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 # Question wordings for a pretrained chat model (`make_dataset(prompt_template=...)`), measured on SmolLM2-135M-Instruct
-# (benchmarks/README.md, "Demo on a real model"): reasoning-gym's own wording gets 2% greedy accuracy there, this 7%.
+# (benchmarks/demo_seeds.md, "Question wording"): reasoning-gym's own wording gets 2% greedy accuracy there, this 7%.
 PROMPT_TEMPLATES: dict[str, str] = {
     "chain_sum": "What is {expression}? Reply with only the number.",
 }
