@@ -212,13 +212,13 @@ class _Pass:
             return
         found = {}
         with self.refusing(module):
-            if module in self.borrowed:
+            if self.rules[module] is not None:  # its call rule (one that borrows, :mod:`.lora_experts`, if it does)
+                found = self.rules[module].usages(module, record.activation, record.output_grad, self.batch,
+                                                  self.routed)
+            elif module in self.borrowed:
                 names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
                 found = generic.per_row_usages(module, record.activation, record.output_grad, self.batch,
                                                names + list(self.borrowed[module]))
-            elif self.rules[module] is not None:  # its call rule
-                found = self.rules[module].usages(module, record.activation, record.output_grad, self.batch,
-                                                  self.routed)
             else:
                 found = generic.per_row_usages(module, record.activation, record.output_grad, self.batch)
         for name, usage in found.items():

@@ -136,28 +136,36 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
     return y if bias is None else y + bias
 
 
-def _weights(module: nn.Module, layout: dict, e: int, dtype=torch.float32):
-    """Expert ``e``'s (up weight, up bias, down weight, down bias), cast to ``dtype`` (None: as stored)."""
+def _weights(module: nn.Module, layout: dict, e: int, dtype=torch.float32, delta=None):
+    """Expert ``e``'s (up weight, up bias, down weight, down bias), cast to ``dtype`` (None: as stored); ``delta``
+    (a LoRA adapter's, :mod:`.lora_experts`): ``delta(name, e)``, what is added to the weight ``name`` (or None)."""
     up, has_bias = layout["up"], layout["has_bias"]
     cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+
+    def weight(name: str) -> torch.Tensor:
+        w = cast(getattr(module, name)[e])
+        extra = None if delta is None else delta(name, e)
+        return w if extra is None else w + extra.to(w.dtype)
+
     up_b = cast(getattr(module, f"{up}_bias")[e]) if has_bias else None
     down_b = cast(module.down_proj_bias[e]) if has_bias else None
-    return cast(getattr(module, up)[e]), up_b, cast(module.down_proj[e]), down_b
+    return weight(up), up_b, weight("down_proj"), down_b
 
 
-def _mirror(module: nn.Module, layout: dict, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The formula this rule differentiates, on ``(N, d)`` tokens, float32."""
+def mirror(module: nn.Module, layout: dict, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+           delta=None) -> torch.Tensor:
+    """The formula this rule differentiates, on ``(N, d)`` tokens, float32 (``delta``: see :func:`_weights`)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for n in range(x.shape[0]):
         for j in range(idx.shape[1]):
             e = int(idx[n, j])
-            up_w, up_b, down_w, down_b = _weights(module, layout, e)
+            up_w, up_b, down_w, down_b = _weights(module, layout, e, delta=delta)
             h = _gate(module, layout, _linear(x[n : n + 1].float(), up_w, up_b, layout["transposed"]))
             out[n] += w[n, j].float() * _linear(h, down_w, down_b, layout["transposed"])[0]
     return out
 
 
-def _call_arguments(module: nn.Module, args, kwargs):
+def call_arguments(module: nn.Module, args, kwargs):
     """``(hidden_states, top_k_index, top_k_weights)`` of a call, whatever the keyword names."""
     try:
         bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
@@ -169,7 +177,8 @@ def _call_arguments(module: nn.Module, args, kwargs):
     return values
 
 
-def _probe_matches(module: nn.Module, layout: dict) -> bool:
+def probe_inputs(module: nn.Module, layout: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A probe's call of the bank: 5 random tokens ``(5, d)``, each routed to 2 distinct experts with random weights."""
     up_w = getattr(module, layout["up"])
     d = up_w.shape[1] if layout["transposed"] else up_w.shape[2]
     e = layout["num_experts"]
@@ -178,12 +187,22 @@ def _probe_matches(module: nn.Module, layout: dict) -> bool:
     x = torch.randn(n, d, generator=g).to(up_w.device, up_w.dtype)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(up_w.device)
     w = torch.rand(n, k, generator=g).to(up_w.device, up_w.dtype)
+    return x, idx, w
+
+
+def _probe_matches(module: nn.Module, layout: dict) -> bool:
+    x, idx, w = probe_inputs(module, layout)
     with torch.no_grad(), hooks.replay():  # the capture hooks, if any, record nothing
         y = module(x, idx, w)
-        expected = _mirror(module, layout, x, idx, w)
+        expected = mirror(module, layout, x, idx, w)
+    return agrees(y, expected, x.dtype)
+
+
+def agrees(y, expected: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a probe's output ``y`` is the formula's ``expected`` (within the rounding of ``dtype``), and not 0."""
     if not torch.is_tensor(y) or y.shape != expected.shape or float(expected.abs().max()) == 0:
         return False  # a degenerate probe (all-zero weights) proves nothing
-    tol = 1e-4 if up_w.dtype == torch.float32 else 3e-2
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
     return bool(torch.allclose(y.float(), expected, rtol=tol, atol=tol * float(expected.abs().max())))
 
 
@@ -268,7 +287,7 @@ def _routed_forward(module: nn.Module, layout: dict, kept: list[_Captured]):
     of the bank."""
 
     def forward(*args, **kwargs):
-        x, idx, w = _call_arguments(module, args, kwargs)
+        x, idx, w = call_arguments(module, args, kwargs)
         d = x.shape[-1]
         flat = x.reshape(-1, d)
         idx, w = idx.reshape(flat.shape[0], -1), w.reshape(flat.shape[0], -1)
@@ -294,6 +313,14 @@ def _routed_forward(module: nn.Module, layout: dict, kept: list[_Captured]):
     return forward
 
 
+def below_wrappers(module: nn.Module) -> nn.Module:
+    """The module under PEFT's ``ParamWrapper``s (LoRA on a module's parameters, nested one per parameter; see
+    :mod:`.lora_experts`), or ``module`` itself."""
+    while type(module).__name__ == "ParamWrapper" and isinstance(getattr(module, "base_layer", None), nn.Module):
+        module = module.base_layer
+    return module
+
+
 class RoutedCaptures:
     """What one pass's routed forwards (:func:`_routed_forward`) keep for its backward, by bank, each call's entry
     matched to the recorded call by its input's storage (:meth:`take`). Owned by the pass (:class:`~.engine._Pass`),
@@ -312,7 +339,8 @@ class RoutedCaptures:
         """Inside, each recognised bank among ``modules`` runs :func:`_routed_forward` (an instance attribute
         shadowing its class's forward), its captures kept here. They outlive the block (the usages are formed after
         it) and are taken by :func:`bank_usages`."""
-        banks = [m for m in modules if self.layout(m) is not None and "forward" not in vars(m)]
+        below = dict.fromkeys(below_wrappers(m) for m in modules)  # LoRA's wrappers run the bank they wrap
+        banks = [m for m in below if self.layout(m) is not None and "forward" not in vars(m)]
         for m in banks:
             self.entries.pop(m, None)
             m.forward = _routed_forward(m, self.layout(m), self.entries.setdefault(m, []))
@@ -332,10 +360,10 @@ class RoutedCaptures:
         return None
 
 
-def _recompute_routed(module: nn.Module, layout: dict, x, grad, idx, w):
+def _recompute_routed(module: nn.Module, layout: dict, x, grad, idx, w, delta=None):
     """The bank's routed (token, expert) pairs and, per pair, the input ``xs``, the gated hidden ``h``, the gradient
     ``du`` at the up projection's output and ``gs`` at the down projection's output, recomputed from the call (None
-    when no token was routed)."""
+    when no token was routed; ``delta``: a LoRA adapter's, see :func:`_weights`)."""
     num_experts, transposed = layout["num_experts"], layout["transposed"]
     order, token, expert, counts = _pairs(idx, num_experts)
     xs = x[token].float()
@@ -343,7 +371,7 @@ def _recompute_routed(module: nn.Module, layout: dict, x, grad, idx, w):
     us, dhs, start = [], [], 0
     for e, count in enumerate(counts):
         if count:
-            up_w, up_b, down_w, _ = _weights(module, layout, e)
+            up_w, up_b, down_w, _ = _weights(module, layout, e, delta=delta)
             us.append(_linear(xs[start : start + count], up_w, up_b, transposed))
             dhs.append(gs[start : start + count] @ (down_w.T if transposed else down_w))
             start += count
@@ -356,23 +384,26 @@ def _recompute_routed(module: nn.Module, layout: dict, x, grad, idx, w):
     return token, expert, xs, h.detach(), du, gs
 
 
-@register_call_rule("expert_bank", lambda module, memo=None: recognise_bank(module, memo) is not None)
-def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int,
-                handoff: RoutedCaptures | None = None) -> dict:
-    """``{name: usage}`` of a recognised expert bank from its recorded call and output gradient (and what
-    :func:`_routed_forward` kept in the pass's ``handoff``, if it ran; else the bank's matmuls are recomputed on the
-    routed tokens)."""
-    handoff = RoutedCaptures() if handoff is None else handoff
-    layout = handoff.layout(module)
-    arguments = _call_arguments(module, call.args, call.kwargs)
-    if layout is None or arguments is None or len(output_grads) != 1:
-        return generic.per_row_usages(module, call, output_grads, batch)
-    if output_grads[0] is None:
-        return {}
-    x, idx, w = arguments
+class Routed:
+    """A bank call's routed pairs in the padded groups of :class:`PerExpert`: ``groups`` (each group's experts), and
+    per group the up projection's inputs ``px`` and output gradients ``pdu``, the down projection's inputs ``ph`` and
+    output gradients ``pg`` (``(E_g * B, W_g, n)`` each, float32), and per pair ``du`` (for the biases)."""
+
+    __slots__ = ("groups", "px", "pdu", "ph", "pg", "du", "d")
+
+    def __init__(self, groups, px, pdu, ph, pg, du, d):
+        self.groups, self.px, self.pdu, self.ph, self.pg, self.du, self.d = groups, px, pdu, ph, pg, du, d
+
+
+def routed(module: nn.Module, layout: dict, call: hooks.Call, output_grad: torch.Tensor, batch: int,
+           handoff: RoutedCaptures, delta=None) -> Routed | None:
+    """The routed pairs of one recorded call of the bank ``module`` (what :func:`_routed_forward` kept in
+    ``handoff``, else recomputed, with ``delta``: see :func:`_weights`), padded per expert and sequence; None when no
+    token was routed. Raises where the call's rows cannot be paired with the sequences."""
+    x, idx, w = call_arguments(module, call.args, call.kwargs)
     captured = handoff.take(module, x)
     d = x.shape[-1]
-    x, grad = x.reshape(-1, d), output_grads[0].reshape(-1, d)
+    x, grad = x.reshape(-1, d), output_grad.reshape(-1, d)
     tokens = x.shape[0]
     if tokens % batch or grad.shape[0] != tokens or idx.reshape(tokens, -1).shape != w.reshape(tokens, -1).shape:
         raise NotImplementedError(
@@ -381,38 +412,58 @@ def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: 
             "(module.requires_grad_(False)) or use OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
         )
     idx, w = idx.reshape(tokens, -1), w.reshape(tokens, -1)
-    num_experts, transposed = layout["num_experts"], layout["transposed"]
+    if captured is not None:
+        token, expert = captured.token, captured.expert
+        xs, h, du, gs = (t.float() for t in (captured.xs, captured.h, captured.du, captured.g))
+    else:
+        recomputed = _recompute_routed(module, layout, x, grad, idx, w, delta)
+        if recomputed is None:
+            return None
+        token, expert, xs, h, du, gs = recomputed
+    padding = _Padding(expert, token // (tokens // batch), batch, layout["num_experts"])
+    px, pg, ph, pdu = (padding(v) for v in (xs, gs, h, du))
+    return Routed([experts for experts, _, _ in padding.groups], px, pdu, ph, pg, du, d)
+
+
+@register_call_rule("expert_bank", lambda module, memo=None: recognise_bank(module, memo) is not None)
+def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: int,
+                handoff: RoutedCaptures | None = None) -> dict:
+    """``{name: usage}`` of a recognised expert bank from its recorded call and output gradient (and what
+    :func:`_routed_forward` kept in the pass's ``handoff``, if it ran; else the bank's matmuls are recomputed on the
+    routed tokens)."""
+    handoff = RoutedCaptures() if handoff is None else handoff
+    layout = handoff.layout(module)
+    if layout is None or call_arguments(module, call.args, call.kwargs) is None or len(output_grads) != 1:
+        return generic.per_row_usages(module, call, output_grads, batch)
+    if output_grads[0] is None:
+        return {}
+    with torch.autocast(device_type=output_grads[0].device.type, enabled=False), torch.no_grad():
+        found = routed(module, layout, call, output_grads[0], batch, handoff)
+        return {} if found is None else _bank_usages(module, layout, found, batch)
+
+
+def _bank_usages(module: nn.Module, layout: dict, found: Routed, batch: int) -> dict:
+    """The bank's own parameters' usages from its routed pairs (those that require a gradient)."""
+    num_experts, transposed, d = layout["num_experts"], layout["transposed"], found.d
     up, up_bias = layout["up"], f"{layout['up']}_bias"
     wanted = {name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
-    with torch.autocast(device_type=x.device.type, enabled=False), torch.no_grad():
-        if captured is not None:
-            token, expert = captured.token, captured.expert
-            xs, h, du, gs = (t.float() for t in (captured.xs, captured.h, captured.du, captured.g))
-        else:
-            recomputed = _recompute_routed(module, layout, x, grad, idx, w)
-            if recomputed is None:
-                return {}
-            token, expert, xs, h, du, gs = recomputed
-        seq = token // (tokens // batch)
-        usages: dict = {}
-        up_shape, down_shape = tuple(getattr(module, up).shape[1:]), tuple(module.down_proj.shape[1:])
-        padding = _Padding(expert, seq, batch, num_experts)
-        px, pg, ph, pdu = (padding(v) for v in (xs, gs, h, du))
-        groups = [experts for experts, _, _ in padding.groups]
-        if "down_proj" in wanted:
-            usages["down_proj"] = PerExpert(num_experts, down_shape, batch, [
-                (ex, Factored(Dense(hh), Dense(gg)) if transposed else Factored(Dense(gg), Dense(hh)))
-                for ex, hh, gg in zip(groups, ph, pg)])
-        if up in wanted:
-            usages[up] = PerExpert(num_experts, up_shape, batch, [
-                (ex, Factored(Dense(xx), Dense(dd)) if transposed else Factored(Dense(dd), Dense(xx)))
-                for ex, xx, dd in zip(groups, px, pdu)])
-        if layout["has_bias"]:
-            sums = {up_bias: (pdu, du.shape[-1]), "down_proj_bias": (pg, d)}
-            for name, (parts, width) in sums.items():
-                if name in wanted:
-                    total = torch.zeros(batch, num_experts, width, device=x.device)
-                    for ex, part in zip(groups, parts):
-                        total[:, ex] = part.sum(1).reshape(len(ex), batch, width).transpose(0, 1)
-                    usages[name] = Materialized(total)
+    usages: dict = {}
+    up_shape, down_shape = tuple(getattr(module, up).shape[1:]), tuple(module.down_proj.shape[1:])
+    groups = found.groups
+    if "down_proj" in wanted:
+        usages["down_proj"] = PerExpert(num_experts, down_shape, batch, [
+            (ex, Factored(Dense(hh), Dense(gg)) if transposed else Factored(Dense(gg), Dense(hh)))
+            for ex, hh, gg in zip(groups, found.ph, found.pg)])
+    if up in wanted:
+        usages[up] = PerExpert(num_experts, up_shape, batch, [
+            (ex, Factored(Dense(xx), Dense(dd)) if transposed else Factored(Dense(dd), Dense(xx)))
+            for ex, xx, dd in zip(groups, found.px, found.pdu)])
+    if layout["has_bias"]:
+        sums = {up_bias: (found.pdu, found.du.shape[-1]), "down_proj_bias": (found.pg, d)}
+        for name, (parts, width) in sums.items():
+            if name in wanted:
+                total = torch.zeros(batch, num_experts, width, device=found.du.device)
+                for ex, part in zip(groups, parts):
+                    total[:, ex] = part.sum(1).reshape(len(ex), batch, width).transpose(0, 1)
+                usages[name] = Materialized(total)
     return usages

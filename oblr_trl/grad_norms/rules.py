@@ -55,11 +55,14 @@ class CallRule:
     ``recognise(module, memo)`` says whether it takes a module (each verifies that on a probe, remembered in ``memo``,
     the model's :attr:`~.plan.ModelPlan.memo`, or None), ``usages(module, call, output_grads, batch, handoff)`` forms
     the module's per-sequence gradients, ``{parameter name: usage}`` (``handoff``: what the pass's forward kept for
-    its backward, :class:`~.experts.RoutedCaptures`, or None)."""
+    its backward, :class:`~.experts.RoutedCaptures`, or None). ``borrows``: its usages also cover the trainable
+    parameters of descendants the module uses functionally (LoRA's factors on an expert bank, :mod:`.lora_experts`),
+    by their dotted names; the others take such a module on the per-row path."""
 
     name: str
     recognise: Callable[[nn.Module], bool]
     usages: Callable[..., dict[str, Usage]]
+    borrows: bool = False
 
 
 CALL_RULES: dict[str, CallRule] = {}  # in the order they are tried
@@ -67,13 +70,14 @@ CALL_RULES: dict[str, CallRule] = {}  # in the order they are tried
 _SWITCHED_OFF: ContextVar[frozenset[str]] = ContextVar("switched_off_rules", default=frozenset())
 
 
-def register_call_rule(name: str, recognise: Callable[[nn.Module], bool]):
-    """Register ``usages`` (the decorated function) as the call rule ``name``; a name is taken once."""
+def register_call_rule(name: str, recognise: Callable[[nn.Module], bool], borrows: bool = False):
+    """Register ``usages`` (the decorated function) as the call rule ``name``; a name is taken once (``borrows``:
+    see :class:`CallRule`)."""
 
     def decorator(usages):
         if name in CALL_RULES:
             raise ValueError(f"A call rule named {name!r} is already registered: {CALL_RULES[name]}.")
-        CALL_RULES[name] = CallRule(name, recognise, usages)
+        CALL_RULES[name] = CallRule(name, recognise, usages, borrows)
         return usages
 
     return decorator
@@ -114,9 +118,11 @@ def _all_tensor_rules() -> list[Rule]:
     return list(GRAD_NORM_RULES.values()) + list(_NAME_RULES.values()) + [centred_norm_rule]
 
 
-def find_call_rule(module: nn.Module, memo: dict | None = None) -> CallRule | None:
-    """The first registered call rule (switched on) that takes ``module``, or None (``memo``: see :class:`CallRule`)."""
-    return next((rule for rule in CALL_RULES.values() if is_on(rule) and rule.recognise(module, memo)), None)
+def find_call_rule(module: nn.Module, memo: dict | None = None, borrows: bool = False) -> CallRule | None:
+    """The first registered call rule (switched on) that takes ``module``, or None (``memo``: see :class:`CallRule`;
+    ``borrows``: only the rules that cover borrowed parameters too)."""
+    return next((rule for rule in CALL_RULES.values()
+                 if is_on(rule) and (rule.borrows or not borrows) and rule.recognise(module, memo)), None)
 
 
 def call_usages(module: nn.Module, call, output_grads: list, batch: int, handoff=None) -> dict[str, Usage]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from . import generic, soft_prompt
-from . import experts, routers  # noqa: F401 (their call rules register on import)
+from . import experts, lora_experts, routers  # noqa: F401 (their call rules register on import)
 from .ledger import functional_owners, trainable_names
 from .lm import backbone_of, output_head, unwrap_causal_lm, unwrap_distributed
 from .plan import ModelPlan, plan_of
@@ -49,12 +49,17 @@ class UnsupportedModulesError(NotImplementedError):
 def resolve(module: nn.Module, borrowed: int = 0,
             memo: dict | None = None) -> tuple[str, Rule | CallRule | None] | None:
     """The path and rule of a module with trainable parameters of its own, or ``borrowed`` trainable elements of
-    descendants it uses functionally (those always take the per-row path, with the module's own parameters):
+    descendants it uses functionally (those take the per-row path, with the module's own parameters, unless a call
+    rule that borrows takes the module):
     ``('rule', rule)`` (a per-layer rule), ``('routed', call rule)`` (a fused MoE expert bank, by its routed tokens:
-    :mod:`.experts`; a router, by its logits: :mod:`.routers`), ``('per-row', None)`` (:mod:`.generic`), or None
-    (unsupported). ``memo``: what the recognisers' probes found, the model's plan's (:class:`~.plan.ModelPlan`)."""
+    :mod:`.experts`; LoRA on one, borrowing its factors: :mod:`.lora_experts`; a router, by its logits:
+    :mod:`.routers`), ``('per-row', None)`` (:mod:`.generic`), or None (unsupported). ``memo``: what the
+    recognisers' probes found, the model's plan's (:class:`~.plan.ModelPlan`)."""
     fits = generic.trainable_numel(module) + borrowed <= generic.MAX_NUMEL
     if borrowed:
+        call_rule = find_call_rule(module, memo, borrows=True)
+        if call_rule is not None:
+            return "routed", call_rule
         return ("per-row", None) if fits else None
     rule = find_rule(module, memo)
     if rule is not None:
@@ -108,7 +113,7 @@ def _resolve_all(lm: nn.Module, owners: dict[nn.Module, nn.Module], memo: dict
     (``{module used functionally: the ancestor that borrows it}``, :func:`~.ledger.functional_owners`), and every
     module that is not: each module's rule resolved once (:func:`resolve`)."""
     head = output_head(lm)
-    borrowing = borrowed_names(owners)
+    borrowing = borrowed_names(lora_experts.outermost(owners, lm))  # a chain of LoRA wrappers is one call
     covered: list[Covered] = []
     found: list[Unsupported] = []
     for name, module in backbone_of(lm).named_modules():

@@ -207,7 +207,7 @@ def test_call_rules_are_registered_once_and_can_be_switched_off():
     from oblr_trl.grad_norms import rules
     from oblr_trl.grad_norms.support import how_handled
 
-    assert list(rules.CALL_RULES) == ["expert_bank", "router"]
+    assert list(rules.CALL_RULES) == ["expert_bank", "lora_expert_bank", "router"]
     with pytest.raises(ValueError, match="already registered"):
         rules.register_call_rule("router", lambda m: False)(lambda *a: {})
     with pytest.raises(ValueError, match="No rule named"):

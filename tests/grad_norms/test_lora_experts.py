@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms import generic
 from oblr_trl.grad_norms.api import per_sequence_grads
 from oblr_trl.grad_norms.support import coverage_plan
 from oblr_trl.grad_norms.zoo import VOCAB, build
@@ -61,16 +60,11 @@ def test_lora_on_expert_banks_is_exact_against_a_fresh_copy(family, tie, how):
     else:
         assert not banks  # GPT-OSS's all-linear: its attention's nn.Linear only (no bank, no router is nn.Linear)
     assert validate(model) == []
-    limit = generic.MAX_NUMEL
-    generic.MAX_NUMEL = 0  # no per-row fallback: the banks' factors must take their rule
-    try:
-        plan = coverage_plan(model)
-        by_rule = {type(c.module).__name__: c.rule.name for c in plan.covered if c.how == "routed"}
-        if banks:
-            assert by_rule.get("ParamWrapper") == "lora_expert_bank", by_rule
-        ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
-    finally:
-        generic.MAX_NUMEL = limit
+    names = {m: n for n, m in model.base_model.model.named_modules()}
+    by_rule = {names[c.module]: c.rule.name if c.how == "routed" else c.how for c in coverage_plan(model).covered}
+    for bank in banks:  # the bank's factors by their rule, not the per-row path (all-linear's router: per row)
+        assert by_rule[bank.removeprefix("base_model.model.")] == "lora_expert_bank", by_rule
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     assert reference[[0, 1, 3, 4]].min() > 0
     torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
     for a, b in zip(model.state_dict().values(), reference_model.state_dict().values()):
@@ -99,7 +93,7 @@ def test_group_products_and_weighted_sum_of_expert_factors(family, checkpointing
     params = [p for p in model.parameters() if p.requires_grad]
     formed = torch.cat([p.grad.flatten() for p in params]).double()
     expected = (scale.double()[:, None] * rows).sum(0)
-    torch.testing.assert_close(formed, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(formed, expected, rtol=1e-5, atol=1e-6)
     halves = (scale.double()[:, None] * rows).reshape(2, 2, -1).sum(1)
     torch.testing.assert_close(sq.double(), halves.pow(2).sum(-1), rtol=1e-5, atol=1e-9)
 
@@ -119,3 +113,42 @@ def test_rank_stabilised_scaling_and_one_bank_parameter():
     assert validate(model) == []
     ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
     torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
+
+
+def test_switched_off_the_chain_takes_the_per_row_path_whole():
+    """Without the rule, the chain of wrappers is re-run row by row as one call (its outermost wrapper borrows every
+    factor, so the inner wrapper runs inside the outer one's delta): exact too, where it fits the per-row limit."""
+    from oblr_trl.grad_norms import rules
+
+    model = adapted("Qwen3-MoE", False, "target_parameters")
+    reference_model = fresh_copy(model, "Qwen3-MoE", False, "target_parameters")
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    reference = torch.stack([g.double().pow(2).sum() for g in per_sample_grads(
+        reference_model, ids, attention, completion_mask)])
+    with rules.switched_off("lora_expert_bank"):
+        plan = coverage_plan(model)
+        wrapped = [c for c in plan.covered if type(c.module).__name__ == "ParamWrapper"]
+        assert len(wrapped) == 2 and all(c.how == "per-row" and len(c.borrowed) == 4 for c in wrapped)
+        ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
+
+
+def test_a_wrapper_whose_forward_is_not_the_formula_is_not_taken_by_the_rule():
+    """A ParamWrapper whose forward computes something else (here, its output scaled by 1.01): the probe (random
+    factors, the formula's output) tells it apart, and the rule does not take it."""
+    from oblr_trl.grad_norms.lora_experts import recognise_lora_bank
+
+    model = adapted("Qwen3-MoE", False, "target_parameters")
+    outer = model.base_model.model.model.layers[0].mlp.experts
+    assert recognise_lora_bank(outer) is not None
+    inner = outer.base_layer
+
+    base = type(inner)
+
+    def forward(self, x, *args, **kwargs):
+        return base.forward(self, x, *args, **kwargs) * 1.01
+
+    inner.__class__ = type("ParamWrapper", (base,), {"forward": forward})  # the same name: only the probe can tell
+    assert recognise_lora_bank(outer) is None
+    inner.__class__ = base
+    assert recognise_lora_bank(outer) is not None
