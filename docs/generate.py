@@ -104,7 +104,7 @@ SEE_ALSO = {
     "weight_clip": "troubleshooting.md#weight_spread",
     "snr_estimator": "how-it-works.md#the-snr-estimator",
     "one_backward": "how-it-works.md#one_backward-norms-and-update-from-one-backward",
-    "learning_rate": "how-it-works.md#choosing-learning_rate-eta_max",
+    "learning_rate": "how-it-works.md#choosing-the-learning-rate",
 }
 
 

@@ -87,19 +87,12 @@ class OBLRPOConfig(GRPOConfig):
     - the **SNR-governed step size** (Theorem 4), `lr_t = lr_max * N SNR_t / (1 + N SNR_t)`, where `lr_max` is the
       scheduled learning rate and `SNR_t` is estimated from the step's own samples.
 
-    `learning_rate` is eta_max, the largest step: the learning rate OBLR-PO would use if every sample's gradient agreed.
-    Each step uses `learning_rate x N SNR / (1 + N SNR)`, a fraction of it (0.07-0.12 on the tiny demo, 0.13-0.37 on
-    SmolLM2-135M with LoRA, at 8 prompts per step; it falls as training goes on). Set it a few times the learning rate
-    you would give GRPO, more for longer runs, and watch `oblr/lr_mean`: on SmolLM2 the best eta_max was 1e-3 both over
-    10 steps (1.8x GRPO's best lr there; 10x did not learn) and over 40 steps (6.7x GRPO's best there; it beat 2x by
-    5.4-8.5 points on held-out accuracy), applying about half to two-thirds of GRPO's best lr on average (docs, How it
-    works, "Choosing learning_rate"). The default 5e-6, five times GRPO's 1e-6, lies between those two ratios, below
-    the 10x that did not learn over 10 steps, and well below the 22x (3.33e-3) at which no SNR arm collapsed over 20
-    steps (3 seeds each; on that 20-step lr grid 22x was OBLR-PO's best, and its window within 5 points of it,
-    6.7x-22x, was no wider than GRPO's: docs, Evidence, "Two questions users ask"): if `oblr/lr_mean` sits far below
-    the lr you would give GRPO, raise `learning_rate`. The SNR factor does not rescue a far larger one (on SmolLM2,
-    runs collapsed at 5-30x their best lr, and at 10x the best eta_max over 40 steps some seeds of every SNR arm fell;
-    docs, Evidence, "When to use OBLR-PO").
+    `learning_rate` is eta_max, the largest step. Each step applies `learning_rate x f`, the SNR factor
+    `f = N SNR / (1 + N SNR) = N / (N + B)`: N prompts per step, B = 1/SNR the gradient noise scale in prompts
+    (`oblr/noise_scale`). Set `eta_max = the lr you would give GRPO / f`, so that the applied lr (`oblr/lr_mean`) is
+    GRPO's; measured on SmolLM2-135M with LoRA, f is 0.06-0.43 at 8 prompts per step and 0.49-0.92 at 128. The
+    default 5e-6 is GRPO's default 1e-6 / 0.2. When the prompts per step change from N1 to N2, multiply
+    `learning_rate` by f(N1) / f(N2). The rule and its measurements: docs, How it works, "Choosing the learning rate".
 
     Defaults differ from `GRPOConfig` where the paper's theory requires it: `scale_rewards="none"` (std scaling biases
     the gradient), `beta=0.0` and `num_iterations=1` (on-policy, unbiased updates).
@@ -289,15 +282,15 @@ class OBLRPOConfig(GRPOConfig):
     learning_rate: float = field(
         default=5e-6,
         metadata={
-            "help": "eta_max, the largest step OBLR-PO takes: the learning rate it would use if every sample's "
-            "gradient agreed. Each step uses learning_rate x N*SNR/(1+N*SNR), measured at 0.07-0.12 of it on the "
-            "tiny demo and 0.13-0.37 on SmolLM2-135M with LoRA at 8 prompts per step (benchmarks/README.md). Set it "
-            "a few times the lr you would give GRPO, more for longer runs (on SmolLM2 the best eta_max was 1.8x GRPO's "
-            "best lr over 10 steps and 6.7x over 40 steps; 10x did not learn over 10 steps, and the SNR factor does "
-            "not rescue a far larger one); the default 5e-6, five times GRPO's 1e-6, lies between those ratios, and "
-            "no SNR arm collapsed at 22x GRPO's best lr over 20 steps (3 seeds each). oblr/lr_mean "
-            "logs the mean applied lr (the factor falls as training goes on): if it sits far below the lr you would "
-            "give GRPO, raise learning_rate."
+            "help": "eta_max, the largest step OBLR-PO takes: each step applies learning_rate x f, the SNR factor "
+            "f = N*SNR/(1+N*SNR) = N/(N+B) (N prompts per step, B = 1/SNR the gradient noise scale in prompts, logged "
+            "as oblr/noise_scale). Set it to the lr you would give GRPO divided by the f you expect, so that the "
+            "applied lr (oblr/lr_mean) is GRPO's: f was 0.06-0.43 at 8 prompts per step and 0.49-0.92 at 128 on "
+            "SmolLM2-135M with LoRA, so at 128 prompts eta_max is 1.1-2x your GRPO lr. On the 20-step lr window (8 "
+            "prompts per step) the best eta_max was 3.33e-3, 22x GRPO's best 1.5e-4, where f averaged 0.094. The "
+            "default 5e-6 is GRPO's default 1e-6 / 0.2 (f = 0.2, for 8 prompts per step). When the prompts per step "
+            "change from N1 to N2, multiply learning_rate by f(N1)/f(N2). If oblr/lr_mean sits k times below the lr "
+            "you would give GRPO, multiply learning_rate by k."
         },
     )
     # ---- end issue 18 ----
@@ -429,9 +422,9 @@ def upgrade_config(args: GRPOConfig) -> OBLRPOConfig:
         values["scale_rewards"] = "none"
     warnings.warn(
         f"OBLRPOTrainer got a GRPOConfig: its learning_rate={args.learning_rate:g} becomes eta_max, the largest step, "
-        "and each step applies a fraction of it (N SNR / (1 + N SNR): 0.07-0.37 in our measurements), so the applied "
-        "lr sits below what GRPO would apply. Set learning_rate a few times the lr you would give GRPO (OBLRPOConfig's "
-        "default is 5e-6, five times GRPO's 1e-6) and watch oblr/lr_mean; or pass an OBLRPOConfig.",
+        "and each step applies a fraction f of it (N SNR / (1 + N SNR)), so the applied lr sits below what GRPO would "
+        "apply. Set learning_rate to the lr you would give GRPO divided by f (OBLRPOConfig's default, 5e-6, is "
+        "GRPO's 1e-6 / 0.2) and watch oblr/lr_mean and oblr/noise_scale; or pass an OBLRPOConfig.",
         stacklevel=3,
     )
     return OBLRPOConfig(**values)

@@ -152,6 +152,8 @@ class StepSizer:
         metrics = {"lr_scale": step.scale, "num_samples": float(n), "lr": applied, **self.lr_stats.metrics()}
         if step.snr == step.snr:  # undefined (fewer than 2 samples, non-finite gradient): not logged, warned
             metrics["snr"] = step.snr
+        if step.noise_scale == step.noise_scale:  # undefined or unbounded (signal <= 0): not logged
+            metrics["noise_scale"] = step.noise_scale
         return metrics, warnings
 
     def restore(self) -> None:

@@ -135,6 +135,7 @@ class SNRDecision:
     the floor), ``"zero_gradient"`` (the step's gradient and every sample's share of it are exactly 0: scale 0 before
     the floor, state unchanged), ``"few_samples"`` (fewer than 2 samples: lr left unscaled, state unchanged),
     ``"nonfinite_grad"`` (a non-finite gradient norm or estimate: scale floored, state unchanged).
+    :attr:`noise_scale` is ``1/SNR`` in samples (:func:`gradient_noise_scale`).
     """
 
     scale: float
@@ -145,6 +146,12 @@ class SNRDecision:
     step_signal: float
     step_noise: float
     status: str
+
+    @property
+    def noise_scale(self) -> float:
+        """The gradient noise scale ``tr Sigma / ||grad J||^2`` in samples (:func:`gradient_noise_scale` of
+        :attr:`noise` and :attr:`signal`); NaN where it is undefined."""
+        return gradient_noise_scale(self.signal, self.noise)
 
 
 def step_signal_noise(sum_sq, grad_sq_norm, n: int):
@@ -171,6 +178,22 @@ def scale_from_signal_noise(signal: float, noise: float, n: int) -> tuple[float,
     if s == math.inf:
         return 1.0, snr
     return n * s / (n * s + v), snr
+
+
+def gradient_noise_scale(signal: float, noise: float) -> float:
+    """McCandlish et al.'s (2018) simple noise scale ``B = tr Sigma / ||grad J||^2 = 1 / SNR``, in samples (prompts
+    under ``snr_sample_unit="group"``): the batch size at which a step's noise equals its signal, so Theorem 4's
+    factor is ``N / (N + B)`` (one half at ``N = B``).
+
+    ``max(noise, 0) / signal`` where the signal estimate is > 0 (0 when the noise estimate is <= 0: a step of pure
+    signal). NaN where it is undefined or unbounded: a signal estimate <= 0 (the ``"zero_snr"`` step, scale 0), a
+    non-finite estimate, or a ratio that overflows. The trainer logs no ``oblr/noise_scale`` for such a step: never
+    ``inf`` or NaN in the logs.
+    """
+    if not (signal > 0 and math.isfinite(signal) and math.isfinite(noise)):
+        return math.nan
+    ratio = max(noise, 0.0) / signal
+    return ratio if math.isfinite(ratio) else math.nan
 
 
 def elementwise_scale(signal, noise, n: int) -> tuple[torch.Tensor, torch.Tensor]:

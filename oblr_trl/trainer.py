@@ -45,8 +45,8 @@ class OBLRPOTrainer(GRPOTrainer):
 
     Same constructor as `trl.GRPOTrainer`. `args` is an [`OBLRPOConfig`]; with no `args` one is built (output
     directory `<model name>-OBLR-PO`), and a `GRPOConfig` is upgraded to one with the same options (see
-    `oblr_trl.config.upgrade_config`). Logs under `oblr/`: `lr_scale`, `snr`, `lr`, `num_samples`, `baseline_mean`,
-    `reward_mean`, `weight_spread`, `fallback_samples`, `clipped_weights`, `unscorable`.
+    `oblr_trl.config.upgrade_config`). Logs under `oblr/`: `lr_scale`, `snr`, `noise_scale`, `lr`, `num_samples`,
+    `baseline_mean`, `reward_mean`, `weight_spread`, `fallback_samples`, `clipped_weights`, `unscorable`.
     """
 
     _tag_names = ["trl", "oblr-po"]

@@ -56,8 +56,8 @@ def test_upgrade_keeps_every_grpo_option():
 
 
 def test_default_eta_max_is_five_times_grpos_default_lr():
-    """issues 18 and 28: eta_max defaults to five times the lr a GRPO user would use (SmolLM2's best ratios were 1.8x
-    over 10 steps and 6.7x over 40; no SNR arm collapsed at 22x over 20 steps)."""
+    """eta_max defaults to GRPO's default lr over the SNR factor f = 0.2 it expects at 8 prompts per step (the rule
+    of docs/how-it-works.md; tests/test_lr_rule.py checks the docs and the help quote it)."""
     default = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}["learning_rate"]
     grpo_default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["learning_rate"]
     assert default == pytest.approx(5 * grpo_default) and default == pytest.approx(5e-6)
@@ -129,6 +129,6 @@ def test_snr_window_of_the_window_estimator_is_shown_with_its_quotes():
 def test_a_grpo_config_keeps_its_lr_as_eta_max_and_says_so():
     """issue 46: GRPO's lr (default 1e-6) becomes eta_max, of which each step applies a fraction: warned, with the
     fix. The value itself is kept (README: every GRPOConfig option is kept)."""
-    with pytest.warns(UserWarning, match=r"learning_rate=1e-06 becomes eta_max.*a few times the lr"):
+    with pytest.warns(UserWarning, match=r"learning_rate=1e-06 becomes eta_max.*the lr you would give GRPO divided by f"):
         upgraded = upgrade_config(GRPOConfig(**{**common_args(), "learning_rate": 1e-6}))
     assert upgraded.learning_rate == 1e-6

@@ -32,6 +32,7 @@ def test_size_applies_snr_step_size_to_the_groups_and_restore_puts_the_lr_back()
     assert sizer.sized and warnings == []
     assert [g["lr"] for g in groups] == pytest.approx([1e-3 * decision.scale, 2e-3 * decision.scale])
     assert metrics["lr_scale"] == decision.scale and metrics["num_samples"] == 4.0 and metrics["snr"] == decision.snr
+    assert metrics["noise_scale"] == pytest.approx(1 / decision.snr)  # McCandlish's B, in prompts
     sizer.restore()
     assert [g["lr"] for g in groups] == [1e-3, 2e-3] and not sizer.sized
     assert sizer.samples.formed == []  # emptied by the step
@@ -41,11 +42,12 @@ def test_degenerate_steps_return_their_warning_keys():
     sizer = StepSizer(config())
     record_units(sizer, [1.0])
     metrics, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=1.0)
-    assert warnings == ["few_samples"] and "snr" not in metrics
+    assert warnings == ["few_samples"] and "snr" not in metrics and "noise_scale" not in metrics
     sizer.restore()
     record_units(sizer, [1.0, 1.0, 1.0, 1.0])  # mean sample norm 1, batch norm 0: no signal
-    _, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=0.0)
-    assert warnings == ["zero_snr"]
+    metrics, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=0.0)
+    assert warnings == ["zero_snr"] and "noise_scale" not in metrics  # unbounded: not logged (never inf), warned
+    assert all(math.isfinite(v) for v in metrics.values())
     sizer.restore()
     record_units(sizer, [1.0, 1.0, 1.0, 1.0])
     _, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=0.0, unscored=True)  # no reward at all: not noise's fault

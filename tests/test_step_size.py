@@ -228,3 +228,42 @@ def test_a_zero_gradient_step_after_an_informative_one_is_not_given_its_scale(es
     assert (flat.scale, flat.status, kept) == (0.0, "zero_gradient", state)
     again, _ = snr_step_size(estimator, 3.0, 10.0, 8, kept, **kw)
     assert again == snr_step_size(estimator, 3.0, 10.0, 8, state, **kw)[0]
+
+
+def test_the_noise_scale_is_one_over_the_snr_in_samples_and_the_factor_is_n_over_n_plus_it():
+    from oblr_trl.step_size import gradient_noise_scale
+
+    for estimator, kw in KW.items():
+        state = None
+        for sum_sq, g2 in stream(8, 0.1, 50, 30):
+            d, state = snr_step_size(estimator, sum_sq, g2, 8, state, **kw)
+            if d.status == "ok":
+                assert d.noise_scale == pytest.approx(1 / d.snr)
+                assert d.scale == pytest.approx(8 / (8 + d.noise_scale))  # Theorem 4's factor, N / (N + B)
+            else:
+                assert math.isnan(d.noise_scale)
+    # McCandlish's B = tr Sigma / ||grad J||^2 on a known gradient: SNR 0.1 per sample gives B = 10 samples
+    assert gradient_noise_scale(0.1, 1.0) == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("estimator", list(KW))
+def test_the_noise_scale_is_finite_or_undefined_never_inf(estimator):
+    """Where the signal estimate is <= 0 the noise scale is unbounded: NaN (the trainer then logs nothing), never inf;
+    a step of pure signal (noise estimate <= 0) has noise scale 0."""
+    from oblr_trl.step_size import gradient_noise_scale
+
+    kw = KW[estimator]
+    assert math.isnan(gradient_noise_scale(0.0, 1.0)) and math.isnan(gradient_noise_scale(-1.0, 1.0))
+    assert math.isnan(gradient_noise_scale(5e-324, 1e300))  # overflows: undefined, not inf
+    assert math.isnan(gradient_noise_scale(math.nan, 1.0)) and math.isnan(gradient_noise_scale(1.0, math.inf))
+    assert gradient_noise_scale(2.0, -1.0) == 0.0
+    _, state = snr_step_size(estimator, 3.0, 10.0, 8, None, **kw)
+    degenerate = [snr_step_size(estimator, 0.0, 0.0, 8, state, **kw)[0],  # zero gradient
+                  snr_step_size(estimator, 3.0, math.inf, 8, state, **kw)[0],  # non-finite
+                  snr_step_size(estimator, 3.0, 10.0, 1, state, **kw)[0]]  # fewer than 2 samples
+    assert all(math.isnan(d.noise_scale) for d in degenerate)
+    noiseless, _ = snr_step_size(estimator, 1.0, 8.0**2, 8, None, **kw)
+    assert noiseless.noise_scale == 0.0
+    if estimator != "ema_soft":  # a signal estimate below 0: the step's scale is 0 and its noise scale unbounded
+        negative, _ = snr_step_size(estimator, 4.0, 0.0, 4, None, **kw)
+        assert negative.status == "zero_snr" and math.isnan(negative.noise_scale)

@@ -27,6 +27,12 @@ def test_lr_is_scheduled_lr_times_logged_scale():
     for current, from_scheduler in probe.after:  # restored: the scheduler never compounds the scale
         assert current == pytest.approx(from_scheduler)
     assert any(0 < s < 1 for s in scales)
+    # the noise scale B = 1/SNR in prompts, logged beside the SNR, and the factor is N / (N + B)
+    noise_scales, snrs = logged(trainer, "oblr/noise_scale"), logged(trainer, "oblr/snr")
+    n = logged(trainer, "oblr/num_samples")
+    assert len(noise_scales) == 3 and all(math.isfinite(b) and b >= 0 for b in noise_scales)
+    assert noise_scales == pytest.approx([1 / snr for snr in snrs], rel=1e-9)
+    assert scales == pytest.approx([k / (k + b) for k, b in zip(n, noise_scales)], rel=1e-9)
 
 
 def test_step_terms_match_per_sample_autograd():
@@ -135,6 +141,7 @@ def test_identical_rewards_give_zero_advantages_and_zero_step(caplog):
     assert all(g["advantages"].abs().max() == 0 for g in trainer.generations)
     assert logged(trainer, "oblr/lr_scale") == [0.0, 0.0]  # no signal: G = 0
     assert logged(trainer, "oblr/skipped_fraction") == [1.0, 1.0]
+    assert logged(trainer, "oblr/noise_scale") == []  # no signal: unbounded, so not logged (never inf or NaN)
     assert "gradient was exactly 0" in caplog.text and "noise dominates" not in caplog.text
 
 

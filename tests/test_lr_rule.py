@@ -1,0 +1,126 @@
+"""The one lr rule (docs/how-it-works.md, "Choosing the learning rate"): eta_max = GRPO's lr / f, f = N / (N + B) the
+SNR step's factor at N prompts per step, B the gradient noise scale. Its figures are computed here from the results
+files (the lr window's 20-step runs and the prompts-per-step pools), and the docs' section, `learning_rate`'s help, the
+config's docstring and the default must quote the same ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+from trl import GRPOConfig
+
+from oblr_trl import OBLRPOConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SECTION = "## Choosing the learning rate"
+POOLS = {"one-digit sums": "prompts_per_step", "sums with two-digit terms": "prompts_per_step_two_digit"}
+
+
+def lr(value: float) -> str:
+    """1.5e-4, 3.33e-3: an lr as the docs write it."""
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+def factor(n: int, noise_scale: float) -> float:
+    return n / (n + noise_scale)
+
+
+def pool_noise_scales() -> dict[tuple[str, str], float]:
+    """(task, checkpoint) -> B = 1 / SNR of the pool's 128 groups (prompts)."""
+    out = {}
+    for task, name in POOLS.items():
+        for checkpoint, pool in json.loads((RESULTS / f"{name}.json").read_text())["pools"].items():
+            out[task, checkpoint] = 1 / pool["snr"]
+    return out
+
+
+def rule_figures() -> dict[str, str]:
+    """The figures the rule quotes, formatted as the docs write them, each computed from the results files."""
+    window = json.loads((RESULTS / "lr_window.json").read_text())["summaries"]
+    grpo, oblr = window["GRPO"], window["OBLR-PO"]
+    runs = [json.loads(p.read_text()) for p in sorted((RESULTS / "ablation_runs").glob("OBLR-PO_lr*_seed*.json"))]
+    best = [r for r in runs if r["lr"] == oblr["best_lr"] and r["steps"] == 20]
+    f_best = sum(r["mean_lr_scale"] for r in best) / len(best)
+    scales = pool_noise_scales().values()
+    at = {n: [factor(n, b) for b in scales] for n in (8, 128)}
+    grpo_default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["learning_rate"]
+    default = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}["learning_rate"]
+    return {
+        "grpo_best": lr(grpo["best_lr"]), "grpo_window": f"{lr(grpo['lo'])} to {lr(grpo['hi'])}",
+        "oblr_best": lr(oblr["best_lr"]), "oblr_window": f"{lr(oblr['lo'])} to {lr(oblr['hi'])}",
+        "ratio": f"{oblr['best_lr'] / grpo['best_lr']:.0f}x", "seeds": f"{len(best)} seeds",
+        "f_best": f"{f_best:.3f}", "applied": lr(round(oblr["best_lr"] * f_best, 5)),
+        "predicted": f"{lr(round(grpo['lo'] / f_best, 4))} to {lr(round(grpo['hi'] / f_best, 4))}",
+        "f_at_8": f"{min(at[8]):.2f}-{max(at[8]):.2f}", "f_at_128": f"{min(at[128]):.2f}-{max(at[128]):.2f}",
+        "eta_at_128": f"{1 / max(at[128]):.1f}-{1 / min(at[128]):.0f}x",
+        "default": lr(default), "grpo_default": lr(grpo_default), "f_default": f"{grpo_default / default:g}",
+    }
+
+
+def table_rows() -> list[str]:
+    """The section's table: per pool, B and f = N / (N + B) at 8, 64 and 128 prompts per step."""
+    names = {"start": "start", "step15": "after 15 steps"}
+    return [f"| {task}, {names[checkpoint]} | {b:.0f} | " + " | ".join(f"{factor(n, b):.2f}" for n in (8, 64, 128)) + " |"
+            for (task, checkpoint), b in pool_noise_scales().items()]
+
+
+def section() -> str:
+    text = (ROOT / "docs" / "how-it-works.md").read_text()
+    assert f"\n{SECTION}\n" in text, f"docs/how-it-works.md lost its heading {SECTION!r} (pages link to its anchor)"
+    return text.split(f"\n{SECTION}\n")[1].split("\n## ")[0]
+
+
+def help_text() -> str:
+    return {f.name: f for f in dataclasses.fields(OBLRPOConfig)}["learning_rate"].metadata["help"]
+
+
+def docstring() -> str:
+    return " ".join(OBLRPOConfig.__doc__.split("Parameters:")[0].split())
+
+
+def test_the_rule_s_figures_come_from_the_results_files():
+    figures = rule_figures()
+    assert figures["grpo_best"] == "1.5e-4" and figures["oblr_best"] == "3.33e-3" and figures["ratio"] == "22x"
+    f_best = float(figures["f_best"])
+    assert 0 < f_best < 1  # the best eta_max applied a fraction of itself ...
+    applied = float(figures["applied"])
+    lo, hi = (float(x) for x in figures["grpo_window"].split(" to "))
+    assert lo <= applied <= hi  # ... which landed inside GRPO's window: the rule's premise, measured
+
+
+@pytest.mark.parametrize("where", ["docs", "help", "docstring"])
+def test_the_docs_the_help_and_the_docstring_quote_the_rule_s_figures(where):
+    text = {"docs": section, "help": help_text, "docstring": docstring}[where]()
+    flat = " ".join(text.split())
+    figures = rule_figures()
+    needed = {"docs": list(figures), "help": ["oblr_best", "ratio", "grpo_best", "f_best", "f_at_8", "f_at_128",
+                                               "eta_at_128", "default", "grpo_default", "f_default"],
+              "docstring": ["f_at_8", "f_at_128", "default", "grpo_default", "f_default"]}[where]
+    missing = {k: figures[k] for k in needed if figures[k] not in flat}
+    assert not missing, f"{where} does not quote {missing}"
+    assert "oblr/lr_mean" in flat and "oblr/noise_scale" in flat  # the metrics that say whether the lr is right
+    if where == "docs":
+        missing_rows = [row for row in table_rows() if row not in text]
+        assert not missing_rows, f"the section's table differs from the results files: {missing_rows}"
+    assert "a few times" not in flat and "1e-3 on two tasks" not in flat  # the old recipes are gone
+
+
+def test_the_default_is_grpo_s_default_over_the_quoted_factor():
+    """The docs and the help say the default is GRPO's default / f; that is the default, and f lies in the range
+    measured at 8 prompts per step."""
+    figures = rule_figures()
+    default = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}["learning_rate"]
+    for text in (section(), help_text()):
+        flat = " ".join(text.split())
+        m = re.search(r"(\d[\de.-]*),? (?:is|=) GRPO's default (\d[\de.-]*) ?/ ?(?:f = )?([\d.]+)", flat)
+        assert m, flat[:300]
+        quoted, grpo_default, f = (float(x) for x in m.groups())
+        assert quoted == default == pytest.approx(grpo_default / f)
+        lo, hi = (float(x) for x in figures["f_at_8"].split("-"))
+        assert lo <= f <= hi
