@@ -208,9 +208,54 @@ def _python_blocks():
     return out
 
 
+SWAP_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # the swap snippet's model: the tests run the tiny model in its place
+
+
+def swap_snippet(path: Path) -> str:
+    return next(b for b in code_blocks(path, "python") if "OBLRPOTrainer(" in b and "trainer.train()" in b)
+
+
 def test_the_readme_and_the_quick_start_have_the_swap_snippet():
-    for path in [README, DOCS / "quickstart.md"]:
-        assert any("OBLRPOTrainer(" in b and "trainer.train()" in b for b in code_blocks(path, "python")), path
+    """The same block in both, with settings a GRPO user would run: at least 8 prompts per step, said in a comment;
+    the project's defaults called ours; an expected time on a named GPU."""
+    snippet = swap_snippet(README)
+    assert swap_snippet(DOCS / "quickstart.md") == snippet
+    args = dict(re.findall(r"^\s+(\w+)=([\w.\-]+),", snippet, re.M))
+    prompts = int(args["per_device_train_batch_size"]) * int(args["gradient_accumulation_steps"]) \
+        // int(args["num_generations"])  # TRL 1.16, one GPU
+    assert prompts >= 8 and f"= {prompts} prompts per step" in snippet
+    assert "paper defaults" not in snippet and "project defaults" in snippet
+    assert re.search(r"H100 80GB: about [\d.-]+ h \(estimated, not measured\)", snippet)
+
+
+def test_the_swap_snippets_reward_scores_deepmath_s_answer_format():
+    """The snippet's own reward function on rows written in `trl-lib/DeepMath-103K`'s format (a conversational
+    `prompt`, the final answer as bare LaTeX in `solution`; written here, not downloaded): a right `\\boxed{}` answer
+    scores 1 in every form of answer, a wrong one 0, and no row is skipped (None). TRL's `accuracy_reward` given the
+    bare solutions does not: math-verify parses `\\dfrac{1}{2}` as nothing and `2\\sqrt{2}` as 2."""
+    pytest.importorskip("math_verify")
+    from trl.rewards import accuracy_reward
+
+    source = re.search(r"^def math_reward\(.*?\n(?=\S)", swap_snippet(README), re.S | re.M).group(0)
+    namespace = {"accuracy_reward": accuracy_reward}
+    exec(source, namespace)
+    rows = [  # (the row's solution, a right completion, a wrong completion)
+        ("0", r"The cube roots differ by about 2/(3x^{2/3}), so the limit is \(\boxed{0}\).", r"\(\boxed{1}\)"),
+        (r"\dfrac{1}{2}", r"Hence the probability is $\boxed{\frac{1}{2}}$.", r"$\boxed{\frac{1}{3}}$"),
+        (r"2\sqrt{2}", r"The distance is \boxed{2\sqrt{2}}.", r"The distance is \boxed{2}."),
+        (r"e^{-2}", r"So the limit equals \boxed{\frac{1}{e^{2}}}.", r"\boxed{e^{2}}"),
+        (r"\infty", r"The series diverges: \boxed{\infty}", r"\boxed{0}"),
+        ("12", r"Counting the cases gives \boxed{12}.", r"\boxed{13}"),
+    ]
+    solutions = [s for s, _, _ in rows]
+
+    def completions(i):
+        return [[{"role": "assistant", "content": row[i]}] for row in rows]
+
+    assert namespace["math_reward"](completions(1), solutions) == [1.0] * len(rows)
+    assert namespace["math_reward"](completions(2), solutions) == [0.0] * len(rows)
+    bare = accuracy_reward(completions(1), solutions), accuracy_reward(completions(2), solutions)
+    assert bare != ([1.0] * len(rows), [0.0] * len(rows))  # why the snippet puts the solutions in $...$
 
 
 @pytest.fixture
@@ -226,7 +271,7 @@ def tiny_world(tmp_path, monkeypatch):
     model_dir = tmp_path / "tiny-model"
     build_model(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    rows = [{"prompt": [{"role": "user", "content": f"{i} + {i}"}], "solution": str(2 * i)} for i in range(4)]
+    rows = [{"prompt": [{"role": "user", "content": f"{i} + {i}"}], "solution": str(2 * i)} for i in range(16)]
 
     def load_dataset(name, split=None, **kwargs):
         assert name == "trl-lib/DeepMath-103K" and split == "train"
@@ -253,8 +298,8 @@ def tiny_world(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("page, block", _python_blocks())
 def test_the_python_blocks_of_the_readme_and_the_docs_run_on_the_tiny_model(page, block, tiny_world):
-    if "Qwen/Qwen3-0.6B" in block:
-        block = block.replace('"Qwen/Qwen3-0.6B"', repr(tiny_world["model_dir"]))
+    if SWAP_MODEL in block:
+        block = block.replace(repr(SWAP_MODEL).replace("'", '"'), repr(tiny_world["model_dir"]))
     namespace = {k: v for k, v in tiny_world.items() if k != "model_dir"}
     exec(compile(block, f"<{page}>", "exec"), namespace)
     if "trainer" in namespace:  # the swap trained its one step, with OBLR-PO's metrics
