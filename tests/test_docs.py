@@ -363,6 +363,6 @@ def test_the_docs_site_builds_strictly(tmp_path):
     assert (tmp_path / "site" / "figures" / "lr_window.png").exists()
     assert "per_sequence_grad_sq_norms" in (tmp_path / "site" / "api.html").read_text()
     evidence = (tmp_path / "site" / "evidence.html").read_text()
-    assert 'src="figures/lr_window.png"' in evidence and "../benchmarks/results" not in evidence
+    assert 'src="figures/lr_window.png"' in evidence and 'src="../benchmarks/results' not in evidence
     index = (tmp_path / "site" / "index.html").read_text()  # plain .html links: it navigates from file://
     assert 'href="quickstart.html"' in index and (tmp_path / "site" / "search" / "search_index.js").exists()

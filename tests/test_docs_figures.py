@@ -1,0 +1,154 @@
+"""The pages speak to users, and quote the results files: every figure a page quotes from a results file is checked
+here against that file (or generated from it, `benchmarks/update_readme.py`), the newest measurement of a thing with
+its device and date; and no page carries issue numbers or the words of the workshop that made the package."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+
+
+def read(path: Path) -> str:
+    return " ".join(path.read_text().split())  # wrapped lines joined: a figure may straddle a line break
+
+
+def span(values, fmt: str = ".1f") -> str:
+    low, high = min(values), max(values)
+    return f"{low:{fmt}}-{high:{fmt}}"
+
+
+# ------------------------------------------------------------------------------------------- words for users
+# The pages speak of the product to its users: no issue numbers, nor the words of the workshop that made it (who ran
+# what, on which borrowed machine, beside which other jobs, with how much time left). History is the CHANGELOG's.
+WORKSHOP_WORDS = re.compile(
+    r"\bissues? #?\d+|\bissue's\b|\blent\b|\bthe lead\b|\bsessions?\b|carry=|\btime (was )?left\b|\bhad left\b"
+    r"|\bother (jobs?|agents?)\b|\bbusy (2-core |CPU )?(machine|cores)|\bloaded (2-core )?machine\b|\bsandbox\b"
+    r"|\bquiet (2-core )?machine\b|\bshared with other\b|\bhelper (sessions?|agents?)\b", re.I)
+
+
+def user_pages() -> list[Path]:
+    """README.md, the docs' pages (the changelog page aside: it is the CHANGELOG) and the benchmarks' study pages."""
+    return [README, *(p for p in sorted(DOCS.glob("*.md")) if p.name != "changelog.md"),
+            *sorted((ROOT / "benchmarks").glob("*.md"))]
+
+
+def test_the_pages_speak_to_users_without_issue_numbers_or_workshop_words():
+    found = [f"{path.relative_to(ROOT)}:{i}: {m.group(0)!r}" for path in user_pages()
+             for i, line in enumerate(path.read_text().splitlines(), 1) for m in WORKSHOP_WORDS.finditer(line)]
+    assert found == [], "words for us, not for users (say it for a user, or move the history to CHANGELOG.md):\n" + \
+        "\n".join(found)
+
+
+@pytest.mark.parametrize("text", ["see issue 58", "Issue 49's rule", "on a lent GPU", 'with carry=[".whl"]',
+                                  "the lead measured", "this session had left", "beside other jobs",
+                                  "on the 2-core sandbox", "2 busy CPU cores"])
+def test_the_words_test_catches_workshop_words(text):
+    assert WORKSHOP_WORDS.search(text)
+
+
+@pytest.mark.parametrize("text", ["the demo's helpers", "a 2-core CPU at load average 5", "on this task",
+                                  "the issue tracker", "lentils, relentless"])
+def test_the_words_test_leaves_plain_words_alone(text):
+    assert not WORKSHOP_WORDS.search(text)
+
+
+# ------------------------------------------------------------------------------------------- the GPU's cost
+def gpu_run() -> dict:
+    return json.loads((RESULTS / "bench_gpu_nvidia_h100_80gb_hbm3.json").read_text())
+
+
+def gpu_update_ratios() -> tuple[list[float], list[float], float]:
+    """The newest GPU run (an H100, 2026-11-27): the default's update time against GRPO's on every row that ran it
+    (the memory-tight row aside: its own figure), on those under checkpointing, and the whole RL step's ratio."""
+    run = gpu_run()
+    rows = [r for r in run["update"] if r["kind"] != "tight" and "auto" in r["modes"] and "grpo" in r["modes"]]
+    ratio = [r["modes"]["auto"]["seconds"] / r["modes"]["grpo"]["seconds"] for r in rows]
+    step = run["rl"]["modes"]
+    return ratio, [x for x, r in zip(ratio, rows) if r["ckpt"]], step["auto"]["seconds"] / step["grpo"]["seconds"]
+
+
+def test_the_gpu_cost_quoted_on_the_front_pages_is_the_newest_run():
+    every, ckpt, step = gpu_update_ratios()
+    quoted = f"{span(every)}x GRPO's ({span(ckpt)}x"
+    assert gpu_run()["machine"]["date"].startswith("2026-11-27")
+    for path in [README, DOCS / "evidence.md"]:
+        text = read(path)
+        assert f"{span(every)}x" in text and f"{span(ckpt)}x" in text and f"{step:.2f}x" in text, path.name
+        assert "H100" in text and "2026-11-27" in text, path.name
+        assert "1.2-2.5x" not in text, f"{path.name}: the older H200 run's range"
+    assert quoted in read(README)
+    assert f"update {span(every)}x GRPO's time on an H100" in read(DOCS / "index.md")
+
+
+# ------------------------------------------------------------------------------------------- the counted cost
+def counted_summary():
+    spec = importlib.util.spec_from_file_location("cost_counts_for_docs", ROOT / "benchmarks" / "cost_counts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    res = json.loads((RESULTS / "cost_counts_full.json").read_text())
+    verdicts, whole = [], []
+    for r in res["rows"]:
+        v, x = r["modes"]["auto_gpu"], module.ratios(r, "auto_gpu")
+        verdicts.append(module.verdict(r, "auto_gpu", v["ran"], *x))
+        if v["ran"] == f"one_backward/{r['batch']}":
+            whole.append((x, verdicts[-1]))
+    return verdicts, whole
+
+
+def test_performance_quotes_the_full_count_as_its_results_file_has_it():
+    verdicts, whole = counted_summary()
+    text = read(DOCS / "performance.md")
+    assert f"meets every target in {verdicts.count('yes')} of {len(verdicts)}" in text
+    assert f"{verdicts.count('yes')} of {len(verdicts)} configurations" in read(RESULTS / "cost_counts_full.md") or \
+        f"| auto_gpu | {verdicts.count('yes')} of {len(verdicts)} |" in (RESULTS / "cost_counts_full.md").read_text()
+    met = sum(v == "yes" for _, v in whole)
+    assert f"runs `one_backward` whole in {len(whole)} of them" in text and f"{met} of the {len(whole)} meet" in text
+    assert f"{span([x[0] for x, _ in whole], '.2f')}x GRPO's FLOPs" in text
+    assert f"{span([x[2] for x, _ in whole], '.2f')}x its operator calls" in text
+    missed = [x[1] for x, v in whole if v != "yes"]
+    assert f"The other {len(missed)} miss the bytes target" in text
+    assert f"{min(missed):.1f}-{max(missed):.1f}x GRPO's peak bytes" in text
+    assert "every one within the targets" not in text
+
+
+# ------------------------------------------------------------------------------------------- the demo
+def test_make_demo_s_time_is_the_newest_measurement_everywhere():
+    demos = read(DOCS / "demos.md")
+    assert "`make demo` from a fresh checkout took **11.8 min**" in demos and "2026-11-27" in demos
+    for path in [README, DOCS / "quickstart.md", ROOT / "Makefile"]:
+        text = read(path)
+        assert "11.8 min" in text and "2026-11-27" in text, path.name
+        assert not re.search(r"(about|~) ?10 min", text), f"{path.name}: an older estimate of make demo's time"
+
+
+def test_the_lr_scale_means_on_logged_metrics_are_the_demo_seeds():
+    row = next(line for line in (DOCS / "metrics.md").read_text().splitlines()
+               if line.startswith("| `oblr/lr_scale_mean` |"))
+    for name in ("demo_seeds_smollm2", "demo_seeds"):
+        runs = json.loads((RESULTS / f"{name}.json").read_text())["runs"]
+        assert span([r["mean_lr_scale"] for r in runs], ".2f") in row, name
+    snr = [r["mean_snr"] for r in json.loads((RESULTS / "demo_seeds_smollm2.json").read_text())["runs"]]
+    assert f"{min(snr):.2f}-{max(snr):.2f}" in (DOCS / "metrics.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------- the paper on Home
+def test_home_summarises_the_paper_with_its_authors_link_and_our_verdict():
+    from oblr_trl.card import PAPER
+
+    home = read(DOCS / "index.md")
+    authors = re.search(r"author\s*=\s*\{([^}]*)\}", PAPER["citation"]).group(1).split(" and ")
+    assert "## The paper" in (DOCS / "index.md").read_text()
+    assert ", ".join(authors[:-1]) + " and " + authors[-1] in home
+    assert "https://arxiv.org/abs/2511.23310" in home and "**The claim.**" in home
+    verdict = re.search(r"\*\*Our verdict\.\*\*(.*?)(?: - |\n|## )", home + "\n").group(1)
+    assert "beat GRPO at its best learning rate" in verdict and "8 prompts" in verdict
+    assert "beat GRPO at its best" in read(DOCS / "evidence.md")  # the same verdict as Evidence's
