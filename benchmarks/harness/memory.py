@@ -66,3 +66,12 @@ def peak_rss():
     else:
         out.update(peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base,
                    method="ru_maxrss above RSS")
+
+
+def wait_peak_gb(pid: int) -> tuple[int, float]:
+    """Wait for the child process `pid` to end: (its exit code, its peak RSS in GB, wait4's ``ru_maxrss``: that
+    process's own, read by the operating system, not sampled)."""
+    import os
+
+    _, status, usage = os.wait4(pid, 0)
+    return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 2**20
