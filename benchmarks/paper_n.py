@@ -43,8 +43,8 @@ PILOTS = {
 GROUP = 8
 
 
-def run_logged(cmd: list[str], env: dict, log_path: Path) -> tuple[int, float]:
-    """Run `cmd` to its end, its output into `log_path`: (exit code, peak RSS in GB)."""
+def run_logged(cmd: list[str], env: dict, log_path: Path) -> tuple[int, float, float]:
+    """Run `cmd` to its end, its output into `log_path`: (exit code, peak RSS in GB, CPU seconds)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         return wait_peak_gb(proc.pid)
@@ -63,7 +63,7 @@ def run_pilot(name: str, records: Path, work: Path) -> dict:
     out = work / "pilot" / name
     out.mkdir(parents=True, exist_ok=True)
     cmd, env = demo_command(0, out, pilot_argv(model, arm, prompts, steps, extra))
-    code, peak_gb = run_logged(cmd, env, out / "log.txt")
+    code, peak_gb, cpu_s = run_logged(cmd, env, out / "log.txt")
     if code != 0:
         raise SystemExit(f"paper_n: pilot {name} failed; see {out / 'log.txt'}")
     summary = json.loads((out / "summary.json").read_text())
@@ -72,7 +72,7 @@ def run_pilot(name: str, records: Path, work: Path) -> dict:
                   micro_batch=summary["micro_batch"], torch_threads=summary["torch_threads"],
                   seconds_per_step=summary["seconds_per_step"], model_seconds=summary["model_seconds"],
                   eval_seconds=round(summary["seconds"] - summary["model_seconds"] - train_s, 1),
-                  seconds=summary["seconds"], peak_rss_gb=round(peak_gb, 2),
+                  seconds=summary["seconds"], peak_rss_gb=round(peak_gb, 2), cpu_seconds=round(cpu_s, 1),
                   mean_lr_scale=summary.get("mean_lr_scale"), num_eval=summary["num_eval"],
                   accuracy_after=summary["accuracy_after"], learning_rate=summary["learning_rate"],
                   command=shlex.join(["python", "examples/demo.py", *cmd[2:]]).replace(str(ROOT) + "/", ""),
@@ -141,24 +141,27 @@ def run_one(args, arm: str, lr: float, seed: int, out: Path) -> int:
     if before:
         cmd += ["--before_from", str(before[0])]
     out.mkdir(parents=True, exist_ok=True)
-    code, peak_gb = run_logged(cmd, env, out / "log.txt")
+    code, peak_gb, cpu_s = run_logged(cmd, env, out / "log.txt")
     if code == 0:
-        write_peak(out, peak_gb, 0, method="the run's process, at its end (wait4)")
+        write_peak(out, peak_gb, 0, method="the run's process, at its end (wait4)", cpu_seconds=round(cpu_s, 1))
     return code
 
 
 def run_all(args) -> None:
     """Run what `pending` lists, one at a time, recording each finished run; a run expected to end after
     ``--finish_by`` (``--minutes_per_run``) is not launched."""
-    log, failed = RunnerLog(args.run_dir), set()
+    log, failed, expected_s = RunnerLog(args.run_dir), set(), 60 * args.minutes_per_run
     deadline = stop_time(args.finish_by)
     while todo := pending(args, failed):
         arm, lr, seed, out = todo[0]
-        if deadline and time.time() + 60 * args.minutes_per_run > deadline:
-            log(f"stopping: {len(todo)} runs left, the next would not end by --finish_by {args.finish_by} UTC")
+        if deadline and time.time() + expected_s > deadline:
+            log(f"stopping: {len(todo)} runs left, the next ({expected_s / 60:.0f} min, the longest run so far) would "
+                f"not end by --finish_by {args.finish_by} UTC")
             return
         log(f"launched {arm} lr={lr:.3g} seed={seed}")
+        start = time.time()
         code = run_one(args, arm, lr, seed, out)
+        expected_s = max(expected_s, time.time() - start)
         if code:
             failed.add(out)
         log(f"finished {arm} lr={lr:.3g} seed={seed} rc={code}")
@@ -182,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", nargs="+", default=PAPER_ARMS, choices=PAPER_ARMS,
                    help="the first two run (grid, then seeds) before the others")
     p.add_argument("--prompts", type=int, default=128, help="prompts per optimizer step (N)")
-    p.add_argument("--steps", type=int, default=15, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=8,
+                   help="optimizer steps per run (8: what fitted the CPU time at the pilot's step, benchmarks/paper_n.md)")
     p.add_argument("--grpo_lr", type=float, default=1e-4,
                    help="GRPO's best lr at N = 8 on the tiny policy (compare_5seeds.md: 1e-4 over 1e-3)")
     p.add_argument("--factor", type=float, default=None,
