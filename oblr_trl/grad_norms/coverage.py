@@ -46,15 +46,17 @@ from . import head_transform
 from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names  # noqa: F401
 from . import oracle
 from .lm import unwrap_causal_lm, unwrap_distributed
-from .quantized import backward_gaps, keep_differentiable, quantized
+from .quantized import LOST_SCALES, backward_gaps, lost_scales, quantized, restore, warn_undone
 from .plan import plan_of
-from .support import Unsupported, UnsupportedModulesError, unsupported_modules
+from .support import ADVICE, Unsupported, UnsupportedModulesError, unsupported_modules
 
 logger = logging.getLogger(__name__)
 
 RTOL = 1e-4  # the promise, per parameter and in total (a half-precision model is upcast, see ledger.float32_mode)
 FLOOR = 1e-3  # of RTOL, relative to the whole gradient: parameters whose own gradient is nearly 0
 NATIVE_HALF_RTOL = 0.2  # where it cannot be upcast (quantized weights): only what is missing or misattributed shows
+LOST_SCALES_ADVICE = ("Reload the model and construct the trainer before any generate() or evaluation on it (from "
+                      "then on the repacking is switched off), or import oblr_trl before the first generation.")
 
 
 PAIR_CHUNK = 1 << 22  # elements of one parameter compared at a time, in float64 (bounds the probe's temporaries)
@@ -236,8 +238,28 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
     one forward and backward of that batch, twice). Returns every unsupported module (empty when all are covered);
     with ``strict=True`` raises :class:`~.support.UnsupportedModulesError` listing all of them at once, with advice
     that works.
+
+    The model is changed only where it passes, and only to make it trainable: bitsandbytes' CPU repacking switched
+    off and undone exactly (:func:`~.quantized.restore`). A refused model is left bit for bit as it came.
     """
-    keep_differentiable(unwrap_causal_lm(model))  # bitsandbytes' CPU kernels without a backward: switched back
+    lm = unwrap_causal_lm(model)
+    lost = lost_scales(lm)  # bitsandbytes' CPU repacking that cannot be undone exactly: refused before any change
+    if lost:
+        found = [Unsupported(name, "Linear4bit", LOST_SCALES) for name in lost]
+    else:
+        restored = restore(lm)  # bitsandbytes' CPU kernels without a backward: switched back, exactly
+        found = _checked(model, run_probe)
+        if found:
+            restored.revert()
+        else:
+            warn_undone(restored.undone)
+    if found and strict:
+        raise UnsupportedModulesError(found, advice=LOST_SCALES_ADVICE if lost else ADVICE)
+    return found
+
+
+def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
+    """:func:`validate`'s checks on a model in its trainable layout: by module type, the head, then the probe."""
     try:
         found = unsupported_modules(model)
         found = found or head_transform.check(model)
@@ -250,6 +272,4 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
         found = probe(model)
         if not found:
             plan_of(model).probed = trainable_names(unwrap_causal_lm(model))
-    if found and strict:
-        raise UnsupportedModulesError(found)
     return found

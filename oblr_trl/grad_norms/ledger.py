@@ -11,7 +11,7 @@ from torch import nn
 
 from .lm import backbone_of, output_head, unwrap_causal_lm
 from .plan import plan_of
-from .quantized import compute_dtype, quantized
+from .quantized import compute_dtype, packed, quantized
 
 PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
 
@@ -72,15 +72,16 @@ def float32_mode(lm: nn.Module, dtype: torch.dtype = torch.float32):
     and buffer put back in its own dtype after (a bf16/fp16/float32 value is exact in a wider type, so nothing
     changes). In half precision the reference itself is too coarse to judge by: bf16 logits of a 49k vocabulary are
     spaced 0.125 apart near 20, which moves each sequence's gradient by tens of percent. A quantized model (weights
-    stored 4- or 8-bit) keeps those weights: its floating parameters (the adapters, norms, biases) and buffers are
-    upcast, and layers with their own compute dtype (bitsandbytes' 4-bit) compute in float32; it cannot run in float64
-    (the dequantizing kernels have no float64). Yields whether the model runs in ``dtype``."""
+    stored 4- or 8-bit, whatever the storage dtype: :func:`~.quantized.packed`) keeps those weights: its floating
+    parameters (the adapters, norms, biases) and buffers are upcast, and layers with their own compute dtype
+    (bitsandbytes' 4-bit) compute in float32; it cannot run in float64 (the dequantizing kernels have no float64).
+    Yields whether the model runs in ``dtype``."""
     tensors = list(lm.parameters()) + list(lm.buffers())
     wide = (torch.float32, torch.float64) if dtype == torch.float32 else (torch.float64,)
     if quantized(lm) and dtype != torch.float32:
         yield False
         return
-    dtypes = [(t, t.dtype) for t in tensors if t.is_floating_point() and t.dtype not in wide]
+    dtypes = [(t, t.dtype) for t in tensors if not packed(t) and t.dtype not in wide]  # codes stay as stored
     try:
         for t, _ in dtypes:
             t.data = t.data.to(dtype)
