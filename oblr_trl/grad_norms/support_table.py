@@ -50,7 +50,7 @@ def family_row(family: str, make=build) -> list[str]:
         for c in coverage_plan(lm).covered:
             name = type(c.module).__name__
             if c.how == "routed":  # an expert bank by its routed tokens, or a router by its logits
-                name += " (routed tokens)" if c.rule.name == "expert_bank" else " (logits)"
+                name += " (routed tokens)" if c.rule.name in ("expert_bank", "lora_expert_bank") else " (logits)"
             if c.borrowed:  # parameters of descendants it uses functionally
                 name += f" (with {', '.join(sorted({n.rpartition('.')[0] for n in c.borrowed}))})"
             layers[c.how].add(name)

@@ -96,9 +96,9 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 
 
 _ATTENTION = ["q_proj", "k_proj", "v_proj"]
-# PEFT adapters, on Qwen3's tiny model: name -> (family, peft config class, its arguments). Non-zero initial weights,
-# so that every adapter parameter has a gradient. The test zoo (tests/grad_norms/test_peft.py) and the support table
-# read this list.
+# PEFT adapters, on Qwen3's tiny model (or an MoE one): name -> (family, peft config class, its arguments). Non-zero
+# initial weights, so that every adapter parameter has a gradient. The test zoo (tests/grad_norms/test_peft.py) and the
+# support table read this list.
 ADAPTERS: dict[str, tuple[str, str, dict]] = {
     "LoRA (with embed_tokens)": ("Qwen3", "LoraConfig",
                                  dict(r=4, target_modules=["embed_tokens", "q_proj", "down_proj"],
@@ -110,6 +110,12 @@ ADAPTERS: dict[str, tuple[str, str, dict]] = {
     "LoKr": ("Qwen3", "LoKrConfig", dict(r=4, target_modules=_ATTENTION, init_weights=False)),
     "IA3": ("Qwen3", "IA3Config", dict(target_modules=[*_ATTENTION, "down_proj"], feedforward_modules=["down_proj"],
                                        init_ia3_weights=False)),
+    # LoRA on the fused expert banks (PEFT's ParamWrapper): the gpt-oss recipe, and all-linear on an MoE model
+    "LoRA (expert banks, target_parameters)": ("GPT-OSS", "LoraConfig", dict(
+        r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False)),
+    "LoRA (all-linear, MoE)": ("Qwen3-MoE", "LoraConfig", dict(r=4, target_modules="all-linear",
+                                                             init_lora_weights=False)),
 }
 
 
