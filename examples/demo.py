@@ -560,6 +560,7 @@ def main(args):
         "seconds": round(time.time() - start, 1),
     }
     plots = plot_training(history, args.output_dir, title=f"{method} on {model_name}, {args.task}",
+                          max_completion_length=config.max_completion_length,
                           accuracy={"accuracy (exact), greedy": (accuracy_before, accuracy_after),
                                     f"accuracy (exact), sampled (T=1, {args.eval_samples} each)": (
                                         before["sampled_accuracy_before"], after["sampled_accuracy_after"])}

@@ -82,3 +82,59 @@ def test_plot_with_none_rewards_accuracy_and_labels(tmp_path):
 
 def test_plot_empty_history(tmp_path):
     assert plot_training([], tmp_path) == [str(tmp_path / "training_curves.png")]
+
+
+def _demo_like_history():
+    """15 steps as the SmolLM2 demo logs them: steps 9 and 13 with every group's rewards equal (scale 0), every
+    completion cut at the 8-token cap from step 6."""
+    return [{"step": s, "reward": 0.3 + 0.03 * s, "frac_reward_zero_std": 1.0 if s in (9, 13) else 0.5,
+             "oblr/lr_scale": 0.0 if s in (9, 13) else 0.2, "oblr/lr": 0.0 if s in (9, 13) else 2e-4,
+             "learning_rate": 1e-3, "oblr/snr": 0.03, "oblr/baseline_mean": 0.3, "oblr/reward_mean": 0.3 + 0.03 * s,
+             "completions/mean_length": 8.0 if s >= 6 else 7.8, "completions/max_length": 8.0,
+             "completions/clipped_ratio": 1.0 if s >= 6 else 0.7} for s in range(1, 16)]
+
+
+def _drawn_axes(history, tmp_path, **kw):
+    from matplotlib.figure import Figure
+
+    captured, original = [], Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        captured.append(self)
+        return original(self, *args, **kwargs)
+
+    Figure.savefig = spy
+    try:
+        plot_training(history, tmp_path, **kw)
+    finally:
+        Figure.savefig = original
+    return captured[0].axes
+
+
+def test_skipped_steps_and_the_length_cap_are_read_from_the_log():
+    from oblr_trl.plotting import length_cap, skipped_steps
+
+    history = _demo_like_history()
+    assert skipped_steps(history) == ([9, 13], [])
+    assert length_cap(history) == (8.0, 6)
+    history[-1]["completions/clipped_ratio"] = 0.5  # the last step's completions not all cut: no "from step"
+    assert length_cap(history) == (8.0, None)
+    assert skipped_steps([{"step": 1, "oblr/lr_scale": 0.0}]) == ([], [1])  # scale 0 for another reason
+    assert length_cap([{"step": 1, "completions/mean_length": 5.0}]) == (None, None)
+
+
+def test_the_figure_labels_skipped_steps_and_the_cap_and_keeps_legends_off_the_curves(tmp_path):
+    axes = _drawn_axes(_demo_like_history(), tmp_path, accuracy={"greedy": (0.5, 0.69)}, max_completion_length=8)
+    reward, scale, length = axes[0], axes[1], axes[5]
+    for ax in (reward, scale):  # the steps with no signal, shaded and labelled
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "update skipped:\nevery group's rewards equal" in labels
+        assert len(ax.patches) == 2  # steps 9 and 13
+    cap = [line for line in length.get_lines() if line.get_label().startswith("cap: max_completion_length = 8")]
+    assert cap and list(cap[0].get_ydata()) == [8, 8]
+    assert any("from step 6 every completion" in t.get_text() and "not the policy" in t.get_text() for t in length.texts)
+    for ax in axes:  # every legend lies below its panel, so none covers a curve
+        legend = ax.get_legend()
+        if legend is not None:
+            anchor = legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted())
+            assert anchor.y0 < 0, ax.get_title()
