@@ -262,6 +262,14 @@ class _Pass:
                                    self_done=self.self_done, presummed=self.presummed)
 
 
+REENTRANT_ADVICE = (
+    "Per-sequence gradient norms need non-reentrant gradient checkpointing. A model prepared by "
+    "peft.prepare_model_for_kbit_training has reentrant checkpointing on (its default): prepare it with "
+    "prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={'use_reentrant': False}). Otherwise set "
+    "gradient_checkpointing_kwargs={'use_reentrant': False} in the trainer's config, or call "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}).")
+
+
 def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
                        inputs_with_grad: list[torch.Tensor], backbone: nn.Module,
                        borrowed: dict[nn.Module, tuple[str, ...]], retain_graph: bool = False) -> None:
@@ -284,8 +292,7 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
         raise UnsupportedModulesError(
             [Unsupported("", type(backbone).__name__, "it runs under reentrant gradient checkpointing, which the "
                          "per-sequence gradient pass cannot go through")],
-            advice="Per-sequence gradient norms need non-reentrant gradient checkpointing: set "
-                   "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's and transformers' default).",
+            advice=REENTRANT_ADVICE,
         ) from error
 
 
