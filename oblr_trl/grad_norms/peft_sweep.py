@@ -1,7 +1,8 @@
 """Every tuner type PEFT registers, on tiny Llama and Qwen3 models (tied and untied embeddings): exact against
 per-row autograd, refused by name, or not applicable to a causal LM trained by GRPOTrainer (with the reason), never
-silently wrong. ``tests/grad_norms/test_peft_sweep.py`` runs it and checks the committed table against it;
-``python -m oblr_trl.grad_norms.peft_sweep`` writes that table (``benchmarks/results/peft_sweep.{md,json}``).
+silently wrong; and LoRA on the expert banks of tiny MoE models (:func:`moe_sweep`: ``target_parameters`` and
+``all-linear`` on Qwen3-MoE, GPT-OSS and Mixtral). ``tests/grad_norms/test_peft_sweep.py`` runs it and checks the
+committed table against it; ``python -m oblr_trl.grad_norms.peft_sweep`` writes that table (``benchmarks/results/peft_sweep.{md,json}``).
 
 The types come from PEFT's own registry (``peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING``), so a new PEFT release shows up
 here as a new row, tried with its defaults, rather than as a user's bug. :data:`SIZED` holds the arguments a type needs
@@ -95,9 +96,9 @@ def _batch():
     return ids, attention, completion_mask
 
 
-def verdict(peft_type: str, family: str, tie: bool) -> Verdict:
-    """One case: build the adapter (or say why it does not apply), validate it, and compare its norms with per-row
-    autograd's when validate passes."""
+def verdict(peft_type: str, family: str, tie: bool, make=None) -> Verdict:
+    """One case: build the adapter (or say why it does not apply; ``make()``: the adapted model, in place of the
+    type's defaults), validate it, and compare its norms with per-row autograd's when validate passes."""
     from . import UnsupportedModulesError, per_sequence_grad_sq_norms, validate
     from .oracle import per_row_sq_norms
 
@@ -105,7 +106,7 @@ def verdict(peft_type: str, family: str, tie: bool) -> Verdict:
         return Verdict("not applicable", NOT_FOR_GRPO[peft_type])
     ids, attention, completion_mask = _batch()
     try:
-        model = _adapted(peft_type, family, tie)
+        model = _adapted(peft_type, family, tie) if make is None else make()
         model.eval()
         reference = per_row_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     except Exception as error:  # PEFT cannot build it for this model, or its own forward fails
@@ -161,23 +162,73 @@ def table(results: dict[str, dict[str, Verdict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_json(results: dict[str, dict[str, Verdict]]) -> dict:
+def to_json(results: dict[str, dict[str, Verdict]], moe: dict[str, dict[str, Verdict]] | None = None) -> dict:
     import peft
 
-    return {"peft_version": peft.__version__,
-            "types": {t: {c: asdict(v) for c, v in row.items()} for t, row in results.items()}}
+    out = {"peft_version": peft.__version__,
+           "types": {t: {c: asdict(v) for c, v in row.items()} for t, row in results.items()}}
+    if moe is not None:
+        out["moe_experts"] = {t: {c: asdict(v) for c, v in row.items()} for t, row in moe.items()}
+    return out
+
+
+# LoRA on the fused MoE expert banks (3-D parameters, which PEFT adapts with its ParamWrapper), on tiny MoE models
+MOE_FAMILIES = ("Qwen3-MoE", "GPT-OSS", "Mixtral")
+MOE_TARGETS: Mapping[str, dict] = MappingProxyType({
+    "LORA, target_parameters (expert banks)": dict(
+        target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "LORA, target_modules='all-linear'": dict(target_modules="all-linear"),
+})
+
+
+def _moe_adapted(setup: str, family: str, tie: bool):
+    import peft
+
+    from .zoo import build
+
+    torch.manual_seed(0)  # init_lora_weights=False: A and B both drawn, so every factor has a gradient
+    return peft.get_peft_model(build(family, tie), peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8,
+                                                                   init_lora_weights=False, **MOE_TARGETS[setup]))
+
+
+def moe_sweep() -> dict[str, dict[str, Verdict]]:
+    """``{setup: {'Qwen3-MoE, tied': verdict, ...}}`` for LoRA on the MoE models' expert banks (:data:`MOE_TARGETS`)."""
+    return {setup: {_column(f, tie): verdict("LORA", f, tie, make=lambda s=setup, f=f, t=tie: _moe_adapted(s, f, t))
+                    for f in MOE_FAMILIES for tie in TIES} for setup in MOE_TARGETS}
+
+
+def moe_table(moe: dict[str, dict[str, Verdict]]) -> str:
+    """The markdown section of :func:`moe_sweep`: one row per setup, one column per model."""
+    import peft
+
+    columns = [_column(f, tie) for f in MOE_FAMILIES for tie in TIES]
+    lines = ["## LoRA on MoE expert banks", "",
+             "LoRA on the fused expert banks (3-D `gate_up_proj` and `down_proj`, adapted by PEFT's `ParamWrapper`) of "
+             "tiny random Qwen3-MoE, GPT-OSS and Mixtral models (hidden 32, 2 layers, 4 experts, 2 per token), tied and "
+             f"untied embeddings, with PEFT {peft.__version__}: `target_parameters` on both banks, and "
+             "`target_modules='all-linear'`, which PEFT turns into the same bank targets plus LoRA on the router for "
+             "Qwen3-MoE and Mixtral; on GPT-OSS it reaches the attention projections only. Exact as above.", "",
+             "| setup | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [f"| {setup} | " + " | ".join(row[c].cell().replace("|", "/") for c in columns) + " |"
+              for setup, row in moe.items()]
+    return "\n".join(lines) + "\n"
+
+
+def document(results: dict[str, dict[str, Verdict]], moe: dict[str, dict[str, Verdict]]) -> str:
+    """The committed page: every registered type's table, then LoRA on MoE expert banks."""
+    return table(results) + "\n" + moe_table(moe)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "peft_sweep"))
     args = parser.parse_args(argv)
-    results = sweep()
+    results, moe = sweep(), moe_sweep()
     with open(args.out + ".json", "w") as f:
-        json.dump(to_json(results), f, indent=1)
+        json.dump(to_json(results, moe), f, indent=1)
     with open(args.out + ".md", "w") as f:
-        f.write(table(results))
-    print(table(results))
+        f.write(document(results, moe))
+    print(document(results, moe))
     return 0
 
 

@@ -18,6 +18,19 @@ def results():
     return peft_sweep.sweep()
 
 
+@pytest.fixture(scope="module")
+def moe():
+    return peft_sweep.moe_sweep()
+
+
+def test_lora_on_moe_expert_banks_is_exact(moe):
+    """target_parameters on the expert banks (the gpt-oss recipe) and all-linear, on Qwen3-MoE, GPT-OSS and Mixtral,
+    tied and untied (before: the banks' wrappers were refused)."""
+    assert list(moe) == list(peft_sweep.MOE_TARGETS)
+    assert {v.status for row in moe.values() for v in row.values()} == {"exact"}, moe
+    assert all(len(row) == len(peft_sweep.MOE_FAMILIES) * len(peft_sweep.TIES) for row in moe.values())
+
+
 def test_every_registered_type_is_swept_on_every_model(results):
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
@@ -44,13 +57,13 @@ def test_the_adapters_users_train_are_exact(results):
         assert {v.status for v in results[name].values()} == {"exact"}, (name, results[name])
 
 
-def test_the_committed_table_is_this_sweeps(results):
+def test_the_committed_table_is_this_sweeps(results, moe):
     """Regenerate with ``python -m oblr_trl.grad_norms.peft_sweep`` when this fails for a new PEFT release."""
     with open(RESULTS + ".json") as f:
         committed = json.load(f)
     if committed.get("peft_version") != peft.__version__:
         pytest.skip(f"the table is of PEFT {committed.get('peft_version')}, this is {peft.__version__}: "
                     "the sweep above still checks every type")
-    assert committed == peft_sweep.to_json(results)
+    assert committed == peft_sweep.to_json(results, moe)
     with open(RESULTS + ".md") as f:
-        assert f.read() == peft_sweep.table(results)
+        assert f.read() == peft_sweep.document(results, moe)
