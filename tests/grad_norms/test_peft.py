@@ -81,3 +81,27 @@ def test_a_trainable_parameter_outside_the_causal_lm_is_checked_not_skipped():
     finally:
         soft_prompt.soft_prompt_model = original
     assert [f.name for f in found] == ["prompt_encoder.default.embedding"]
+
+
+def test_trainable_tokens_on_tied_embeddings_are_refused_with_the_reason_and_the_advice_works():
+    """trainable_token_indices with tied embeddings puts the trained rows in the LM head too, which the pass forms
+    only for an nn.Linear head: refused saying so (it said "the LM head must be an nn.Linear"), the model unchanged;
+    the advice (LoRA on the embedding) is exact on the same tied model."""
+    from oblr_trl.grad_norms.fingerprint import differences, fingerprint
+    from oblr_trl.grad_norms.support import UnsupportedModulesError
+    from oblr_trl.grad_norms.zoo import build
+
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(build("Llama", True), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                    trainable_token_indices=[1, 2, 3]))
+    before = fingerprint(model)
+    with pytest.raises(UnsupportedModulesError, match="trainable_token_indices on a model with tied embeddings"):
+        validate(model)
+    assert differences(before, fingerprint(model)) == []
+    torch.manual_seed(0)
+    model = peft.get_peft_model(build("Llama", True), peft.LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"],
+                                                                    init_lora_weights="gaussian"))
+    assert validate(model) == []
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask).double()
+    torch.testing.assert_close(ours, per_sample_sq_norms(model, ids, attention, completion_mask), rtol=1e-5, atol=1e-9)

@@ -350,3 +350,4 @@ def test_prepare_model_for_kbit_training_default_is_refused_and_the_advice_works
     expected = per_sample_sq_norms(model, ids, attention, completion_mask)
     assert expected[[0, 1, 3]].min() > 0
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-9)
+
