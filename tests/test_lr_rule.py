@@ -124,3 +124,23 @@ def test_the_default_is_grpo_s_default_over_the_quoted_factor():
         assert quoted == default == pytest.approx(grpo_default / f)
         lo, hi = (float(x) for x in figures["f_at_8"].split("-"))
         assert lo <= f <= hi
+
+
+def test_the_gpu_recipes_follow_the_rule_at_their_prompts_per_step():
+    """Each GPU recipe (128 prompts per step) sets eta_max = the GRPO lr its comment names / f, with f inside the
+    range measured at 128 prompts per step, and names oblr/lr_mean as the check."""
+    import yaml
+
+    lo, hi = (float(x) for x in rule_figures()["f_at_128"].split("-"))
+    recipes = sorted((ROOT / "examples" / "recipes").glob("qwen3_*.yaml"))
+    assert recipes
+    for path in recipes:
+        text = path.read_text()
+        config = yaml.safe_load(text)
+        prompts = (config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+                   * int(re.search(r"Prompts per step: (\d+) training GPU", text).group(1)) // config["num_generations"])
+        assert prompts == 128, path.name
+        grpo_lr = float(re.search(r"the lr you would give GRPO \(([\d.e-]+)", text).group(1))
+        f = grpo_lr / float(config["learning_rate"])
+        assert lo <= f <= hi, f"{path.name}: eta_max implies f = {f:.2f}, outside {lo}-{hi} measured at 128"
+        assert "oblr/lr_mean" in text and "Choosing the learning rate" in text

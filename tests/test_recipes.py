@@ -104,7 +104,7 @@ def test_recipe_parses_into_oblrpo_config_and_its_arithmetic_holds(recipe):
 
     # GPU recipes: the paper's group size and prompts per step, OBLR-PO's defaults, a tracker, bounded disk.
     assert (config.num_generations, prompts) == (8, 128)
-    assert script_args.dataset_name and script_args.reward_funcs == ["accuracy_reward"]
+    assert script_args.dataset_name and script_args.reward_funcs == ["latex_accuracy_reward"]  # bare-LaTeX solutions
     assert (config.baseline, config.snr_lr, config.scale_rewards) == ("gradient_weighted", True, "none")
     assert config.bf16 and (config.use_vllm or recipe.name == QLORA)
     assert config.save_total_limit == 2
@@ -292,3 +292,24 @@ def test_the_script_trains_on_a_cpu_without_use_cpu():
     _, config, _ = SCRIPT.make_parser().parse_args_and_config(
         SCRIPT.cpu_flags(["--output_dir", "/tmp/oblr-test", "--model_name_or_path", "tiny"], cuda_available=False))
     assert config.use_cpu
+
+
+def test_latex_accuracy_reward_scores_bare_latex_solutions_that_accuracy_reward_misreads():
+    """DeepMath-103K's solutions are bare LaTeX (rows written here in its format, not downloaded): the math recipes'
+    reward scores a right boxed answer 1 and a wrong one 0 on each; TRL's accuracy_reward on the same rows skips some
+    (None) or scores a wrong answer 1 (bare `2\\sqrt{2}` parses as 2)."""
+    pytest.importorskip("math_verify")
+    from trl.rewards import accuracy_reward
+
+    rows = [(r"\dfrac{1}{2}", r"$\boxed{\frac{1}{2}}$", r"$\boxed{\frac{1}{3}}$"),
+            (r"2\sqrt{2}", r"\boxed{2\sqrt{2}}", r"\boxed{2}"),
+            (r"e^{-2}", r"\boxed{\frac{1}{e^{2}}}", r"\boxed{e^{2}}"),
+            ("12", r"\boxed{12}", r"\boxed{13}"),
+            (r"$\frac{\pi}{4}$", r"\boxed{\frac{\pi}{4}}", r"\boxed{\pi}")]
+    solutions = [s for s, _, _ in rows]
+    right, wrong = ([[{"role": "assistant", "content": row[i]}] for row in rows] for i in (1, 2))
+    reward = SCRIPT.build_reward_funcs(
+        SCRIPT.OBLRPOScriptArguments(dataset_name="x", reward_funcs=["latex_accuracy_reward"]), None)[0]
+    assert reward(right, solutions) == [1.0] * len(rows)
+    assert reward(wrong, solutions) == [0.0] * len(rows)
+    assert (accuracy_reward(right, solutions), accuracy_reward(wrong, solutions)) != ([1.0] * 5, [0.0] * 5)
