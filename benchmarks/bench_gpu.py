@@ -8,7 +8,7 @@ Design:
   issue 56), ``one_backward``, two passes, not every mode on every row. Models: random Qwen3s of Qwen3-0.6B's,
   Qwen3-1.7B's and Qwen3-4B's widths and depths with their real 151,936-token tied heads, bf16 autocast, full
   fine-tuning or LoRA r=16 on all linear layers, gradient checkpointing off and on (TRL's default); beside each
-  ratio, the FLOP model's (``cost_model.flops`` of ``one_backward.describe(model)``) for the path that ran.
+  ratio, the FLOP model's (``cost_model.flops`` of ``path_choice.describe(model)``) for the path that ran.
 * **Paired timing** (``studies/paired.py``): timed one mode after another, identical paths differed by up to 1.5x on
   the H100 (2026-11-27), so a row's trainers now live together (one seeded model copy each), each warmed up once
   (``auto`` built first, so its memory-aware choice sees the device as alone), then ``--repeats`` rounds of one step
@@ -156,11 +156,11 @@ def one_step(trainer, cfg: dict, device: str, prof=None) -> float:
 def mode_result(trainer, cfg: dict, device: str, times: list[float], meter) -> dict:
     """A mode's record: its timed steps and their median, the path it took, the FLOP model's FLOPs for that path and
     GRPO's, and its own memory (``gpu_memory.Meter``)."""
-    from oblr_trl import cost_model, one_backward
+    from oblr_trl import cost_model, path_choice
 
-    ran = ran_of(getattr(trainer, "one_backward_plan", None), cfg["batch"])
-    shape = one_backward.describe(trainer.model, cfg["batch"], PROMPT, cfg["completion"], 2 if device != "cpu" else 4,
-                                  cfg["ckpt"], GROUP)
+    ran = ran_of(getattr(trainer, "route", None), cfg["batch"])
+    shape = path_choice.describe(trainer.model, cfg["batch"], PROMPT, cfg["completion"], 2 if device != "cpu" else 4,
+                                 cfg["ckpt"], GROUP)
     return dict(seconds=statistics.median(times), times=times, ran=ran, flops=cost_model.flops(shape, ran.split("/")[0]),
                 grpo_flops=cost_model.flops(shape, "grpo"), **meter.gib())
 

@@ -1,6 +1,7 @@
 """The update's cost counted, device-independent: FLOPs, peak live bytes and ATen operator calls of one
 ``training_step`` of TRL's ``GRPOTrainer`` and of ``OBLRPOTrainer`` (``one_backward``, two passes, and the default,
-``auto``), with the prediction of ``oblr_trl/cost_model.py`` (the model the default chooses by) beside each count.
+``auto``), with the prediction of ``oblr_trl/cost_model.py`` (the model the default, ``oblr_trl/path_choice.py``,
+chooses by) beside each count.
 
 Design:
 * Models: random Qwen3s of Qwen3-0.6B's and Qwen3-1.7B's widths with their real 151,936-token heads, tied (as they
@@ -190,7 +191,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
 def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, completion: int, lora: bool,
                ckpt: bool) -> dict:
     """FLOPs, peak live bytes and operator calls of one training_step."""
-    from oblr_trl import one_backward
+    from oblr_trl import path_choice
 
     shapes = Shapes()
     with shapes:
@@ -203,12 +204,12 @@ def count_step(width: str, layers: int, tied: bool, mode: str, batch: int, compl
         try:
             # the default's choice is made for the model at its real depth (DEPTH layers), then counted at this one
             with flops, live, ops, syncs, \
-                    mock.patch.object(one_backward, "describe", at_real_depth(one_backward.describe)), \
+                    mock.patch.object(path_choice, "describe", at_real_depth(path_choice.describe)), \
                     forced_replay(mode == "replay"), default_budget(mode):
                 trainer.training_step(trainer.model, [{"prompt": "x"}] * batch, torch.tensor(batch * completion))
         finally:
             gc.enable()
-        plan = getattr(trainer, "one_backward_plan", None)
+        plan = getattr(trainer, "route", None)
         row = dict(flops=flops.get_total_flops(), peak_bytes=live.peak, ops=ops.total, syncs=syncs.total,
                    mm_calls=sum(ops.calls[k] for k in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm")),
                    ran=("grpo" if plan is None else
@@ -224,41 +225,41 @@ def forced_replay(on: bool):
     model says fits (one group where none does)."""
     from contextlib import nullcontext
 
-    from oblr_trl import cost_model
+    from oblr_trl import path_choice
 
     if not on:
         return nullcontext()
-    real = cost_model.choose
+    real = path_choice.choose
 
     def choose(shape, replay=True):
-        chunk, ratio = cost_model.replay_chunk(shape)
+        chunk, ratio = path_choice.replay_chunk(shape)
         choice = real(shape, replay)
-        return cost_model.Choice(True, chunk or cost_model.chunk_sizes(shape.rows, shape.group)[-1],
-                                 choice.flops_ratio, ratio, replay=True)
+        return path_choice.Choice(True, chunk or path_choice.chunk_sizes(shape.rows, shape.group)[-1],
+                                  choice.flops_ratio, ratio, replay=True)
 
-    return mock.patch.object(cost_model, "choose", choose)
+    return mock.patch.object(path_choice, "choose", choose)
 
 
 def default_budget(mode: str):
     """The default's budget: for ``auto_gpu`` as on a GPU of :data:`GPU_GIB` GiB with nothing else on it
-    (``one_backward.device_budget`` finds that room on a real one); for ``auto`` and ``replay`` none (a device with no
-    free-memory figure: ``cost_model.choose``, the ratio targets, which :func:`forced_replay` replaces)."""
+    (``path_choice.device_budget`` finds that room on a real one); for ``auto`` and ``replay`` none (a device with no
+    free-memory figure: ``path_choice.choose``, the ratio targets, which :func:`forced_replay` replaces)."""
     from contextlib import nullcontext
 
-    from oblr_trl import cost_model, one_backward
+    from oblr_trl import path_choice
 
     total = GPU_GIB * 2**30
 
     def budget(device, cap, pending=0.0):
-        room = cost_model.memory_room(total, total, 0, 0, 1.0, cost_model.margin_bytes(total), pending)
-        return cost_model.Budget(room, None if cap is None else cap * 2**30)
+        room = path_choice.memory_room(total, total, 0, 0, 1.0, path_choice.margin_bytes(total), pending)
+        return path_choice.Budget(room, None if cap is None else cap * 2**30)
 
     patch = {"auto_gpu": budget, "auto": lambda *args, **kwargs: None, "replay": lambda *args, **kwargs: None}.get(mode)
-    return nullcontext() if patch is None else mock.patch.object(one_backward, "device_budget", patch)
+    return nullcontext() if patch is None else mock.patch.object(path_choice, "device_budget", patch)
 
 
 def at_real_depth(describe):
-    """``describe`` (``oblr_trl.one_backward.describe``) with the layer count set to :data:`DEPTH`: the default
+    """``describe`` (``oblr_trl.path_choice.describe``) with the layer count set to :data:`DEPTH`: the default
     chooses for the model whose cost the table reports."""
     import dataclasses
 

@@ -1,5 +1,5 @@
 """Writes notebooks/oblrpo_walkthrough.ipynb, executed, with its outputs (plots included), so the repository page shows
-them. Edit the cells in notebooks/oblrpo_walkthrough.py (percent format: readable, diffable), then run this file (offline, on a CPU; 27 minutes at the default size on a busy 2-core
+them. Edit the cells in notebooks/oblrpo_walkthrough.py (percent format: readable, diffable), then run this file (offline, on a CPU; 27 minutes at the default size on a 2-core
 machine with 1 torch thread, 3.4 GB peak):
 
     python notebooks/_build_walkthrough.py            # build and execute (needs the `notebook` or `dev` extra)

@@ -184,8 +184,8 @@ for step, snr, scale in zip(*series(oblr_history, "oblr/snr"), series(oblr_histo
 #   and the step runs closer to `lr_max`. OBLR-PO needs no hand-tuned warm-up or decay for that: the data sets the
 #   schedule.
 # * If the scale stays near 0 for long stretches, use more prompts per step (larger `N`), or set `lr_scale_min` (a
-#   floor). In the demo's longer runs the scale falls towards 0 after ~8 steps (`benchmarks/README.md`, "The demo on
-#   a real model").
+#   floor). In the demo's longer runs the scale falls towards 0 after ~8 steps (`benchmarks/demo_seeds.md`, "The demo
+#   on a real model").
 
 # %% [markdown]
 # ## 4. The same run with GRPO
@@ -230,7 +230,7 @@ plt.show()
 # * **One seed, one short run.** With 100 problems, one problem is one point, and the standard error printed beside
 #   each figure is about ±3-5 points. Over 3 seeds the demo (`python examples/demo.py --model smollm2`: 8 prompts per
 #   step, 15 steps) raised greedy accuracy from 6.5% by +17.3 points with a seed-to-seed spread of ±13.7 points
-#   (`benchmarks/README.md`). This notebook takes 10 steps, not 15, so its gain can be smaller, and any single run can
+#   (`benchmarks/demo_seeds.md`). This notebook takes 10 steps, not 15, so its gain can be smaller, and any single run can
 #   land far from the mean.
 # * **OBLR-PO against GRPO here is an illustration, not a comparison.** A gap of a few points between the two trainers
 #   in one seed is within the run-to-run noise above; it says nothing about which method is better. Both runs share the

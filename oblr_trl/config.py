@@ -150,21 +150,13 @@ class OBLRPOConfig(GRPOConfig):
             (micro-batches are then re-split into whole groups). Memory: it keeps each layer's input and output
             gradient (or, where smaller, its per-sample gradients) until the update is formed, as a backward without
             gradient checkpointing does, so under checkpointing it may run a micro-batch in chunks of whole groups
-            (same result, tested). The automatic choice, at the first generation, on any device: from the model's and
-            the batch's shapes, `oblr_trl/cost_model.py` predicts the FLOPs and peak bytes of `one_backward` (per
-            chunk) and of GRPO's update (the model `benchmarks/cost_counts.py` checks against counts). It is
-            memory-aware. On a GPU: `one_backward` (whole, else in the largest chunk) wherever its FLOPs are at most
-            1.3x GRPO's and its predicted peak, x1.25, fits the free memory (`torch.cuda.mem_get_info` and the
-            per-process memory fraction, less the optimizer's state to come and a margin of 5% of the device, at
-            least 1 GiB), or is no more than GRPO's own predicted peak, and fits `max_extra_memory_gib`; where it
-            does not fit, under checkpointing, `one_backward` replayed (a second backward of its graph, GRPO's
-            memory); else two passes. On the CPU (the host's available memory, within a container's cgroup limit,
-            shared by `LOCAL_WORLD_SIZE` processes, less the same margin): `one_backward` in the largest chunk whose
-            peak is at most 1.1x GRPO's under checkpointing (1.2x without), else one group at a time where that
-            fits (a chunk costs a CPU little time; the replay is a second backward), else as on a GPU. On a device
-            with no free-memory figure (MPS, XPU) without `max_extra_memory_gib`: the largest chunk within 1.1x
-            (1.2x), replayed or two passes otherwise. `True` takes that chunk, or one group at a time where none
-            fits.
+            (same result, tested). The automatic choice is made once, at the first generation, on any device, from
+            the FLOPs and peak bytes `oblr_trl/cost_model.py` predicts for each path and the memory the device has
+            free, and logged with its reason and predicted cost. Its rule lives in one module,
+            `oblr_trl/path_choice.py`: summarised in
+            [How it works](how-it-works.md#one_backward-norms-and-update-from-one-backward), in full in the
+            [API reference](api.md#the-path-each-step-takes). `True` takes the rule's chunk, or one group at a time
+            where none fits.
         max_extra_memory_gib (`float` or `None`, defaults to `None`):
             The most memory (GiB) the automatic choice may add to GRPO's predicted peak to take `one_backward`.
             `None`: what the device (a GPU, or the CPU's host memory) has free decides; `0`: never more than GRPO's
@@ -245,27 +237,18 @@ class OBLRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Norms and update from one forward/backward instead of a norms pass then TRL's loss pass (same "
-            "result, one pass less). Default None: automatic, by counted cost (oblr_trl/cost_model.py): on a GPU, "
-            "one_backward (in chunks of whole groups) wherever its FLOPs are within 1.3x GRPO's and its predicted "
-            "peak fits the free memory (and max_extra_memory_gib), else the replayed update or two passes; on the "
-            "CPU, in the largest chunk within 1.1x GRPO's peak under gradient checkpointing (1.2x without), else one "
-            "group at a time where the host has the room; with no free-memory figure, within 1.1x (1.2x). "
-            "True: wherever valid; False: never. The choice is logged once with its reason."
+            "result, one pass less). Default None: automatic, chosen once at the first generation by the rule of "
+            "oblr_trl/path_choice.py from the predicted cost and the device's free memory, and logged with its reason. "
+            "True: wherever valid; False: never."
         },
     )
     max_extra_memory_gib: float | None = field(
         default=None,
         metadata={
             "help": "The most device memory (GiB) OBLR-PO's automatic choice (one_backward=None) may add to GRPO's "
-            "predicted peak to take one_backward. Default None: on a GPU, one_backward wherever its predicted peak "
-            "(x1.25) fits the free memory (torch.cuda.mem_get_info and the per-process memory fraction, less the "
-            "optimizer's state to come and a margin of 5 percent of the device, at least 1 GiB) or is no more than "
-            "GRPO's own predicted peak; where it does not fit, the replayed update or two passes (GRPO's memory); "
-            "on the CPU, the host's available memory (within a container's limit, shared by LOCAL_WORLD_SIZE "
-            "processes) is the room, and chunks keep the peak within 1.1x GRPO's where they can. "
-            "0: never more than GRPO's peak. On a device with no free-memory figure (MPS, XPU) with None: the ratio "
-            "targets (1.1x GRPO's peak under checkpointing, 1.2x without). The choice, its reason, predicted time and "
-            "bytes are logged once."
+            "predicted peak to take one_backward. Default None: the memory the device (a GPU, or the CPU's host "
+            "memory) has free decides, by the rule of oblr_trl/path_choice.py (see one_backward); 0: never more than "
+            "GRPO's peak. The choice, its reason, predicted time and bytes are logged once."
         },
     )
 

@@ -87,7 +87,7 @@ def terms_beyond_ratio_one(args) -> dict[str, str]:
     """The options of TRL's loss in ``args`` that make its gradient more than the policy term at importance ratio 1,
     the term OBLR-PO's theory, its SNR estimate and ``one_backward``'s gradient cover: ``{key: what it adds}``, empty
     when none. One list for both uses: :class:`.config.OBLRPOConfig` warns that the SNR and the weights are then
-    approximate; :func:`.one_backward.blockers` refuses ``one_backward`` for them."""
+    approximate; :func:`.path_choice.blockers` refuses ``one_backward`` for them."""
     found = {}
     if args.num_iterations != 1:
         found["num_iterations"] = f"num_iterations={args.num_iterations} (importance ratio != 1)"

@@ -7,8 +7,9 @@ advantages ``r_i - b_i`` (Theorem 7: :func:`.advantages.compute_advantages`) -> 
 (1 + N SNR)`` (Theorem 4: :class:`.snr_step.StepSizer`, at the step's last micro-batch, or in ZeRO's optimizer step
 via :class:`.deepspeed_step.ZeroStepHook`); an optimizer pre-step hook refuses any step whose size was not set.
 
-* refusals at construction: :mod:`.setup_checks`; warnings, once each: :class:`.advice.Advice`; the model card and
-  the checkpointed SNR state (:mod:`.state_file`): ``create_model_card``, ``_save_checkpoint``, ``train``, ...
+* the path (``one_backward`` whole, in chunks or replayed, or two passes): :class:`.path_choice.Route`, asked once per
+  generation; refusals at construction: :mod:`.setup_checks`; warnings, once each: :class:`.advice.Advice`; the model
+  card and the checkpointed SNR state (:mod:`.state_file`): ``create_model_card``, ``_save_checkpoint``, ``train``, ...
 
 Every TRL internal used here is a seam listed and fingerprinted in :mod:`.trl_seam`.
 """
@@ -22,7 +23,7 @@ import torch
 
 from trl import GRPOTrainer
 
-from . import deepspeed_step, multimodal, norm_passes, one_backward, state_file
+from . import deepspeed_step, multimodal, norm_passes, one_backward, path_choice, state_file
 from .advantages import BaselineStats, compute_advantages, raised
 from .advice import Advice
 from .card import PAPER, append_oblr_section
@@ -77,7 +78,7 @@ class OBLRPOTrainer(GRPOTrainer):
         self._precision = PrecisionWatch()
         self._rows_generated = 0  # completions generated for training so far, all ranks: the next row id
         self._unscored_batch = False  # the last generation batch had no reward at all (no_rewards)
-        self.one_backward_plan, why, loud = one_backward.Plan.for_trainer(
+        self.route, why, loud = path_choice.Route.for_trainer(
             self.args, needs_norms=self._needs_norms, fsdp1=fsdp1, aux_loss=self.aux_loss_enabled,
             deepspeed=self.is_deepspeed_enabled)
         if why:  # DeepSpeed switches off even the automatic choice: said once, as a warning
@@ -89,7 +90,7 @@ class OBLRPOTrainer(GRPOTrainer):
     @property
     def uses_one_backward(self) -> bool:
         """Whether norms and update come from one forward/backward (see ``OBLRPOConfig.one_backward``)."""
-        return self.one_backward_plan.on
+        return self.route.on
 
     @property
     def _needs_norms(self) -> bool:
@@ -136,26 +137,23 @@ class OBLRPOTrainer(GRPOTrainer):
         output["oblr_row"] = self._rows_generated + torch.arange(rank * local_n, (rank + 1) * local_n,
                                                                  device=rewards.device)
         self._rows_generated += rewards.shape[0]
-        plan = self.one_backward_plan
-        if multimodal.has_images(output) and plan.enabled is not False:
-            if plan.enabled:  # it reorders rows; a VLM's patch rows are not rows of the batch
-                raise NotImplementedError("one_backward=True does not take image inputs: set one_backward=False.")
-            plan.switch_off()
-        if not plan.decided:
-            logger.info(plan.decide(self.model, output, self.args, self.num_generations, self.max_completion_length,
-                                    self.accelerator.device, self.accelerator.gather, self.optimizer))
+        route = self.route
+        said = route.at_generation(self.model, output, self.args, self.num_generations, self.max_completion_length,
+                                   self.accelerator.device, self.accelerator.gather, self.optimizer)
+        if said:
+            logger.info(said)
         output["oblr_reward"] = rewards[rank * local_n : (rank + 1) * local_n]
         if weight_estimator(self.args.grad_norm_estimator).needs == "logit_proxy" and \
                 baseline_uses_weights(self.args.baseline):  # the proxy weights stand in for the norms
             output["oblr_proxy"] = norm_passes.logit_proxy(
                 self.model, output, chunk=self.args.per_device_train_batch_size, temperature=self.temperature,
                 autocast=self.accelerator.autocast)
-        if plan.on:  # norms, advantages and update all come from the training backward (compute_loss)
+        if route.on:  # norms, advantages and update all come from the training backward (compute_loss)
             return output
         sq_norms = bad = None
         if self._needs_norms:
             unit = self._unit(local_n)
-            chunk = max(unit, -(-(plan.norms_chunk or self.args.per_device_train_batch_size) // unit) * unit)
+            chunk = route.norms_rows(unit, self.args.per_device_train_batch_size)
             products, bad = norm_passes.norm_products(self.model, output, unit=unit, chunk=chunk,
                                                       temperature=self.temperature, autocast=self.accelerator.autocast)
             output["oblr_gram"] = products.reshape(local_n, unit)  # products with the unit's members, by position
@@ -205,9 +203,9 @@ class OBLRPOTrainer(GRPOTrainer):
         n = batch["oblr_row"].shape[0]
         batch = one_backward.rows_of(batch, torch.argsort(batch["oblr_row"]), n)  # undo TRL's shuffle
         unit, loss, stats, found = self._unit(n), 0.0, [], []
-        for norms in one_backward.chunk_norms(self.model, batch, chunk=self.one_backward_plan.chunk_rows or n,
+        for norms in one_backward.chunk_norms(self.model, batch, chunk=self.route.chunk_rows or n,
                                               temperature=self.temperature, autocast=self.accelerator.autocast,
-                                              replay_unit=unit if self.one_backward_plan.replay else None):
+                                              replay_unit=unit if self.route.replay else None):
             result = self._advantages(norms.batch, norms.sq_norms, norms.unscorable)
             update = norms.update(self._policy_weights(batch, result.values, norms.rows),
                                   snr_unit=unit if self.args.snr_lr else None)

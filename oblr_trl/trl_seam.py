@@ -78,7 +78,7 @@ SEAMS: tuple[Seam, ...] = (
          "(every loss type's normalizer), sequence_inputs (below) forms its input ids and masks as it does, and "
          "one_backward forms the same gradient",
          "tests/test_loss_terms.py (pins loss_coefficients to this loss by autograd) and LOSS_TYPES; any new term "
-         "(one_backward.blockers)"),
+         "(path_choice.blockers)"),
     Seam("_get_per_token_logps_and_entropies", f"{GRPO}._get_per_token_logps_and_entropies", "fecf708797b16e29",
          "reproduced: the norms pass runs the same forward (temperature, logits_to_keep) and slices a VLM's image "
          "inputs per row as this does (oblr_trl/multimodal.py)",

@@ -156,7 +156,7 @@ def run_equivalence(tmp_path, nproc: int, per_device: int, mode: str = "ddp") ->
 # ------------------------------------------- cost-model shapes and benchmark scripts (test_cost_*, memory, overhead)
 def qwen3_shape(width="0.6B", *, rows=8, completion=512, lora=False, ckpt=True, layers=28, prompt=32, vocab=151936):
     """A Qwen3 of ``width`` (28 layers, its 151,936-token tied head) with a micro-batch of ``rows`` x (32 +
-    ``completion``) tokens, as :func:`oblr_trl.one_backward.describe` gives it (:class:`oblr_trl.cost_model.Shape`)."""
+    ``completion``) tokens, as :func:`oblr_trl.path_choice.describe` gives it (:class:`oblr_trl.cost_model.Shape`)."""
     from oblr_trl import cost_model as cm
 
     d, f = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}[width]

@@ -268,7 +268,7 @@ def test_the_memory_tight_fraction_refuses_one_backward_and_holds_grpos_peak(mon
     import torch
     from datasets import Dataset
 
-    from oblr_trl import cost_model
+    from oblr_trl import cost_model, path_choice
 
     cfg = dict(width="small", batch=8, completion=16, lora=False, ckpt=True)
     model = bench_gpu.build_model("small", "cpu")
@@ -283,8 +283,8 @@ def test_the_memory_tight_fraction_refuses_one_backward_and_holds_grpos_peak(mon
     fraction, note = bench_gpu.tight_fraction(trainer, cfg, need_gib=1.0)
     total = 80 * 2**30
     pending = 8.0 * sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)  # Adam's state to come
-    room = cost_model.memory_room(fraction * total, total, 2 * 2**30, 2 * 2**30, fraction,
-                                  cost_model.margin_bytes(total), pending)
-    assert "fraction" in note and room < cost_model.MEMORY_SAFETY * min(
+    room = path_choice.memory_room(fraction * total, total, 2 * 2**30, 2 * 2**30, fraction,
+                                   path_choice.margin_bytes(total), pending)
+    assert "fraction" in note and room < path_choice.MEMORY_SAFETY * min(
         cost_model.peak_bytes(bench_gpu.one_backward_shape(trainer, cfg), "one_backward", c) for c in (8,))
     assert bench_gpu.tight_fraction(trainer, cfg, need_gib=10.0)[0] is None  # GRPO's 10 GiB would not fit: not forced

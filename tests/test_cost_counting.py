@@ -118,7 +118,7 @@ def test_the_tables_model_column_uses_the_shape_the_trainer_describes():
     verifies the function training runs."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from oblr_trl.one_backward import describe
+    from oblr_trl.path_choice import describe
 
     cost = load("cost_counts")
     config = Qwen3Config(**cost.WIDTHS["Qwen3-0.6B"], num_hidden_layers=2, tie_word_embeddings=False)

@@ -1,4 +1,5 @@
-"""oblr_trl/cost_model.py: the FLOP and byte model of the update, and the default's choice from it (issue 47, item 3).
+"""oblr_trl/cost_model.py: the FLOP and byte model of the update; oblr_trl/path_choice.py: the default's choice from
+it (issue 47, item 3).
 
 The choices are checked on shapes whose counted answer is known (benchmarks/results/cost_counts_full.md, Qwen3 widths
 at 28 layers, counted through training_step): each would fail if the rule picked the other path."""
@@ -8,6 +9,7 @@ import torch
 
 from helpers import qwen3_shape
 from oblr_trl import cost_model as cm
+from oblr_trl import path_choice as pc
 
 
 qwen3 = qwen3_shape
@@ -15,23 +17,23 @@ qwen3 = qwen3_shape
 
 def test_without_checkpointing_the_default_takes_one_backward_whole():
     # counted: 0.65-0.85x GRPO's peak bytes, 1.14-1.24x its FLOPs
-    choice = cm.choose(qwen3(ckpt=False))
-    assert choice.one_backward and choice.chunk == 8 and choice.flops_ratio <= cm.FLOPS_TARGET
+    choice = pc.choose(qwen3(ckpt=False))
+    assert choice.one_backward and choice.chunk == 8 and choice.flops_ratio <= pc.FLOPS_TARGET
 
 
 def test_full_fine_tuning_under_checkpointing_takes_one_backward_replayed():
     # counted: one_backward's kept factors 2.2-8.9x GRPO's peak bytes (even one group of 8 of 64 rows keeps more than
     # GRPO's 1.1x); replayed (no factors kept) within 1.1x, at fewer FLOPs than two passes (no second forward)
     for shape in (qwen3(rows=8), qwen3(rows=64), qwen3("1.7B", rows=64), qwen3(completion=4096)):
-        assert cm.fitting_chunk(shape)[0] == 0
-        choice = cm.choose(shape)
+        assert pc.fitting_chunk(shape)[0] == 0
+        choice = pc.choose(shape)
         assert choice.one_backward and choice.replay and choice.chunk % 8 == 0 and choice.chunk > 0
-        assert choice.bytes_ratio <= cm.BYTES_TARGET
+        assert choice.bytes_ratio <= pc.BYTES_TARGET
         grpo = cm.flops(shape, "grpo")
-        assert cm.FLOPS_TARGET < choice.flops_ratio < cm.flops(shape, "two_passes") / grpo
+        assert pc.FLOPS_TARGET < choice.flops_ratio < cm.flops(shape, "two_passes") / grpo
         # where replaying is not allowed (several processes): two passes, as before
-        old = cm.choose(shape, replay=False)
-        assert not old.one_backward and old.chunk == 0 and old.bytes_ratio > cm.BYTES_TARGET
+        old = pc.choose(shape, replay=False)
+        assert not old.one_backward and old.chunk == 0 and old.bytes_ratio > pc.BYTES_TARGET
 
 
 def test_replay_costs_two_passes_less_the_loss_passs_forward():
@@ -52,13 +54,13 @@ def test_replay_costs_two_passes_less_the_loss_passs_forward():
 
 def test_lora_under_checkpointing_takes_one_backward_in_chunks_where_the_whole_batch_does_not_fit():
     # counted: 0.37x at 8 x 512 (whole); 1.41x at 1.7B 64 x 512 whole, so fewer rows per chunk
-    small = cm.choose(qwen3(lora=True))
+    small = pc.choose(qwen3(lora=True))
     assert small.one_backward and small.chunk == 8
     big = qwen3("1.7B", rows=64, lora=True)
-    assert cm.peak_bytes(big, "one_backward") / cm.peak_bytes(big, "grpo") > cm.BYTES_TARGET
-    choice = cm.choose(big)
+    assert cm.peak_bytes(big, "one_backward") / cm.peak_bytes(big, "grpo") > pc.BYTES_TARGET
+    choice = pc.choose(big)
     assert choice.one_backward and 8 <= choice.chunk < 64 and choice.chunk % 8 == 0
-    assert choice.bytes_ratio <= cm.BYTES_TARGET
+    assert choice.bytes_ratio <= pc.BYTES_TARGET
 
 
 def test_the_flop_target_sends_a_head_heavy_model_to_two_passes():
@@ -67,8 +69,8 @@ def test_the_flop_target_sends_a_head_heavy_model_to_two_passes():
     shape = cm.Shape(layers=1, hidden=64, vocab=100_000, heads=1, head_dim=64, linears=((64, 64, True),), adapters=(),
                      head_trainable=True, tied=False, rows=8, prompt=1, completion=4096, itemsize=4,
                      checkpointing=False, group=8)
-    choice = cm.choose(shape)
-    assert choice.flops_ratio > cm.FLOPS_TARGET and choice.bytes_ratio <= cm.BYTES_TARGET_NO_CKPT
+    choice = pc.choose(shape)
+    assert choice.flops_ratio > pc.FLOPS_TARGET and choice.bytes_ratio <= pc.BYTES_TARGET_NO_CKPT
     assert not choice.one_backward
 
 
@@ -101,9 +103,9 @@ def test_bytes_per_layer_under_checkpointing_are_inputs_and_kept_factors():
 
 
 def test_chunk_sizes_table():
-    assert cm.chunk_sizes(64, 8) == [64, 32, 24, 16, 8]  # 1, 2, 3 (3+3+2 groups), 4 and 8 chunks
-    assert cm.chunk_sizes(8, 8) == [8]
-    assert cm.chunk_sizes(12, 8) == [12]  # a group spans ranks: the rows whole
+    assert pc.chunk_sizes(64, 8) == [64, 32, 24, 16, 8]  # 1, 2, 3 (3+3+2 groups), 4 and 8 chunks
+    assert pc.chunk_sizes(8, 8) == [8]
+    assert pc.chunk_sizes(12, 8) == [12]  # a group spans ranks: the rows whole
 
 
 def test_unknown_mode_is_refused():
@@ -115,7 +117,7 @@ def test_describe_reads_a_model_and_its_lora_adapters():
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from oblr_trl.one_backward import describe
+    from oblr_trl.path_choice import describe
 
     config = Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, vocab_size=100, tie_word_embeddings=False)
@@ -135,7 +137,7 @@ def test_describe_reads_zero3_partitioned_weights_by_their_whole_shape():
     """DeepSpeed ZeRO-3 leaves each rank a flat shard of a weight, its whole shape in ``ds_shape``."""
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
-    from oblr_trl.one_backward import describe
+    from oblr_trl.path_choice import describe
 
     qwen = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=100))
@@ -148,25 +150,25 @@ def test_describe_reads_zero3_partitioned_weights_by_their_whole_shape():
         assert describe(model, 4, 5, 7, 2, True, 2) == whole
 
 
-def test_plan_keeps_trls_micro_batches_for_the_norms_pass_under_deepspeed():
+def test_the_route_keeps_trls_micro_batches_for_the_norms_pass_under_deepspeed():
     """Under DeepSpeed no cost-model chunks (ZeRO-3 left a gathered parameter active across back-to-back norms
-    passes): the plan is decided at construction, whatever ``one_backward`` asks for."""
+    passes): the route is decided at construction, whatever ``one_backward`` asks for."""
     from oblr_trl import OBLRPOConfig
-    from oblr_trl.one_backward import Plan
+    from oblr_trl.path_choice import Route
 
     for one_backward in (None, False, True):
         args = OBLRPOConfig(output_dir="/tmp/unused", one_backward=one_backward, gradient_checkpointing=True,
                             report_to="none", use_cpu=True)
-        plan, _, _ = Plan.for_trainer(args, needs_norms=True, fsdp1=False, aux_loss=False, deepspeed=True)
-        assert plan.decided and not plan.on and plan.norms_chunk == 0
-        plan, _, _ = Plan.for_trainer(args, needs_norms=True, fsdp1=False, aux_loss=False, deepspeed=False)
-        assert not plan.decided  # decided at the first generation, from the shapes
+        route, _, _ = Route.for_trainer(args, needs_norms=True, fsdp1=False, aux_loss=False, deepspeed=True)
+        assert route.decided and not route.on and route.norms_chunk == 0
+        route, _, _ = Route.for_trainer(args, needs_norms=True, fsdp1=False, aux_loss=False, deepspeed=False)
+        assert not route.decided  # decided at the first generation, from the shapes
 
 
 def test_describe_reads_gpt2s_conv1d_maps():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from oblr_trl.one_backward import describe
+    from oblr_trl.path_choice import describe
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50, n_positions=32))
     s = describe(model, 2, 3, 4, 4, False, 2)
@@ -178,8 +180,8 @@ def test_the_two_pass_norms_pass_is_chunked_where_the_whole_micro_batch_exceeds_
     # counted: two passes at 64 x 512 under checkpointing hold 1.39x GRPO's peak (the norms pass keeps each layer's
     # output gradient too); half the rows per norms chunk hold what GRPO's loss pass does
     big = qwen3(rows=64)
-    assert cm.peak_bytes(big, "two_passes") / cm.peak_bytes(big, "grpo") > cm.BYTES_TARGET
-    chunk = cm.norms_chunk(big)
-    assert chunk < 64 and cm.peak_bytes(big, "two_passes", chunk) <= cm.BYTES_TARGET * cm.peak_bytes(big, "grpo")
-    assert cm.norms_chunk(qwen3(rows=8)) == 8  # one group: nothing to split
-    assert cm.norms_chunk(qwen3(rows=64, ckpt=False)) == 64  # without checkpointing GRPO holds more
+    assert cm.peak_bytes(big, "two_passes") / cm.peak_bytes(big, "grpo") > pc.BYTES_TARGET
+    chunk = pc.norms_chunk(big)
+    assert chunk < 64 and cm.peak_bytes(big, "two_passes", chunk) <= pc.BYTES_TARGET * cm.peak_bytes(big, "grpo")
+    assert pc.norms_chunk(qwen3(rows=8)) == 8  # one group: nothing to split
+    assert pc.norms_chunk(qwen3(rows=64, ckpt=False)) == 64  # without checkpointing GRPO holds more

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oblr_trl import deepspeed_step
-from oblr_trl.one_backward import blockers
+from oblr_trl.path_choice import blockers
 from oblr_trl import OBLRPOConfig
 
 

@@ -82,7 +82,7 @@ def test_one_list_of_terms_beyond_ratio_one_drives_the_warning_and_the_refusal(t
     from helpers import common_args
     from oblr_trl import OBLRPOConfig
     from oblr_trl.loss_terms import terms_beyond_ratio_one
-    from oblr_trl.one_backward import blockers
+    from oblr_trl.path_choice import blockers
 
     with pytest.warns(UserWarning):
         args = OBLRPOConfig(**common_args(**override))

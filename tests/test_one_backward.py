@@ -116,7 +116,7 @@ def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
     pure blockers function on the settings alone (the first four cannot be set up on this CPU)."""
     from types import SimpleNamespace
 
-    from oblr_trl.one_backward import blockers as one_backward_blockers
+    from oblr_trl.path_choice import blockers as one_backward_blockers
 
     base = dict(num_iterations=1, beta=0.0, gradient_accumulation_steps=1, steps_per_generation=1, use_vllm=False,
                 per_device_train_batch_size=8, num_generations=4,
@@ -141,14 +141,13 @@ def test_one_backward_blockers_cover_what_cpu_tests_cannot_build():
 @pytest.mark.parametrize("figure", [True, False], ids=["memory-aware-cpu", "no-memory-figure"])
 def test_the_default_follows_the_cost_model(figure, monkeypatch, caplog):
     """The automatic choice is the cost model's for the model's and the batch's shapes, made at the first generation
-    and logged with the predicted ratios: cost_model.choose_within the budget device_budget finds (on the CPU, the
-    host's memory), or cost_model.choose (the ratio targets) on a device with no free-memory figure."""
-    from oblr_trl import cost_model
-    from oblr_trl import one_backward as ob
-    from oblr_trl.one_backward import describe
+    and logged with the predicted ratios: path_choice.choose_within the budget device_budget finds (on the CPU, the
+    host's memory), or path_choice.choose (the ratio targets) on a device with no free-memory figure."""
+    from oblr_trl import path_choice
+    from oblr_trl.path_choice import describe
 
-    budgets, real = [], ob.device_budget
-    monkeypatch.setattr(ob, "device_budget", lambda *a, **k: budgets.append(real(*a, **k) if figure else None)
+    budgets, real = [], path_choice.device_budget
+    monkeypatch.setattr(path_choice, "device_budget", lambda *a, **k: budgets.append(real(*a, **k) if figure else None)
                         or budgets[-1])
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
         trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, gradient_checkpointing=False)))
@@ -158,9 +157,9 @@ def test_the_default_follows_the_cost_model(figure, monkeypatch, caplog):
                      trainer.max_completion_length, 2 if args.bf16 else 4, False, GROUP)
     assert shape.layers == trainer.model.config.num_hidden_layers and shape.vocab == trainer.model.config.vocab_size
     assert len(budgets) == 1 and (budgets[0] is not None) is figure
-    choice = cost_model.choose_on_host(shape, budgets[0]) if figure else cost_model.choose(shape)
+    choice = path_choice.choose_on_host(shape, budgets[0]) if figure else path_choice.choose(shape)
     assert trainer.args.one_backward is None and trainer.uses_one_backward is choice.one_backward
-    assert trainer.one_backward_plan.chunk_rows == choice.chunk
+    assert trainer.route.chunk_rows == choice.chunk
     assert budgets[0] is None or budgets[0].host  # the CPU's host rule
     assert (f"{choice.flops_ratio:.2f}x GRPO's" if figure else f"{choice.flops_ratio:.2f}x the FLOPs") in caplog.text
     assert ("memory-aware" in caplog.text) is figure
@@ -173,9 +172,9 @@ def test_the_default_chunks_by_the_cost_models_bytes(grpo_bytes, chunk, monkeypa
     is within 1.1x GRPO's under checkpointing: the whole micro-batch of 8 (2 groups of 4) where it fits, one group at a
     time where only one does, the two-pass path where not even one (the byte model replaced by one where a chunk of
     ``c`` rows costs ``c``)."""
-    from oblr_trl import cost_model, one_backward
+    from oblr_trl import cost_model, path_choice
 
-    monkeypatch.setattr(one_backward, "device_budget", lambda *args, **kwargs: None)
+    monkeypatch.setattr(path_choice, "device_budget", lambda *args, **kwargs: None)
 
     def bytes_(shape, mode, chunk=0):
         return (chunk or shape.rows) if mode == "one_backward" else grpo_bytes
@@ -185,7 +184,7 @@ def test_the_default_chunks_by_the_cost_models_bytes(grpo_bytes, chunk, monkeypa
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
         trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=2)))
     assert trainer.args.gradient_checkpointing  # TRL's default
-    assert trainer.uses_one_backward is (chunk > 0) and trainer.one_backward_plan.chunk_rows == chunk
+    assert trainer.uses_one_backward is (chunk > 0) and trainer.route.chunk_rows == chunk
     assert ("oblr_gram" in trainer.generations[0]) is (chunk == 0)  # the norms pass ran only on the two-pass path
     expected = {8: "one forward/backward per micro-batch.", 4: "per chunk of 4 rows (1 groups)",
                 0: "two passes (norms pass, then the loss pass)."}[chunk]
@@ -208,7 +207,7 @@ def test_each_chunks_factors_are_freed_before_the_next_chunks_forward(monkeypatc
     import weakref
 
     import oblr_trl.one_backward as ob
-    from oblr_trl import cost_model
+    from oblr_trl import path_choice
 
     real, alive_at_call = ob.per_sequence_grads, []
     earlier: list[weakref.ref] = []
@@ -220,16 +219,16 @@ def test_each_chunks_factors_are_freed_before_the_next_chunks_forward(monkeypatc
         earlier.append(weakref.ref(grads))
         return grads
 
-    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
+    monkeypatch.setattr(path_choice, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
     monkeypatch.setattr(ob, "per_sequence_grads", spy)
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=True))
-    assert trainer.one_backward_plan.chunk_rows == GROUP and len(alive_at_call) == 2
+    assert trainer.route.chunk_rows == GROUP and len(alive_at_call) == 2
     assert alive_at_call == [0, 0]
 
 
 def test_the_two_pass_norms_pass_runs_in_the_cost_models_chunks(monkeypatch):
-    """Two passes under checkpointing: the norms pass takes cost_model.norms_chunk's rows at a time (here 4 of 8)."""
-    from oblr_trl import cost_model, norm_passes
+    """Two passes under checkpointing: the norms pass takes path_choice.norms_chunk's rows at a time (here 4 of 8)."""
+    from oblr_trl import norm_passes, path_choice
 
     chunks = []
     real = norm_passes.norm_products
@@ -238,31 +237,31 @@ def test_the_two_pass_norms_pass_runs_in_the_cost_models_chunks(monkeypatch):
         chunks.append(chunk)
         return real(*args, chunk=chunk, **kwargs)
 
-    monkeypatch.setattr(cost_model, "norms_chunk", lambda shape, budget=None: GROUP)
+    monkeypatch.setattr(path_choice, "norms_chunk", lambda shape, budget=None: GROUP)
     monkeypatch.setattr(norm_passes, "norm_products", spy)
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=False))
     assert trainer.args.gradient_checkpointing and chunks == [GROUP] < [trainer.args.per_device_train_batch_size]
 
 
 def test_one_backward_true_under_checkpointing_runs_one_group_at_a_time_where_none_fits(monkeypatch):
-    from oblr_trl import cost_model
+    from oblr_trl import path_choice
 
-    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
+    monkeypatch.setattr(path_choice, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), one_backward=True))
-    assert trainer.uses_one_backward and trainer.one_backward_plan.chunk_rows == GROUP
+    assert trainer.uses_one_backward and trainer.route.chunk_rows == GROUP
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo"])
 def test_one_backward_in_chunks_matches_two_passes(loss_type, monkeypatch):
     """One group per chunk under checkpointing: the same advantages, SNR terms, gradient and step as the two-pass
     path (a token-mean loss's denominator spans the whole micro-batch, not the chunk)."""
-    from oblr_trl import cost_model
+    from oblr_trl import path_choice
 
-    monkeypatch.setattr(cost_model, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
+    monkeypatch.setattr(path_choice, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
     kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
     two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
-    assert one.one_backward_plan.chunk_rows == GROUP < kwargs["per_device_train_batch_size"]
+    assert one.route.chunk_rows == GROUP < kwargs["per_device_train_batch_size"]
     for key in ("oblr/lr_scale", "oblr/snr", "oblr/baseline_mean", "grad_norm", "loss"):
         assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key
     for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
@@ -279,7 +278,7 @@ def test_one_backward_option_parses_as_a_three_way_flag():
 
 
 def test_initial_choice_table():
-    from oblr_trl.one_backward import initial_choice
+    from oblr_trl.path_choice import initial_choice
 
     assert initial_choice(None, []) == (None, "")  # decided at the first generation, by the cost model
     assert initial_choice(True, [])[0] is True
@@ -317,15 +316,15 @@ def test_the_replayed_update_matches_per_row_autograd_under_checkpointing(tied):
 
 def force_replay(monkeypatch, rows: int = GROUP):
     """The default's choice replaced by one_backward replayed, ``rows`` per chunk."""
-    from oblr_trl import cost_model, one_backward
+    from oblr_trl import path_choice
 
-    real = cost_model.choose
-    monkeypatch.setattr(one_backward, "device_budget", lambda *args, **kwargs: None)  # the ratio rule's choose
+    real = path_choice.choose
+    monkeypatch.setattr(path_choice, "device_budget", lambda *args, **kwargs: None)  # the ratio rule's choose
 
     def replay(shape, replay=True):
-        return cost_model.Choice(True, rows, real(shape, replay).flops_ratio, 1.0, replay=True)
+        return path_choice.Choice(True, rows, real(shape, replay).flops_ratio, 1.0, replay=True)
 
-    monkeypatch.setattr(cost_model, "choose", replay)
+    monkeypatch.setattr(path_choice, "choose", replay)
 
 
 def test_one_backward_replayed_under_bf16_updates_every_parameter(monkeypatch):
@@ -335,7 +334,7 @@ def test_one_backward_replayed_under_bf16_updates_every_parameter(monkeypatch):
     model = build_model(TOKENIZER)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1, bf16=True)), model=model)
-    assert trainer.one_backward_plan.replay and trainer.one_backward_plan.chunk_rows == 8
+    assert trainer.route.replay and trainer.route.chunk_rows == 8
     for name, p in trainer.model.named_parameters():
         assert torch.isfinite(p).all() and not torch.equal(p, before[name]), name
 
@@ -349,8 +348,8 @@ def test_one_backward_replayed_matches_two_passes(loss_type, monkeypatch, caplog
     two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
         one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
-    assert one.args.gradient_checkpointing and one.uses_one_backward and one.one_backward_plan.replay
-    assert one.one_backward_plan.chunk_rows == GROUP and "oblr_gram" not in one.generations[0]
+    assert one.args.gradient_checkpointing and one.uses_one_backward and one.route.replay
+    assert one.route.chunk_rows == GROUP and "oblr_gram" not in one.generations[0]
     assert "replayed by a second backward" in caplog.text
     for key in ("oblr/lr_scale", "oblr/snr", "oblr/baseline_mean", "grad_norm", "loss"):
         assert logged(one, key) == pytest.approx(logged(two, key), rel=1e-4, abs=1e-6), key

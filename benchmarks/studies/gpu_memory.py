@@ -14,14 +14,15 @@ def tight_fraction(trainer, cfg: dict, need_gib: float, prompt: int, group: int)
     optimizer's state to come and 0.9x what ``one_backward``'s smallest chunk would need (its predicted peak times
     the default's safety factor), so that it cannot fit; ``None`` and why where that would not hold ``need_gib``
     (GRPO's measured peak from the build, plus 5%), since GRPO must still run."""
-    from oblr_trl import cost_model, one_backward
+    from oblr_trl import cost_model, path_choice
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     shape = one_backward_shape(trainer, cfg, prompt, group)
-    smallest = min(cost_model.peak_bytes(shape, "one_backward", c) for c in cost_model.chunk_sizes(cfg["batch"], group))
-    limit = (torch.cuda.memory_allocated() + cost_model.margin_bytes(total)
-             + one_backward.optimizer_state_pending(trainer.model, trainer.optimizer)
-             + 0.9 * cost_model.MEMORY_SAFETY * smallest)
+    chunks = path_choice.chunk_sizes(cfg["batch"], group)
+    smallest = min(cost_model.peak_bytes(shape, "one_backward", c) for c in chunks)
+    limit = (torch.cuda.memory_allocated() + path_choice.margin_bytes(total)
+             + path_choice.optimizer_state_pending(trainer.model, trainer.optimizer)
+             + 0.9 * path_choice.MEMORY_SAFETY * smallest)
     if limit < 1.05 * need_gib * 2**30:
         return None, (f"a fraction that refuses one_backward ({limit / 2**30:.1f} GiB) would not hold GRPO's measured "
                       f"peak ({need_gib:.1f} GiB): not forced")
@@ -30,9 +31,9 @@ def tight_fraction(trainer, cfg: dict, need_gib: float, prompt: int, group: int)
 
 def one_backward_shape(trainer, cfg: dict, prompt: int, group: int):
     """The cost model's shape of ``trainer``'s model and a ``cfg`` micro-batch, in bf16 (the GPU's autocast)."""
-    from oblr_trl import one_backward
+    from oblr_trl import path_choice
 
-    return one_backward.describe(trainer.model, cfg["batch"], prompt, cfg["completion"], 2, cfg["ckpt"], group)
+    return path_choice.describe(trainer.model, cfg["batch"], prompt, cfg["completion"], 2, cfg["ckpt"], group)
 
 
 def release(device: str) -> None:

@@ -229,7 +229,7 @@ def test_trainer_on_image_prompts_with_the_tower_frozen_passes_the_images_and_is
     monkeypatch.setattr("oblr_trl.norm_passes.per_sequence_grad_inner_products", spy)
     trainer = _vlm_trainer(model, processor, dataset)
     trainer.train()
-    assert trainer.state.global_step == 2 and trainer.one_backward_plan.enabled is False  # two passes with images
+    assert trainer.state.global_step == 2 and trainer.route.enabled is False  # two passes with images
     assert calls and all(sorted(inputs) == ["image_grid_thw", "mm_token_type_ids", "pixel_values"]
                          for *_, inputs in calls)
     ids, attention, mask, inputs = calls[-1]  # the trainer's last chunk, at the trained weights

@@ -195,9 +195,9 @@ def test_non_finite_per_sequence_norms_are_zeroed_and_warned(monkeypatch, caplog
     assert "Non-finite per-sequence gradient norms: those completions are treated as unscorable" in caplog.text
     assert_finite_everywhere(trainer)
     gen = trainer.generations[0]
-    # the norms pass runs (and is broken) once per chunk: the cost model's (oblr_trl.cost_model.norms_chunk), else
+    # the norms pass runs (and is broken) once per chunk: the cost model's (oblr_trl.path_choice.norms_chunk), else
     # the micro-batch, in whole groups
-    chunk = -(-(trainer.one_backward_plan.norms_chunk or trainer.args.per_device_train_batch_size) // GROUP) * GROUP
+    chunk = trainer.route.norms_rows(GROUP, trainer.args.per_device_train_batch_size)
     gram = gen["oblr_gram"].view(-1, GROUP, GROUP)
     last = chunk // GROUP - 1  # the first chunk's last unit
     assert gram[0, 1].abs().max() == 0 and gram[0, :, 1].abs().max() == 0 and gram[last, 2, 2] == 0

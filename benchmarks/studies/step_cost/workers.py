@@ -117,8 +117,8 @@ def step_worker(kind: str, spec: str, completion: int, steps: int, batch: int, t
                           mem_method=mem["method"] + " over the whole train() call",
                           gradient_checkpointing=bool(trainer.args.gradient_checkpointing),
                           mode=("grpo" if base is GRPOTrainer else
-                                f"{'replay' if trainer.one_backward_plan.replay else 'one_backward'}/"
-                                f"{trainer.one_backward_plan.chunk_rows or trainer.args.per_device_train_batch_size}"
+                                f"{'replay' if trainer.route.replay else 'one_backward'}/"
+                                f"{trainer.route.chunk_rows or trainer.args.per_device_train_batch_size}"
                                 if trainer.uses_one_backward else "two_pass"))))
 
 def run_steps(spec: str, completion: int, args, log) -> dict:

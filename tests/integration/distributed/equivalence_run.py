@@ -150,9 +150,9 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk", "zero0", "zero1",
                      "zero2", "zero3", "offload", "save", "resume", "ema"}, mode
     if "chunk" in flags:  # no chunk fits: one_backward under checkpointing (on here) runs one group at a time
-        import oblr_trl.cost_model
+        import oblr_trl.path_choice
 
-        oblr_trl.cost_model.fitting_chunk = lambda shape, budget=None: (0, float("inf"))
+        oblr_trl.path_choice.fitting_chunk = lambda shape, budget=None: (0, float("inf"))
     extra = {"bf16": False} if "fp32" in flags else {}
     if "ga2" in flags:  # two micro-batches per optimizer step, one generation batch for both
         extra["gradient_accumulation_steps"] = 2
@@ -234,7 +234,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
                 "fsdp": facts_per_rank,
                 "one_backward": bool(trainer.uses_one_backward),
                 "warnings": warnings,
-                "chunk_rows": trainer.one_backward_plan.chunk_rows,
+                "chunk_rows": trainer.route.chunk_rows,
                 "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
                 "param_abs_sum": param_sum,
             }, f)
