@@ -1,5 +1,5 @@
-"""``torch.compile`` of the per-layer algebra (issue 56): does it cut the update's operator calls, exactly, and at what
-cost? ``python benchmarks/compile_algebra.py --quick`` (about 2 minutes on 2 busy CPU cores; the full run longer).
+"""``torch.compile`` of the per-layer algebra: does it cut the update's operator calls, exactly, and at what
+cost? ``python benchmarks/compile_algebra.py --quick`` (about 2 minutes on 2 CPU cores; the full run longer).
 
 For Qwen3-0.6B's linear shapes (q 1024->2048, k/v 1024->1024, o 2048->1024, gate/up 1024->3072, down 3072->1024, a
 LoRA r=16 pair on q, and one whole decoder layer's seven maps with their shared inputs) at B rows (one group, k = B)
@@ -203,7 +203,7 @@ def table(rows: list[dict], modes: list[str]) -> list[str]:
 
 def render(res: dict) -> str:
     m = res["machine"]
-    lines = [f"# torch.compile of the per-layer algebra (issue 56): {m['device']}, {m['date']}", "",
+    lines = [f"# torch.compile of the per-layer algebra: {m['device']}, {m['date']}", "",
              f"`{res['command']}`. {harness.machine_line(m)}", "",
              f"B = {res['batch']} rows, one group (k = B); `layer`: a Qwen3-0.6B decoder layer's {len(LAYER)} maps. "
              "Eager ops: ATen calls (not views, in brackets); launches: the compiled wrapper's calls, kernels + extern "

@@ -1,4 +1,4 @@
-"""How wide is each arm's working learning-rate window? (issue 49, part 2)
+"""How wide is each arm's working learning-rate window?
 
 Reads the ablation's run records (``ablation.py``'s ``--records``; the design, its grid of lrs and its cells, is
 ``WINDOW_*`` in ``studies/ablation/design.py`` and ``--window_*``) and tabulates, per arm of ``--window_arms`` (GRPO, RLOO, OBLR-PO) and per lr
@@ -120,7 +120,7 @@ def render(rows: list[dict], summaries: dict[str, dict], tests: list[dict], args
     planned = len(args.window_seeds)
     incomplete = sum(len(s["incomplete"]) for s in summaries.values())
     lines = [
-        "# The learning-rate window of GRPO, RLOO and OBLR-PO (issue 49)" + (" - PARTIAL" if incomplete else ""),
+        "# The learning-rate window of GRPO, RLOO and OBLR-PO" + (" - PARTIAL" if incomplete else ""),
         "",
         (f"**Partial: {incomplete} of {len(rows)} cells have fewer than {planned} seeds (or none) yet.** "
          if incomplete else "")

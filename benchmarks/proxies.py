@@ -1,5 +1,4 @@
-"""Gradient variance, bias and baseline-weight proxies on a real LLM (SmolLM2-135M-Instruct) at fixed parameters
-(issue 18, parts 1 and 2).
+"""Gradient variance, bias and baseline-weight proxies on a real LLM (SmolLM2-135M-Instruct) at fixed parameters.
 
 For the first ``--prompts`` prompts whose completions in a pilot have mixed rewards, draw K independent groups of G
 completions each from the model itself (temperature 1, full softmax, :func:`sample_completions`), score them with the

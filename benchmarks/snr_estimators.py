@@ -93,7 +93,7 @@ def main():
     if args.existing_only:
         command += " --existing_only"
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine = (f"{platform.node()} ({os.cpu_count()} CPUs shared with other jobs, {args.parallel} runs in parallel, "
+    machine = (f"{platform.node()} ({os.cpu_count()} CPUs, {args.parallel} runs in parallel, "
                "1 torch thread each)")
     lines = [
         "# SNR estimators on the demo (tiny model, chain_sum, 300 steps of 8 prompts x 8)",
@@ -103,7 +103,7 @@ def main():
            if args.existing_only else f"{elapsed / 60:.1f} min wall clock. ")
         + "Same warm model and "
         "held-out problems for every run; only the RL seed and the estimator change. Mean ± std over seeds. "
-        "Wall-clock seconds are under other jobs' load (2 shared cores).",
+        "Wall-clock seconds are from CPUs that also ran other work: compare them within this table only.",
         "",
         "| estimator | seeds | steps at scale 0 % | mean lr scale | mean applied lr | greedy before % | greedy after % "
         "| sampled before % | sampled after % | train reward, last 10 steps |",

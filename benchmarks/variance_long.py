@@ -1,4 +1,4 @@
-"""Where the gradient-weighted baseline pays: gradient variance on long, uneven completions (issue 49, part 1).
+"""Where the gradient-weighted baseline pays: gradient variance on long, uneven completions.
 
 The method of ``grad_variance.py`` / ``proxies.py`` (exact per-completion score vectors, every method on the same
 samples, paired bootstrap) on SmolLM2-135M-Instruct asked to show its work: chain_sum problems with the instruction
@@ -285,7 +285,7 @@ def render(records: list[dict], args, analysis: dict | None = None) -> str:
     mixed = sum(w is not None for r in records for w in r["w_exact"])
     partial = n < args.prompts
     lines = [
-        "# Gradient variance on long, uneven completions (issue 49)" + (" - PARTIAL" if partial else ""),
+        "# Gradient variance on long, uneven completions" + (" - PARTIAL" if partial else ""),
         "",
         (f"**Partial: {n} of {args.prompts} planned prompts are in.** " if partial else "")
         + f"Rendered by `python benchmarks/variance_long.py --render_only` on {utc_now(minutes=True)} from the records "
