@@ -145,6 +145,34 @@ def recognise_lora_bank(module: nn.Module, memo: dict | None = None) -> dict | N
     return remembered(memo, ("lora bank", module), find)
 
 
+def why_not(module: nn.Module, name: str, memo: dict | None = None) -> str | None:
+    """Why a chain of LoRA wrappers (``module``, at ``name``) does not take the rule, and what does, for its refusal
+    where the per-row path cannot take it either; None for a module that is no wrapper."""
+    if not is_wrapper(module):
+        return None
+    chain, bank = _chain(module), below_wrappers(module)
+    wrapped = [w.parameter_name for _, w in chain]
+    where = ".".join(name.split(".")[-2:])
+    fix = (f"LoRA on the bank's two weights is exact: LoraConfig(target_parameters=['{where}.<up>', "
+           f"'{where}.down_proj']) with the bank's own parameters frozen; or leave the experts out "
+           "(target_modules on the attention projections, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'])")
+    layout = recognise_bank(bank, memo)
+    if layout is None:
+        why = (f"{type(bank).__name__} is not an expert bank the routed-token rule recognises (its forward, on a "
+               "probe, is not the formula of grad_norms/experts.py)")
+        fix = "leave the experts out (target_modules on the attention projections, e.g. ['q_proj', 'v_proj'])"
+    elif not set(wrapped) <= {layout["up"], "down_proj"}:
+        why = f"it adapts {wrapped} of {type(bank).__name__}, not only its 3-D weights {layout['up']}, down_proj"
+    elif any(p.requires_grad for p in bank.parameters(recurse=False)):
+        trained = [n for n, p in bank.named_parameters(recurse=False) if p.requires_grad]
+        why = f"the bank's own parameters {trained} are trainable too"
+    else:
+        why = "its forward, on a probe with random factors, is not the bank's formula with W_e + s B_e A_e"
+    return (f"LoRA (PEFT's ParamWrapper) on {type(bank).__name__}'s {wrapped} takes no exact rule: {why}; and the "
+            f"per-row path's limit ({generic.MAX_NUMEL:,} elements) is below its factors. "
+            + fix.replace("<up>", layout["up"] if layout else "gate_up_proj") + ".")
+
+
 class FactorRows(PerExpert):
     """A LoRA factor's per-sequence gradients by expert (:class:`~.experts.PerExpert`, ``shape`` per expert), its
     rows laid out as PEFT's weight: ``A`` ``(E r, n_in)``, expert-major rows; ``B`` ``(n_out, r E)``, column

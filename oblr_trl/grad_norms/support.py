@@ -134,13 +134,11 @@ def _resolve_all(lm: nn.Module, owners: dict[nn.Module, nn.Module], memo: dict
             covered.append(Covered(module, chosen[1], borrowed))
             continue
         trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad] + list(borrowed)
-        found.append(Unsupported(
-            name, type(module).__name__,
-            ("no rule for its type, and its trainable parameters" if not borrowed else
-             "it uses the parameters of its descendants functionally (no hook sees those uses), and with its own the "
-             "per-row path would take") + f" {trainable} ({generic.trainable_numel(module) + extra:,} elements), "
-            f"more than the per-row path's limit ({generic.MAX_NUMEL:,})",
-        ))
+        reason = ("no rule for its type, and its trainable parameters" if not borrowed else
+                  "it uses the parameters of its descendants functionally (no hook sees those uses), and with its own "
+                  "the per-row path would take") + f" {trainable} ({generic.trainable_numel(module) + extra:,} " \
+            f"elements), more than the per-row path's limit ({generic.MAX_NUMEL:,})"
+        found.append(Unsupported(name, type(module).__name__, lora_experts.why_not(module, name, memo) or reason))
     return covered, found
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
+from oblr_trl.grad_norms import generic
 from oblr_trl.grad_norms.api import per_sequence_grads
 from oblr_trl.grad_norms.support import coverage_plan
 from oblr_trl.grad_norms.zoo import VOCAB, build
@@ -152,3 +153,36 @@ def test_a_wrapper_whose_forward_is_not_the_formula_is_not_taken_by_the_rule():
     assert recognise_lora_bank(outer) is None
     inner.__class__ = base
     assert recognise_lora_bank(outer) is not None
+
+
+@pytest.mark.parametrize("case", ["bank bias", "bank unfrozen"])
+def test_a_chain_the_rule_cannot_take_is_refused_by_name_and_the_advice_works(case):
+    """Where the per-row path cannot take a chain either (its limit, set to 0 here, stands for a real model's size):
+    LoRA on a bank's bias (GPT-OSS), or on a bank whose own weights are trained too, is refused naming the wrapped
+    parameters and why; the advice (LoRA on the bank's two weights, the bank frozen) is exact."""
+    family = "GPT-OSS" if case == "bank bias" else "Qwen3-MoE"
+    torch.manual_seed(0)
+    targets = ["mlp.experts.gate_up_proj_bias"] if case == "bank bias" else BANK
+    model = peft.get_peft_model(build(family), peft.LoraConfig(
+        r=4, init_lora_weights=False, target_modules=[], target_parameters=targets)).eval()
+    if case == "bank unfrozen":
+        for layer in model.base_model.model.model.layers:
+            layer.mlp.experts.base_layer.base_layer.gate_up_proj.requires_grad_(True)
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    limit = generic.MAX_NUMEL
+    generic.MAX_NUMEL = 0
+    try:
+        found = validate(model, strict=False)
+        assert [f.name for f in found] == ["layers.0.mlp.experts", "layers.1.mlp.experts"], found
+        reason = found[0].reason
+        assert "ParamWrapper" in reason and "target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']" \
+            in reason
+        assert ("gate_up_proj_bias" in reason) if case == "bank bias" else ("trainable too" in reason)
+        advised = adapted(family, False, "target_parameters")  # the advice: the bank's weights, the bank frozen
+        reference = torch.stack([g.double().pow(2).sum() for g in per_sample_grads(
+            fresh_copy(advised, family, False, "target_parameters"), ids, attention, completion_mask)])
+        assert validate(advised) == []
+        ours = per_sequence_grad_sq_norms(advised, ids, attention, completion_mask)
+    finally:
+        generic.MAX_NUMEL = limit
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)

@@ -8,12 +8,19 @@ import pytest
 import torch
 
 from helpers import TOKENIZER, common_args, train
-from oblr_trl import OBLRPOConfig
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.grad_norms.zoo import build
 from reference import per_sample_sq_norms
-from test_adapters_in_trainer import Snapshot
 
 peft = pytest.importorskip("peft")
+
+
+class Snapshot(OBLRPOTrainer):
+    """Keeps the trainable parameters as training starts (those the first batch is scored at)."""
+
+    def train(self, *a, **k):
+        self.initial = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        return super().train(*a, **k)
 
 
 def first_batch_norms(trainer):
