@@ -18,7 +18,10 @@ README = ROOT / "README.md"
 
 
 def read(path: Path) -> str:
-    return " ".join(path.read_text().split())  # wrapped lines joined: a figure may straddle a line break
+    """The page's text, wrapped lines joined (a figure may straddle a line break) and glossary links read as their
+    words (a term linked at its first use: tests/test_docs_glossary.py)."""
+    text = re.sub(r"\[([^\]]*)\]\((?:docs/)?glossary\.md#[\w-]*\)", r"\1", path.read_text())
+    return " ".join(text.split())
 
 
 def span(values, fmt: str = ".1f") -> str:
