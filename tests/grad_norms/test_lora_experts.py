@@ -186,3 +186,46 @@ def test_a_chain_the_rule_cannot_take_is_refused_by_name_and_the_advice_works(ca
     finally:
         generic.MAX_NUMEL = limit
     torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("double", [False, True], ids=["single-quant", "double-quant"])
+def test_qlora_base_with_lora_on_the_expert_banks_is_exact_against_a_fresh_load(tmp_path, double):
+    """A 4-bit (nf4) base loaded from a folder: bitsandbytes quantizes the attention's nn.Linear layers, not the
+    3-D expert banks, which stay in the compute dtype under their LoRA. Judged against per-row autograd on a second
+    load of the same folder (its factors copied), which our code never touched."""
+    pytest.importorskip("bitsandbytes")
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
+        pad_token_id=0, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+
+    def load():
+        quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                bnb_4bit_use_double_quant=double, bnb_4bit_compute_dtype=torch.float32)
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant,
+                                                                 dtype=torch.float32)
+        for module in base.modules():  # the reference's layers never take bitsandbytes' CPU inference kernel
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, init_lora_weights=False,
+                                                         target_modules=["q_proj", "v_proj"],
+                                                         target_parameters=BANK)).eval()
+
+    model, reference_model = load(), load()
+    theirs = dict(reference_model.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                theirs[name].copy_(p)
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    reference = torch.stack([g.double().pow(2).sum() for g in per_sample_grads(
+        reference_model, ids, attention, completion_mask)])
+    assert any("4bit" in type(m).__name__ for m in model.modules()) and wrappers(model)
+    assert validate(model) == []
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    assert reference[[0, 1, 3]].min() > 0
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
