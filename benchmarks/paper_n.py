@@ -19,7 +19,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
 
 from harness import RunnerLog, host, utc_now  # noqa: E402
 from harness.grid import write_peak  # noqa: E402
@@ -251,7 +250,7 @@ def tabulate(args, command: str) -> None:
              f"Grid on seed(s) {', '.join(map(str, args.grid_seeds))}, then seeds "
              f"{', '.join(str(s) for s in args.seeds if s not in args.grid_seeds)} at each arm's best lr.", ""]
     lines += render_tables(result)
-    lines += ["", "## What it cost, and what the full design would", "", sizing(args, pilots, planned), "",
+    lines += ["", "## What it cost, and what the full design would", "", sizing(args, pilots, planned, runs), "",
               "## When to use", "", when_text(result, pilots, design), ""]
     args.out.with_suffix(".md").write_text("\n".join(lines))
     args.out.with_suffix(".json").write_text(json.dumps(dict(result, design=design, factor=args.factor,
@@ -261,8 +260,9 @@ def tabulate(args, command: str) -> None:
     print("\n".join(lines))
 
 
-def sizing(args, pilots: list[dict], planned: int) -> str:
-    """The design's CPU-hours from the pilot's figures (a run: its steps at the piloted s/step, plus evaluation)."""
+def sizing(args, pilots: list[dict], planned: int, runs: list[dict]) -> str:
+    """The design's CPU-hours from the pilot's figures (a run: its steps at the piloted s/step, plus evaluation), and
+    what the recorded runs took (their processes' CPU seconds, wait4)."""
     grpo, oblr = pilot_of(pilots, "tiny", "GRPO"), pilot_of(pilots, "tiny", "OBLR-PO")
     if grpo is None or oblr is None:
         return "The tiny policy's pilot has not run."
@@ -272,7 +272,9 @@ def sizing(args, pilots: list[dict], planned: int) -> str:
     return (f"From the pilot (`{args.out.name}_pilot.md`): a step of {args.prompts} x {GROUP} on the tiny policy took "
             f"{grpo['seconds_per_step']:.1f} s for GRPO and {oblr['seconds_per_step']:.1f} s for OBLR-PO (1 torch "
             f"thread, peak RSS {max(grpo['peak_rss_gb'], oblr['peak_rss_gb']):.1f} GB), so the {planned} runs of "
-            f"this design need about {hours:.1f} CPU-hours (the other arms counted at OBLR-PO's step).")
+            f"this design need about {hours:.1f} CPU-hours (the other arms counted at OBLR-PO's step). The "
+            f"{len(runs)} runs recorded took {sum(r.get('cpu_seconds') or 0 for r in runs) / 3600:.2f} CPU-hours "
+            f"({sum(r['seconds'] for r in runs if r.get('seconds')) / 3600:.2f} h of wall clock), 1 torch thread each.")
 
 
 def main(argv=None) -> None:

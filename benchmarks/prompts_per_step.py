@@ -59,8 +59,6 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-
 from harness import md_table, utc_now  # noqa: E402
 from harness.procs import is_running, real_demo_outputs  # noqa: E402
 
@@ -423,7 +421,10 @@ def render(result: dict, args, command: str) -> str:
         lines += ["## Stage 2 (paired training at N = 64)", "",
                   f"**{'Run' if dec['run_stage2'] else 'Skip'} stage 2**: {dec['why']} (the rule: spread over "
                   f"the re-samples, or change between the checkpoints, >= {dec['threshold']:g}).", ""]
-        if dec["run_stage2"] and not args.quick:
+        if dec["run_stage2"] and result["records"][0]["model"] == "tiny" and not args.quick:
+            lines += ["On the tiny policy, training at the paper's N = 128 is `benchmarks/paper_n.py` "
+                      "(`benchmarks/paper_n.md`).", ""]
+        elif dec["run_stage2"] and not args.quick:
             task = ", ".join(f"{r['task']} {r['task_config'] or '(one-digit)'}, max {r['max_completion_length']} "
                              f"tokens" for r in result["records"][:1])
             lines += [STAGE2_STATUS + task + ".", "", "The command that runs it (resumable):", "",

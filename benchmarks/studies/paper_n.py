@@ -182,6 +182,12 @@ def render_tables(result: dict) -> list[str]:
             for r in result["grid"]]
     lines += md_table(["arm", "lr (eta_max for the SNR arms)", "seeds", "greedy %", "sampled %", "mean applied lr"],
                       rows)
+    edge = [arm for arm, lr in result["best"].items() if lr is not None and lr in (lrs := [
+        r["lr"] for r in result["grid"] if r["arm"] == arm]) and lr in (lrs[0], lrs[-1])]
+    if edge:
+        lines += ["", f"**At the grid's edge: {', '.join(edge)}.** The best lr of the grid is its smallest or largest, "
+                  "so a better lr may lie beyond it; each arm's figures below are at the best lr of its grid, not "
+                  "necessarily at its best."]
     lines += ["", "## Each arm at its best lr", ""]
     rows = [[r["arm"], f(r["lr"], ".3g"), str(r["n"]), f"{f(r['greedy']['mean'])} ± {f(r['greedy']['sd'])}",
              f"{f(r['sampled']['mean'])} ± {f(r['sampled']['sd'])}", f(r["applied"], ".2e"), f(r["factor"], ".3f"),
@@ -210,8 +216,8 @@ def smollm2_need(pilots: list[dict], steps: int = 20, runs: int = 4) -> str:
         return "SmolLM2 at N = 64 was not piloted."
     hours = cpu_hours(p["seconds_per_step"], steps, p["eval_seconds"] + p["model_seconds"], runs)
     return (f"SmolLM2-135M-Instruct at N = {p['prompts']} (G = {p['group_size']}, micro-batches of {p['micro_batch']}, "
-            f"{p['torch_threads']} torch thread): one OBLR-PO step took {p['seconds_per_step']:.0f} s at a peak RSS of "
-            f"{p['peak_rss_gb']:.1f} GB, so the paired look (GRPO and OBLR-PO, 2 seeds each, {steps} steps, the "
+            f"{p['torch_threads']} torch thread): one OBLR-PO step took {p['seconds_per_step']:.0f} s of wall clock "
+            f"(an upper bound on its CPU time) at a peak RSS of {p['peak_rss_gb']:.1f} GB, so the paired look (GRPO and OBLR-PO, 2 seeds each, {steps} steps, the "
             f"demo's held-out scoring at {p['eval_seconds']:.0f} s a run) would need about {hours:.1f} CPU-hours, "
             "counting GRPO's step as long as OBLR-PO's (not piloted)")
 
@@ -227,11 +233,13 @@ def when_text(result: dict, pilots: list[dict], design: dict) -> str:
             f"greedy held-out accuracy, paired over seeds): {runs}.")
     if missing:
         text += " Not run: " + ", ".join(c[0] for c in missing) + "."
-    if any(c[PRIMARY]["verdict"] in ("better", "worse") for c in result["contrasts"]):
+    judged = [c for c in result["contrasts"] if c[PRIMARY]["ci"] is not None]
+    if any(c[PRIMARY]["verdict"] in ("better", "worse") for c in judged):
         text += " An interval excludes 0 here: on this policy only."
-    else:
-        text += (" No interval excludes 0: no difference detected, which at this power is not evidence of no "
-                 "difference; no default changes.")
+    elif judged:
+        text += (f" No interval excludes 0: no difference detected, which at "
+                 f"{'this power' if len(judged) == 1 else 'these powers'} is not evidence of no difference; no default "
+                 "changes.")
     return text + " " + smollm2_need(pilots) + "; not run."
 
 
