@@ -177,7 +177,7 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
         lines.append("")
     for e in earlier:
         lines += render_earlier(e, grpo_lr, delta)
-    lines += ["Finished so far (held-out accuracy after the run, mean over its seeds; the starting model: "
+    lines += ["Each arm (held-out accuracy after the run, mean over its seeds; the starting model: "
               + ", ".join(f"{TITLES[m]} {fmt(before[m])}%" for m in METRICS) + "):", ""]
     lines += [f"- {r['arm']}: " + ", ".join(f"{TITLES[m]} {fmt(r[m]['mean'])}% ({r[m]['n']} seed"
                                              f"{'s' * (r[m]['n'] != 1)})" for m in METRICS if r[m]["n"])
@@ -203,9 +203,9 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
              for r in arms if not math.isnan(r["seconds_per_step"])]
     lines += ["", "**Cost** (median s/step of the ablation's runs on this 2-core CPU, evaluations included, with its "
               "range over the runs, and peak memory): " + (", ".join(costs) if costs else "not measured yet")
-              + ". No ratio is given here: the runs shared the machine differently (GRPO's and RLOO's whole-batch "
-              "runs of the earlier round alone, for their memory; every other run two at a time, some beside a third "
-              "job, which the range shows); `benchmarks/results/step_cost.md` measures OBLR-PO's step against GRPO's "
+              + ". No ratio is given here: the runs did not run under the same conditions (GRPO's and RLOO's "
+              "whole-batch runs of the earlier round one at a time, for their memory; every other run two or three at "
+              "a time, which the range shows); `benchmarks/results/step_cost.md` measures OBLR-PO's step against GRPO's "
               "in one process.",
               "", "**Where it loses**: " + loses + "."]
     lines += ["", "**A too-large lr** (the stability window): " + render_tolerance(list(stab), stab_steps, collapse_pts,
