@@ -91,11 +91,12 @@ bench-counts: install-dev
 # gpu-wheels` fetches them here, ~9 MB). The update (0.6B, 1.7B and 4B widths; full, LoRA, QLoRA; a memory-tight row)
 # and the whole RL step of OBLRPOTrainer against GRPOTrainer, timed in one run, the FLOP model beside each timing;
 # table in benchmarks/results/bench_gpu_<device>.md. Budgeted at <= 8 min on an H100 (--budget_s skips late rows).
+# The image does not install this package: this checkout is on PYTHONPATH (the scripts never edit sys.path).
 GPU_WHEELS ?= .whl
 GPU_PYTHON ?= python3
 bench-gpu:
 	if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(GPU_WHEELS)/*.whl; fi
-	PYTHONPATH=/tmp/site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/bench_gpu.py
+	PYTHONPATH=$(CURDIR):/tmp/site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/bench_gpu.py
 	$(GPU_PYTHON) benchmarks/update_readme.py
 
 # bitsandbytes (the QLoRA row) too, slimmed to the libraries of CUDA 13 and the CPU (41 -> ~7 MiB), so that the

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / "tests"  # the brute-force oracles (reference.py), for the child processes
 OUT = HERE / "results" / "arch_sweep"
 TINY = dict(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, pad_token_id=0, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=2,
@@ -69,10 +70,9 @@ def build(model_type: str):
 
 
 def one(model_type: str) -> dict:
-    """The row of one architecture (run in a child process)."""
+    """The row of one architecture (run in a child process, with the tests' brute-force oracles, tests/reference.py,
+    on its PYTHONPATH)."""
     import torch
-
-    sys.path.insert(0, str(HERE.parent / "tests"))
     from reference import padded_batch, per_sample_sq_norms
 
     from oblr_trl import per_sequence_grad_sq_norms, validate
@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     for i, key in enumerate(todo):
         if key in rows and not args.only:
             continue
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore",
+               "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)}
         try:
             done = subprocess.run([sys.executable, __file__, "--one", key], capture_output=True, text=True,
                                   timeout=args.timeout, env=env, preexec_fn=_limit_memory)

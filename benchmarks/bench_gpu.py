@@ -59,8 +59,6 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))  # this checkout's oblr_trl
 import harness  # noqa: E402
 from studies.prepared import prepared_batch  # noqa: E402
 from studies import gpu_memory, gpu_models, paired  # noqa: E402

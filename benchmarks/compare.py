@@ -46,13 +46,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
+
 from harness import host, host_id, utc_now  # noqa: E402
-# Runs import oblr_trl from a snapshot of the last commit (git archive HEAD), taken once per comparison, so that every
-# run measures the same code while the working tree is being edited.
-if os.environ.get("OBLR_COMPARE_SRC"):
-    sys.path.insert(0, os.environ["OBLR_COMPARE_SRC"])
 
 TASKS = {
     "chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
@@ -389,7 +384,10 @@ def main(argv=None):
         pending = []
     print(f"{len(jobs)} runs, {len(pending)} to do, {args.jobs} at a time; per-run JSON in {args.run_dir}", flush=True)
     running: list[tuple[subprocess.Popen, tuple, float, object]] = []
-    env = {**os.environ, "OBLR_COMPARE_SRC": src, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # runs import oblr_trl from a snapshot of the last commit (git archive HEAD), taken once per comparison, so that
+    # every run measures the same code while the working tree is being edited
+    path = os.pathsep.join(p for p in (os.path.abspath(src), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     while pending or running:
         while pending and len(running) < args.jobs:
             job = pending.pop(0)

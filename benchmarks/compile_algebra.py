@@ -33,10 +33,6 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-for p in (str(HERE.parent), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
 import harness  # noqa: E402
 from studies.counting import OpCounter  # noqa: E402
 from oblr_trl.grad_norms.factors import (Dense, Factored, Materialized, autocast_operands,  # noqa: E402

@@ -29,15 +29,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's oblr_trl
 import harness  # noqa: E402
 from studies.prepared import prepared_batch  # noqa: E402
 from studies.counting import HostSyncs, LiveBytes, OpCounter, Shapes  # noqa: E402

@@ -19,16 +19,12 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # loaded by path (the tests), not run as a script
-    sys.path.insert(0, str(HERE))
-
 from harness.procs import demo_command  # noqa: E402
 
 

@@ -48,9 +48,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
 from harness import host, host_id, utc_now  # noqa: E402
 from studies.scores import completion_score, gram_stats, spearman  # noqa: E402
 

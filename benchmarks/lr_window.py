@@ -24,12 +24,9 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
 from harness import md_table, utc_now  # noqa: E402
 from harness.stats import fisher_exact  # noqa: E402,F401  (re-exported: lr_window.fisher_exact)
 from studies.ablation.design import ARMS, build_parser, lr_of, window_multiples  # noqa: E402

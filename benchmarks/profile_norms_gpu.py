@@ -21,19 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+from studies.step_cost.calls import device_and_dtype, load_model, make_batch, make_fns
 
-from studies.step_cost.calls import device_and_dtype, load_model, make_batch, make_fns  # noqa: E402
-
-from oblr_trl.grad_norms import engine, factors, per_sequence_grad_sq_norms  # noqa: E402
+from oblr_trl.grad_norms import engine, factors, per_sequence_grad_sq_norms
 
 
 def sync():

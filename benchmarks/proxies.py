@@ -41,9 +41,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
 from harness.memory import peak_rss_gb  # noqa: E402
 from studies.baselines import BASELINED, LABELS, METHODS, advantages  # noqa: E402
 from studies.scores import (batched_scores, completion_score, gram64, gram_stats, lora_b_modules,  # noqa: E402

@@ -38,10 +38,6 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for p in (str(REPO), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
 from harness import Log, fmt, machine_info, write_results  # noqa: E402
 from studies.step_cost.calls import (accuracy, device_and_dtype, label, load_model, make_batch,  # noqa: E402

@@ -14,9 +14,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # loaded by path (the tests), not run as a script
-    sys.path.insert(0, str(HERE))
-
 from harness.readme import update_blocks  # noqa: E402
 READMES = [*sorted(HERE.glob("*.md")), HERE.parent / "README.md", *sorted((HERE.parent / "docs").glob("*.md"))]
 

@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -45,9 +44,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
 from harness import host, md_table, utc_now  # noqa: E402
 from harness.memory import peak_rss_gb  # noqa: E402
 from studies.baselines import LABELS, METHODS, advantages  # noqa: E402

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
 from harness import md_table, utc_now  # noqa: E402
 from harness.stats import clopper_pearson, fisher_exact  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Shared test fixtures: the tiny setup every trainer test runs on, and probes that read public results only.
 
-Test modules import from here (tests/ is on sys.path, see conftest.py), never from each other.
+Test modules import from here (tests/ is on the tests' path: setup.cfg's pythonpath), never from each other.
 """
 
 from __future__ import annotations
@@ -173,11 +173,10 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 
 def load_benchmark(name):
-    """``benchmarks/NAME.py`` as a module (its folder on the path, as when run as a script)."""
+    """``benchmarks/NAME.py`` as a fresh module (its folder is on the tests' path, setup.cfg's ``pythonpath``, as it is
+    on a script's)."""
     import importlib.util
 
-    if BENCHMARKS not in sys.path:
-        sys.path.insert(0, BENCHMARKS)
     spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -8,13 +8,8 @@ import importlib
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
 
 from harness import grid  # noqa: E402
 from studies.ablation import design as abl_design, render as abl_render, when as abl_when  # noqa: E402
@@ -22,8 +17,6 @@ from studies.ablation import design as abl_design, render as abl_render, when as
 
 @pytest.fixture(scope="module")
 def ab():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
     return importlib.import_module("ablation")
 
 

@@ -141,10 +141,6 @@ def test_advantages_and_their_checks_take_no_host_sync_until_read():
     """Issue 56: a chunked ``one_backward`` step read each check of each chunk (weight spread, fallback count,
     unscorable rows, non-finite norms) on its own, 4 host syncs a chunk; the checks now stay on the device and the
     trainer reads them all once (``raised``: one ``.tolist()``), the counts with the metrics."""
-    import sys
-
-    from helpers import BENCHMARKS
-    sys.path.insert(0, BENCHMARKS)
     from studies.counting import HostSyncs
 
     from oblr_trl.advantages import raised

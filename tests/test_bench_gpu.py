@@ -8,12 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-from pathlib import Path
-
-BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
 
 import bench_gpu  # noqa: E402
 

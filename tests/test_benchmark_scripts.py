@@ -52,6 +52,32 @@ def test_scripts_import_the_harness_and_the_studies_never_each_other():
             assert local_imports(path) <= SHARED, f"{path.relative_to(ROOT)} imports {local_imports(path) - SHARED}"
 
 
+def edits_of_the_import_path(path: Path) -> list[int]:
+    """The lines of ``path`` that read or change ``sys.path``."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+            and node.attr == "path" and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+
+
+# scripts that the tests run in child processes, which find tests/ through their own location
+CHILD_SCRIPTS = {"tests/integration/save_crash_child.py", "tests/integration/distributed/fsdp2_norms.py"}
+
+
+def test_no_benchmark_or_test_edits_the_import_path():
+    """A script finds the harness and the studies beside it (``python benchmarks/NAME.py`` puts benchmarks/ first on
+    the path) and ``oblr_trl`` where it is installed; the tests find tests/ and benchmarks/ through setup.cfg's
+    ``pythonpath``; a child process gets a path through its environment (``PYTHONPATH``), not by editing its own."""
+    files = [*BENCH.rglob("*.py"), *(p for p in (ROOT / "tests").rglob("*.py")
+                                     if str(p.relative_to(ROOT)) not in CHILD_SCRIPTS)]
+    found = {str(p.relative_to(ROOT)): lines for p in files if (lines := edits_of_the_import_path(p))}
+    assert not found, f"sys.path used in: {found}"
+
+
+def test_the_import_path_check_sees_an_edit(tmp_path):
+    script = tmp_path / "x.py"
+    script.write_text("import sys\nsys.path.insert(0, '.')\n")
+    assert edits_of_the_import_path(script) == [2]
+
+
 def test_no_benchmark_file_is_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in BENCH.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long

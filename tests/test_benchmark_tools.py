@@ -53,12 +53,7 @@ def test_a_missing_result_file_is_an_error(tmp_path, monkeypatch):
 
 
 def _bench_module(name):
-    import sys
-
-    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    return importlib.import_module(name)
+    return importlib.import_module(name)  # benchmarks/ is on the tests' path (setup.cfg's pythonpath)
 
 
 def test_time_interleaved_calls_in_turn_and_returns_warm_up_outputs():

@@ -3,8 +3,6 @@ what the real tensors would."""
 
 import contextlib
 import json
-import sys
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -12,9 +10,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from helpers import BENCHMARKS, load_benchmark
 
 load = load_benchmark
-if BENCHMARKS not in sys.path:
-    sys.path.insert(0, BENCHMARKS)
-
 from studies import counting  # noqa: E402
 
 
@@ -190,9 +185,6 @@ def test_host_syncs_counts_scalar_reads_and_device_to_host_copies():
     """``counting.HostSyncs`` (issue 56): ``.item()``/``bool()`` (a scalar read), value-sized outputs (``nonzero``),
     and ``.tolist()``/``.cpu()`` (a device-to-host copy on a GPU, no dispatch on a CPU), each once; a plain product
     none. The methods are restored afterwards."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from studies.counting import HostSyncs
 
     x = torch.arange(6.0)

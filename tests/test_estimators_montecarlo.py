@@ -33,7 +33,7 @@ from oblr_trl.estimators import (
 )
 from oblr_trl.step_size import snr_step_size, step_signal_noise
 
-import toy_policy as tp  # tests/ is on sys.path (conftest.py)
+import toy_policy as tp  # tests/ is on the tests' path (setup.cfg's pythonpath)
 
 F64 = torch.float64
 Z = 4.0  # width of every scalar Monte Carlo band, in standard errors (two-sided false alarm ~6e-5)

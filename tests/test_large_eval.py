@@ -13,8 +13,6 @@ BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 @pytest.fixture(scope="module")
 def le():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
     return importlib.import_module("large_eval")
 
 

@@ -6,14 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
 
 import ablation  # noqa: E402
 import lr_window  # noqa: E402

@@ -39,3 +39,10 @@ def test_make_test_adds_the_dev_extras_and_torch_index_can_be_emptied(tmp_path):
 def test_setup_cfg_has_no_deprecated_license_classifier():
     # setuptools >= 77 prints a deprecation banner for it at each of the editable install's three build steps
     assert "License ::" not in (ROOT / "setup.cfg").read_text()
+
+
+def test_make_bench_gpu_runs_this_checkouts_package_without_installing_it(tmp_path):
+    """The GPU image has torch but not this package, and the benchmark scripts do not edit sys.path: the target puts
+    the checkout (and the wheels' folder) on PYTHONPATH."""
+    line = next(line for line in dry_run("bench-gpu", tmp_path) if "benchmarks/bench_gpu.py" in line)
+    assert line.startswith(f"PYTHONPATH={ROOT}:/tmp/site:")

@@ -6,19 +6,14 @@ from __future__ import annotations
 import importlib
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 @pytest.fixture(scope="module")
 def ps():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
     return importlib.import_module("harness.stats")
 
 

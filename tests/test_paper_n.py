@@ -7,16 +7,11 @@ from __future__ import annotations
 import importlib
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = str(ROOT / "benchmarks")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
-
 from harness.stats import paired_difference  # noqa: E402
 from studies import paper_n as pn  # noqa: E402
 

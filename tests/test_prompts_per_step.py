@@ -5,16 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
 
 import prompts_per_step as pps  # noqa: E402
 

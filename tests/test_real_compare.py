@@ -12,12 +12,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 def module():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
     return importlib.import_module("real_compare")
 
 
@@ -158,8 +155,6 @@ def test_a_run_in_flight_is_recognised_by_its_output_dir(tmp_path):
 
 
 def test_step_cost_compares_each_kind_with_grpo_of_its_checkpointing_setting():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
     step_cost = importlib.import_module("step_cost")
     assert step_cost.grpo_of("default") == step_cost.grpo_of("one_backward") == "grpo"
     assert step_cost.grpo_of("one_backward_no_ckpt") == step_cost.grpo_of("default_no_ckpt") == "grpo_no_ckpt"

@@ -4,16 +4,12 @@ the variance verdicts and the lr-window shares on synthetic results."""
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
-
 from harness import stats as paired_stats  # noqa: E402
 import when_to_use  # noqa: E402
 

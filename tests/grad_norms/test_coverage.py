@@ -295,10 +295,6 @@ def test_the_probe_holds_two_gradients_at_a_time_not_four(monkeypatch):
     """Construction's peak stays under a training step's: the probe compares one sequence at a time (the engine's
     gradient and autograd's), in float64 slices, instead of holding both for every sequence (4 gradient-sized buffers
     and float64 copies of the largest parameter, which set the run's peak on a GPU with checkpointing)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from studies.counting import LiveBytes
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -115,15 +115,11 @@ def test_half_autocast_layer_inputs_are_held_as_the_matmul_cast_them(monkeypatch
     for the layers that read it, and the backward's targets are gradient edges: the float32 inputs (LayerNorm outputs,
     PEFT's float32 copies of bf16 inputs for LoRA) are freed as GRPO's backward frees them. The norms are the same,
     bit for bit (the backward's autocast_operands made the same cast), and less is live when the backward starts."""
-    import sys
-    from pathlib import Path
-
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from oblr_trl.grad_norms import engine, factors, hooks
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from studies.counting import LiveBytes
 
     monkeypatch.setattr(factors, "HALF_OPERAND_DEVICES", ("cuda", "cpu"))
