@@ -24,7 +24,7 @@ TERMS = {
     "snr-factor": r"\bSNR (?:step's )?factor\b",
     "snr": r"\bSNR\b",
     "noise-scale": r"\b(?:gradient )?noise scale\b",
-    "eta-max": r"η_max|\beta_max\b",
+    "eta_max": r"η_max|\beta_max\b",
     "ema_soft": r"`\"?ema_soft\"?`",
     "norms-pass": r"\bnorms pass\b",
     "two-passes": r"\btwo[- ]pass(?:es)?\b",
@@ -106,17 +106,30 @@ def pages() -> list[tuple[Path, str]]:
     return [(ROOT / "README.md", "docs/"), *((p, "") for p in sorted(DOCS.glob("*.md")) if p.name not in SKIPPED)]
 
 
-def test_every_term_has_its_glossary_entry():
+def slug(heading: str) -> str:
+    """A heading's anchor as both the site (Python-Markdown's toc) and GitHub's web view make it, for the headings
+    the glossary uses (ASCII words, spaces, hyphens, underscores and backticks)."""
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower())
+
+
+def entries(text: str) -> dict[str, int]:
+    """The glossary's entries: anchor -> where its heading starts."""
+    return {slug(m.group(1)): m.start() for m in re.finditer(r"^### (.*)$", text, re.M)}
+
+
+def test_every_term_has_its_glossary_entry_under_an_anchor_the_site_and_github_share():
     text = GLOSSARY.read_text()
-    for term in TERMS:
-        assert "{#" + term + "}" in text, f"docs/glossary.md has no entry {{#{term}}}"
+    assert "{#" not in text, "attribute lists show as text on GitHub's web view: name the entry so its slug is the anchor"
+    missing = [term for term in TERMS if term not in entries(text)]
+    assert missing == [], f"docs/glossary.md has no entry for {missing}"
+    assert all(h.isascii() for h in re.findall(r"^#+ (.*)$", text, re.M)), "the site drops non-ASCII from anchors"
 
 
 def test_the_glossary_uses_no_term_before_defining_it():
     text = GLOSSARY.read_text()
     early = []
     for term in TERMS:
-        use, defined = first_use(text, term), text.index("{#" + term + "}")
+        use, defined = first_use(text, term), entries(text)[term]
         if use and use[0] < defined:
             early.append(f"glossary.md:{text[:use[0]].count(chr(10)) + 1}: {text[use[0]:use[1]]!r} before its entry")
     assert early == [], "\n".join(early)
@@ -132,6 +145,12 @@ def test_each_page_links_a_term_to_the_glossary_where_it_first_uses_it(page, pre
             line = text[:use[0]].count("\n") + 1
             unlinked.append(f"{page.name}:{line}: {text[use[0]:use[1]]!r} ({use[2]}; link {prefix}glossary.md#{term})")
     assert unlinked == [], "first uses not linked to the glossary:\n" + "\n".join(unlinked)
+
+
+@pytest.mark.parametrize("heading,anchor", [("`one_backward`", "one_backward"), ("Sample, N", "sample-n"),
+                                            ("Gradient-weighted baseline", "gradient-weighted-baseline")])
+def test_slug_is_the_anchor(heading, anchor):
+    assert slug(heading) == anchor
 
 
 @pytest.mark.parametrize("text,term,how", [
