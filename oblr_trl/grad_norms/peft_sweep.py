@@ -52,6 +52,26 @@ NOT_FOR_GRPO: Mapping[str, str] = MappingProxyType({
 })
 
 
+# quantized bases under LoRA (all-linear), judged against a fresh load of the same checkpoint; "generate first": a
+# generate() before validate (bitsandbytes repacks for its CPU kernel), with oblr_trl imported, or before it was
+BF16 = torch.bfloat16
+QUANTIZED: Mapping[str, dict] = MappingProxyType({
+    "QLoRA nf4": dict(),
+    "QLoRA fp4": dict(quant="fp4"),
+    "QLoRA nf4, double quant": dict(double=True),
+    "QLoRA fp4, double quant": dict(quant="fp4", double=True),
+    "QLoRA nf4, bf16 compute (within 2e-2)": dict(compute=BF16),
+    "QLoRA nf4, bf16 storage (FSDP-QLoRA)": dict(storage=BF16),
+    "QLoRA fp4, double quant, bf16 storage": dict(quant="fp4", double=True, storage=BF16),
+    "QLoRA nf4, generate first": dict(generate="after import"),
+    "QLoRA fp4, double quant, generate first": dict(quant="fp4", double=True, generate="after import"),
+    "QLoRA nf4, bf16 storage, generate first": dict(storage=BF16, generate="after import"),
+    "QLoRA nf4, generate first, before import oblr_trl": dict(generate="before import"),
+    "LoRA on an 8-bit base": dict(bits=8),
+})
+QUANTIZED_WIDTH = 128  # hidden size: layers wider than bitsandbytes' 64-value blocks, as real models'
+
+
 @dataclass(frozen=True)
 class Verdict:
     status: str  # 'exact', 'refused', 'not applicable', or 'WRONG' (a bug: norms off while validate passed)
@@ -100,6 +120,7 @@ def verdict(peft_type: str, family: str, tie: bool, make=None) -> Verdict:
     """One case: build the adapter (or say why it does not apply; ``make()``: the adapted model, in place of the
     type's defaults), validate it, and compare its norms with per-row autograd's when validate passes."""
     from . import UnsupportedModulesError, per_sequence_grad_sq_norms, validate
+    from .fingerprint import fingerprint
     from .oracle import per_row_sq_norms
 
     if peft_type in NOT_FOR_GRPO:
@@ -111,18 +132,140 @@ def verdict(peft_type: str, family: str, tie: bool, make=None) -> Verdict:
         reference = per_row_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     except Exception as error:  # PEFT cannot build it for this model, or its own forward fails
         return Verdict("not applicable", f"PEFT fails on it: {type(error).__name__}: {_short(error)}")
+    before = fingerprint(model)
     try:
         validate(model)
     except UnsupportedModulesError as error:
-        return Verdict("refused", ", ".join(sorted({m.type for m in error.modules})) + " ("
-                       + "; ".join(m.name or "the model" for m in error.modules[:2]) + ")")
+        return _unchanged(before, model, passed=False) or _refused(error)
+    changed = _unchanged(before, model, passed=True)
+    if changed:
+        return changed
     ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7).double()
-    if not torch.allclose(ours, reference, rtol=RTOL, atol=1e-9):
+    return _compared(ours, reference, RTOL)
+
+
+def _compared(ours: torch.Tensor, reference: torch.Tensor, rtol: float) -> Verdict:
+    if not torch.allclose(ours, reference, rtol=rtol, atol=1e-9):
         worst = float(((ours - reference).abs() / reference.abs().clamp_min(1e-12)).max())
         return Verdict("WRONG", f"validate passed, norms off by {worst:.2g} (relative)")
     if not float(reference.max()) > 0:
         return Verdict("WRONG", "every row's gradient is 0: nothing was checked")
     return Verdict("exact", "")
+
+
+def _refused(error) -> Verdict:
+    return Verdict("refused", ", ".join(sorted({m.type for m in error.modules})) + " ("
+                   + "; ".join(m.name or "the model" for m in error.modules[:2]) + ")")
+
+
+def _unchanged(before: dict, model, passed: bool) -> Verdict | None:
+    """A WRONG verdict where ``validate`` changed the model, else None. Nothing may change, but on a model that
+    passes bitsandbytes' CPU repacking switch, turned off (documented: :func:`~.quantized.restore`)."""
+    from .fingerprint import differences, fingerprint
+
+    after = fingerprint(model)
+    changed = [k for k in differences(before, after)
+               if not (passed and k.endswith("support_avx512bf16_for_cpu") and after.get(k) is False)]
+    if not changed:
+        return None
+    return Verdict("WRONG", f"validate changed the model: {', '.join(changed[:2])}" + (", ..." if changed[2:] else ""))
+
+
+def _checkpoint(family: str, tie: bool, folder: str) -> str:
+    """A tiny random checkpoint of the family (hidden :data:`QUANTIZED_WIDTH`, 2 layers) saved in ``folder``."""
+    import transformers
+
+    from .zoo import FAMILIES
+
+    path = os.path.join(folder, f"{family}-{'tied' if tie else 'untied'}")
+    if not os.path.exists(path):
+        config_cls, model_cls, _ = FAMILIES[family]
+        torch.manual_seed(0)
+        config = getattr(transformers, config_cls)(
+            tie_word_embeddings=tie, vocab_size=256, hidden_size=QUANTIZED_WIDTH, intermediate_size=2 * QUANTIZED_WIDTH,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=QUANTIZED_WIDTH // 4,
+            max_position_embeddings=64)
+        getattr(transformers, model_cls)(config).save_pretrained(path)
+    return path
+
+
+def load_quantized(path: str, quant="nf4", double=False, compute=torch.float32, storage=torch.uint8, bits=4,
+               repacking=True):
+    """The checkpoint loaded as a user loads it for QLoRA, LoRA on every linear layer (seeded, non-zero); with
+    ``repacking=False`` bitsandbytes' CPU repacking is off from the start: the reference, a fresh load."""
+    import peft
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = (BitsAndBytesConfig(load_in_8bit=True) if bits == 8 else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double,
+        bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=storage))
+    base = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=compute)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0,
+                                                      init_lora_weights="gaussian"))
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu") and not repacking:
+            module.support_avx512bf16_for_cpu = False
+    return model.eval()
+
+
+def _generate(model, ids: torch.Tensor, attention: torch.Tensor, when: str) -> None:
+    """A look at a few answers before training; ``when="before import"``: with bitsandbytes' repacking as it is
+    before oblr_trl is imported (nothing recorded)."""
+    import bitsandbytes.nn.modules as bnb_modules
+
+    recording = bnb_modules._convert_weight_packed_for_cpu
+    if when == "before import":
+        bnb_modules._convert_weight_packed_for_cpu = recording.__wrapped__
+    try:
+        with torch.no_grad():
+            model.generate(input_ids=ids[1:], attention_mask=attention[1:], max_new_tokens=3, do_sample=False,
+                           pad_token_id=0)
+    finally:
+        bnb_modules._convert_weight_packed_for_cpu = recording
+
+
+def quantized_verdict(setting: str, family: str, tie: bool, folder: str) -> Verdict:
+    """One quantized case (:data:`QUANTIZED`): validate on the model as the user has it, which must leave a refused
+    model bit for bit as it was, and an accepted one bit for bit a fresh load of the checkpoint (every tensor,
+    buffer and quantization state field); then its norms against per-row autograd on that fresh load."""
+    from . import UnsupportedModulesError, per_sequence_grad_sq_norms, validate
+    from .fingerprint import differences, fingerprint
+    from .oracle import per_row_sq_norms
+
+    kwargs = dict(QUANTIZED[setting])
+    when = kwargs.pop("generate", None)
+    path = _checkpoint(family, tie, folder)
+    ids, attention, completion_mask = _batch()
+    model = load_quantized(path, **kwargs)
+    if when:
+        _generate(model, ids, attention, when)
+    before = fingerprint(model)
+    try:
+        validate(model)
+    except UnsupportedModulesError as error:
+        return _unchanged(before, model, passed=False) or _refused(error)
+    reference = load_quantized(path, **kwargs, repacking=False)
+    changed = differences(fingerprint(reference), fingerprint(model))
+    if changed:
+        return Verdict("WRONG", f"validate passed on a model that is not the one loaded: {', '.join(changed[:2])}")
+    expected = per_row_sq_norms(reference, ids, attention, completion_mask, temperature=0.7)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7).double()
+    return _compared(ours, expected, 2e-2 if kwargs.get("compute") == BF16 else RTOL)
+
+
+def quantized_sweep(settings: list[str] | None = None) -> dict[str, dict[str, Verdict]]:
+    """``{setting: {'Llama, tied': verdict, ...}}`` for every :data:`QUANTIZED` setting (or ``settings``); empty
+    without bitsandbytes."""
+    import tempfile
+
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return {}
+    with tempfile.TemporaryDirectory() as folder:
+        return {s: {_column(f, tie): quantized_verdict(s, f, tie, folder) for f in FAMILIES for tie in TIES}
+                for s in settings or list(QUANTIZED)}
 
 
 def _short(error: Exception) -> str:
@@ -149,26 +292,35 @@ def table(results: dict[str, dict[str, Verdict]]) -> str:
     lines = ["# Every PEFT tuner type", "",
              f"Every tuner type of PEFT {peft.__version__}'s registry on tiny random Llama and Qwen3 models (hidden 32, "
              "2 layers), tied and untied embeddings; exact = per-sequence squared norms within "
-             f"{RTOL:g} of per-row autograd after `validate()` passed. Generated by "
+             f"{RTOL:g} of per-row autograd after `validate()` passed, and `validate()` changed nothing of the model, "
+             "refused or passed (every tensor, buffer and quantization state, bit for bit). Generated by "
              "`python -m oblr_trl.grad_norms.peft_sweep` and checked by `tests/grad_norms/test_peft_sweep.py`.", "",
              f"Cases: {counts['exact']} exact, {counts['refused']} refused by name, {counts['not applicable']} not "
              f"applicable, {counts['WRONG']} silently wrong.", "",
              "| PEFT type | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
-    for peft_type, row in results.items():
-        cells = [row[c].cell() for c in columns]
-        if len(set(cells)) == 1 and cells[0] != "exact":  # one reason for every model: said once
-            cells = [cells[0]] + ["same"] * (len(cells) - 1)
-        lines.append(f"| {peft_type} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    lines += [_line(peft_type, row, columns) for peft_type, row in results.items()]
     return "\n".join(lines) + "\n"
 
 
-def to_json(results: dict[str, dict[str, Verdict]], moe: dict[str, dict[str, Verdict]] | None = None) -> dict:
+def _line(name: str, row: dict[str, Verdict], columns: list[str]) -> str:
+    """A table row; one reason for every model is said once."""
+    cells = [row[c].cell() for c in columns]
+    if len(set(cells)) == 1 and cells[0] != "exact":
+        cells = [cells[0]] + ["same"] * (len(cells) - 1)
+    return f"| {name} | " + " | ".join(c.replace("|", "/") for c in cells) + " |"
+
+
+def to_json(results: dict[str, dict[str, Verdict]], moe: dict[str, dict[str, Verdict]] | None = None,
+            quantized: dict[str, dict[str, Verdict]] | None = None) -> dict:
     import peft
 
     out = {"peft_version": peft.__version__,
            "types": {t: {c: asdict(v) for c, v in row.items()} for t, row in results.items()}}
     if moe is not None:
         out["moe_experts"] = {t: {c: asdict(v) for c, v in row.items()} for t, row in moe.items()}
+    if quantized:
+        out.update(bitsandbytes_version=_bnb_version(), avx512bf16=_avx512bf16(),
+                   quantized={t: {c: asdict(v) for c, v in row.items()} for t, row in quantized.items()})
     return out
 
 
@@ -214,21 +366,54 @@ def moe_table(moe: dict[str, dict[str, Verdict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def document(results: dict[str, dict[str, Verdict]], moe: dict[str, dict[str, Verdict]]) -> str:
-    """The committed page: every registered type's table, then LoRA on MoE expert banks."""
-    return table(results) + "\n" + moe_table(moe)
+def quantized_table(quantized: dict[str, dict[str, Verdict]]) -> str:
+    """The markdown section of :func:`quantized_sweep`: one row per setting, one column per model."""
+    columns = [_column(f, tie) for f in FAMILIES for tie in TIES]
+    lines = ["## Quantized bases", "",
+             f"LoRA on every linear layer of a bitsandbytes base (bitsandbytes {_bnb_version()}), tiny random Llama "
+             f"and Qwen3 checkpoints (hidden {QUANTIZED_WIDTH}, 2 layers) saved, then loaded as a user loads them, and "
+             "judged against a fresh load of the same checkpoint: exact = after `validate()` the model is that fresh "
+             "load bit for bit (every tensor, buffer and quantization state) and its per-sequence squared norms are "
+             f"within {RTOL:g} of per-row autograd on it (bf16 compute: 2e-2, bf16's own rounding); refused = by "
+             "name, the model left bit for bit as it was. \"generate first\": a `generate()` before `validate()` "
+             "(or the trainer), which on a CPU with AVX512-BF16 repacks the 4-bit weights for bitsandbytes' "
+             f"inference kernel (the machine that wrote this table {'has' if _avx512bf16() else 'lacks'} it); "
+             "\"before import oblr_trl\": that generation ran before oblr_trl was imported.", "",
+             "| base | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [_line(setting, row, columns) for setting, row in quantized.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _bnb_version() -> str:
+    import bitsandbytes
+
+    return bitsandbytes.__version__
+
+
+def _avx512bf16() -> bool:
+    try:
+        from bitsandbytes.functional import has_avx512bf16
+    except ImportError:
+        return False
+    return bool(has_avx512bf16())
+
+
+def document(results: dict[str, dict[str, Verdict]], moe: dict[str, dict[str, Verdict]],
+             quantized: dict[str, dict[str, Verdict]] | None = None) -> str:
+    """The committed page: every registered type's table, then LoRA on MoE expert banks, then quantized bases."""
+    return table(results) + "\n" + moe_table(moe) + ("\n" + quantized_table(quantized) if quantized else "")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "peft_sweep"))
     args = parser.parse_args(argv)
-    results, moe = sweep(), moe_sweep()
+    results, moe, quantized = sweep(), moe_sweep(), quantized_sweep()
     with open(args.out + ".json", "w") as f:
-        json.dump(to_json(results, moe), f, indent=1)
+        json.dump(to_json(results, moe, quantized), f, indent=1)
     with open(args.out + ".md", "w") as f:
-        f.write(document(results, moe))
-    print(document(results, moe))
+        f.write(document(results, moe, quantized))
+    print(document(results, moe, quantized))
     return 0
 
 

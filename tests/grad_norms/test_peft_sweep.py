@@ -31,6 +31,26 @@ def test_lora_on_moe_expert_banks_is_exact(moe):
     assert all(len(row) == len(peft_sweep.MOE_FAMILIES) * len(peft_sweep.TIES) for row in moe.values())
 
 
+@pytest.fixture(scope="module")
+def quantized():
+    pytest.importorskip("bitsandbytes")
+    return peft_sweep.quantized_sweep()
+
+
+def test_quantized_bases_are_exact_against_a_fresh_load_or_refused_unchanged(quantized):
+    """Every bitsandbytes setting, a generate() first and bf16 storage included: the model after validate is a fresh
+    load's bit for bit, with exact norms; only a generation before oblr_trl was imported is refused (scales lost),
+    and the refused model is left as it was (a changed one would read WRONG)."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    assert list(quantized) == list(peft_sweep.QUANTIZED)
+    lost = "QLoRA nf4, generate first, before import oblr_trl"
+    for setting, row in quantized.items():
+        expected = {"refused"} if setting == lost and has_avx512bf16() else {"exact"}
+        assert {v.status for v in row.values()} == expected, (setting, row)
+    assert all("Linear4bit" in v.detail for v in quantized[lost].values()) or not has_avx512bf16()
+
+
 def test_every_registered_type_is_swept_on_every_model(results):
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
@@ -57,13 +77,18 @@ def test_the_adapters_users_train_are_exact(results):
         assert {v.status for v in results[name].values()} == {"exact"}, (name, results[name])
 
 
-def test_the_committed_table_is_this_sweeps(results, moe):
+def test_the_committed_table_is_this_sweeps(results, moe, quantized):
     """Regenerate with ``python -m oblr_trl.grad_norms.peft_sweep`` when this fails for a new PEFT release."""
     with open(RESULTS + ".json") as f:
         committed = json.load(f)
     if committed.get("peft_version") != peft.__version__:
         pytest.skip(f"the table is of PEFT {committed.get('peft_version')}, this is {peft.__version__}: "
                     "the sweep above still checks every type")
-    assert committed == peft_sweep.to_json(results, moe)
+    now = peft_sweep.to_json(results, moe, quantized)
+    if [committed.get(k) for k in ("bitsandbytes_version", "avx512bf16")] != [now.get(k) for k in
+                                                                            ("bitsandbytes_version", "avx512bf16")]:
+        pytest.skip("the quantized table is of another bitsandbytes, or of a CPU with(out) AVX512-BF16: the sweep "
+                    "above still checks every setting")
+    assert committed == now
     with open(RESULTS + ".md") as f:
-        assert f.read() == peft_sweep.document(results, moe)
+        assert f.read() == peft_sweep.document(results, moe, quantized)
