@@ -20,7 +20,7 @@ without training at any N, what the step factor would be at N = 8 ... 128 at two
    for the trainer (``group_size=G``).
 3. **Re-sampling (pure, from the records).** A step of N prompts drawn from the pool (``--draws`` draws without
    replacement) has ``sum_q ||H_q||^2 = sum_{q in S} K_qq`` and ``||G||^2 = 1_S^T K 1_S``: exactly what the trainer's
-   :class:`oblr_trl.snr_step.StepSizer` hands :func:`oblr_trl.step_size.snr_step_size`, which forms the decision
+   :class:`oblr_trl.step_sizer.StepSizer` hands :func:`oblr_trl.snr_formulas.snr_step_size`, which forms the decision
    here too. Two estimators: ``per_step`` (the paper's, and every estimator's first step), and the default
    ``ema_soft`` after ``--chain`` (15) steps whose batches are independent draws at these same parameters (an
    idealisation: in training the parameters move between the steps the average spans).
@@ -62,7 +62,7 @@ ROOT = HERE.parent
 from harness import md_table, utc_now  # noqa: E402
 from harness.procs import is_running, real_demo_outputs  # noqa: E402
 
-from oblr_trl.step_size import SNRState, snr_step_size  # noqa: E402
+from oblr_trl.snr_formulas import SNRState, snr_step_size  # noqa: E402
 
 RESULTS = HERE / "results"
 RECORDS = RESULTS / "prompts_per_step_runs"
@@ -111,7 +111,7 @@ def subset_sums(gram: torch.Tensor, subset: torch.Tensor) -> tuple[float, float]
 
 
 def step_decisions(gram: torch.Tensor, subsets: torch.Tensor, estimator: str = "per_step", **kw) -> list:
-    """The trainer's decision (:func:`oblr_trl.step_size.snr_step_size`) for each step, a step's batch being one row
+    """The trainer's decision (:func:`oblr_trl.snr_formulas.snr_step_size`) for each step, a step's batch being one row
     of ``subsets`` ``(draws, n)``; or, with ``subsets`` ``(draws, chain, n)``, the decision at the last of ``chain``
     consecutive steps, the estimator's state carried from step to step as the trainer carries it."""
     chains = subsets if subsets.dim() == 3 else subsets[:, None, :]
@@ -377,7 +377,7 @@ def render(result: dict, args, command: str) -> str:
         "Per checkpoint, one pool of prompts x completions sampled and scored by the demo's own OBLRPOTrainer; each "
         "group's gradient H_q formed as the trainer forms it (OBLR-PO's default baseline, exact per-sequence "
         "gradients, `accumulate_grad`); a step of N prompts is N groups drawn from the pool, its SNR and factor "
-        "N SNR/(1+N SNR) from `oblr_trl.step_size.snr_step_size` on that step's sum of ||H_q||^2 and ||G||^2. "
+        "N SNR/(1+N SNR) from `oblr_trl.snr_formulas.snr_step_size` on that step's sum of ||H_q||^2 and ||G||^2. "
         f"{args.draws} draws per N, without replacement unless marked. `per_step`: the paper's estimate from the step "
         "alone (also every estimator's first step); SNR clipped at 0 as the trainer clips it; factor 0: steps whose "
         "signal estimate is <= 0 (they do not move). Default: `ema_soft` (beta 0.9) after "

@@ -14,14 +14,10 @@ from .estimators import (
     BASELINES,
     GRAD_NORM_ESTIMATORS,
     clip_weights,
-    gradient_signal_noise,
-    gradient_snr,
     gradient_weighted_baseline,
     mean_baseline,
     register_baseline,
     register_weight_estimator,
-    snr_lr_scale,
-    step_scale_from_contributions,
 )
 from .grad_norms import (
     per_sequence_grad_inner_products,
@@ -29,7 +25,14 @@ from .grad_norms import (
     register_grad_norm_rule,
     validate,
 )
-from .step_size import SNR_ESTIMATORS, register_snr_estimator
+from .snr_formulas import (
+    SNR_ESTIMATORS,
+    gradient_signal_noise,
+    gradient_snr,
+    register_snr_estimator,
+    snr_lr_scale,
+    step_scale_from_contributions,
+)
 from .trainer import OBLRPOTrainer
 
 __version__ = "0.1.0"

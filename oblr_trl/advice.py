@@ -1,6 +1,6 @@
 """Every warning OBLR-PO gives during training, and the one mechanism that gives each at most once per run.
 
-The pieces of the step (:mod:`.advantages`, :mod:`.snr_step`, :mod:`.precision`, :mod:`.one_backward`) return the
+The pieces of the step (:mod:`.advantages`, :mod:`.step_sizer`, :mod:`.precision`, :mod:`.one_backward`) return the
 keys of what they found; the trainer passes them to :class:`Advice`, which logs each key's text once.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from .step_size import STALL_SCALE, STALL_STEPS
+from .snr_formulas import STALL_SCALE, STALL_STEPS
 
 logger = logging.getLogger("oblr_trl.trainer")
 

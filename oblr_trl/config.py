@@ -10,7 +10,7 @@ from trl import GRPOConfig
 
 from .estimators import BASELINES, GRAD_NORM_ESTIMATORS, baseline_uses_weights
 from .loss_terms import LOSS_TYPES, terms_beyond_ratio_one
-from .step_size import SNR_ESTIMATORS, check_estimator
+from .snr_formulas import SNR_ESTIMATORS, check_estimator
 
 SUPPORTED_LOSS_TYPES = LOSS_TYPES  # every TRL 1.16 loss type
 SNR_SAMPLE_UNITS = ("auto", "group", "completion")
@@ -126,7 +126,7 @@ class OBLRPOConfig(GRPOConfig):
             Cap each baseline weight at this multiple of its group's median weight: a guard against the baseline
             following one or two completions when gradient norms vary wildly. `None` (no cap) is the paper's baseline.
         snr_estimator (`str`, defaults to `"ema_soft"`):
-            How the SNR of each step is estimated (see `oblr_trl.step_size`). `"ema"`: bias-corrected exponential
+            How the SNR of each step is estimated (see `oblr_trl.snr_formulas`). `"ema"`: bias-corrected exponential
             moving averages of the signal and of the noise estimates, divided only then (McCandlish et al.);
             `"ema_soft"`: the same, with the averaged signal's clipping at 0 replaced by its expected positive part
             given its standard error (a small step instead of none where the signal is indistinguishable from 0);

@@ -13,7 +13,7 @@ steps its lr scheduler. The seam:
   is put back, and a step DeepSpeed skipped (overflow) is reported so its samples are dropped.
 
 No trainer state here: :class:`ZeroStepHook` holds the callables the trainer gives it (the trainer's
-:class:`.snr_step.StepSizer` does the sizing).
+:class:`.step_sizer.StepSizer` does the sizing).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .snr_step import squared_norm
+from .step_sizer import squared_norm
 
 def zero_stage(ds_config: dict) -> int:
     """The ZeRO stage of a (filled-in) DeepSpeed config; 0 where ZeRO is off."""
@@ -43,7 +43,7 @@ def config_refusal(ds_config: dict) -> str | None:
 
 def reported_grad_sq_norm(norm) -> float:
     """``||G||^2`` from the global gradient norm DeepSpeed reported (a float or a 0-d tensor; ``None``: not computed).
-    Without DeepSpeed the trainer forms it from ``.grad``: :func:`.snr_step.parameters_grad_sq_norm`."""
+    Without DeepSpeed the trainer forms it from ``.grad``: :func:`.step_sizer.parameters_grad_sq_norm`."""
     if norm is None:
         raise RuntimeError(
             "DeepSpeed computed no global gradient norm for this step (the ZeRO optimizer's compute_grad_norm is "

@@ -9,10 +9,8 @@ The baseline's formulas and the per-batch pieces the trainer moves its data thro
 * :func:`unit_sq_norms`: each SNR sample's ``||H_q||^2 = ||sum_{i in q} a_i u_i||^2`` from within-sample Gram rows.
 * :func:`logit_proxy_weights`: verl's forward-only proxy of the squared norms.
 
-The SNR and Theorem 4's step-size factor are :mod:`oblr_trl.step_size`'s, written once there, where the trainer runs
-them; :func:`gradient_signal_noise`, :func:`gradient_snr`, :func:`snr_lr_scale` and
-:func:`step_scale_from_contributions` (the paper's parameterization: per-sample norms and the batch norm) are that
-module's functions, re-exported here under their public names.
+The SNR and Theorem 4's step-size factor are :mod:`oblr_trl.snr_formulas`'s, written once there, where the trainer runs
+them (their public names: ``oblr_trl.gradient_snr``, ...).
 
 Baselines (``BASELINES``, :func:`register_baseline`) and weight estimators (``GRAD_NORM_ESTIMATORS``,
 :func:`register_weight_estimator`) are registered by name (:class:`oblr_trl.registry.Registry`, as verl's
@@ -28,13 +26,6 @@ import torch
 
 from .loss_terms import sequence_shape
 from .registry import Registry
-from .step_size import (  # the SNR formulas, once, where the trainer runs them; re-exported here as before
-    gradient_signal_noise,
-    gradient_snr,
-    snr_from_signal_noise,
-    snr_lr_scale,
-    step_scale_from_contributions,
-)
 
 BaselineFn = Callable[..., tuple[torch.Tensor, int]]
 BASELINES = Registry("baseline", "baseline")  # name -> Baseline, selected by OBLRPOConfig.baseline

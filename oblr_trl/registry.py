@@ -2,7 +2,7 @@
 
 One :class:`Registry` per option: ``BASELINES`` (``OBLRPOConfig.baseline``, :mod:`oblr_trl.estimators`),
 ``GRAD_NORM_ESTIMATORS`` (``grad_norm_estimator``, the baseline weights, :mod:`oblr_trl.estimators`) and
-``SNR_ESTIMATORS`` (``snr_estimator``, :mod:`oblr_trl.step_size`). Each is a ``dict`` from name to entry, filled at
+``SNR_ESTIMATORS`` (``snr_estimator``, :mod:`oblr_trl.snr_formulas`). Each is a ``dict`` from name to entry, filled at
 import by its ``register`` decorator, which refuses a taken name. ``OBLRPOConfig`` validates each option against its
 registry, and the trainer selects the entry from it by name at call time, so an entry registered by a user is both
 accepted and used.

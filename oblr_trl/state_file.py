@@ -24,7 +24,7 @@ import re
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .step_size import LrStats, SNRState
+from .snr_formulas import LrStats, SNRState
 
 STATE_NAME = "oblr_state.json"  # OBLR-PO's cross-step state, beside trainer_state.json in each checkpoint
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers' last write into a checkpoint: the mark of a complete one

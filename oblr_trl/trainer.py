@@ -4,7 +4,7 @@ Each override hands TRL's data to one function or object and back; none holds a 
 stage a value: TRL's batch -> norms (:mod:`.norm_passes`; :func:`.one_backward.chunk_norms` in ``compute_loss``) ->
 advantages ``r_i - b_i`` (Theorem 7: :func:`.advantages.compute_advantages`) -> ``a_i = c_i A_i`` (``_policy_weights``)
 -> loss and update (TRL's; :meth:`.one_backward.ChunkNorms.update`) and SNR samples -> the step size ``lr x N SNR /
-(1 + N SNR)`` (Theorem 4: :class:`.snr_step.StepSizer`, at the step's last micro-batch, or in ZeRO's optimizer step
+(1 + N SNR)`` (Theorem 4: :class:`.step_sizer.StepSizer`, at the step's last micro-batch, or in ZeRO's optimizer step
 via :class:`.deepspeed_step.ZeroStepHook`); an optimizer pre-step hook refuses any step whose size was not set.
 
 * the path (``one_backward`` whole, in chunks or replayed, or two passes): :class:`.path_choice.Route`, asked once per
@@ -34,7 +34,7 @@ from .loss_terms import loss_coefficients
 from .precision import PrecisionWatch
 from .setup_checks import AUX_LOSS_WARNING, check_inputs, check_prompts, check_trainable, checked_reward_funcs
 from .setup_checks import fsdp1_refusal
-from .snr_step import UNSIZED_STEP, RestoreScheduledLR, StepSizer, guard_optimizer, parameters_grad_sq_norm
+from .step_sizer import UNSIZED_STEP, RestoreScheduledLR, StepSizer, guard_optimizer, parameters_grad_sq_norm
 from .trl_logs import install_all_none_reward_filter
 from .trl_seam import sequence_inputs
 

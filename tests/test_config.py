@@ -120,7 +120,7 @@ def test_options_of_the_wrong_type_are_refused_naming_them(option, value, messag
 
 
 def test_snr_window_of_the_window_estimator_is_shown_with_its_quotes():
-    from oblr_trl.step_size import check_estimator
+    from oblr_trl.snr_formulas import check_estimator
 
     with pytest.raises(ValueError, match=re.escape("snr_window='10' must be an integer")):
         check_estimator("window", 0.9, "10")

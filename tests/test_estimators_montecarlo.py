@@ -1,7 +1,7 @@
 """`oblr_trl.estimators` against independent references: exact enumeration, Monte Carlo, and plain loops.
 
 The SNR functions tested here by their public names (`gradient_snr`, `snr_lr_scale`, `gradient_signal_noise`,
-`step_scale_from_contributions`) are `oblr_trl.step_size`'s, which compute through the trainer's own
+`step_scale_from_contributions`) are `oblr_trl.snr_formulas`'s, which compute through the trainer's own
 `step_signal_noise` and `scale_from_signal_noise` (`tests/test_registries.py` checks that they do).
 
 The references never reuse the module's code:
@@ -23,15 +23,15 @@ import math
 import pytest
 import torch
 
-from oblr_trl.estimators import (
+from oblr_trl.estimators import gradient_weighted_baseline, mean_baseline
+from oblr_trl.snr_formulas import (
     gradient_signal_noise,
     gradient_snr,
-    gradient_weighted_baseline,
-    mean_baseline,
     snr_lr_scale,
+    snr_step_size,
     step_scale_from_contributions,
+    step_signal_noise,
 )
-from oblr_trl.step_size import snr_step_size, step_signal_noise
 
 import toy_policy as tp  # tests/ is on the tests' path (setup.cfg's pythonpath)
 
@@ -265,7 +265,7 @@ def test_unclipped_signal_noise_estimates_are_unbiased_at_low_signal():
 
 
 def test_the_trainers_step_estimates_are_unbiased_and_size_its_step():
-    """The functions the trainer runs (`oblr_trl.step_size`), in its own terms: a step's contributions
+    """The functions the trainer runs (`oblr_trl.snr_formulas`), in its own terms: a step's contributions
     ``H_q = g_q / N``, ``sum_q ||H_q||^2`` and ``||G||^2``. `step_signal_noise` is unbiased for ``||grad J||^2`` and
     ``tr Sigma`` of ``g_q`` where the signal estimate is negative half the time, and the ``"per_step"`` factor
     `snr_step_size` applies is ``snr_lr_scale(gradient_snr(m, ||gbar||^2, N))`` of the same samples."""

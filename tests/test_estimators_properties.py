@@ -17,14 +17,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from oblr_trl.estimators import (
-    gradient_signal_noise,
-    gradient_snr,
-    gradient_weighted_baseline,
-    mean_baseline,
-    snr_lr_scale,
-    step_scale_from_contributions,
-)
+from oblr_trl.estimators import gradient_weighted_baseline, mean_baseline
+from oblr_trl.snr_formulas import gradient_signal_noise, gradient_snr, snr_lr_scale, step_scale_from_contributions
 
 SETTINGS = settings(deadline=None, max_examples=60, derandomize=True, database=None)
 NAN, INF = float("nan"), float("inf")

@@ -44,7 +44,7 @@ def test_subset_sums_match_the_vectors_with_and_without_repeats():
 
 
 def test_per_step_decisions_match_brute_force_and_the_package():
-    from oblr_trl.estimators import step_scale_from_contributions
+    from oblr_trl.snr_formulas import step_scale_from_contributions
 
     h = group_vectors()
     gram = h @ h.T
@@ -60,7 +60,7 @@ def test_per_step_decisions_match_brute_force_and_the_package():
 
 
 def test_default_estimator_chain_carries_the_state_as_the_trainer_does():
-    from oblr_trl.step_size import SNRState, snr_step_size
+    from oblr_trl.snr_formulas import SNRState, snr_step_size
 
     h = group_vectors(seed=4)
     gram = h @ h.T

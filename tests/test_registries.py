@@ -1,6 +1,6 @@
 """One implementation of the SNR, and one registry per selectable part (baselines, weight estimators, SNR estimators).
 
-* The SNR formulas exist once, in `oblr_trl.step_size`, where the trainer runs them; the public `gradient_snr`,
+* The SNR formulas exist once, in `oblr_trl.snr_formulas`, where the trainer runs them; the public `gradient_snr`,
   `snr_lr_scale`, `gradient_signal_noise` and `step_scale_from_contributions` call them (so the Monte Carlo tests of
   the public names test the trainer's code). The numbers the trainer's step size comes from are unchanged: checked
   against a frozen copy of the float code it ran before (commit 9d1215d), bit for bit.
@@ -17,13 +17,13 @@ import torch
 
 import oblr_trl
 from helpers import common_args, logged, train
-from oblr_trl import OBLRPOConfig, OBLRPOTrainer, estimators, step_size
-from oblr_trl import snr_step
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer, estimators, snr_formulas
+from oblr_trl import step_sizer
 
 
 # ------------------------------------------------------------------------------------- the numbers are unchanged
 def _old_scale_from_signal_noise(signal: float, noise: float, n: int) -> tuple[float, float]:
-    """``oblr_trl.step_size.scale_from_signal_noise`` as it was (pure floats), frozen here as the reference."""
+    """``oblr_trl.snr_formulas.scale_from_signal_noise`` as it was (pure floats), frozen here as the reference."""
     s, v = max(signal, 0.0), max(noise, 0.0)
     if s == 0.0:
         return 0.0, 0.0
@@ -61,11 +61,11 @@ def test_scale_from_signal_noise_gives_the_old_floats_bit_for_bit():
     floats as the code it ran before. An infinite signal, where that code gave a NaN factor, now gives 1."""
     for signal, noise in _signal_noise_cases():
         for n in (2, 3, 8, 64, 1000):
-            new = step_size.scale_from_signal_noise(signal, noise, n)
+            new = snr_formulas.scale_from_signal_noise(signal, noise, n)
             assert type(new[0]) is float and type(new[1]) is float
             assert new == _old_scale_from_signal_noise(signal, noise, n), (signal, noise, n)
     assert math.isnan(_old_scale_from_signal_noise(math.inf, 1.0, 8)[0])
-    assert step_size.scale_from_signal_noise(math.inf, 1.0, 8) == (1.0, math.inf)
+    assert snr_formulas.scale_from_signal_noise(math.inf, 1.0, 8) == (1.0, math.inf)
 
 
 @pytest.mark.parametrize("estimator", ["per_step", "ema", "ema_soft", "window"])
@@ -81,12 +81,12 @@ def test_every_snr_estimator_decides_as_before(estimator, monkeypatch):
     def run():
         state, out = None, []
         for sum_sq, g2 in inputs:
-            decision, state = step_size.snr_step_size(estimator, sum_sq, g2, 8, state, beta=0.9, window=10)
+            decision, state = snr_formulas.snr_step_size(estimator, sum_sq, g2, 8, state, beta=0.9, window=10)
             out.append((decision, state))
         return out
 
     new = run()
-    monkeypatch.setattr(step_size, "scale_from_signal_noise", _old_scale_from_signal_noise)
+    monkeypatch.setattr(snr_formulas, "scale_from_signal_noise", _old_scale_from_signal_noise)
     old = run()
     assert new == old
     assert any(d.scale == 0.0 for d, _ in new) or estimator == "ema_soft"  # the clipped branch was exercised
@@ -118,13 +118,13 @@ def test_public_snr_functions_agree_with_the_removed_second_implementation():
 
 
 # ------------------------------------------------------------------------------------ one implementation, called
-def test_the_public_snr_names_are_the_step_size_functions():
-    for name in ("gradient_signal_noise", "gradient_snr", "snr_lr_scale", "step_scale_from_contributions",
-                 "snr_from_signal_noise"):
-        assert getattr(estimators, name) is getattr(step_size, name), name
+def test_the_public_snr_names_are_the_snr_formulas_and_have_one_home():
     for name in ("gradient_signal_noise", "gradient_snr", "snr_lr_scale", "step_scale_from_contributions"):
-        assert getattr(oblr_trl, name) is getattr(step_size, name), name
-    assert snr_step.snr_step_size is step_size.snr_step_size
+        assert getattr(oblr_trl, name) is getattr(snr_formulas, name), name
+    for name in ("gradient_signal_noise", "gradient_snr", "snr_lr_scale", "step_scale_from_contributions",
+                 "snr_from_signal_noise"):  # the baseline's module does not re-export them
+        assert not hasattr(estimators, name), name
+    assert step_sizer.snr_step_size is snr_formulas.snr_step_size
 
 
 def _spy(calls: list, fn):
@@ -139,15 +139,15 @@ def test_the_public_snr_names_run_the_trainers_formulas(monkeypatch):
     """`gradient_snr` & co. compute through `step_signal_noise` and `scale_from_signal_noise`, the functions of the
     trainer's step (the latter once per element): patch those, and the public results follow."""
     signal_noise, scales = [], []
-    monkeypatch.setattr(step_size, "step_signal_noise", _spy(signal_noise, step_size.step_signal_noise))
-    monkeypatch.setattr(step_size, "scale_from_signal_noise", _spy(scales, step_size.scale_from_signal_noise))
+    monkeypatch.setattr(snr_formulas, "step_signal_noise", _spy(signal_noise, snr_formulas.step_signal_noise))
+    monkeypatch.setattr(snr_formulas, "scale_from_signal_noise", _spy(scales, snr_formulas.scale_from_signal_noise))
     snr = oblr_trl.gradient_snr(torch.tensor([6.0, 1.0, 4.0]), torch.tensor([1.0, 1.0, 0.5]), 4)
     assert len(signal_noise) == 1 and snr.tolist() == [s for _, s in scales] and len(scales) == 3
     scale = oblr_trl.step_scale_from_contributions(1.5, 1.0, 4)
     assert len(signal_noise) == 2 and len(scales) == 4 and float(scale) == scales[3][0]
     assert oblr_trl.snr_lr_scale(snr, 4).tolist() == [s for s, _ in scales[4:]]
     assert oblr_trl.gradient_signal_noise(6.0, 1.0, 4) is signal_noise[2]
-    monkeypatch.setattr(step_size, "scale_from_signal_noise", lambda signal, noise, n: (0.25, 7.0))
+    monkeypatch.setattr(snr_formulas, "scale_from_signal_noise", lambda signal, noise, n: (0.25, 7.0))
     assert oblr_trl.gradient_snr(6.0, 1.0, 4).item() == 7.0 and oblr_trl.snr_lr_scale(3.0, 4).item() == 0.25
 
 
@@ -155,10 +155,10 @@ def test_the_trainer_calls_the_registered_snr_estimator_and_formulas(monkeypatch
     """One training step: the step size comes from the entry registered under `snr_estimator`, and from
     `step_signal_noise` / `scale_from_signal_noise`, which the Monte Carlo tests check through the public names."""
     estimated, signal_noise, scales = [], [], []
-    registered = step_size.SNR_ESTIMATORS["ema_soft"]
-    monkeypatch.setitem(step_size.SNR_ESTIMATORS, "ema_soft", _spy(estimated, registered))
-    monkeypatch.setattr(step_size, "step_signal_noise", _spy(signal_noise, step_size.step_signal_noise))
-    monkeypatch.setattr(step_size, "scale_from_signal_noise", _spy(scales, step_size.scale_from_signal_noise))
+    registered = snr_formulas.SNR_ESTIMATORS["ema_soft"]
+    monkeypatch.setitem(snr_formulas.SNR_ESTIMATORS, "ema_soft", _spy(estimated, registered))
+    monkeypatch.setattr(snr_formulas, "step_signal_noise", _spy(signal_noise, snr_formulas.step_signal_noise))
+    monkeypatch.setattr(snr_formulas, "scale_from_signal_noise", _spy(scales, snr_formulas.scale_from_signal_noise))
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), snr_estimator="ema_soft"))
     assert len(estimated) == len(signal_noise) == len(scales) == 1
     assert estimated[0][2] == trainer.step_sizer.snr_state
@@ -168,13 +168,13 @@ def test_the_trainer_calls_the_registered_snr_estimator_and_formulas(monkeypatch
 
 # --------------------------------------------------------------------------------------------------- registries
 REGISTRIES = [(estimators.BASELINES, "baseline"), (estimators.GRAD_NORM_ESTIMATORS, "grad_norm_estimator"),
-              (step_size.SNR_ESTIMATORS, "snr_estimator")]
+              (snr_formulas.SNR_ESTIMATORS, "snr_estimator")]
 
 
 def test_the_registries_hold_the_built_in_entries():
     assert sorted(estimators.BASELINES) == ["gradient_weighted", "mean"]
     assert sorted(estimators.GRAD_NORM_ESTIMATORS) == ["exact", "length", "logit"]
-    assert sorted(step_size.SNR_ESTIMATORS) == ["ema", "ema_soft", "per_step", "window"]
+    assert sorted(snr_formulas.SNR_ESTIMATORS) == ["ema", "ema_soft", "per_step", "window"]
     assert {k: v.needs for k, v in estimators.GRAD_NORM_ESTIMATORS.items()} == {
         "exact": "norms", "length": None, "logit": "logit_proxy"}
     exported = (oblr_trl.BASELINES, oblr_trl.GRAD_NORM_ESTIMATORS, oblr_trl.SNR_ESTIMATORS)

@@ -11,7 +11,7 @@ import pytest
 
 from oblr_trl.state_file import (STATE_NAME, TRAINER_STATE_NAME, StateFileError, parse_state, read_state,
                                  resume_point, write_state)
-from oblr_trl.step_size import LrStats, SNRState
+from oblr_trl.snr_formulas import LrStats, SNRState
 
 SNR = SNRState(steps=3, signal=0.5, noise=2.0, signal_sq=0.4, recent=((0.1, 1.0), (0.2, 2.0)))
 STATS = LrStats(steps=3, skipped=1, lr_sum=0.02, scale_sum=0.6, low_streak=1)

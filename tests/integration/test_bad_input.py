@@ -19,7 +19,7 @@ from helpers import train as train_trainer
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.demo.tiny import build_model
 from oblr_trl.setup_checks import check_prompts, check_reward_output
-from oblr_trl.step_size import STALL_STEPS
+from oblr_trl.snr_formulas import STALL_STEPS
 
 
 def build(model=None, reward=length_reward, dataset=DATASET, **overrides):

@@ -20,7 +20,7 @@ import torch
 from helpers import DATASET, TOKENIZER, last_logged, length_reward, logged
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.demo.tiny import build_model
-from oblr_trl.snr_step import STATE_NAME as OBLR_STATE_NAME
+from oblr_trl.state_file import STATE_NAME as OBLR_STATE_NAME
 from oblr_trl.state_file import StateFileError
 
 digit_reward = length_reward  # the count of '1' and '2' digits

@@ -3,7 +3,7 @@
 :class:`StepSizer` holds what lives between a step's micro-batches and across steps: the step's SNR samples (recorded
 by the loss), the SNR estimator's state and the running lr statistics (both checkpointed), and the learning rates it
 scaled (restored right after the optimizer step, so no scheduler compounds the scale). :meth:`StepSizer.size` returns
-the metrics to log and the warnings found; the formulas are :func:`.step_size.snr_step_size`'s. The step's
+the metrics to log and the warnings found; the formulas are :func:`.snr_formulas.snr_step_size`'s. The step's
 ``||G||^2``: :func:`parameters_grad_sq_norm` (under DeepSpeed, :func:`.deepspeed_step.reported_grad_sq_norm`, called
 from :class:`.deepspeed_step.ZeroStepHook`).
 """
@@ -19,8 +19,7 @@ from transformers import TrainerCallback
 
 from .estimators import unit_sq_norms
 from . import state_file
-from .state_file import STATE_NAME  # noqa: F401 (its old home: oblr_trl.snr_step.STATE_NAME)
-from .step_size import LrStats, SNRState, snr_step_size
+from .snr_formulas import LrStats, SNRState, snr_step_size
 
 
 @dataclass
@@ -67,7 +66,7 @@ def guard_optimizer(optimizer, hook) -> None:
 
 def squared_norm(norm) -> float:
     """A gradient norm (a float or a 0-d tensor) squared, as a float; NaN where it is not finite (the SNR step treats
-    inf and NaN alike: :func:`.step_size.snr_step_size`'s ``"nonfinite_grad"``)."""
+    inf and NaN alike: :func:`.snr_formulas.snr_step_size`'s ``"nonfinite_grad"``)."""
     value = float(norm.item() if torch.is_tensor(norm) else norm)
     return value * value if math.isfinite(value) else float("nan")
 

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oblr_trl.snr_step import STATE_NAME, StepSizer, parameters_grad_sq_norm
-from oblr_trl.step_size import STALL_SCALE, STALL_STEPS, snr_step_size
+from oblr_trl.state_file import STATE_NAME
+from oblr_trl.step_sizer import StepSizer, parameters_grad_sq_norm
+from oblr_trl.snr_formulas import STALL_SCALE, STALL_STEPS, snr_step_size
 
 
 def config(**kw):

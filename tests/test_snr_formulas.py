@@ -1,4 +1,4 @@
-"""The SNR estimators of `oblr_trl.step_size` against Monte Carlo on synthetic gradients with a known SNR.
+"""The SNR estimators of `oblr_trl.snr_formulas` against Monte Carlo on synthetic gradients with a known SNR.
 
 A step's samples are ``H_q = mu + eps_q`` (``q = 1..N``, ``eps ~ N(0, I_d)``), so the single-sample estimator
 ``g_q = N H_q`` has ``SNR = ||mu||^2 / d`` and Theorem 4's true factor is ``N SNR / (1 + N SNR)``. Each test feeds an
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from oblr_trl import OBLRPOConfig
-from oblr_trl.estimators import step_scale_from_contributions
-from oblr_trl.step_size import (
+from oblr_trl.snr_formulas import (
     SNRState,
     expected_positive_part,
     scale_from_signal_noise,
     snr_step_size,
+    step_scale_from_contributions,
     step_signal_noise,
 )
 
@@ -201,7 +201,7 @@ def test_lr_stats_record_means_and_round_trip():
     means of the steps, and through the checkpoint's JSON."""
     import json
 
-    from oblr_trl.step_size import LrStats
+    from oblr_trl.snr_formulas import LrStats
 
     assert LrStats().metrics() == {}
     scales = [0.5, 0.0, 0.25, 1.0]
@@ -231,7 +231,7 @@ def test_a_zero_gradient_step_after_an_informative_one_is_not_given_its_scale(es
 
 
 def test_the_noise_scale_is_one_over_the_snr_in_samples_and_the_factor_is_n_over_n_plus_it():
-    from oblr_trl.step_size import gradient_noise_scale
+    from oblr_trl.snr_formulas import gradient_noise_scale
 
     for estimator, kw in KW.items():
         state = None
@@ -250,7 +250,7 @@ def test_the_noise_scale_is_one_over_the_snr_in_samples_and_the_factor_is_n_over
 def test_the_noise_scale_is_finite_or_undefined_never_inf(estimator):
     """Where the signal estimate is <= 0 the noise scale is unbounded: NaN (the trainer then logs nothing), never inf;
     a step of pure signal (noise estimate <= 0) has noise scale 0."""
-    from oblr_trl.step_size import gradient_noise_scale
+    from oblr_trl.snr_formulas import gradient_noise_scale
 
     kw = KW[estimator]
     assert math.isnan(gradient_noise_scale(0.0, 1.0)) and math.isnan(gradient_noise_scale(-1.0, 1.0))
