@@ -120,7 +120,7 @@ def option_detail(f: dataclasses.Field, grpo_default=dataclasses.MISSING) -> str
     if choices is not None:
         facts.append("**allowed** " + ", ".join(code(c) for c in choices))
     more = f" More: [{page_title(SEE_ALSO[f.name])}]({SEE_ALSO[f.name]})." if f.name in SEE_ALSO else ""
-    return f"### `{f.name}` {{#{f.name}}}\n\n{' · '.join(facts)}\n\n{escape(field_help(f))}{more}\n"
+    return f"### `{f.name}`\n\n{' · '.join(facts)}\n\n{escape(field_help(f))}{more}\n"
 
 
 def config_reference() -> str:
@@ -132,8 +132,8 @@ def config_reference() -> str:
     grpo = {f.name: field_default(f) for f in dataclasses.fields(GRPOConfig)}
     head = ["| option | default | what it does |", "|---|---|---|"]
     parts = [
-        "## Options GRPOConfig lacks {#options-grpoconfig-lacks}\n", *head, *map(option_row, own), "",
-        "## GRPOConfig options with OBLR-PO's own default {#grpoconfig-options-redeclared}\n", *head,
+        "## Options GRPOConfig lacks\n", *head, *map(option_row, own), "",
+        "## GRPOConfig options with OBLR-PO's own default\n", *head,
         *map(option_row, redeclared), "", "## Every option in detail\n",
         "Each option's help text, whole; the class docstring in the [API reference](api.md#oblr_trl.OBLRPOConfig) "
         "describes some at more length.\n",
@@ -159,7 +159,7 @@ def troubleshooting() -> str:
     entries = []
     for key, template in WARNINGS.items():
         guide = GUIDE[key]
-        entries.append(f"### `{key}` {{#{key}}}\n\n> {escape(warning_text(template))}\n\n"
+        entries.append(f"### `{key}`\n\n> {escape(warning_text(template))}\n\n"
                        f"**What it means.** {guide.meaning}\n\n**What to do.** {guide.remedy}\n")
     return "\n".join(entries)
 

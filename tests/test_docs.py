@@ -157,6 +157,73 @@ def test_a_stale_or_unknown_generated_part_is_found(tmp_path, monkeypatch):
         generate.render("<!-- generated:nothing:begin -->\n<!-- generated:nothing:end -->")
 
 
+def markdown_pages() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
+
+
+def page_headings(text: str) -> list[str]:
+    """The text of each Markdown heading outside fenced code."""
+    found, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            found.append(line.split(" ", 1)[1].strip())
+    return found
+
+
+def github_slug(heading: str) -> str:
+    """A heading's anchor on GitHub's web view: its text (code spans and links as their text), lowercased, without
+    punctuation but hyphens and underscores, each space a hyphen (runs of hyphens are not collapsed, unlike the
+    site's toc, whose strict build checks the site's side)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def github_anchors(text: str) -> set[str]:
+    found, seen = set(re.findall(r'<a id="([^"]+)"', text)), {}
+    for heading in page_headings(text):
+        slug = github_slug(heading)
+        found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def test_no_heading_carries_an_attribute_list():
+    """`{#anchor}` after a heading is the site's syntax only: GitHub's web view shows it as text. A heading's anchor
+    is its slug (or an `<a id>` line before it), generated parts included."""
+    for path in markdown_pages():
+        text = generate.render(path.read_text()) if path.parent == DOCS else path.read_text()
+        bad = [h for h in page_headings(text) if re.search(r"\{\s*:?\s*[#.]", h)]
+        assert bad == [], f"{path.relative_to(ROOT)}: headings with an attribute list {bad}"
+
+
+def test_every_anchor_a_page_links_to_exists_on_github_s_web_view():
+    """Every `page.md#anchor` link between the README, the docs and the study pages finds its heading on GitHub too
+    (`make docs` checks the site). The API reference's anchors are mkdocstrings', on the site only."""
+    checked, broken = 0, []
+    for path in markdown_pages():
+        text = path.read_text()
+        for match in re.finditer(r"\]\(([^)\s#]*)#([^)\s]+)\)", text):
+            target = (path.parent / match.group(1)).resolve() if match.group(1) else path
+            if target.suffix != ".md" or target == DOCS / "api.md":
+                continue
+            checked += 1
+            text_of_target = generate.render(target.read_text()) if target.parent == DOCS else target.read_text()
+            if match.group(2) not in github_anchors(text_of_target):
+                broken.append(f"{path.relative_to(ROOT)}: {match.group(1)}#{match.group(2)}")
+    assert broken == [] and checked > 50, broken
+
+
+@pytest.mark.parametrize("heading,anchor", [
+    ("`few_samples`", "few_samples"), ("GRPOConfig options with OBLR-PO's own default",
+                                       "grpoconfig-options-with-oblr-pos-own-default"),
+    ("A - b", "a---b"), ("See [the table](x.md)", "see-the-table"), ("On an H100", "on-an-h100"),
+])
+def test_github_slug(heading, anchor):
+    assert github_slug(heading) == anchor
+
+
 def test_figures_resolve_in_the_repository_and_on_the_site():
     """A page links a figure by its path in the repository (../benchmarks/results/NAME.png, which exists); the
     site's build rewrites it to figures/NAME.png, which docs/hooks.py serves."""
