@@ -219,7 +219,7 @@ def measure_prompt(model, modules, tokenizer, reward_func, row, index: int, args
         w_exact=[w_exact.view(K, G)[k].tolist() if mixed[k] else None for k in range(K)],
         w_logit=[proxy.view(K, G)[k].tolist() if mixed[k] else None for k in range(K)],
         gram=gram, example=texts[0], seconds=round(time.time() - t0, 1),
-        peak_rss_gb=peak_rss_gb())
+        peak_rss_gb=peak_rss_gb(), host=host("1 torch thread, shared CPUs"), measured=utc_now(minutes=True))
 
 
 def measure(args) -> None:
@@ -271,6 +271,16 @@ def analyse(records: list[dict], args) -> dict:
                 planned_prompts=args.prompts)
 
 
+def measured_on(records: list[dict]) -> str:
+    """Where and when the records were measured, read from the records (not from the machine that renders them):
+    each machine once, in the records' order, and the first and last UTC dates."""
+    hosts = list(dict.fromkeys(r.get("host", "a machine the record does not name") for r in records))
+    dates = sorted({r["measured"][:10] for r in records if "measured" in r})
+    when = "" if not dates else f" on {dates[0]}" if len(dates) == 1 else f" from {dates[0]} to {dates[-1]}"
+    undated = sum("measured" not in r for r in records)
+    return f"measured on {'; '.join(hosts)}{when}" + (f" ({undated} records undated)" if undated else "")
+
+
 def render(records: list[dict], args, analysis: dict | None = None) -> str:
     analysis = analysis or analyse(records, args)
     K, G, n = records[0]["K"], records[0]["G"], len(records)
@@ -284,10 +294,10 @@ def render(records: list[dict], args, analysis: dict | None = None) -> str:
         "# Gradient variance on long, uneven completions" + (" - PARTIAL" if partial else ""),
         "",
         (f"**Partial: {n} of {args.prompts} planned prompts are in.** " if partial else "")
-        + f"Rendered by `python benchmarks/variance_long.py --render_only` on {utc_now(minutes=True)} from the records "
-        f"in `{os.path.relpath(args.records, HERE.parent)}` (measured on {host('1 torch thread, shared CPUs')}, "
+        + f"Rendered by `python benchmarks/variance_long.py --render_only` from the records in "
+        f"`{os.path.relpath(args.records, HERE.parent)}`, {measured_on(records)}: "
         f"{sum(r['seconds'] for r in records) / 60:.0f} min for {n} prompts, peak RSS "
-        f"{max(r['peak_rss_gb'] for r in records)} GB).",
+        f"{max(r['peak_rss_gb'] for r in records)} GB.",
         "",
         f"SmolLM2-135M-Instruct, chain_sum (two one-digit terms, reasoning-gym seed {args.prompt_seed}) asked to "
         f"'{SHOW_WORK.strip()}'; K={K} groups of G={G} completions per prompt at temperature 1, at most "

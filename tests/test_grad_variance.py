@@ -196,3 +196,24 @@ def test_render_marks_a_partial_run_and_names_the_headline(tmp_path):
     assert f"**{100 * best['reduction']:+.0f}%" in text and "'>=128' of the" in text
     args.prompts = 12
     assert "PARTIAL" not in variance_long.render(records, args)
+
+
+def test_render_names_the_measuring_machine_from_the_records_and_repeats_itself(tmp_path, monkeypatch):
+    """--render_only on another machine, at another time, writes the same file: the machine and the dates are the
+    records', never the renderer's."""
+    records, _ = synthetic_records(4)
+    for i, rec in enumerate(records):
+        rec.update(index=i, max_new_tokens=256, seconds=60.0, peak_rss_gb=1.0, ended=[[True] * rec["G"]] * rec["K"],
+                   rewards=[[0.0] * rec["G"]] * rec["K"], host="measurer (Linux, 2 CPUs)",
+                   measured=f"2026-01-0{1 + i // 2} 10:00 UTC")
+    args = variance_long.parse_args(["--prompts", "4", "--bootstrap", "20", "--records", str(tmp_path)])
+    monkeypatch.setattr(variance_long, "host", lambda *a, **k: "renderer (Other, 64 CPUs)")
+    monkeypatch.setattr(variance_long, "utc_now", lambda *a, **k: "2030-12-31 23:59 UTC")
+    text = variance_long.render(records, args)
+    assert "measured on measurer (Linux, 2 CPUs) from 2026-01-01 to 2026-01-02: 4 min for 4 prompts" in text
+    assert "renderer" not in text and "2030" not in text
+    monkeypatch.setattr(variance_long, "utc_now", lambda *a, **k: "2031-01-01 00:00 UTC")
+    assert variance_long.render(records, args) == text
+    del records[0]["host"], records[0]["measured"]
+    assert variance_long.measured_on(records) == ("measured on a machine the record does not name; measurer (Linux, "
+                                                  "2 CPUs) from 2026-01-01 to 2026-01-02 (1 records undated)")
