@@ -23,7 +23,7 @@ import torch
 
 from trl import GRPOTrainer
 
-from . import deepspeed_step, multimodal, norm_passes, one_backward, path_choice, state_file
+from . import construction_undo, deepspeed_step, multimodal, norm_passes, one_backward, path_choice, state_file
 from .advantages import BaselineStats, compute_advantages, raised
 from .advice import Advice
 from .card import PAPER, append_oblr_section
@@ -54,6 +54,7 @@ class OBLRPOTrainer(GRPOTrainer):
     _name = "OBLR-PO"
     _paper = PAPER  # title, arXiv id and BibTeX (with authors) for the model card
 
+    @construction_undo.undone_on_refusal  # a refused construction leaves the model it was given as it was
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
         bound.arguments["args"] = config_for(bound.arguments.get("args"), bound.arguments["model"])
