@@ -55,6 +55,7 @@ def state(model) -> dict:
 def construct(cls, model, peft_config=None, **args):
     """The error the construction raised, or None."""
     config = (OBLRPOConfig if cls is OBLRPOTrainer else GRPOConfig)(**ARGS, **args)
+    torch.manual_seed(2)  # the adapter a peft_config makes: the same draw in both constructions
     try:
         cls(model=model, processing_class=TOKENIZER, args=config, train_dataset=DATASET, peft_config=peft_config,
             reward_funcs=[lambda completions, **kw: [float(len(c[0]["content"])) for c in completions]])
@@ -103,6 +104,12 @@ ACCEPTED = {
 def test_an_accepted_model_is_changed_as_grpo_trainer_changes_it(name):
     make, args = ACCEPTED[name]
     assert check(make, refused=False, **args) == []
+
+
+def test_a_base_with_a_peft_config_is_changed_as_grpo_trainer_changes_it():
+    """TRL puts the adapter into the model object it is given: the same layers, the same draw, as GRPOTrainer's."""
+    config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
+    assert check(lambda: build("Qwen3", True), refused=False, peft_config=config) == []
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
