@@ -1,7 +1,7 @@
 """Every causal-LM class transformers can build tiny from its config class: exact, refused (by name), or neither.
 
 For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its config class with small sizes
-(the zoo's overrides where :mod:`oblr_trl.grad_norms.zoo` has the family, else hidden 32, 2 layers, vocabulary 48
+(the zoo's overrides where ``studies/zoo.py`` has the family, else hidden 32, 2 layers, vocabulary 48
 set on whichever of the usual attribute names the config has), random weights, float32, eval mode. Then
 ``validate(model)`` (the static check and the probe) and, if it accepts, the per-sequence squared norms of a padded
 batch of 4 against one ``torch.autograd.grad`` per row. Each architecture runs in its own process with a time limit,
@@ -57,7 +57,7 @@ def build(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from oblr_trl.grad_norms import zoo
+    from studies import zoo
 
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     for family, (config_name, zoo_model, _) in zoo.FAMILIES.items():

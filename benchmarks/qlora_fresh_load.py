@@ -34,7 +34,7 @@ def measure(path, vocab, quant, double, compute, storage, generate) -> tuple[str
     against per-row autograd on that fresh load)."""
     from oblr_trl import per_sequence_grad_sq_norms, validate
     from oblr_trl.grad_norms.oracle import per_row_sq_norms
-    from oblr_trl.grad_norms.peft_sweep import load_quantized
+    from studies.peft_sweep import load_quantized
 
     ids, attention, completion_mask = _batch(vocab)
     model = load_quantized(path, quant, double, compute, storage)

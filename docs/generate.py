@@ -11,8 +11,8 @@ committed part differs from what the code generates:
 - ``changelog``: CHANGELOG.md.
 
 The benchmark tables are not made here: they are committed blocks that ``benchmarks/update_readme.py`` rewrites from
-``benchmarks/results/`` (their runs take hours), as is the support table (``python -m
-oblr_trl.grad_norms.support_table``). :func:`logged_metrics` finds the ``oblr/`` metrics the trainer logs, for the
+``benchmarks/results/`` (their runs take hours), as is the support table (``python
+benchmarks/support_table.py``). :func:`logged_metrics` finds the ``oblr/`` metrics the trainer logs, for the
 test that each has its row on the Logged metrics page.
 """
 

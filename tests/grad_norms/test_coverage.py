@@ -8,7 +8,7 @@ from torch import nn
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import UnsupportedModulesError, coverage
-from oblr_trl.grad_norms.zoo import VOCAB, build
+from studies.zoo import VOCAB, build
 from reference import padded_batch, per_sample_sq_norms
 
 

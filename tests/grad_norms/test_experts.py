@@ -150,7 +150,7 @@ def test_routers_alone_by_their_logits_equal_per_row_autograd(family):
     from oblr_trl import per_sequence_grad_sq_norms
     from oblr_trl.grad_norms import generic
     from oblr_trl.grad_norms.routers import recognise_router
-    from oblr_trl.grad_norms.zoo import VOCAB, build
+    from studies.zoo import VOCAB, build
     from reference import padded_batch, per_sample_sq_norms
 
     model = build(family).requires_grad_(False)

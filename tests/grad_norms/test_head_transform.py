@@ -10,7 +10,7 @@ import torch
 from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import UnsupportedModulesError, coverage, engine, head_transform
 from oblr_trl.grad_norms.head_transform import HeadTransform
-from oblr_trl.grad_norms.zoo import VOCAB, build
+from studies.zoo import VOCAB, build
 from reference import padded_batch, per_sample_sq_norms
 
 

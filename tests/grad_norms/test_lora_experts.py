@@ -13,7 +13,7 @@ from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import generic
 from oblr_trl.grad_norms.api import per_sequence_grads
 from oblr_trl.grad_norms.support import coverage_plan
-from oblr_trl.grad_norms.zoo import VOCAB, build
+from studies.zoo import VOCAB, build
 from reference import padded_batch, per_sample_grads
 
 peft = pytest.importorskip("peft")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms.zoo import ADAPTERS, VOCAB, build_adapted
+from studies.zoo import ADAPTERS, VOCAB, build_adapted
 from reference import padded_batch, per_sample_sq_norms
 
 peft = pytest.importorskip("peft")
@@ -44,7 +44,7 @@ SOFT_PROMPTS = {
 @pytest.mark.parametrize("family", ["Llama", "Qwen3"])
 @pytest.mark.parametrize("kind", list(SOFT_PROMPTS))
 def test_soft_prompts_are_exact(kind, family, tie):
-    from oblr_trl.grad_norms.zoo import build
+    from studies.zoo import build
 
     model = peft.get_peft_model(build(family, tie), SOFT_PROMPTS[kind]())
     assert validate(model) == []
@@ -56,7 +56,7 @@ def test_soft_prompts_are_exact(kind, family, tie):
 
 
 def test_prefix_tuning_is_refused_by_name():
-    from oblr_trl.grad_norms.zoo import build
+    from studies.zoo import build
 
     model = peft.get_peft_model(build("Llama", True),
                                 peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
@@ -69,7 +69,7 @@ def test_a_trainable_parameter_outside_the_causal_lm_is_checked_not_skipped():
     """The class of hole soft prompts fell through: the probe's parameters are the model's as the trainer calls it.
     A prompt-tuning encoder the pass cannot see (its soft-prompt path switched off here) is refused, by the probe."""
     from oblr_trl.grad_norms import coverage, soft_prompt
-    from oblr_trl.grad_norms.zoo import build
+    from studies.zoo import build
 
     model = peft.get_peft_model(build("Llama", True), SOFT_PROMPTS["prompt tuning"]())
     params, shown, _ = coverage.trained_parameters(model)
@@ -89,7 +89,7 @@ def test_trainable_tokens_on_tied_embeddings_are_refused_with_the_reason_and_the
     the advice (LoRA on the embedding) is exact on the same tied model."""
     from oblr_trl.grad_norms.fingerprint import differences, fingerprint
     from oblr_trl.grad_norms.support import UnsupportedModulesError
-    from oblr_trl.grad_norms.zoo import build
+    from studies.zoo import build
 
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
     torch.manual_seed(0)

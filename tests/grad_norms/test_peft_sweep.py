@@ -1,4 +1,4 @@
-"""Every tuner type in PEFT's own registry (oblr_trl/grad_norms/peft_sweep.py), on tiny Llama and Qwen3, tied and
+"""Every tuner type in PEFT's own registry (benchmarks/studies/peft_sweep.py), on tiny Llama and Qwen3, tied and
 untied: exact against per-row autograd, refused by name, or not applicable with a stated reason; never silently wrong.
 The committed table (benchmarks/results/peft_sweep.md, the docs' adapter table) is this sweep's output."""
 
@@ -8,7 +8,7 @@ import os
 import pytest
 
 peft = pytest.importorskip("peft")
-from oblr_trl.grad_norms import peft_sweep  # noqa: E402
+from studies import peft_sweep  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "peft_sweep")
 
@@ -78,7 +78,7 @@ def test_the_adapters_users_train_are_exact(results):
 
 
 def test_the_committed_table_is_this_sweeps(results, moe, quantized):
-    """Regenerate with ``python -m oblr_trl.grad_norms.peft_sweep`` when this fails for a new PEFT release."""
+    """Regenerate with ``python benchmarks/peft_sweep.py`` when this fails for a new PEFT release."""
     with open(RESULTS + ".json") as f:
         committed = json.load(f)
     if committed.get("peft_version") != peft.__version__:

@@ -1,4 +1,4 @@
-"""Every family of oblr_trl/grad_norms/zoo.py, tiny and random, tied and untied, on a padded batch: exact against
+"""Every family of benchmarks/studies/zoo.py, tiny and random, tied and untied, on a padded batch: exact against
 per-row autograd, or refused by validate() with advice that is applied here and works."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from helpers import zoo_trainer as _trainer
 from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import UnsupportedModulesError
-from oblr_trl.grad_norms.zoo import FAMILIES, VOCAB, build
+from studies.zoo import FAMILIES, VOCAB, build
 from reference import padded_batch, per_sample_sq_norms
 
 REFUSED: dict[str, str] = {  # family -> the reason validate() gives

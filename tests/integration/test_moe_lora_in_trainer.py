@@ -9,7 +9,7 @@ import torch
 
 from helpers import TOKENIZER, common_args, train
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
-from oblr_trl.grad_norms.zoo import build
+from studies.zoo import build
 from reference import per_sample_sq_norms
 
 peft = pytest.importorskip("peft")

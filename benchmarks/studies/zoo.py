@@ -1,6 +1,6 @@
 """Tiny random models of the architecture families the exact norms are checked on (2 layers, hidden 32, built from
 transformers' config classes): the test zoo (tests/grad_norms/test_zoo.py) and the docs' generated support table
-(docs/models.md, :mod:`.support_table`) both read this list."""
+(docs/models.md, ``benchmarks/support_table.py``) both read this list."""
 
 from __future__ import annotations
 
