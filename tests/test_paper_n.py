@@ -86,6 +86,7 @@ def test_the_tables_and_the_when_sentence_come_from_the_records(script, tmp_path
     quoted = f"{d['mean']:+.1f} pts [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], better"
     assert quoted in text and quoted in when and "An interval excludes 0" in when
     assert "Not run: SNR-only vs GRPO" not in when  # arms outside the design are not "not run"
+    assert "edge" not in when and "Mean applied lr at the best lrs: GRPO 1e-05, OBLR-PO 2e-05." in when
     assert "about 8.1 CPU-hours" in when  # 4 x (20 x 360 + 60 + 30) s from the SmolLM2 pilot
 
 
@@ -106,6 +107,8 @@ def test_a_null_result_is_said_with_its_power_and_changes_no_default(script, tmp
     assert "no difference detected" in when and "power" in when and "no default changes" in when
     assert "Not run: SNR-only vs GRPO, baseline-only vs GRPO" in when
     assert "SmolLM2 at N = 64 was not piloted" in when
+    assert "The best lr of GRPO, OBLR-PO lay at the edge of their grid" in when  # ties: the grid's first
+    assert "**At the grid's edge: GRPO, OBLR-PO.**" in out.with_suffix(".md").read_text()
 
 
 def test_the_docs_quote_the_committed_result():

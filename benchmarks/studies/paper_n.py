@@ -8,14 +8,13 @@ import math
 import statistics
 
 from harness import md_table
-from harness.stats import paired_difference, paired_power, seeds_for_power
 
-from .ablation.design import ARMS, SNR_ARMS, lr_of
+from .ablation.design import lr_of
 from .ablation.records import by_seed
-from .ablation.tables import verdict
+from .ablation.tables import contrast_row
 
-# arm -> (short name in tables, the demo flags are the ablation's, ARMS); the order GRPO and OBLR-PO first, the
-# halves last
+# the N = 8 ablation's arms (their demo flags: studies/ablation/design.py's ARMS), GRPO and OBLR-PO first, the halves
+# last
 PAPER_ARMS = ["GRPO", "OBLR-PO", "SNR-only", "baseline-only"]
 CONTRASTS = [
     ("OBLR-PO vs GRPO", "OBLR-PO", "GRPO"),
@@ -103,27 +102,6 @@ def grid_table(runs: list[dict], arms: list[str], grids: dict[str, list[float]],
     return rows
 
 
-def contrast(runs: list[dict], name: str, a: str, lr_a: float, b: str, lr_b: float, seeds: list[int],
-             delta: float) -> dict:
-    """Arm `a` at `lr_a` minus arm `b` at `lr_b`, per seed of `seeds` and metric: the paired difference (points),
-    its 95% interval, its verdict, the power to detect `delta` points at the observed sd, and the seeds 80% needs."""
-    row = dict(name=name, a=a, b=b, lr_a=lr_a, lr_b=lr_b, planned=len(seeds))
-    for label, key in METRICS.items():
-        mine = {s: v for s, v in by_seed(runs, a, lr_a, f"{key}_after").items() if s in seeds}
-        ref = {s: v for s, v in by_seed(runs, b, lr_b, f"{key}_after").items() if s in seeds}
-        diff = paired_difference(mine, ref)
-        if diff["n"] >= 3 and diff["sd"] > 0:
-            diff["power"] = paired_power(delta, diff["sd"], diff["n"])
-            diff["seeds_for_80"] = seeds_for_power(delta, diff["sd"])
-        diff["verdict"] = verdict(diff)
-        row[label] = diff
-    return row
-
-
-def is_snr_arm(arm: str) -> bool:
-    return arm in SNR_ARMS and ARMS[arm][1]
-
-
 # ------------------------------------------------------------------------------------------------ the tables
 def arm_rows(runs: list[dict], arms: list[str], best: dict[str, float | None], seeds: list[int]) -> list[dict]:
     """Per arm at its best lr of the grid: per metric the seeds run, mean and sd after RL (points); the mean applied
@@ -151,9 +129,11 @@ def arm_rows(runs: list[dict], arms: list[str], best: dict[str, float | None], s
 def analyse(runs: list[dict], arms: list[str], grids: dict[str, list[float]], grid_seeds: list[int],
             seeds: list[int], delta: float) -> dict:
     """The study's numbers from its records: the grid, each arm's best lr (None while its grid is short of seeds),
-    each arm at it over `seeds`, and each arm against GRPO at their best lrs, paired by seed."""
+    each arm at it over `seeds`, and each arm against GRPO at their best lrs, paired by seed: the N = 8 ablation's
+    `contrast_row` (per metric the paired difference, its 95% interval, verdict and power to detect `delta` points;
+    its large-set metric stays empty here)."""
     best = {arm: best_lr(runs, arm, grids[arm], grid_seeds) for arm in arms}
-    contrasts = [contrast(runs, name, a, best[a], b, best[b], seeds, delta) for name, a, b in CONTRASTS
+    contrasts = [contrast_row(runs, name, a, best[a], b, best[b], seeds, delta) for name, a, b in CONTRASTS
                  if a in arms and b in arms and best[a] is not None and best[b] is not None]
     return dict(grid=grid_table(runs, arms, grids, grid_seeds), best=best, arms=arm_rows(runs, arms, best, seeds),
                 contrasts=contrasts, delta=delta, seeds=seeds, grid_seeds=grid_seeds)
@@ -173,6 +153,12 @@ def difference_text(d: dict, delta: float) -> str:
                if "power" in d else ""))
 
 
+def grid_edges(result: dict) -> list[str]:
+    """The arms whose best lr is the smallest or the largest of their grid."""
+    return [arm for arm, lr in result["best"].items() if lr is not None and lr in (lrs := [
+        r["lr"] for r in result["grid"] if r["arm"] == arm]) and lr in (lrs[0], lrs[-1])]
+
+
 def render_tables(result: dict) -> list[str]:
     """The grid, the arms at their best lr and the contrasts as markdown lines."""
     lines = ["## The lr grid", "", f"Seeds {', '.join(map(str, result['grid_seeds']))}; each arm's best lr (bold) is "
@@ -182,8 +168,7 @@ def render_tables(result: dict) -> list[str]:
             for r in result["grid"]]
     lines += md_table(["arm", "lr (eta_max for the SNR arms)", "seeds", "greedy %", "sampled %", "mean applied lr"],
                       rows)
-    edge = [arm for arm, lr in result["best"].items() if lr is not None and lr in (lrs := [
-        r["lr"] for r in result["grid"] if r["arm"] == arm]) and lr in (lrs[0], lrs[-1])]
+    edge = grid_edges(result)
     if edge:
         lines += ["", f"**At the grid's edge: {', '.join(edge)}.** The best lr of the grid is its smallest or largest, "
                   "so a better lr may lie beyond it; each arm's figures below are at the best lr of its grid, not "
@@ -233,6 +218,13 @@ def when_text(result: dict, pilots: list[dict], design: dict) -> str:
             f"greedy held-out accuracy, paired over seeds): {runs}.")
     if missing:
         text += " Not run: " + ", ".join(c[0] for c in missing) + "."
+    applied = [f"{r['arm']} {r['applied']:.2g}" for r in result["arms"] if r["n"] and r["applied"] == r["applied"]]
+    if applied:
+        text += " Mean applied lr at the best lrs: " + ", ".join(applied) + "."
+    edge = grid_edges(result)
+    if edge:
+        text += (f" The best lr of {', '.join(edge)} lay at the edge of {'its' if len(edge) == 1 else 'their'} grid: "
+                 "a better lr may lie beyond it.")
     judged = [c for c in result["contrasts"] if c[PRIMARY]["ci"] is not None]
     if any(c[PRIMARY]["verdict"] in ("better", "worse") for c in judged):
         text += " An interval excludes 0 here: on this policy only."
