@@ -343,8 +343,7 @@ def measure(args, name: str, trained: Path | None) -> dict:
         trained_run=dict(mean_lr_scale=trained_summary.get("mean_lr_scale"),
                          mean_snr=trained_summary.get("mean_snr"),
                          final_lr_scale=trained_summary.get("final_lr_scale")) if trained_summary else None,
-        diag_check_max_rel_err=diag_err, seconds=round(time.time() - start, 1), when=utc_now(),
-        gram=gram.tolist())
+        diag_check_max_rel_err=diag_err, seconds=round(time.time() - start, 1), when=utc_now(), gram=gram.tolist())
 
 
 # ---------------------------------------------------------------------------------------------------- report
