@@ -135,8 +135,10 @@ def analyse(runs: list[dict], arms: list[str], grids: dict[str, list[float]], gr
     best = {arm: best_lr(runs, arm, grids[arm], grid_seeds) for arm in arms}
     contrasts = [contrast_row(runs, name, a, best[a], b, best[b], seeds, delta) for name, a, b in CONTRASTS
                  if a in arms and b in arms and best[a] is not None and best[b] is not None]
+    before = {label: sorted({100 * r[f"{key}_before"] for r in runs if r.get(f"{key}_before") is not None})
+              for label, key in METRICS.items()}
     return dict(grid=grid_table(runs, arms, grids, grid_seeds), best=best, arms=arm_rows(runs, arms, best, seeds),
-                contrasts=contrasts, delta=delta, seeds=seeds, grid_seeds=grid_seeds)
+                contrasts=contrasts, delta=delta, seeds=seeds, grid_seeds=grid_seeds, before=before)
 
 
 def f(x, spec: str = ".1f") -> str:
@@ -173,7 +175,9 @@ def render_tables(result: dict) -> list[str]:
         lines += ["", f"**At the grid's edge: {', '.join(edge)}.** The best lr of the grid is its smallest or largest, "
                   "so a better lr may lie beyond it; each arm's figures below are at the best lr of its grid, not "
                   "necessarily at its best."]
-    lines += ["", "## Each arm at its best lr", ""]
+    lines += ["", "## Each arm at its best lr", "", "Before RL (the same warm model and held-out problems for "
+              "every run): greedy " + ", ".join(f"{v:.1f}%" for v in result["before"]["greedy"])
+              + "; sampled " + ", ".join(f"{v:.1f}%" for v in result["before"]["sampled"]) + ".", ""]
     rows = [[r["arm"], f(r["lr"], ".3g"), str(r["n"]), f"{f(r['greedy']['mean'])} ± {f(r['greedy']['sd'])}",
              f"{f(r['sampled']['mean'])} ± {f(r['sampled']['sd'])}", f(r["applied"], ".2e"), f(r["factor"], ".3f"),
              f(r["seconds_per_step"]), f(r["peak_rss_gb"], ".2f")] for r in result["arms"]]
