@@ -14,8 +14,8 @@ from .result import PerSequenceGradients
 def per_sequence_grads(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        completion_mask: torch.Tensor, **kwargs) -> PerSequenceGradients:
     """:func:`.engine.per_sequence_grads` (see there for the arguments), once the model's coverage is checked."""
-    check_once(model)
-    return engine.per_sequence_grads(model, input_ids, attention_mask, completion_mask, **kwargs)
+    view = check_once(model)  # the model resolved once (plan.view_of), read by every room of the pass
+    return engine.per_sequence_grads(view, input_ids, attention_mask, completion_mask, **kwargs)
 
 
 def per_sequence_grad_inner_products(

@@ -47,7 +47,7 @@ from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sh
 from . import oracle
 from .lm import unwrap_causal_lm, unwrap_distributed
 from .quantized import LOST_SCALES, backward_gaps, lost_scales, quantized, restore, warn_undone
-from .plan import plan_of
+from .plan import ModelView, plan_of, view_of
 from .support import ADVICE, Unsupported, UnsupportedModulesError, unsupported_modules
 
 logger = logging.getLogger(__name__)
@@ -208,14 +208,15 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], sho
     return _mismatches(modules, {shown[n]: v for n, v in found.items()}, rtol)
 
 
-def check_once(model: nn.Module) -> None:
+def check_once(model: nn.Module) -> ModelView:
     """:func:`validate` with the probe, once per model and set of trainable parameters (the engine calls this at
     every pass; the trainer's construction has usually done it already). Raises naming every uncovered module. What
-    passed is remembered on the model's plan (:class:`~.plan.ModelPlan`)."""
-    lm = unwrap_causal_lm(model)
-    plan = plan_of(lm)
-    if plan.probing or plan.probed == trainable_names(lm):
-        return
+    passed is remembered on the model's plan (:class:`~.plan.ModelPlan`). Returns the model resolved
+    (:func:`~.plan.view_of`), for the pass that follows."""
+    view = view_of(model)
+    lm, plan = view.lm, view.plan
+    if plan.probing or plan.probed == view.trainable:
+        return view
     if sharded(lm):  # no plain forward can run on shards: what was checked before sharding stands
         if plan.probed is None and not plan.warned_unchecked:
             plan.warned_unchecked = True
@@ -224,8 +225,9 @@ def check_once(model: nn.Module) -> None:
                 "ZeRO-3) when first seen, so parameters it uses outside their modules' forward cannot be found. Call "
                 "oblr_trl.validate(model) before sharding (OBLRPOTrainer does, at construction, on a model not "
                 "loaded under ZeRO-3's zero.Init).", type(lm).__name__)
-        return
-    validate(model)
+        return view
+    validate(view.outer)
+    return view_of(view.outer)  # validation may have changed the model (bitsandbytes' kernels switched back)
 
 
 def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -> list[Unsupported]:

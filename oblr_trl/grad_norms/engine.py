@@ -34,8 +34,7 @@ from .head_transform import transform_of
 from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Replay, Slot, _fp32
 from .experts import RoutedCaptures
-from .lm import backbone_of, output_head, unwrap_causal_lm
-from .plan import ModelPlan
+from .plan import ModelPlan, ModelView, view_of
 from . import soft_prompt
 from .support import Unsupported, UnsupportedModulesError, coverage_plan, prompt_plan, refuse_outside_decoder
 
@@ -124,13 +123,14 @@ class _Pass:
     inner products of the layers consumed as their output gradients arrived. It owns what the forward hands to the
     backward (``routed``: the expert banks' routed pairs, :class:`~.experts.RoutedCaptures`)."""
 
-    def __init__(self, lm: nn.Module, batch: int, device: torch.device, stream_group_size: int | None,
-                 materialize: bool, prompted: nn.Module | None = None):
-        self.head = output_head(lm)
+    def __init__(self, view: ModelView, batch: int, device: torch.device, stream_group_size: int | None,
+                 materialize: bool):
+        lm, prompted = view.lm, view.prompted
+        self.head = view.head
         if not isinstance(self.head, nn.Linear):
             raise UnsupportedModulesError([Unsupported("lm_head", type(self.head).__name__,
                                                        "the LM head must be an nn.Linear")])
-        plan = coverage_plan(lm)
+        plan = coverage_plan(view)
         self.hooked, self.whole_call, self.borrowed = _hooked_modules(plan)
         self.rules = {c.module: c.rule for c in plan.covered}
         self.names = {m: n for n, m in lm.named_modules()}
@@ -368,21 +368,20 @@ def per_sequence_grads(
     completion_length = completion_mask.shape[1]
     if completion_length >= length:
         raise ValueError("completion_mask must cover fewer positions than input_ids (a prompt token is needed).")
-    lm = unwrap_causal_lm(model)
-    prompted = soft_prompt.soft_prompt_model(model)
+    view = view_of(model)  # once: every room below reads the view
+    lm, prompted = view.lm, view.prompted
     if batch == 0 or not any(p.requires_grad for p in (prompted or lm).parameters()):
         return PerSequenceGradients(defaultdict(list), batch, input_ids.device)
-    run = _Pass(lm, batch, input_ids.device, stream_group_size, materialize, prompted)
+    run = _Pass(view, batch, input_ids.device, stream_group_size, materialize)
     if model_inputs:  # images: the modules that see them (a vision tower) have rows that are not the sequences
         refuse_outside_decoder(lm, run.hooked, model_inputs)
-    transform = transform_of(lm)  # the head's scale, soft cap and offset, as observed on the model's own logits
+    transform = transform_of(view)  # the head's scale, soft cap and offset, as observed on the model's own logits
     alpha = transform.scale / temperature
     virtual = 0 if prompted is None else prompted.peft_config[prompted.active_adapter].num_virtual_tokens
     span = slice(virtual + length - completion_length - 1, virtual + length - 1)  # those that predict completions
     labels, mask = input_ids[:, length - completion_length :], completion_mask.to(torch.float32)
     records, (h, head_weight, head_bias, lse, head_self_done), graph = _forward_backward(
-        run, lm, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph,
-        prompted)
+        run, view, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph)
     run.collect(records)
     before = {slot: len(usages) for slot, usages in run.usages.items()}
     head = run.head
@@ -396,15 +395,15 @@ def per_sequence_grads(
     return result
 
 
-def _forward_backward(run: _Pass, lm: nn.Module, inputs: tuple, span: slice, scored: tuple, alpha: float, transform,
-                      keep_graph: bool = False, prompted: nn.Module | None = None):
+def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, scored: tuple, alpha: float,
+                      transform, keep_graph: bool = False):
     """The pass's forward and backward of ``inputs`` (``input_ids``, ``attention_mask``, ``model_inputs``) under its
     hooks and its expert banks' routed forwards: the records, and the head's operands and terms (:func:`_head_terms`:
     ``h``, weight, bias, log-sum-exp, and whether its own products were formed), and, for ``keep_graph``, the last
-    hidden state and its output gradient (``(None, None)`` when it carries no gradient). ``prompted``: a soft
+    hidden state and its output gradient (``(None, None)`` when it carries no gradient). The view's ``prompted``: a soft
     prompt's ``PeftModel``, whose virtual tokens go first (:mod:`.soft_prompt`)."""
     input_ids, attention_mask, model_inputs = inputs
-    backbone = backbone_of(lm)
+    lm, backbone, prompted = view.lm, view.backbone, view.prompted
     checkpointed = checkpointed_layers(backbone)
     # expert banks outside checkpointed layers keep their routed pairs' factors from the forward (experts.py)
     in_checkpointed = {m for layer in checkpointed for m in layer.modules()}

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from .ledger import float32_mode, plain_mode, probe_batch, sharded
-from .lm import backbone_of, output_head, text_config, unwrap_causal_lm
-from .plan import plan_of
+from .lm import backbone_of, output_head, text_config
+from .plan import view_of
 from .support import Unsupported, UnsupportedModulesError
 
 TOLERANCE = 1e-5  # relative (Frobenius) difference allowed between the engine's head logits and the model's own
@@ -206,9 +206,9 @@ def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsup
 def check(model: nn.Module) -> list[Unsupported]:
     """The head's transform observed (remembered for the engine, on the model's plan), or the refusal naming the head
     and the difference; empty where there is nothing to observe (no Linear head, sharded parameters)."""
-    lm = unwrap_causal_lm(model)
-    plan = plan_of(lm)
-    if plan.head_transform is not None or not isinstance(output_head(lm), nn.Linear) or sharded(lm):
+    view = view_of(model)
+    lm, plan = view.lm, view.plan
+    if plan.head_transform is not None or not isinstance(view.head, nn.Linear) or sharded(lm):
         return []
     with plain_mode(lm), float32_mode(lm) as upcast:
         transform, refused = _observe(lm, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)
@@ -221,11 +221,11 @@ def transform_of(model: nn.Module) -> HeadTransform:
     """What the engine's head computes for ``model``: observed once (:func:`check`), or, for sharded parameters
     never observed before sharding, :func:`from_config`. Raises :class:`~.support.UnsupportedModulesError` naming the
     head where no transform reproduces the model's logits."""
-    lm = unwrap_causal_lm(model)
-    if plan_of(lm).head_transform is None and sharded(lm):
-        return from_config(lm)
-    refused = check(lm)
+    view = view_of(model)
+    if view.plan.head_transform is None and sharded(view.lm):
+        return from_config(view.lm)
+    refused = check(view)
     if refused:
         raise UnsupportedModulesError(refused)
-    seen = plan_of(lm).head_transform
+    seen = view.plan.head_transform
     return HeadTransform() if seen is None else seen

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .lm import backbone_of, output_head, unwrap_causal_lm
-from .plan import plan_of
+from .lm import output_head
+from .plan import trainable_names, view_of  # noqa: F401 (trainable_names: imported from here too)
 from .quantized import compute_dtype, packed, quantized
 
 PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
@@ -40,10 +40,6 @@ def probe_batch(lm: nn.Module, batch: int = PROBE_BATCH, prompt: int = PROBE_PRO
     completion_mask[-1, completion - 1 :] = 0
     attention[-1, -1] = 0
     return ids.to(device), attention.to(device), completion_mask.to(device)
-
-
-def trainable_names(lm: nn.Module) -> tuple[str, ...]:
-    return tuple(n for n, p in lm.named_parameters() if p.requires_grad)
 
 
 @contextmanager
@@ -131,15 +127,14 @@ def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
     and set of trainable parameters (a tiny forward and backward), then remembered on the model's plan
     (:class:`~.plan.ModelPlan`). Models whose parameters are already shards cannot run that forward: they keep what
     was found before sharding (``validate`` at trainer construction finds it), or nothing."""
-    lm = unwrap_causal_lm(model)
-    names = trainable_names(lm)
-    plan = plan_of(lm)
+    view = view_of(model)
+    lm, names, plan = view.lm, view.trainable, view.plan
     known = plan.owners
     if known is not None and (known[0] == names or sharded(lm)):
         return known[1]
     if not names or sharded(lm):
         return {}
     with plain_mode(lm):
-        owners = _discover(lm, backbone_of(lm))
+        owners = _discover(lm, view.backbone)
     plan.owners = (names, owners)
     return owners

@@ -16,10 +16,13 @@ def unwrap_distributed(model: nn.Module) -> nn.Module:
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The ``*ForCausalLM`` module under DDP/Accelerate and PEFT wrappers."""
-    model = unwrap_distributed(model)
-    if hasattr(model, "get_base_model"):  # peft.PeftModel
-        model = model.get_base_model()
-    return model
+    return under_peft(unwrap_distributed(model))
+
+
+def under_peft(outer: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` under a PEFT wrapper (``outer`` itself where it has none); ``outer`` is already
+    unwrapped of DDP (:func:`unwrap_distributed`)."""
+    return outer.get_base_model() if hasattr(outer, "get_base_model") else outer  # peft.PeftModel
 
 
 def output_head(lm: nn.Module) -> nn.Module | None:

@@ -10,9 +10,9 @@ from torch import nn
 
 from . import generic, soft_prompt
 from . import experts, lora_experts, routers  # noqa: F401 (their call rules register on import)
-from .ledger import functional_owners, trainable_names
-from .lm import backbone_of, output_head, unwrap_causal_lm, unwrap_distributed
-from .plan import ModelPlan, plan_of
+from .ledger import functional_owners
+from .lm import output_head, unwrap_causal_lm, unwrap_distributed
+from .plan import ModelPlan, ModelView, plan_of, view_of
 from .recognise import find_rule
 from .rules import CallRule, Rule, find_call_rule, registered, switched_off_now
 
@@ -113,16 +113,16 @@ def borrowed_names(owners: dict[nn.Module, nn.Module]) -> dict[nn.Module, list[s
     return out
 
 
-def _resolve_all(lm: nn.Module, owners: dict[nn.Module, nn.Module], memo: dict
+def _resolve_all(view: ModelView, owners: dict[nn.Module, nn.Module], memo: dict
                  ) -> tuple[list[Covered], list[Unsupported]]:
-    """How each trainable module of ``lm``'s backbone is covered (the head is the engine's own), given ``owners``
+    """How each trainable module of the model's backbone is covered (the head is the engine's own), given ``owners``
     (``{module used functionally: the ancestor that borrows it}``, :func:`~.ledger.functional_owners`), and every
     module that is not: each module's rule resolved once (:func:`resolve`)."""
-    head = output_head(lm)
-    borrowing = borrowed_names(lora_experts.outermost(owners, lm))  # a chain of LoRA wrappers is one call
+    head = view.head
+    borrowing = borrowed_names(lora_experts.outermost(owners, view.lm))  # a chain of LoRA wrappers is one call
     covered: list[Covered] = []
     found: list[Unsupported] = []
-    for name, module in backbone_of(lm).named_modules():
+    for name, module in view.backbone.named_modules():
         if module is head or module in owners:
             continue
         borrowed = tuple(borrowing.get(module, ()))
@@ -148,11 +148,11 @@ def coverage_plan(model: nn.Module) -> ModelPlan:
     model: resolved again only when what it was resolved under changes (the trainable parameters, the modules
     themselves, the per-row limit, the switched-off rules, :func:`~.rules.switched_off`, or the registered ones,
     :func:`~.rules.registered`); the recognisers' probes are kept in its ``memo`` across re-resolutions."""
-    lm = unwrap_causal_lm(model)
-    plan = plan_of(lm)
-    key = (trainable_names(lm), tuple(map(id, lm.modules())), generic.MAX_NUMEL, switched_off_now(), registered())
+    view = view_of(model)
+    plan = view.plan
+    key = (view.trainable, view.module_ids, generic.MAX_NUMEL, switched_off_now(), registered())
     if plan.key != key:
-        plan.covered, plan.unsupported = _resolve_all(lm, functional_owners(lm), plan.memo)
+        plan.covered, plan.unsupported = _resolve_all(view, functional_owners(view), plan.memo)
         plan.key = key
     return plan
 
@@ -227,7 +227,7 @@ def unsupported_modules(model: nn.Module) -> list[Unsupported]:
         found.append(Unsupported("lm_head", type(head).__name__, TIED_TOKENS))
     elif not isinstance(head, nn.Linear):
         found.append(Unsupported("lm_head", type(head).__name__, "the LM head must be an nn.Linear"))
-    return found + coverage_plan(lm).unsupported
+    return found + coverage_plan(model).unsupported
 
 
 def refuse_outside_decoder(lm: nn.Module, hooked: list[nn.Module], model_inputs: dict) -> None:
