@@ -16,6 +16,7 @@ only when the model's structure changes. A pass resolves the model once and hand
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from torch import nn
@@ -82,19 +83,35 @@ class ModelView:
     (PEFT's ``ModulesToSaveWrapper`` around the head, or the head itself); ``config``: the text config;
     ``prompted``: the ``PeftModel`` whose active adapter is a soft prompt (:mod:`.soft_prompt`), or None;
     ``trainable``: the ``*ForCausalLM``'s trainable parameter names; ``module_ids``: its modules, by identity;
-    ``plan``: its :class:`ModelPlan`; ``key``: what it was resolved under (:func:`view_key`)."""
+    ``plan``: its :class:`ModelPlan`; ``key``: what it was resolved under (:func:`view_key`).
 
-    outer: nn.Module
-    lm: nn.Module
+    The view is kept on the ``*ForCausalLM``'s plan, so it holds the model, its wrappers and the plan by weak
+    references: strong ones would make a cycle, and a deleted model's memory would wait for the garbage collector."""
+
+    refs: tuple  # weak references to outer, lm and prompted (None where there is none)
     backbone: nn.Module
     head: nn.Module | None
     head_wrapper: nn.Module | None
     config: object
-    prompted: nn.Module | None
     trainable: tuple[str, ...]
     module_ids: tuple[int, ...]
-    plan: ModelPlan
     key: tuple
+
+    @property
+    def outer(self) -> nn.Module | None:
+        return self.refs[0]()
+
+    @property
+    def lm(self) -> nn.Module | None:
+        return self.refs[1]()
+
+    @property
+    def prompted(self) -> nn.Module | None:
+        return None if self.refs[2] is None else self.refs[2]()
+
+    @property
+    def plan(self) -> ModelPlan:
+        return plan_of_lm(self.lm)
 
 
 def view_key(outer: nn.Module, lm: nn.Module, head_wrapper: nn.Module | None) -> tuple:
@@ -120,6 +137,7 @@ def view_of(model) -> ModelView:
     get_head = getattr(lm, "get_output_embeddings", None)
     wrapper = get_head() if callable(get_head) else None
     key = view_key(outer, lm, wrapper)
-    plan.view = ModelView(outer, lm, backbone_of(lm), output_head(lm), wrapper, text_config(lm),
-                          soft_prompt.soft_prompt_model(outer), key[0], key[1], plan, key)
+    prompted = soft_prompt.soft_prompt_model(outer)
+    refs = weakref.ref(outer), weakref.ref(lm), None if prompted is None else weakref.ref(prompted)
+    plan.view = ModelView(refs, backbone_of(lm), output_head(lm), wrapper, text_config(lm), key[0], key[1], key)
     return plan.view

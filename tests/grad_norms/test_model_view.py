@@ -4,7 +4,9 @@ adapter added or switched, PEFT's ``modules_to_save`` head, another wrapper, a c
 
 import collections
 import copy
+import gc
 import sys
+import weakref
 
 import peft
 import pytest
@@ -135,3 +137,20 @@ def test_norms_are_the_same_from_a_kept_view_and_a_fresh_one():
     plan_of(model).view = None
     fresh = per_sequence_grads(model, *_batch()).inner_products(1)
     assert torch.equal(kept, fresh)
+
+
+@pytest.mark.parametrize("build", [_qwen3, _lora], ids=["full", "lora"])
+def test_a_deleted_model_is_freed_without_the_garbage_collector(build):
+    """The view is kept on the model's own plan: it holds the model by weak references, or the model, its plan and
+    its view would be a cycle that keeps the weights until the collector runs."""
+    model = build()
+    lm_calls(model)
+    lm_calls(model)
+    gc.collect()
+    gc.disable()
+    try:
+        ref = weakref.ref(model)
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
