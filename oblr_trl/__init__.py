@@ -37,7 +37,7 @@ from .trainer import OBLRPOTrainer
 
 __version__ = "0.1.0"
 
-# Names that moved to the demo's room (issue 48) -> their module. `load_reference_model` still forwards (the README
+# Names that moved to the demo's room -> their module. `load_reference_model` still forwards (the README
 # and users name it); the others say where they went.
 _FORWARDED = {"load_reference_model": "oblr_trl.demo"}
 _MOVED = {
@@ -53,7 +53,7 @@ def __getattr__(name: str):
     if name in _FORWARDED:
         return getattr(importlib.import_module(_FORWARDED[name]), name)
     if name in _MOVED:
-        raise AttributeError(f"oblr_trl.{name} moved to {_MOVED[name]} (issue 48: the demo in its own room): "
+        raise AttributeError(f"oblr_trl.{name} moved to {_MOVED[name]} (the demo in its own room): "
                              f"from {_MOVED[name]} import {name}")
     raise AttributeError(f"module 'oblr_trl' has no attribute {name!r}")
 

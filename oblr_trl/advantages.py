@@ -47,7 +47,7 @@ class BaselineStats:
 def raised(*found: dict) -> tuple[str, ...]:
     """The keys of :data:`.advice.WARNINGS` that apply, from dicts of ``key -> whether it applies`` (a bool, or a 0-d
     tensor still on the device): every tensor read by the host at once, one sync however many checks and chunks
-    there are (issue 56: a chunked ``one_backward`` step read each check of each chunk on its own). In first-seen
+    there are (a chunked ``one_backward`` step read each check of each chunk on its own). In first-seen
     order, each key once."""
     flat = [(k, v) for d in found for k, v in d.items()]
     tensors = [v.reshape(()).bool() for _, v in flat if torch.is_tensor(v)]

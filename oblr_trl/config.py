@@ -261,7 +261,7 @@ class OBLRPOConfig(GRPOConfig):
         },
     )
 
-    # ---- issue 18: eta_max ----
+    # ---- eta_max ----
     learning_rate: float = field(
         default=5e-6,
         metadata={
@@ -276,7 +276,7 @@ class OBLRPOConfig(GRPOConfig):
             "you would give GRPO, multiply learning_rate by k."
         },
     )
-    # ---- end issue 18 ----
+    # ---- end eta_max ----
 
     # Paper defaults that differ from GRPOConfig's.
     scale_rewards: str = field(

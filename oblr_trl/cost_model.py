@@ -26,7 +26,7 @@ HEAD_TILE = 4096  # tokens per tile of TRL's fused LM head (trl.kernels.chunked_
 ACTIVATION = 1.4  # elements a layer saves per token without checkpointing, per element of its linear maps' in + out
 # the head and the rest, fitted to the counted rows: logits-sized tiles, head-weight gradients, hidden-sized tensors
 GRPO_REST = dict(tiles=1.9, head_grad=0.55, hidden=5.0, hidden_ckpt=10.0)
-# one_backward's: refitted for issue 56 (the head's larger vocabulary chunks, factors.vocab_chunk, and both untied head
+# one_backward's: refitted (the head's larger vocabulary chunks, factors.vocab_chunk, and both untied head
 # gradients held at the update's end): at or above the counted peaks of benchmarks/results/cost_counts.md
 ONE_BACKWARD_REST = dict(tiles=1.0, head_grad=1.0, hidden=20.0, hidden_ckpt=30.0)
 REPLAY_HIDDEN = 25.0  # hidden-sized tensors per token that one_backward replayed holds beside the checkpointed inputs

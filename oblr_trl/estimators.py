@@ -295,7 +295,7 @@ def baseline_metrics(
 ) -> dict[str, float]:
     """The baseline's metrics for one generation batch (unscorable rewards, NaN, excluded; 0 where nothing is left)."""
     valid = ~torch.isnan(rewards)
-    # every value on the device first, read by the host in one transfer (one sync instead of six, issue 56)
+    # every value on the device first, read by the host in one transfer (one sync instead of six)
     dtype = torch.float32 if rewards.device.type == "mps" else torch.float64  # MPS has no float64
     v = valid.to(dtype)
     n = v.sum()

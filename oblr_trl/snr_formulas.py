@@ -32,7 +32,7 @@ one, and :func:`snr_step_size` calls it from there).
 The formulas exist once, here: :func:`step_signal_noise` (the unbiased per-step estimates) and
 :func:`scale_from_signal_noise` (the SNR and Theorem 4's factor), which the trainer's :func:`snr_step_size` runs.
 The public :func:`gradient_signal_noise`, :func:`gradient_snr`, :func:`snr_lr_scale` and
-:func:`step_scale_from_contributions` (re-exported by :mod:`oblr_trl.estimators` and :mod:`oblr_trl`) write them in
+:func:`step_scale_from_contributions` (exported by :mod:`oblr_trl`) write them in
 the paper's parameterization and call them, so their Monte Carlo tests test the trainer's code.
 
 The per-step estimates are in the units of the single-sample estimator ``g_q = N H_q`` (``||grad J||^2`` and

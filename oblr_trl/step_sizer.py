@@ -32,7 +32,7 @@ class StepSamples:
 
     def reduce_all_ranks(self) -> tuple[float, int]:
         """``(sum_q ||H_q||^2, N)`` over every rank's samples of the step (a collective call); empties the record."""
-        # one_backward's ||H_q||^2 summed on the device, read by the host in one transfer (issue 56: one sync, not 3)
+        # one_backward's ||H_q||^2 summed on the device, read by the host in one transfer (one sync, not 3)
         sums = [sq for _, sq in self.formed]
         local = [(sum(count for count, _ in self.formed), float(torch.stack(sums).sum()))] if sums else []
         everyone = gather_object([(self.rows, local)])
@@ -79,7 +79,7 @@ def parameters_grad_sq_norm(parameters, scaler=None) -> float:
     if not grads:
         return 0.0
     if not any(hasattr(g, "device_mesh") for g in grads) and len({(g.device, g.dtype) for g in grads}) == 1:
-        # one operator for every gradient (as get_total_norm's foreach path on a GPU), on any device (issue 56)
+        # one operator for every gradient (as get_total_norm's foreach path on a GPU), on any device
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
     else:
         norm = torch.nn.utils.get_total_norm(grads)
@@ -115,7 +115,7 @@ class StepSizer:
 
     def record_rows(self, rows: torch.Tensor, unit: int, a: torch.Tensor, gram: torch.Tensor) -> None:
         """The two-pass path's terms of one micro-batch: row ids, ``a_i = c_i A_i`` and within-unit Gram rows, read by
-        the host in one transfer (issue 56: one sync, not 4; float64 holds the row ids exactly below 2^53)."""
+        the host in one transfer (one sync, not 4; float64 holds the row ids exactly below 2^53)."""
         columns = (rows.div(unit, rounding_mode="floor"), rows % unit, a.detach())
         packed = torch.cat([torch.stack([c.double() for c in columns], 1), gram.detach().double()], dim=1).cpu()
         self.samples.rows.append((packed[:, 0].long(), packed[:, 1].long(), packed[:, 2], packed[:, 3:]))

@@ -26,7 +26,7 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
    What it checks is the model as the trainer runs it (:func:`trained_parameters`: under DDP, above PEFT, so a soft
    prompt's encoder is checked, never skipped), against autograd on that model; and since autograd is the reference,
    a backward through an operator with no backward formula (PyTorch's autograd fallback: bitsandbytes' CPU inference
-   kernel) is refused naming the operator, as autograd itself is wrong there (issue 55).
+   kernel) is refused naming the operator, as autograd itself is wrong there.
    This check also covers ``one_backward``: its update is the same per-sequence gradients, weighted. Cost: one
    engine pass of that batch and one forward+backward per sequence (twice where float32 misses), and two
    gradient-sized buffers while it runs (one sequence at a time: the engine's gradient and autograd's), so that

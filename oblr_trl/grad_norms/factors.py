@@ -41,7 +41,7 @@ CUDA_MACS_PER_BYTE = 100
 GATHER_BUDGET = 1 << 25
 # Products of per-sample gradients over their long axis (N = n_L n_R entries, ~3M for a Qwen3-0.6B MLP map) take it
 # in pieces of about PIECE entries, the pieces' partial products summed by a reduction: one (k, N)(N, k) product
-# accumulates each dot serially in float32, ~sqrt(N) eps, 2-4e-4 relative at N = 2-3M on a CPU (measured, issue 56),
+# accumulates each dot serially in float32, ~sqrt(N) eps, 2-4e-4 relative at N = 2-3M on a CPU (measured),
 # where the exactness target is 1e-5; in pieces it is ~1e-7, and faster on a CPU and a GPU alike. Axes up to
 # SPLIT_MIN entries are one piece (~4e-6 at most).
 PIECE = 1024
@@ -52,7 +52,7 @@ SMALL_MATERIALIZED = 1 << 20
 SMALL_BATCH = 64
 # TRL's fused head holds (up to HEAD_TILE_TOKENS tokens) x vocab float32 logits at a time; the head's passes here take
 # vocabulary chunks of at most 1 / HEAD_TILE_SHARE of that (tokens x chunk float32), VOCAB_CHUNK columns at least
-# (issue 56: 4 chunks instead of 19 at 2,048 tokens, each some 40 operator calls, within GRPO's head memory)
+# (4 chunks instead of 19 at 2,048 tokens, each some 40 operator calls, within GRPO's head memory)
 HEAD_TILE_TOKENS = 4096
 HEAD_TILE_SHARE = 4
 _OUT_DTYPE = {"ok": True}  # whether torch.mm/bmm(..., out_dtype=torch.float32) works here (CUDA, torch >= 2.8)
@@ -815,7 +815,7 @@ def _block_sums(prod: torch.Tensor, k: int) -> torch.Tensor:
 
 def _summed_left_grams(group: list[Factored]) -> torch.Tensor:
     """``sum_u gram(u.left, u.left)`` over dense usages: one Gram of their factors concatenated along the features
-    (the sum of their Grams: one batched product instead of one per usage, issue 56) where they share a dtype and
+    (the sum of their Grams: one batched product instead of one per usage) where they share a dtype and
     shape; else float32 Grams accumulated in place by ``baddbmm``."""
     lefts = [u.left.t for u in group]
     if len(lefts) > 1 and len({(t.dtype, t.shape[:-1]) for t in lefts}) == 1:
