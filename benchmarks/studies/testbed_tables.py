@@ -1,0 +1,206 @@
+"""The testbed study's tables and figure from its run records (``benchmarks/testbed.py --no_run`` writes them)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from harness import md_table, utc_now
+
+from . import testbed_study as S
+
+DELTA = 3.0
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{100 * x:.1f}"
+
+
+def lr_of(r: dict) -> str:
+    return f"{r['lr']:.3g}"
+
+
+def regime_rows(runs: list[dict], prompts: list[int]) -> list[list[str]]:
+    rows = []
+    for n in prompts:
+        mine = [r for r in runs if r["prompts"] == n]
+        bs = sorted(b for r in mine if r["arm"] == "OBLR-PO" and (b := S.start_noise_scale(r)) is not None)
+        starts = [r["curve"][0]["sampled"] for r in mine if r["curve"] and r["curve"][0]["step"] == 0]
+        sps = {arm: statistics.median(r["seconds_per_step"] for r in mine if r["arm"] == arm)
+               for arm in ("GRPO", "OBLR-PO") if any(r["arm"] == arm for r in mine)}
+        cpu = statistics.median(r["cpu_seconds"] for r in mine) if mine else math.nan
+        b = statistics.median(bs) if bs else None
+        rows.append([str(n), pct(statistics.mean(starts)) if starts else "-",
+                     "-" if b is None else f"{b:.1f} ({bs[0]:.1f}-{bs[-1]:.1f}, {len(bs)} runs)",
+                     "-" if b is None else f"{S.factor(n, b):.2f}",
+                     "; ".join(f"{a} {v:.1f}" for a, v in sps.items()), f"{cpu:.0f}", str(len(mine))])
+    return rows
+
+
+def grid_rows(runs: list[dict], arm: str, prompts: int, seed: int) -> list[list[str]]:
+    cells = sorted((r for r in runs if r["arm"] == arm and r["prompts"] == prompts and r["seed"] == seed),
+                   key=lambda r: r["lr"])
+    rows = []
+    for r in cells:
+        first, last = S.first_last(r)
+        applied = [h["oblr/lr"] for h in r["history"] if "oblr/lr" in h]
+        rows.append([arm, lr_of(r), f"{statistics.mean(applied):.3g}" if applied else lr_of(r), pct(first), pct(last),
+                     f"{100 * (last - first):+.1f}", pct(r["sampled"]), pct(r["greedy"])])
+    return rows
+
+
+def control_rows(runs: list[dict], prompts: int, lr: float) -> tuple[list[list[str]], dict]:
+    rows, gains = [], {}
+    for arm in ("GRPO", "GRPO-shuffled"):
+        for r in sorted(S_pick(runs, arm, prompts, lr), key=lambda r: r["seed"]):
+            first, last = S.first_last(r)
+            gains.setdefault(arm, []).append(last - first)
+            rows.append([arm, str(r["seed"]), pct(first), pct(last), f"{100 * (last - first):+.1f}", pct(r["sampled"])])
+    return rows, gains
+
+
+def S_pick(runs, arm, prompts, lr):
+    return [r for r in runs if r["arm"] == arm and r["prompts"] == prompts and math.isclose(r["lr"], lr, rel_tol=1e-6)]
+
+
+def best_of(runs: list[dict], arm: str, prompts: int, grid_seed: int) -> float | None:
+    lrs = sorted({r["lr"] for r in runs if r["arm"] == arm and r["prompts"] == prompts and r["seed"] == grid_seed})
+    return S.best_lr([r for r in runs if r["prompts"] == prompts], arm, lrs, [grid_seed]) if lrs else None
+
+
+METRICS = {"sampled (held-out)": lambda r: r["sampled"], "last-10 reward": S.last_reward,
+           "greedy (held-out)": lambda r: r["greedy"]}
+
+
+def compare_section(runs: list[dict], prompts: int, grid_seed: int) -> tuple[list[str], dict]:
+    best = {arm: best_of(runs, arm, prompts, grid_seed) for arm in ("GRPO", "OBLR-PO")}
+    lines = [f"Best lr on seed {grid_seed} (highest last-10 training reward): "
+             + ", ".join(f"{a} {'-' if b is None else f'{b:.3g}'}" for a, b in best.items()) + ".", ""]
+    out = dict(best=best)
+    if None in best.values():
+        return lines, out
+    seeds = {arm: S_pick(runs, arm, prompts, best[arm]) for arm in best}
+    rows = []
+    for name, metric in METRICS.items():
+        g = {r["seed"]: metric(r) for r in seeds["GRPO"]}
+        o = {r["seed"]: metric(r) for r in seeds["OBLR-PO"]}
+        c = S.contrast(o, g, DELTA)
+        out[name] = c
+        ci = "-" if c["ci"] is None else f"[{c['ci'][0]:+.1f}, {c['ci'][1]:+.1f}]"
+        common = c["seeds"]
+        rows.append([name, str(c["n"]), pct(statistics.mean(g[s] for s in common)) if common else "-",
+                     pct(statistics.mean(o[s] for s in common)) if common else "-", f"{c['mean']:+.1f}", ci,
+                     "-" if c["power"] != c["power"] else f"{100 * c['power']:.0f}%", str(c["seeds_for_80"] or ">60")])
+    lines += md_table(["metric", "paired seeds", "GRPO %", "OBLR-PO %", "OBLR-PO - GRPO (pts)", "95% interval",
+                       f"power ({DELTA:g} pts)", "seeds for 80%"], rows)
+    # rollouts to reach GRPO's final training reward, on the seed-mean curves (5-step trailing mean)
+    per_step = prompts * 8
+    target = statistics.mean(S.last_reward(r) for r in seeds["GRPO"])
+    reach = []
+    for arm in best:
+        curve = S.smoothed(S.mean_curve(seeds[arm]))
+        k = S.rollouts_to_reach(curve, target, per_step)
+        reach.append([arm, str(len(seeds[arm])), pct(target), "not reached" if k is None else f"{k:,}",
+                      f"{len(curve) * per_step:,}"])
+        out.setdefault("rollouts", {})[arm] = k
+    lines += ["", f"Rollouts each arm needs to reach GRPO's final training reward ({pct(target)}%: GRPO's mean last-10 "
+              "reward over its seeds), on the seed-mean reward curve (5-step trailing mean; rollouts = steps x N x 8):",
+              ""]
+    lines += md_table(["arm", "seeds", "target %", "rollouts to reach", "rollouts in the run"], reach)
+    out["target"] = target
+    return lines, out
+
+
+def figure(runs: list[dict], prompts: int, best: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for arm, lr in best.items():
+        if lr is None:
+            continue
+        rs = S_pick(runs, arm, prompts, lr)
+        if not rs:
+            continue
+        curve = S.mean_curve(rs)
+        ax.plot([(i + 1) * prompts * 8 for i in range(len(curve))], [100 * v for v in curve],
+                label=f"{arm} (lr {lr:.3g}, {len(rs)} seeds)")
+    ax.set_xlabel("rollouts")
+    ax.set_ylabel("training reward (%)")
+    ax.set_title(f"Testbed, N = {prompts} x 8: seed-mean training reward")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def render_all(args, runs: list[dict], command: str) -> None:
+    n = args.prompts
+    grpo_best = best_of(runs, "GRPO", n, args.grid_seed)
+    lines = ["# The paper's regime on a CPU: the testbed policy", "",
+             f"Generated by `{command}` on {utc_now(minutes=True)} from the {len(runs)} records in "
+             "`benchmarks/results/testbed_runs/`. Every run: `benchmarks/studies/testbed_run.py` on the testbed policy "
+             f"(`oblr_trl.demo.testbed`, spec `{args.testbed}`), N prompts x 8 completions per step at T = 1, "
+             f"{args.steps} steps, constant lr, fresh training-split problems each step, 1 torch thread, `nice -n 10` on "
+             "a 2-core machine shared with other jobs (seconds are wall-clock under that load). B: the trainer's "
+             "`oblr/noise_scale` at step 1 of each OBLR-PO run (before any update); f = N / (N + B). Held-out "
+             "problems: distinct problems of the held-out split (a hash of the digit string), never trained on.", "",
+             "## The regime", ""]
+    lines += md_table(["N", "start sampled accuracy %", "B at the start (prompts): median (range, runs)",
+                       "f = N/(N+B)", "s/step (median)", "CPU s per run (median)", "runs"],
+                      regime_rows(runs, sorted({r["prompts"] for r in runs})))
+    lines += ["", f"## GRPO's lr grid (N = {n}, seed {args.grid_seed})", ""]
+    lines += md_table(["arm", "lr", "applied lr (mean)", "first-10 reward %", "last-10 reward %", "gain (pts)",
+                       "sampled held-out %", "greedy held-out %"], grid_rows(runs, "GRPO", n, args.grid_seed))
+    verdict = {}
+    if grpo_best is not None:
+        rows, gains = control_rows(runs, n, grpo_best)
+        lines += ["", f"## Learning: GRPO against the shuffled-reward control (lr {grpo_best:.3g}, N = {n})", "",
+                  "The control permutes each step's rewards across its completions: the same reward level, no "
+                  "information. Training reward is on fresh training-split problems.", ""]
+        lines += md_table(["arm", "seed", "first-10 reward %", "last-10 reward %", "gain (pts)", "sampled held-out %"],
+                          rows)
+        if gains.get("GRPO") and gains.get("GRPO-shuffled"):
+            learned = min(gains["GRPO"]) > max(gains["GRPO-shuffled"])
+            verdict = dict(grpo_gain_min=min(gains["GRPO"]), shuffled_gain_max=max(gains["GRPO-shuffled"]),
+                           learns=learned)
+            lines += ["", f"GRPO's smallest gain {100 * min(gains['GRPO']):+.1f} pts against the control's largest "
+                      f"{100 * max(gains['GRPO-shuffled']):+.1f}: "
+                      + ("GRPO learns beyond the control on every seed." if learned else
+                         "not separated from the control.")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    (args.out.parent / (args.out.name + "_regime.md")).write_text("\n".join(lines) + "\n")
+    # the comparison
+    lines = ["# GRPO against OBLR-PO on the testbed policy", "", f"Generated by `{command}` on {utc_now(minutes=True)} "
+             "from the records in `benchmarks/results/testbed_runs/` (runs as in `testbed_regime.md`). Each arm's lr "
+             f"grid on seed {args.grid_seed} (OBLR-PO's `learning_rate` in its drop-in meaning where the installed "
+             "version has it: the lr one would give GRPO), then seeds at each arm's best lr; paired by seed (the same "
+             "warm policy, problems and first batch). Differences in points with Student-t 95% intervals; power of "
+             f"the paired t-test to detect {DELTA:g} points at the observed spread.", ""]
+    result = {}
+    for prompts in sorted({r["prompts"] for r in runs}, reverse=True):
+        if not any(r["arm"] == "OBLR-PO" for r in runs if r["prompts"] == prompts):
+            continue
+        lines += [f"## N = {prompts}", "", "### lr grids", ""]
+        lines += md_table(["arm", "lr", "applied lr (mean)", "first-10 reward %", "last-10 reward %", "gain (pts)",
+                           "sampled held-out %", "greedy held-out %"],
+                          grid_rows(runs, "GRPO", prompts, args.grid_seed)
+                          + grid_rows(runs, "OBLR-PO", prompts, args.grid_seed))
+        lines += ["", "### Paired seeds at each arm's best lr", ""]
+        section, out = compare_section(runs, prompts, args.grid_seed)
+        lines += section
+        fig = args.out.parent / f"{args.out.name}_compare_N{prompts}.png"
+        if figure(runs, prompts, out["best"], fig):
+            lines += ["", f"![seed-mean training reward, N = {prompts}]({fig.name})"]
+        lines += [""]
+        result[str(prompts)] = {k: v for k, v in out.items()}
+    (args.out.parent / (args.out.name + "_compare.md")).write_text("\n".join(lines) + "\n")
+    (args.out.parent / (args.out.name + ".json")).write_text(json.dumps(dict(learning=verdict, compare=result),
+                                                                        indent=1, default=str))
