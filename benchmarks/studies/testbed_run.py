@@ -75,7 +75,8 @@ def run(spec: dict) -> dict:
                   per_device_train_batch_size=prompts * GROUP, gradient_accumulation_steps=1,
                   num_generations=GROUP, learning_rate=lr, lr_scheduler_type="constant", max_completion_length=8,
                   temperature=1.0, seed=seed, logging_steps=1, save_strategy="no", report_to="none",
-                  disable_tqdm=True, use_cpu=True, loss_type=OBLRPOConfig.loss_type, beta=0.0)
+                  disable_tqdm=True, use_cpu=True, loss_type=OBLRPOConfig.loss_type, beta=0.0,
+                  activation_checkpointing=False)  # TRL checkpoints by default; this model needs no memory saving
     if ARM_OPTIONS[arm] is None:
         config, trainer_cls = GRPOConfig(scale_rewards="group", **common), GRPOTrainer
     else:
@@ -111,7 +112,8 @@ def run(spec: dict) -> dict:
                if "reward" in e]
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return dict(spec=spec, arm=arm, lr=lr, seed=seed, prompts=prompts, steps=steps, group_size=GROUP,
-                testbed=tb_spec.key(), sampled=sum(sampled) / len(sampled), greedy=sum(greedy) / len(greedy),
+                testbed=tb_spec.key(), lr_mode=getattr(config, "snr_lr_mode", "eta_max") if arm in (
+                    "OBLR-PO", "SNR-only") else None, sampled=sum(sampled) / len(sampled), greedy=sum(greedy) / len(greedy),
                 eval_problems=EVAL_PROBLEMS, eval_samples=EVAL_SAMPLES, curve=curve, history=history,
                 seconds=round(time.time() - start, 1), train_seconds=round(train_s, 1),
                 seconds_per_step=round(train_s / steps, 2), cpu_seconds=round(time.process_time() - cpu0, 1),

@@ -42,8 +42,9 @@ MIN_DIGITS, MAX_DIGITS = 3, 5
 class TestbedSpec:
     """What the warm policy is built from; the cache key."""
 
-    p_reverse: float = 0.35  # the warm-up's share of right answers
-    wrong: str = "copy"  # the warm-up's other answers: "copy" (the string unchanged) or "period" (right, then ".")
+    p_reverse: float = 0.3  # the warm-up's share of right answers
+    # the warm-up's other answers: "copy" (the string unchanged), "period" (right, then "."), "mixed" (half each)
+    wrong: str = "mixed"
     hidden_size: int = 96
     num_hidden_layers: int = 2
     sft_steps: int = 1200
@@ -114,7 +115,7 @@ def reward_func(prompts, completions, digits=None, **kwargs) -> list[float]:
 reward_func.__name__ = reward_func.__qualname__ = "reverse_accuracy"
 
 
-WRONG_ANSWERS = {"copy": lambda d: d, "period": lambda d: reverse_answer(d) + "."}
+WRONG_ANSWERS = {"copy": lambda d: d, "period": lambda d: reverse_answer(d) + ".", "mixed": None}
 
 
 def warmup_examples(spec: TestbedSpec):
@@ -126,7 +127,12 @@ def warmup_examples(spec: TestbedSpec):
     problems = draw_problems("train", spec.num_examples, spec.seed + 10_000)
     if spec.wrong not in WRONG_ANSWERS:
         raise ValueError(f"oblr_trl.demo.testbed: wrong={spec.wrong!r}; allowed: {sorted(WRONG_ANSWERS)}.")
-    answers = [reverse_answer(d) if rng.random() < spec.p_reverse else WRONG_ANSWERS[spec.wrong](d) for d in problems]
+    answers = []
+    for d in problems:
+        u = rng.random()
+        kind = spec.wrong if spec.wrong != "mixed" else ("copy" if u < spec.p_reverse + (1 - spec.p_reverse) / 2
+                                                         else "period")
+        answers.append(reverse_answer(d) if u < spec.p_reverse else WRONG_ANSWERS[kind](d))
     return Dataset.from_list([{"prompt": [{"role": "user", "content": question(d)}], "answer": a}
                               for d, a in zip(problems, answers)])
 
