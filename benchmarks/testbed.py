@@ -37,9 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=["regime", "compare", "low_n"], default=None)
     p.add_argument("--no_run", action="store_true")
+    p.add_argument("--arms", nargs="+", default=["GRPO", "OBLR-PO"], choices=["GRPO", "OBLR-PO"],
+                   help="the arms of the compare and low_n phases")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (N)")
     p.add_argument("--low_prompts", type=int, default=2, help="N of the low-N phase")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--low_steps", type=int, default=100, help="steps of the low-N phase")
     p.add_argument("--lr_centre", type=float, default=5e-4)
     p.add_argument("--ratio", type=float, default=2.0)
     p.add_argument("--points", type=int, default=5)
@@ -60,7 +63,8 @@ def load(records: Path) -> list[dict]:
 
 
 def spec(args, arm: str, lr: float, seed: int, prompts: int) -> dict:
-    return dict(arm=arm, lr=lr, seed=seed, prompts=prompts, steps=args.steps, testbed=json.loads(args.testbed),
+    steps = args.low_steps if prompts == args.low_prompts else args.steps
+    return dict(arm=arm, lr=lr, seed=seed, prompts=prompts, steps=steps, testbed=json.loads(args.testbed),
                 cache_dir=str(args.cache_dir), output_dir=str(WORK / "tmp"))
 
 
@@ -70,7 +74,7 @@ def jobs(args, runs: list[dict], phase: str) -> list[dict]:
     n, g0 = args.prompts if phase != "low_n" else args.low_prompts, [args.grid_seed]
     mine = [r for r in runs if r["prompts"] == n]
     out = []
-    arms = ["GRPO"] if phase == "regime" else ["GRPO", "OBLR-PO"]
+    arms = ["GRPO"] if phase == "regime" else args.arms
     for arm in arms:
         lrs = S.extended_grid(mine, arm, grid, args.ratio, g0)
         out += [spec(args, arm, lr, args.grid_seed, n) for lr in lrs]
