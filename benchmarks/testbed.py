@@ -121,7 +121,12 @@ def run_all(args, phase: str) -> None:
                json.dumps({k: v for k, v in job.items() if k != "name"}), str(args.records / f"{job['name']}.json")]
         with open(log_dir / f"{job['name']}.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-            code, _, _ = wait_peak_gb(proc.pid)
+            code, peak_gb, cpu_s = wait_peak_gb(proc.pid)
+        if code == 0:  # the process's peak RSS and CPU seconds, imports and evaluation included (wait4)
+            path = args.records / f"{job['name']}.json"
+            record = json.loads(path.read_text())
+            path.write_text(json.dumps(dict(record, peak_rss_gb=round(peak_gb, 2), process_cpu_seconds=round(cpu_s, 1)),
+                                       indent=1))
         expected = max(expected, time.time() - t)
         print(f"{utc_now(minutes=True)} done {job['name']} rc={code} ({time.time() - t:.0f}s)", flush=True)
         if code:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import resource
 import sys
 import time
 from pathlib import Path
@@ -110,14 +109,13 @@ def run(spec: dict) -> dict:
     greedy = tb.evaluate(m, tokenizer, eval_problems)
     history = [{k: e[k] for k in HISTORY_KEYS if k in e} | dict(step=e["step"]) for e in trainer.state.log_history
                if "reward" in e]
-    usage = resource.getrusage(resource.RUSAGE_SELF)
     return dict(spec=spec, arm=arm, lr=lr, seed=seed, prompts=prompts, steps=steps, group_size=GROUP,
                 testbed=tb_spec.key(), lr_mode=getattr(config, "snr_lr_mode", "eta_max") if arm in (
                     "OBLR-PO", "SNR-only") else None, sampled=sum(sampled) / len(sampled), greedy=sum(greedy) / len(greedy),
                 eval_problems=EVAL_PROBLEMS, eval_samples=EVAL_SAMPLES, curve=curve, history=history,
                 seconds=round(time.time() - start, 1), train_seconds=round(train_s, 1),
                 seconds_per_step=round(train_s / steps, 2), cpu_seconds=round(time.process_time() - cpu0, 1),
-                peak_rss_gb=round(usage.ru_maxrss / 2**20, 2), torch_threads=torch.get_num_threads(),
+                torch_threads=torch.get_num_threads(),
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
 
