@@ -165,6 +165,7 @@ def _refused(lm: nn.Module, error: Exception) -> list[Unsupported]:
 
 def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], shown: dict[str, str],
            modules: dict[str, nn.Module], rtol: float) -> list[Unsupported]:
+    params, shown, modules = trained_parameters(model)  # as the model is now: float32_mode's copies, where swapped
     ids, attention, completion_mask = probe_batch(lm)
     outer = unwrap_distributed(model)
 
@@ -208,14 +209,30 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], sho
     return _mismatches(modules, {shown[n]: v for n, v in found.items()}, rtol)
 
 
+NO_GRAD = ("Per-sequence gradients need autograd, and this call runs under {what}: the pass would record no "
+           "output gradient. Call it outside the {what} block, or wrap the call in {fix}.")
+
+
+def refuse_without_grad() -> None:
+    """Refuses, naming the cause, a call under ``torch.no_grad()`` or ``torch.inference_mode()`` (every call: the
+    grad mode is read each time, never remembered)."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(NO_GRAD.format(what="torch.inference_mode()", fix="torch.inference_mode(False)"))
+    if not torch.is_grad_enabled():
+        raise RuntimeError(NO_GRAD.format(what="torch.no_grad() (grad mode off)", fix="torch.enable_grad()"))
+
+
 def check_once(model: nn.Module) -> ModelView:
-    """:func:`validate` with the probe, once per model and set of trainable parameters (the engine calls this at
-    every pass; the trainer's construction has usually done it already). Raises naming every uncovered module. What
-    passed is remembered on the model's plan (:class:`~.plan.ModelPlan`). Returns the model resolved
-    (:func:`~.plan.view_of`), for the pass that follows."""
+    """:func:`validate` with the probe, once per model state (:func:`~.plan.state_key`: its modules, their classes,
+    forwards and hooks, its parameters and their dtypes, the config's caps and scales, the trainable parameters of
+    the whole model handed in; the engine calls this at every pass, and the key is built again each time; the
+    trainer's construction has usually done the check already). Refuses a call under ``no_grad`` or
+    ``inference_mode``. Raises naming every uncovered module. What passed is remembered on the model's plan
+    (:class:`~.plan.ModelPlan`). Returns the model resolved (:func:`~.plan.view_of`), for the pass that follows."""
+    refuse_without_grad()
     view = view_of(model)
     lm, plan = view.lm, view.plan
-    if plan.probing or plan.probed == view.trainable:
+    if plan.probing or plan.probed == view.key:
         return view
     if sharded(lm):  # no plain forward can run on shards: what was checked before sharding stands
         if plan.probed is None and not plan.warned_unchecked:
@@ -273,5 +290,6 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
     if not found and run_probe:
         found = probe(model)
         if not found:
-            plan_of(model).probed = trainable_names(unwrap_causal_lm(model))
+            view = view_of(model)
+            view.plan.probed = view.key
     return found

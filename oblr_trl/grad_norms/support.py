@@ -145,12 +145,12 @@ def _resolve_all(view: ModelView, owners: dict[nn.Module, nn.Module], memo: dict
 def coverage_plan(model: nn.Module) -> ModelPlan:
     """The model's plan (:class:`~.plan.ModelPlan`, carried on its ``*ForCausalLM``): ``covered``, each trainable
     backbone module with the rule chosen for it, and ``unsupported``, every module none covers. Resolved once per
-    model: resolved again only when what it was resolved under changes (the trainable parameters, the modules
-    themselves, the per-row limit, the switched-off rules, :func:`~.rules.switched_off`, or the registered ones,
+    model: resolved again only when what it was resolved under changes (the model's state, :func:`~.plan.state_key`:
+    its modules, forwards, hooks, parameters and trainable set; the per-row limit, the switched-off rules, :func:`~.rules.switched_off`, or the registered ones,
     :func:`~.rules.registered`); the recognisers' probes are kept in its ``memo`` across re-resolutions."""
     view = view_of(model)
     plan = view.plan
-    key = (view.trainable, view.module_ids, generic.MAX_NUMEL, switched_off_now(), registered())
+    key = (view.key, generic.MAX_NUMEL, switched_off_now(), registered())
     if plan.key != key:
         plan.covered, plan.unsupported = _resolve_all(view, functional_owners(view), plan.memo)
         plan.key = key
