@@ -31,6 +31,7 @@ from .factors import (
 from . import factors, generic, hooks
 from .head import lm_head_terms
 from .head_transform import transform_of
+from .checkpointing import norms_checkpointing
 from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Replay, Slot, _fp32
 from .experts import RoutedCaptures
@@ -417,7 +418,8 @@ def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, s
     banks = [m for m in run.whole_call if m not in in_checkpointed]
     zero3_head = _head_params(run.head)  # DeepSpeed ZeRO-3: the head gathered whole, before the pass
     try:
-        with _fsdp_root_unsharded(lm), run.routed.routed_forwards(banks), capture(
+        with norms_checkpointing(checkpointed) as reentrant, _fsdp_root_unsharded(lm), \
+                run.routed.routed_forwards(banks), capture(
                 run.hooked, run.batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
             if prompted is None:
                 tokens = dict(input_ids=input_ids, attention_mask=attention_mask)
@@ -427,6 +429,11 @@ def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, s
             hidden = backbone(**tokens, use_cache=False, **(model_inputs or {})).last_hidden_state
             h, head_weight, head_bias, lse, grad_h, head_self_done = _head_terms(
                 run, lm, hidden, span, scored, alpha, transform, zero3_head)
+            if keep_graph and reentrant:
+                raise NotImplementedError(
+                    "keep_graph=True (one_backward replayed) needs non-reentrant gradient checkpointing: a second "
+                    "backward of a reentrant checkpoint's graph would write no parameter's .grad. Take the two-pass "
+                    "path (OBLRPOConfig(one_backward=False)) or keep_graph=False.")
             if hidden.requires_grad:
                 full_grad = torch.zeros_like(hidden)
                 full_grad[:, span] = grad_h.to(hidden.dtype)
