@@ -3,14 +3,22 @@
 ``:obj:``) rendered on the API reference as cross-references: each name is resolved where its docstring stands (its
 object, then the enclosing class and module; a leading dot is relative to the module's package, a ``~`` shows the
 last part only) and becomes a link where the site documents the target, inline code where it does not (a private
-helper, a module the reference leaves out). The docstrings stay as Python's ``help()`` shows them; only the site's
-rendering changes."""
+helper, a module the reference leaves out). The docstrings' lists, nested by 2 spaces as in the pages, are nested as
+the site's Markdown reads them (``generate.site_lists``). The docstrings stay as Python's ``help()`` shows them; only
+the site's rendering changes."""
 
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import griffe
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import generate  # noqa: E402
 
 ROLE = re.compile(r":(?:py:)?(?P<role>func|class|meth|mod|attr|data|obj|exc|const):`(?P<target>[^`]+)`")
 
@@ -87,9 +95,9 @@ def _walk(obj: griffe.Object):
 
 
 class SphinxRoles(griffe.Extension):
-    """Rewrites the docstrings of the package, once it is loaded, as :func:`render` says."""
+    """Rewrites the docstrings of the package, once it is loaded, as :func:`render` and ``site_lists`` say."""
 
     def on_package(self, *, pkg: griffe.Module, **kwargs) -> None:
         for obj in _walk(pkg):
-            if obj.docstring is not None and ROLE.search(obj.docstring.value):
-                obj.docstring.value = render(obj, pkg, obj.docstring.value)
+            if obj.docstring is not None:
+                obj.docstring.value = generate.site_lists(render(obj, pkg, obj.docstring.value))

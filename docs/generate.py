@@ -8,7 +8,8 @@ committed part differs from what the code generates:
   options it redeclares, from the dataclass fields' ``help`` metadata (the one source of truth: the same text is
   ``examples/oblrpo.py --help``);
 - ``warnings``: every warning of ``oblr_trl/advice.py`` with its meaning and remedy (``GUIDE``);
-- ``changelog``: CHANGELOG.md.
+- ``changelog``: CHANGELOG.md;
+- ``api``: the API reference's map of the names ``oblr_trl`` exports, from their docstrings.
 
 The benchmark tables are not made here: they are committed blocks that ``benchmarks/update_readme.py`` rewrites from
 ``benchmarks/results/`` (their runs take hours), as is the support table (``python
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 MARKER = re.compile(r"(?P<begin><!-- generated:(?P<name>[\w-]+):begin -->\n)(?P<body>.*?)(?P<end><!-- generated:(?P=name):end -->)",
                     re.S)
-PAGES = ["configuration.md", "troubleshooting.md", "changelog.md"]  # the pages with generated parts
+PAGES = ["configuration.md", "troubleshooting.md", "changelog.md", "api.md"]  # the pages with generated parts
 FIGURES = ROOT / "benchmarks" / "results"  # served as figures/<name>.png (docs/hooks.py)
 FIGURE_LINK = re.compile(r"\]\(\.\./benchmarks/results/(?P<name>[\w.-]+\.png)\)")
 
@@ -314,7 +315,54 @@ def changelog() -> str:
     return re.sub(r"\A# [^\n]*\n", "", text)
 
 
-GENERATORS = {"config": config_reference, "warnings": troubleshooting, "changelog": changelog}
+# ----------------------------------------------------------------------------------------------- API reference
+ABBREVIATIONS = ("Dr.", "App.", "e.g.", "i.e.", "al.", "vs.", "Eq.")
+
+
+def first_sentence(doc: str) -> str:
+    """A docstring's first sentence, on one line (an abbreviation's dot does not end it)."""
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    for match in re.finditer(r"[.!?](?=\s+[A-Z`'\"(]|$)", text):
+        if not text[: match.end()].endswith(ABBREVIATIONS):
+            return text[: match.start()]
+    return text.rstrip(".")
+
+
+def _plain(text: str) -> str:
+    """A docstring's sentence as a table cell: Sphinx roles and mkdocstrings' ``[`name`]`` as code; a norm's ``||``
+    as ``‖`` and any other pipe as ``∣`` (a pipe in a table's code span needs an escape on GitHub that the site's
+    Markdown would show)."""
+    text = re.sub(r":(?:py:)?\w+:`~?\.?([^`]+)`", r"`\1`", text)
+    text = re.sub(r"\[(`[^`\]]+`)\](?!\()", r"\1", text)
+    return text.replace("||", "\u2016").replace("|", "\u2223")
+
+
+def api_table() -> str:
+    """The API reference's map: each name ``oblr_trl`` exports, what it is (its docstring's first sentence; for a
+    registry, the option whose values it holds) and where it is defined, linked to its entry where the page renders
+    one. The page's ``:::`` entries are rendered on the site only; this table reads on the repository's view too."""
+    import inspect
+
+    import oblr_trl
+    from oblr_trl.registry import Registry
+
+    rendered = set(re.findall(r"^::: (oblr_trl\.\w+)$", (DOCS / "api.md").read_text(), re.M))
+    rows = ["| name | what it is | defined in |", "|---|---|---|"]
+    for name in oblr_trl.__all__:
+        obj = getattr(oblr_trl, name)
+        if isinstance(obj, Registry):
+            what, module, anchor = (f"The registry of `OBLRPOConfig.{obj.option}`'s values: each entry's name is an "
+                                    f"allowed value"), "oblr_trl.registry", "#registries"
+        else:
+            what = _plain(first_sentence(inspect.getdoc(obj) or ""))
+            module = inspect.getmodule(obj).__name__
+            anchor = f"#oblr_trl.{name}" if f"oblr_trl.{name}" in rendered else ""
+        link = f"[`{name}`]({anchor})" if anchor else f"`{name}`"
+        rows.append(f"| {link} | {what} | `{module}` |")
+    return "\n".join(rows)
+
+
+GENERATORS = {"config": config_reference, "warnings": troubleshooting, "changelog": changelog, "api": api_table}
 
 
 def render(markdown: str) -> str:
