@@ -310,9 +310,10 @@ def troubleshooting() -> str:
 
 # ----------------------------------------------------------------------------------------------- changelog
 def changelog() -> str:
-    """CHANGELOG.md, its title dropped (the page has its own)."""
+    """CHANGELOG.md, its title dropped (the page has its own), its links to ``docs/PAGE.md`` made relative to the
+    page, which sits in docs/."""
     text = (ROOT / "CHANGELOG.md").read_text()
-    return re.sub(r"\A# [^\n]*\n", "", text)
+    return re.sub(r"\A# [^\n]*\n", "", text).replace("](docs/", "](")
 
 
 # ----------------------------------------------------------------------------------------------- API reference

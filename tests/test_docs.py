@@ -542,3 +542,27 @@ def test_the_site_is_offline_and_searches_option_names():
     words = [w for w in re.split(search["separator"], "Set oblr/lr_mean, noise_scale and OBLRPOConfig.snr_estimator.")
              if w]
     assert {"lr_mean", "noise_scale", "snr_estimator", "oblr"} <= set(words), words
+
+
+# ------------------------------------------------------------------------------------------- the release
+def test_the_changelog_dates_the_release_of_this_version_under_an_unreleased_section():
+    """Keep a Changelog: `## [Unreleased]` first (later work goes there), then each release dated, the newest this
+    package's version (setup.cfg reads it from `oblr_trl.__version__`); a release's groups are Keep a Changelog's
+    own, each once, and it stays short enough to read."""
+    import configparser
+
+    import oblr_trl
+
+    text = (ROOT / "CHANGELOG.md").read_text()
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections[0] == "[Unreleased]", sections[:2]
+    assert re.fullmatch(rf"\[{re.escape(oblr_trl.__version__)}\] - \d{{4}}-\d{{2}}-\d{{2}}", sections[1]), sections[1]
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    assert config["metadata"]["version"].strip() == "attr: oblr_trl.__version__"
+    groups = {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
+    for release in re.split(r"^## ", text, flags=re.M)[2:]:
+        headings = re.findall(r"^### (.+)$", release, re.M)
+        assert set(headings) <= groups and len(headings) == len(set(headings)), headings
+        assert len(release.split()) <= 2000, f"{release.splitlines()[0]}: {len(release.split())} words"
+    assert "Added" in re.findall(r"^### (.+)$", re.split(r"^## ", text, flags=re.M)[2], re.M)
