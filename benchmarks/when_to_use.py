@@ -184,7 +184,8 @@ def render(variance: dict, window: dict, args) -> str:
              "lr drawn log-uniformly over the grid's span (lrs ~3x apart, 0.1x to 33x the arm's design lr).", ""]
     lines += render_variance(variance_answer(variance, args.threshold), args.threshold)
     lines += render_lr(lr_answer(window, args.tolerance), args.tolerance)
-    lines += render_regime(json.loads(args.testbed.read_text()) if args.testbed.exists() else None)
+    testbed = getattr(args, "testbed", None)  # results/testbed.json (absent: question 3 says it is not measured)
+    lines += render_regime(json.loads(testbed.read_text()) if testbed and testbed.exists() else None)
     return "\n".join(lines)
 
 
