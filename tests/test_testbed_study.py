@@ -95,7 +95,7 @@ def test_the_tables_render_from_records(tmp_path):
                               search=tmp_path / "none")
     T.render_all(args, runs, "cmd")
     regime = (tmp_path / "testbed_regime.md").read_text()
-    assert "| 16 | 30.0 | 4.0 (4.0-4.0, 6 runs) | 0.80 |" in regime
+    assert "| 16 | 30.0 | 4.0 (4.0-4.0, 6 runs) | 0.80 | 0.80 |" in regime
     assert "GRPO learns beyond the control on every seed" in regime
     result = json.loads((tmp_path / "testbed.json").read_text())
     c = result["compare"]["16"]["sampled (held-out)"]

@@ -39,8 +39,18 @@ def spec_text(fields: str) -> str:
     return "`TestbedSpec(" + ", ".join(f"{k}={v!r}" for k, v in asdict(spec).items()) + f")`, key `{spec.key()}`"
 
 
+def reference_b(runs: list[dict]) -> tuple[int, float] | tuple[None, None]:
+    """(N, median B at the start) over the OBLR-PO runs at the largest N that has any: the steadiest estimate."""
+    for n in sorted({r["prompts"] for r in runs}, reverse=True):
+        bs = [b for r in runs if r["prompts"] == n and r["arm"] == "OBLR-PO" and (b := S.start_noise_scale(r)) is not None]
+        if bs:
+            return n, statistics.median(bs)
+    return None, None
+
+
 def regime_rows(runs: list[dict], prompts: list[int]) -> list[list[str]]:
     rows = []
+    ref_n, ref_b = reference_b(runs)
     for n in prompts:
         mine = [r for r in runs if r["prompts"] == n]
         bs = sorted(b for r in mine if r["arm"] == "OBLR-PO" and (b := S.start_noise_scale(r)) is not None)
@@ -52,6 +62,7 @@ def regime_rows(runs: list[dict], prompts: list[int]) -> list[list[str]]:
         rows.append([str(n), pct(statistics.mean(starts)) if starts else "-",
                      "-" if b is None else f"{b:.1f} ({bs[0]:.1f}-{bs[-1]:.1f}, {len(bs)} runs)",
                      "-" if b is None else f"{S.factor(n, b):.2f}",
+                     "-" if ref_b is None else f"{S.factor(n, ref_b):.2f}",
                      "; ".join(f"{a} {v:.1f}" for a, v in sps.items()), f"{cpu:.0f}", str(len(mine))])
     return rows
 
@@ -183,7 +194,7 @@ def render_all(args, runs: list[dict], command: str) -> None:
              "problems: distinct problems of the held-out split (a hash of the digit string), never trained on.", "",
              "## The regime", ""]
     lines += md_table(["N", "start sampled accuracy %", "B at the start (prompts): median (range, runs)",
-                       "f = N/(N+B)", "s/step (median)", "CPU s per run (median)", "runs"],
+                       "f = N/(N+B)", "f from the B of the largest N", "s/step (median)", "CPU s per run (median)", "runs"],
                       regime_rows(runs, sorted({r["prompts"] for r in runs})))
     probes = [json.loads(p.read_text()) for p in sorted(args.search.glob("*.json"))]
     if probes:
@@ -246,7 +257,9 @@ def render_all(args, runs: list[dict], command: str) -> None:
               and (b := S.start_noise_scale(r)) is not None]
         if bs:
             b = statistics.median(bs)
-            regime[str(prompts)] = dict(B=b, f=S.factor(prompts, b), runs=len(bs),
+            ref_n, ref_b = reference_b(runs)
+            regime[str(prompts)] = dict(B=b, f=S.factor(prompts, b), runs=len(bs), B_ref=ref_b, N_ref=ref_n,
+                                        f_ref=S.factor(prompts, ref_b),
                                         steps=max(r["steps"] for r in runs if r["prompts"] == prompts))
     (args.out.parent / (args.out.name + "_when.md")).write_text(
         "# When to use: the paper's regime on the testbed policy\n\n" + when_text(verdict, regime, result) + "\n")
@@ -269,8 +282,12 @@ def when_text(learning: dict, regime: dict, compare: dict) -> str:
     parts = []
     for n, out in sorted(compare.items(), key=lambda kv: -int(kv[0])):
         reg = regime.get(n, {})
-        head = (f"**N = {n} prompts x 8** ({reg.get('steps', '?')} steps; B {reg.get('B', math.nan):.1f} prompts "
-                f"at the start, f = {reg.get('f', math.nan):.2f})")
+        if reg.get("N_ref") is not None and str(reg["N_ref"]) != n:
+            b_said = (f"f = {reg['f_ref']:.2f} at the start from B = {reg['B_ref']:.1f} prompts measured at N = "
+                      f"{reg['N_ref']} (this N's own step-1 estimates: median {reg['B']:.1f})")
+        else:
+            b_said = f"B {reg.get('B', math.nan):.1f} prompts at the start, f = {reg.get('f', math.nan):.2f}"
+        head = f"**N = {n} prompts x 8** ({reg.get('steps', '?')} steps; {b_said})"
         if "sampled (held-out)" not in out:
             parts.append(head + ": the comparison has not run to its seeds yet.")
             continue
