@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=["regime", "compare", "low_n"], default=None)
     p.add_argument("--no_run", action="store_true")
-    p.add_argument("--arms", nargs="+", default=["GRPO", "OBLR-PO"], choices=["GRPO", "OBLR-PO"],
+    p.add_argument("--arms", nargs="+", default=["GRPO", "OBLR-PO"], choices=["GRPO", "OBLR-PO", "SNR-only", "baseline-only"],
                    help="the arms of the compare and low_n phases")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (N)")
     p.add_argument("--low_prompts", type=int, default=2, help="N of the low-N phase")

@@ -114,41 +114,61 @@ METRICS = {"sampled (held-out)": lambda r: r["sampled"], "last-10 reward": S.las
            "greedy (held-out)": lambda r: r["greedy"]}
 
 
+ARMS = ("GRPO", "OBLR-PO", "SNR-only", "baseline-only")
+
+
 def compare_section(runs: list[dict], prompts: int, grid_seed: int) -> tuple[list[str], dict]:
-    best = {arm: best_of(runs, arm, prompts, grid_seed) for arm in ("GRPO", "OBLR-PO")}
+    """Each arm at its best lr against GRPO, paired by seed. ``out[metric]``: OBLR-PO's contrast; ``out["halves"]``
+    the halves' (SNR-only, baseline-only) where they ran."""
+    present = [a for a in ARMS if any(r["arm"] == a and r["prompts"] == prompts for r in runs)]
+    best = {arm: best_of(runs, arm, prompts, grid_seed) for arm in present}
     lines = [f"Best lr on seed {grid_seed} (highest last-10 training reward): "
              + ", ".join(f"{a} {'-' if b is None else f'{b:.3g}'}" for a, b in best.items()) + ".", ""]
     out = dict(best=best)
-    if None in best.values():
+    if best.get("GRPO") is None or best.get("OBLR-PO") is None:
         return lines, out
+    best = {a: b for a, b in best.items() if b is not None}
     seeds = {arm: S_pick(runs, arm, prompts, best[arm]) for arm in best}
     rows = []
-    for name, metric in METRICS.items():
-        g = {r["seed"]: metric(r) for r in seeds["GRPO"]}
-        o = {r["seed"]: metric(r) for r in seeds["OBLR-PO"]}
-        c = S.contrast(o, g, DELTA)
-        out[name] = c
-        ci = "-" if c["ci"] is None else f"[{c['ci'][0]:+.1f}, {c['ci'][1]:+.1f}]"
-        common = c["seeds"]
-        rows.append([name, str(c["n"]), pct(statistics.mean(g[s] for s in common)) if common else "-",
-                     pct(statistics.mean(o[s] for s in common)) if common else "-", f"{c['mean']:+.1f}", ci,
-                     "-" if c["power"] != c["power"] else f"{100 * c['power']:.0f}%", str(c["seeds_for_80"] or ">60")])
-    lines += md_table(["metric", "paired seeds", "GRPO %", "OBLR-PO %", "OBLR-PO - GRPO (pts)", "95% interval",
+    for arm in best:
+        if arm == "GRPO":
+            continue
+        for name, metric in METRICS.items():
+            g = {r["seed"]: metric(r) for r in seeds["GRPO"]}
+            o = {r["seed"]: metric(r) for r in seeds[arm]}
+            c = S.contrast(o, g, DELTA)
+            if arm == "OBLR-PO":
+                out[name] = c
+            else:
+                out.setdefault("halves", {}).setdefault(arm, {})[name] = c
+            ci = "-" if c["ci"] is None else f"[{c['ci'][0]:+.1f}, {c['ci'][1]:+.1f}]"
+            common = c["seeds"]
+            rows.append([arm, name, str(c["n"]), pct(statistics.mean(g[s] for s in common)) if common else "-",
+                         pct(statistics.mean(o[s] for s in common)) if common else "-", f"{c['mean']:+.1f}", ci,
+                         "-" if c["power"] != c["power"] else f"{100 * c['power']:.0f}%",
+                         str(c["seeds_for_80"] or ">60")])
+    lines += md_table(["arm", "metric", "paired seeds", "GRPO %", "arm %", "arm - GRPO (pts)", "95% interval",
                        f"power ({DELTA:g} pts)", "seeds for 80%"], rows)
     # rollouts to reach GRPO's final training reward, on the seed-mean curves (5-step trailing mean)
     per_step = prompts * 8
     target = statistics.mean(S.last_reward(r) for r in seeds["GRPO"])
+    start = statistics.mean(S.rewards(r)[0] for r in seeds["GRPO"])
+    nine_tenths = start + 0.9 * (target - start)
     reach = []
     for arm in best:
         curve = S.smoothed(S.mean_curve(seeds[arm]))
         k = S.rollouts_to_reach(curve, target, per_step)
-        reach.append([arm, str(len(seeds[arm])), pct(target), "not reached" if k is None else f"{k:,}",
-                      f"{len(curve) * per_step:,}"])
+        k90 = S.rollouts_to_reach(curve, nine_tenths, per_step)
+        reach.append([arm, str(len(seeds[arm])), "not reached" if k is None else f"{k:,}",
+                      "not reached" if k90 is None else f"{k90:,}", f"{len(curve) * per_step:,}"])
         out.setdefault("rollouts", {})[arm] = k
+        out.setdefault("rollouts_90", {})[arm] = k90
     lines += ["", f"Rollouts each arm needs to reach GRPO's final training reward ({pct(target)}%: GRPO's mean last-10 "
-              "reward over its seeds), on the seed-mean reward curve (5-step trailing mean; rollouts = steps x N x 8):",
+              f"reward over its seeds), and 90% of GRPO's gain ({pct(nine_tenths)}%: its first step's reward plus 0.9 of "
+              "the way to the final), on the seed-mean reward curve (5-step trailing mean; rollouts = steps x N x 8):",
               ""]
-    lines += md_table(["arm", "seeds", "target %", "rollouts to reach", "rollouts in the run"], reach)
+    lines += md_table(["arm", "seeds", f"rollouts to {pct(target)}%", f"rollouts to {pct(nine_tenths)}%",
+                       "rollouts in the run"], reach)
     out["target"] = target
     return lines, out
 
@@ -240,8 +260,7 @@ def render_all(args, runs: list[dict], command: str) -> None:
         lines += [f"## N = {prompts}", "", "### lr grids", ""]
         lines += md_table(["arm", "lr", "applied lr (mean)", "first-10 reward %", "last-10 reward %", "gain (pts)",
                            "sampled held-out %", "greedy held-out %"],
-                          grid_rows(runs, "GRPO", prompts, args.grid_seed)
-                          + grid_rows(runs, "OBLR-PO", prompts, args.grid_seed))
+                          [row for arm in ARMS for row in grid_rows(runs, arm, prompts, args.grid_seed)])
         lines += ["", "### Paired seeds at each arm's best lr", ""]
         section, out = compare_section(runs, prompts, args.grid_seed)
         lines += section
@@ -294,15 +313,22 @@ def when_text(learning: dict, regime: dict, compare: dict) -> str:
         said = "; ".join(f"{m} {verdict_of(out[m])}" for m in METRICS if m in out)
         reach = out.get("rollouts", {})
         rollouts = ", ".join(f"{a} {'not reached' if k is None else f'{k:,}'}" for a, k in reach.items())
+        r90 = ", ".join(f"{a} {'not reached' if k is None else f'{k:,}'}" for a, k in out.get("rollouts_90", {}).items())
+        for arm, cs in out.get("halves", {}).items():
+            said += f". {arm} - GRPO (lr {out['best'][arm]:.3g}): " + "; ".join(
+                f"{m} {verdict_of(cs[m])}" for m in METRICS if m in cs)
         parts.append(f"{head}, OBLR-PO - GRPO, each at the best lr of its own grid (GRPO "
                      f"{out['best']['GRPO']:.3g}, OBLR-PO {out['best']['OBLR-PO']:.3g}), paired over seeds: {said}. "
-                     f"Rollouts to reach GRPO's final training reward ({100 * out['target']:.1f}%): {rollouts}.")
+                     f"Rollouts to reach GRPO's final training reward ({100 * out['target']:.1f}%): {rollouts}; to "
+                     f"reach 90% of its gain: {r90}.")
     learned = ""
     if learning:
         learned = (f" GRPO learns there: its training reward gains at least {100 * learning['grpo_gain_min']:+.1f} "
                    f"pts from the first 10 steps to the last 10, a shuffled-reward control at most "
                    f"{100 * learning['shuffled_gain_max']:+.1f}.")
     judged = [out[m] for out in compare.values() for m in METRICS if m in out and out[m].get("ci")]
+    judged += [cs[m] for out in compare.values() for cs in out.get("halves", {}).values() for m in METRICS
+               if m in cs and cs[m].get("ci")]
     excluded = any(c["ci"][0] > 0 or c["ci"][1] < 0 for c in judged)
     tail = (" An interval excludes 0: on this policy only." if excluded else
             " No interval excludes 0: no default changes." if judged else "")
