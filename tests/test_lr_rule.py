@@ -153,3 +153,43 @@ def test_the_gpu_recipes_set_the_grpo_lr_their_comment_names():
         assert float(config["learning_rate"]) == grpo_lr, path.name
         assert config.get("snr_lr_mode", "calibrated") == "calibrated", path.name
         assert "oblr/lr_mean" in text and "Choosing the learning rate" in text
+
+
+# ---------------------------------------------------------------- the calibrated mode's measurements, one source each
+def applied_figures() -> dict[str, str]:
+    """The figures How it works quotes from the applied-lr table (benchmarks/results/applied_lr.json)."""
+    rows = [r for r in json.loads((RESULTS / "applied_lr.json").read_text())["rows"] if "tiny" in r["model"]]
+    capped = [r for r in rows if r["later"] == pytest.approx(MAX_LR_MULTIPLE)]
+    out = {"f_first": f"{min(r['f_first'] for r in rows):.3f}-{max(r['f_first'] for r in rows):.3f}"}
+    if capped:
+        r = capped[0]
+        out["capped"] = f"at {r['prompts_per_step']} prompts per step"
+        out["rise"] = f"{r['f_first']:.3f} to {r['f_later']:.3f}"
+    return out
+
+
+def test_how_it_works_quotes_the_applied_lr_table():
+    """Every tiny-policy run's first 10 steps applied learning_rate (the calibration's design, measured), and the
+    section quotes the table's factors and where the cap was reached."""
+    rows = json.loads((RESULTS / "applied_lr.json").read_text())["rows"]
+    assert rows and all(r["within"] for r in rows if "tiny" in r["model"])
+    flat = " ".join(section().split())
+    missing = {k: v for k, v in applied_figures().items() if v not in flat}
+    assert not missing, f"How it works does not quote {missing}"
+    assert f"ran at the cap, {MAX_LR_MULTIPLE:g}x `learning_rate`" in flat
+
+
+def test_the_demo_presets_and_their_pages_use_grpo_s_lr():
+    """The demo's OBLR-PO presets are the lr GRPO gets in the same setting (`--trainer grpo` runs the same preset), in
+    the calibrated mode; docs/demos.md says so with the same figures."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    page = " ".join((ROOT / "docs" / "demos.md").read_text().split())
+    smollm2, tiny = demo.PRESETS["smollm2"]["learning_rate"], demo.PRESETS["tiny"]["learning_rate"]
+    assert f"`learning_rate` = {lr(smollm2)} (constant), the lr GRPO gets in the same setting" in page
+    assert f"`learning_rate={lr(tiny)}` (the lr GRPO gets on this policy" in page
+    assert "snr_lr_mode" not in str(demo.PRESETS)  # the default mode: calibrated
+    assert "--trainer grpo   # TRL's GRPO, same setting, the same learning rate" in demo.__doc__
