@@ -23,13 +23,6 @@ ADVICE = (
     "oblr_trl.grad_norms.register_grad_norm_rule."
 )
 
-TIED_TOKENS = (
-    "PEFT's trainable_token_indices on a model with tied embeddings wraps the LM head too: the trained token rows, "
-    "shared with the input embedding, replace those rows of the head's weight, and the per-sequence pass forms the "
-    "head's share only for an nn.Linear head, so these rows' gradient through the head would be missing. Exact "
-    "instead: LoRA on the embedding (target_modules including 'embed_tokens', exact with tied embeddings), or "
-    "trainable_token_indices on a model whose embeddings are not tied")
-
 @dataclass(frozen=True)
 class Unsupported:
     name: str  # the module's qualified name ('' for the model itself)
@@ -222,12 +215,9 @@ def unsupported_modules(model: nn.Module) -> list[Unsupported]:
     found = outside_modules(model)
     if not any(p.requires_grad for p in lm.parameters()):
         return found
-    head = output_head(lm)
-    if type(head).__name__ == "TrainableTokensWrapper":  # PEFT's trainable_token_indices on tied embeddings
-        found.append(Unsupported("lm_head", type(head).__name__, TIED_TOKENS))
-    elif not isinstance(head, nn.Linear):
-        found.append(Unsupported("lm_head", type(head).__name__, "the LM head must be an nn.Linear"))
-    return found + coverage_plan(model).unsupported
+    from .head_adapters import refusal  # it names the head by these entries (a cycle at import time)
+
+    return found + refusal(output_head(lm)) + coverage_plan(model).unsupported
 
 
 def refuse_outside_decoder(lm: nn.Module, hooked: list[nn.Module], model_inputs: dict) -> None:
