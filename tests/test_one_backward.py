@@ -414,3 +414,27 @@ def test_chunk_norms_refuse_a_lost_or_repeated_update():
     next(chunks)
     with pytest.raises(RuntimeError, match="was not applied"):
         next(chunks)
+
+
+def test_the_automatic_choice_never_replays_under_reentrant_checkpointing(monkeypatch, caplog):
+    """A reentrant layer runs under the norms pass's own checkpoint, whose graph a second backward cannot take the
+    update from: where the rule would replay, the automatic choice takes one_backward unreplayed or two passes,
+    says so, and trains with the same lr scales as two passes."""
+    from oblr_trl import path_choice
+
+    real = path_choice.choose
+    monkeypatch.setattr(path_choice, "device_budget", lambda *args, **kwargs: None)  # the ratio rule's choose
+    asked = []
+
+    def replay_where_allowed(shape, replay=True):
+        asked.append(replay)
+        return path_choice.Choice(True, GROUP, 1.0, 1.0, replay=True) if replay else real(shape, replay)
+
+    monkeypatch.setattr(path_choice, "choose", replay_where_allowed)
+    kwargs = common_args(max_steps=2, bf16=False, gradient_checkpointing_kwargs={"use_reentrant": True})
+    with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
+        one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
+    assert asked == [False] and not one.route.replay
+    assert "never replayed" in caplog.text
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
+    assert logged(one, "oblr/lr_scale") == pytest.approx(logged(two, "oblr/lr_scale"), rel=1e-4)

@@ -105,3 +105,42 @@ def test_the_soft_prompt_advice_without_exact_norms_works():
     trainer, _ = train(OBLRPOTrainer, args, model=build_model(TOKENIZER),
                        peft_config=peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     assert trainer.state.global_step == 1
+
+
+@pytest.mark.parametrize("config", [dict(gradient_checkpointing=False),
+                                    dict(gradient_checkpointing_kwargs={"use_reentrant": True})],
+                         ids=["model's own checkpointing", "use_reentrant=True in the config"])
+def test_qlora_prepared_with_its_defaults_trains_on_exact_norms(tmp_path, config, monkeypatch):
+    """PEFT's QLoRA recipe, `prepare_model_for_kbit_training(model)` with its defaults, turns on reentrant gradient
+    checkpointing. Asked for in the config too (as TRL forces it for PEFT under DeepSpeed ZeRO-3), the norms pass
+    runs every layer under its own reentrant checkpoint, each step, and the model still runs reentrant after; with
+    checkpointing left to the model, TRL's generation turns it back on with the config's kwargs (non-reentrant) from
+    the first step. Either way it trains, on norms that are per-row autograd's (of TRL's bf16 adapters, within bf16's
+    rounding). (Before: refused wherever the norms pass met reentrant checkpointing.)"""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from oblr_trl.grad_norms import checkpointing
+    from oblr_trl.grad_norms.checkpointing import runs_reentrant
+
+    pytest.importorskip("bitsandbytes")
+    layers_run = []  # each layer run under the norms pass's own reentrant checkpoint
+    monkeypatch.setattr(checkpointing, "norms_checkpoint",
+                        lambda *a, real=checkpointing.norms_checkpoint: layers_run.append(1) or real(*a))
+    folder = tmp_path / "tiny"
+    build_model(TOKENIZER).save_pretrained(folder)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+    base = peft.prepare_model_for_kbit_training(base)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                      lora_dropout=0.0, init_lora_weights="gaussian"))
+    assert runs_reentrant(model)
+    args = OBLRPOConfig(**common_args(max_steps=2, bf16=False), one_backward=False, **config)
+    trainer, _ = train(Snapshot, args, model=model)
+    assert trainer.state.global_step == 2
+    if config.get("gradient_checkpointing_kwargs"):
+        assert runs_reentrant(trainer.model)
+        assert len(layers_run) >= 2 * len(trainer.model.get_base_model().model.layers)  # each step's norms pass
+    ours, expected = batch_norms_against_autograd(trainer, trainer.initial)
+    assert expected.max() > 0
+    torch.testing.assert_close(ours, expected, rtol=1e-2, atol=1e-10)
