@@ -267,11 +267,10 @@ class _Pass:
 
 
 REENTRANT_ADVICE = (
-    "Per-sequence gradient norms need non-reentrant gradient checkpointing. A model prepared by "
-    "peft.prepare_model_for_kbit_training has reentrant checkpointing on (its default): prepare it with "
-    "prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={'use_reentrant': False}). Otherwise set "
-    "gradient_checkpointing_kwargs={'use_reentrant': False} in the trainer's config, or call "
-    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}).")
+    "transformers' gradient checkpointing, reentrant or not, is handled (grad_norms/checkpointing.py); a module that "
+    "calls torch.utils.checkpoint.checkpoint(..., use_reentrant=True) in its own forward is not: pass "
+    "use_reentrant=False in that call, or train without exact norms: "
+    "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False).")
 
 
 def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
@@ -294,8 +293,9 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
         if "use_reentrant=True" not in str(error):
             raise
         raise UnsupportedModulesError(
-            [Unsupported("", type(backbone).__name__, "it runs under reentrant gradient checkpointing, which the "
-                         "per-sequence gradient pass cannot go through")],
+            [Unsupported("", type(backbone).__name__, "a module of it calls torch's reentrant checkpoint in its own "
+                         "forward, which the per-sequence gradient pass cannot go through (transformers' gradient "
+                         "checkpointing, reentrant or not, is handled); pass use_reentrant=False in that call")],
             advice=REENTRANT_ADVICE,
         ) from error
 

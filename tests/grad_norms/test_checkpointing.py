@@ -114,3 +114,31 @@ def test_one_backward_replayed_is_refused_under_reentrant_checkpointing():
     ids, attention, completion_mask = padded_batch(VOCAB)
     with pytest.raises(NotImplementedError, match="non-reentrant"):
         per_sequence_grads(model, ids, attention, completion_mask, stream_group_size=2, keep_graph=True)
+
+
+class SelfCheckpointed(torch.nn.Module):
+    """A module that calls torch's checkpoint in its own forward (not transformers' gradient checkpointing)."""
+
+    def __init__(self, inner, use_reentrant):
+        super().__init__()
+        self.inner, self.use_reentrant = inner, use_reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.use_reentrant)
+
+
+def test_a_module_calling_reentrant_checkpoint_itself_is_refused_and_the_advice_works():
+    """What the pass's own checkpoint cannot reach: refused naming the model and the call; the advice
+    (use_reentrant=False in that call) is exact against per-row autograd."""
+    from oblr_trl.grad_norms import UnsupportedModulesError
+
+    ids, attention, completion_mask = padded_batch(VOCAB)
+    model = qwen3()
+    fresh = copy.deepcopy(model)
+    model.model.layers[1].mlp = SelfCheckpointed(model.model.layers[1].mlp, use_reentrant=True)
+    with pytest.raises(UnsupportedModulesError, match="use_reentrant=False in that call"):
+        per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    model.model.layers[1].mlp.use_reentrant = False  # the advice
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), per_sample_sq_norms(fresh, ids, attention, completion_mask),
+                               rtol=1e-5, atol=1e-9)

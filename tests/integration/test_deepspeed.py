@@ -181,3 +181,13 @@ def test_lora_with_checkpointing_under_accelerate_zero3_matches_the_plain_run(pl
     assert zero["gradient_checkpointing"] and not any(f["reentrant_checkpointing"] for f in plain_lora["fsdp"])
     assert_same_training(plain_lora, zero, rel=1e-5)
     assert_applied_is_scheduled_times_scale(zero)
+
+
+def test_zero2_under_reentrant_checkpointing_matches_the_plain_run(plain, tmp_path):
+    """Full fine-tuning with `use_reentrant=True` under ZeRO-2, one process: the norms pass runs the layers under its
+    own checkpoint; the same training as the plain (non-reentrant) run."""
+    zero = run(tmp_path, 1, 16, "zero2+fp32+reentrant")
+    assert_ran_zero(zero, 2)
+    assert all(facts["reentrant_checkpointing"] for facts in zero["fsdp"])
+    assert_same_training(plain, zero)
+    assert_applied_is_scheduled_times_scale(zero)

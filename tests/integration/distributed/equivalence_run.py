@@ -149,7 +149,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     global DEGENERATE_FROM, NAN_FOR_EMPTY
     flags = set(mode.split("+"))
     assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk", "zero0", "zero1",
-                     "zero2", "zero3", "offload", "save", "resume", "ema", "lora"}, mode
+                     "zero2", "zero3", "offload", "save", "resume", "ema", "lora", "reentrant"}, mode
     if "chunk" in flags:  # no chunk fits: one_backward under checkpointing (on here) runs one group at a time
         import oblr_trl.path_choice
 
@@ -176,6 +176,8 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         extra.update(save_strategy="steps", save_steps=1)
     if "ema" in flags:  # step 2's scale depends on step 1's SNR state: a resume must carry it over
         extra["snr_ema"] = 0.5
+    if "reentrant" in flags:  # reentrant gradient checkpointing asked for (TRL forces it for LoRA under ZeRO-3)
+        extra["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
     extra.setdefault("save_strategy", "no")
     args = OBLRPOConfig(
         output_dir=output_dir, per_device_train_batch_size=per_device, num_generations=GROUP,
