@@ -287,6 +287,8 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
         if p.requires_grad
     ]
     targets = inputs_with_grad + first_layer_params or [p for p in backbone.parameters() if p.requires_grad]
+    if not targets:  # nothing trainable below the head (LoRA on the head alone, the inputs' gradients on)
+        return
     try:
         torch.autograd.grad(hidden, targets, grad_outputs=grad, allow_unused=True, retain_graph=retain_graph)
     except RuntimeError as error:

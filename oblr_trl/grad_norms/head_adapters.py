@@ -6,7 +6,7 @@
   its log-sum-exp) come from the same chunks as a plain head's. Then ``B``'s per-sequence gradient is
   ``sum_t delta_t (x) c A x_t`` (the delta against the widened columns) and ``A``'s ``sum_t c (B^T delta_t) (x) x_t``
   (``B^T delta`` is the widened columns' output gradient); the head's input gradient adds ``c (B^T delta) A`` through
-  the dropout.
+  the dropout. The widened weight is a copy of the head's, held for the pass (one more head's worth of memory).
 * Trainable tokens: ``s = h W'^T + b`` with ``W'`` the weight with the trained rows put in (PEFT's ``index_copy``);
   the trained rows' per-sequence gradient is ``sum_t delta_t[idx] (x) h_t``. On tied embeddings the rows are one
   parameter with the embedding's (one slot in the ledger, :func:`~.engine._slots`).

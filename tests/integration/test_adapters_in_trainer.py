@@ -144,3 +144,30 @@ def test_qlora_prepared_with_its_defaults_trains_on_exact_norms(tmp_path, config
     ours, expected = batch_norms_against_autograd(trainer, trainer.initial)
     assert expected.max() > 0
     torch.testing.assert_close(ours, expected, rtol=1e-2, atol=1e-10)
+
+
+def test_trainable_tokens_on_tied_embeddings_fail_in_grpo_trainers_loss_and_train_on_one_backward():
+    """trainable_token_indices on tied embeddings (exact norms: tests/grad_norms/test_peft.py). TRL 1.16's
+    GRPOTrainer fails on it in its first loss forward (its fused head reads ``lm_head.bias``, which PEFT's
+    TrainableTokensWrapper lacks), and so does OBLRPOTrainer's two-pass path, which runs TRL's loss; one_backward
+    (the CPU's automatic choice here) forms the update from the norms pass itself (per-row autograd's update:
+    tests/test_one_backward.py) and trains. When the GRPOTrainer case fails, TRL has learned to train it: OBLR-PO's
+    two-pass path should then be tested training it."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    def trainer(cls, config, **kwargs):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(build_model(TOKENIZER), peft.LoraConfig(
+            r=4, target_modules=["q_proj"], trainable_token_indices=[5, 6, 7], task_type="CAUSAL_LM"))
+        return cls(model=model, processing_class=TOKENIZER, reward_funcs=[length_reward], train_dataset=DATASET,
+                   args=config(**common_args(max_steps=1, bf16=False), **kwargs))
+
+    for failing in (trainer(GRPOTrainer, GRPOConfig), trainer(OBLRPOTrainer, OBLRPOConfig, one_backward=False)):
+        with pytest.raises(AttributeError, match="'TrainableTokensWrapper' object has no attribute 'bias'"):
+            failing.train()
+    one = trainer(OBLRPOTrainer, OBLRPOConfig, lr_scale_min=0.5)  # the rows move even where the SNR is ~0
+    rows = one.model.get_base_model().model.embed_tokens.token_adapter.trainable_tokens_delta["default"]
+    before = rows.detach().clone()
+    one.train()
+    assert one.uses_one_backward and one.state.global_step == 1
+    assert not torch.equal(rows.detach(), before) and torch.isfinite(rows).all()
