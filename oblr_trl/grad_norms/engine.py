@@ -36,7 +36,7 @@ from .checkpointing import norms_checkpointing
 from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Replay, Slot, _fp32
 from .experts import RoutedCaptures
-from .plan import ModelPlan, ModelView, view_of
+from .plan import ModelPlan, ModelView, module_names, view_of
 from . import soft_prompt
 from .support import Unsupported, UnsupportedModulesError, coverage_plan, prompt_plan, refuse_outside_decoder
 
@@ -128,21 +128,20 @@ class _Pass:
 
     def __init__(self, view: ModelView, batch: int, device: torch.device, stream_group_size: int | None,
                  materialize: bool):
-        lm, prompted = view.lm, view.prompted
+        prompted = view.prompted
         self.adapter = adapter_of(view.head)  # an nn.Linear, or one under LoRA or trained tokens (head_adapters.py)
         self.head = self.adapter.linear
         self.head_pass: HeadPass | None = None  # the head's operands under its adapter, set by the pass
         plan = coverage_plan(view)
         self.hooked, self.whole_call, self.borrowed = _hooked_modules(plan)
         self.rules = {c.module: c.rule for c in plan.covered}
-        self.names = {m: n for n, m in lm.named_modules()}
+        self.view = view
         if prompted is not None:  # a soft prompt's encoder (soft_prompt.py): its layers, each by its own rule
             for covered in prompt_plan(prompted, plan.memo):
                 self.hooked.append(covered.module)
                 self.rules[covered.module] = covered.rule
                 if covered.whole_call:
                     self.whole_call.add(covered.module)
-            self.names.update({m: n for n, m in soft_prompt.encoder_modules(prompted)})
         self.routed = RoutedCaptures(plan.memo)
         self.slot_of, self.slots, self.sharing = _slots(self.hooked + self.adapter.modules, self.head, self.borrowed)
         self.batch, self.device, self.k, self.materialize = batch, device, stream_group_size, materialize
@@ -158,6 +157,14 @@ class _Pass:
                 raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
             self.streamed = torch.zeros(batch // stream_group_size, stream_group_size, stream_group_size,
                                         device=device)
+
+    @property
+    def names(self) -> dict[nn.Module, str]:
+        """Each module's qualified name (a soft prompt encoder's in the ``PeftModel``): only a refusal needs them."""
+        names = dict(module_names(self.view))
+        if self.view.prompted is not None:
+            names.update({m: n for n, m in soft_prompt.encoder_modules(self.view.prompted)})
+        return names
 
     def refusal(self, module: nn.Module, error: Exception) -> Unsupported:
         """A failure forming ``module``'s per-sequence gradients, as an entry of the library's refusal: its path and
