@@ -11,7 +11,7 @@ from torch import nn
 from . import generic, soft_prompt
 from . import experts, lora_experts, routers  # noqa: F401 (their call rules register on import)
 from .ledger import functional_owners
-from .lm import output_head, unwrap_causal_lm, unwrap_distributed
+from .lm import unwrap_causal_lm, unwrap_distributed
 from .plan import ModelPlan, ModelView, view_of
 from .recognise import find_rule
 from .rules import CallRule, Rule, find_call_rule, registered, switched_off_now
@@ -211,14 +211,13 @@ def outside_modules(model: nn.Module) -> list[Unsupported]:
 
 def unsupported_modules(model: nn.Module) -> list[Unsupported]:
     """Every trainable module of ``model`` (a causal LM, possibly PEFT/DDP-wrapped) the exact norms do not cover, by
-    type (the probe of :func:`~.coverage.validate` checks the rest by running them)."""
+    type; the head is :func:`~.head_adapters.refusal`'s, which :func:`~.coverage.validate` adds (its probe checks the
+    rest by running them)."""
     lm = unwrap_causal_lm(model)
     found = outside_modules(model)
     if not any(p.requires_grad for p in lm.parameters()):
         return found
-    from .head_adapters import refusal  # it names the head by these entries (a cycle at import time)
-
-    return found + refusal(output_head(lm)) + coverage_plan(model).unsupported
+    return found + coverage_plan(model).unsupported
 
 
 def refuse_outside_decoder(lm: nn.Module, hooked: list[nn.Module], model_inputs: dict) -> None:
