@@ -22,6 +22,9 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
          "--disable-component-update", "--disable-sync"]
 VIEWPORT = {"width": 1366, "height": 900}
 
+sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright's client: make docs-check installs it")
+if not (shutil.which(CHROMIUM) or Path(CHROMIUM).exists()):
+    pytest.skip(f"no Chromium at {CHROMIUM}: make docs-check installs Debian's chromium", allow_module_level=True)
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
@@ -33,7 +36,6 @@ def site(tmp_path_factory) -> Path:
         return path
     pytest.importorskip("mkdocs")
     path = tmp_path_factory.mktemp("site") / "site"
-    subprocess.run([sys.executable, "docs/generate.py"], cwd=ROOT, check=True, capture_output=True)
     subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(path)], cwd=ROOT, check=True,
                    capture_output=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=600)
     return path
@@ -41,9 +43,6 @@ def site(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright's client: make docs-check installs it")
-    if not (shutil.which(CHROMIUM) or Path(CHROMIUM).exists()):
-        pytest.skip(f"no Chromium at {CHROMIUM}: make docs-check installs Debian's chromium")
     with sync_api.sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
             str(tmp_path_factory.mktemp("profile")), executable_path=CHROMIUM, args=FLAGS, headless=True,
