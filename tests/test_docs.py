@@ -412,6 +412,21 @@ def test_make_docs_builds_strictly_from_the_docs_extra_and_ci_runs_it_after_the_
     assert all(name in extras for name in ("mkdocs", "mkdocs-material", "mkdocstrings[python]"))
 
 
+def test_make_docs_check_installs_its_browser_and_client_then_opens_the_built_site(tmp_path):
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    lines = subprocess.run(["make", "--no-print-directory", "-n", "docs-check", f"VENV={tmp_path / 'venv'}",
+                            f"CHROMIUM={tmp_path / 'no-chromium'}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env=env, check=True).stdout.splitlines()
+    text = "\n".join(lines)
+    assert "mkdocs build --strict --site-dir site" in text and "apt-get install -y -q chromium" in text
+    assert any(line.endswith('pip install -q -e ".[docs-check]"') for line in lines)
+    assert lines[-1].endswith("tests/test_docs_site.py") and "OBLR_DOCS_SITE=site" in lines[-1]
+    extras = (ROOT / "setup.cfg").read_text().split("docs-check =")[1].split("\n#")[0]
+    assert "playwright" in extras and "mkdocs-material" in extras
+
+
 @pytest.mark.slow
 def test_the_docs_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs")
