@@ -516,6 +516,16 @@ def test_a_wide_table_is_turned_on_the_site_and_long_words_may_wrap():
     assert html.count("<tr>") == 15
 
 
+def test_a_table_s_long_code_spans_break_only_between_their_parts():
+    html = ("<p><code>oblr/lr_scale_mean</code></p><table><tr><td><code>oblr/lr_scale_mean</code> <code>ema</code> "
+            '<code>snr_estimator="ema_soft"</code></td></tr></table>')
+    out = generate.site_table_code(html)
+    assert out.startswith("<p><code>oblr/lr_scale_mean</code></p>")  # outside tables: as it was
+    assert "<code>oblr/<wbr>lr_<wbr>scale_<wbr>mean</code> <code>ema</code>" in out
+    assert '<code>snr_<wbr>estimator=<wbr>"ema_<wbr>soft"</code>' in out
+    assert "word-break: normal" in (DOCS / "stylesheets" / "extra.css").read_text()
+
+
 def test_the_api_reference_s_sphinx_roles_become_cross_references():
     griffe = pytest.importorskip("griffe")
     spec = importlib.util.spec_from_file_location("api_roles", DOCS / "api_roles.py")

@@ -121,7 +121,7 @@ def test_the_api_reference_renders_its_cross_references(site, page):
 
 def test_formulas_are_typeset(site, page):
     checked = 0
-    for name in ("index.html", "how-it-works.html", "glossary.html"):
+    for name in ("index.html", "how-it-works.html", "glossary.html", "metrics.html"):
         page.goto((site / name).as_uri())
         page.wait_for_function("() => document.querySelectorAll('.arithmatex .katex').length > 0", timeout=10_000)
         total, typeset, errors = page.evaluate("""() => [document.querySelectorAll('.arithmatex').length,
