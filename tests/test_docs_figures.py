@@ -33,41 +33,86 @@ def span(values, fmt: str = ".1f") -> str:
 # The pages speak of the product to its users: no issue numbers, nor the words of the workshop that made it (who ran
 # what, on which borrowed machine, beside which other jobs, with how much time left). History is the CHANGELOG's.
 WORKSHOP_WORDS = re.compile(
-    r"\bissues? #?\d+|\bissue's\b|\blent\b|\bthe lead\b|\bsessions?\b|carry=|\btime (was )?left\b|\bhad left\b"
-    r"|\bother (jobs?|agents?)\b|\bbusy (2-core |CPU )?(machine|cores)|\bloaded (2-core )?machine\b|\bsandbox\b"
-    r"|\bquiet (2-core )?machine\b|\bshared with other\b|\bhelper (sessions?|agents?)\b", re.I)
+    r"(?<![A-Za-z])issues?[ _#]*\d+|\bissue's\b|\blent\b|\bthe lead\b|\bsessions?\b|carry=|\btime (was )?left\b"
+    r"|\bhad left\b|\bother (jobs?|agents?)\b|\bbusy (2-core |CPU )?(machine|cores)|\bloaded (2-core )?machine\b"
+    r"|\bsandbox\b|\bquiet (2-core )?machine\b|\bshared with other\b|\bhelper (sessions?|agents?)\b"
+    r"|\bCPU budget\b|\bmore than its budget\b|\bCPU-hours budgeted\b|\bthis \d+-core (machine|CPU)\b|\bnohup\b"
+    r"|\(`?GUIDE`?\)|\bafter 0 demo steps\b|^#+ step\d+:|\bshared/paper\b", re.I | re.M)
+# A CHANGELOG heading names the change for a user, not the round of work that made it.
+HEADING_WORDS = re.compile(r"\bthe house\b|\bown room\b|\bstage \d\b|\b(first|second|third|fourth|fifth) pass\b",
+                           re.I)
+NOTEBOOKS = ROOT / "notebooks"
 
 
 def user_pages() -> list[Path]:
     """README.md, the docs' pages (the changelog page aside: it is the CHANGELOG), the benchmarks' study pages and the
-    results files they show (their titles and texts are written by the scripts: a word caught here is fixed there)."""
+    results files they show (their titles and texts are written by the scripts: a word caught here is fixed there),
+    and the notebook: its cells' source (`oblrpo_walkthrough.py`) and the notebook as committed, outputs included."""
     return [README, *(p for p in sorted(DOCS.glob("*.md")) if p.name != "changelog.md"),
-            *sorted((ROOT / "benchmarks").glob("*.md")), *sorted(RESULTS.glob("*.md"))]
+            *sorted((ROOT / "benchmarks").glob("*.md")), *sorted(RESULTS.glob("*.md")),
+            *sorted(NOTEBOOKS.glob("*.ipynb")), *(p for p in sorted(NOTEBOOKS.glob("*.py")) if p.name[0] != "_")]
 
 
-def test_the_words_test_reads_the_results_files_too():
+def notebook_text(path: Path) -> str:
+    """A notebook's cells (markdown, code and text outputs) one line per source line, as a reader sees them."""
+    lines = []
+    for cell in json.loads(path.read_text())["cells"]:
+        lines += "".join(cell["source"]).splitlines()
+        for out in cell.get("outputs", []):
+            lines += "".join(out.get("text", []) or out.get("data", {}).get("text/plain", [])).splitlines()
+    return "\n".join(lines)
+
+
+def workshop_words(path: Path) -> list[str]:
+    text = notebook_text(path) if path.suffix == ".ipynb" else path.read_text()
+    return [f"{path.relative_to(ROOT)}:{i}: {m.group(0)!r}" for i, line in enumerate(text.splitlines(), 1)
+            for m in WORKSHOP_WORDS.finditer(line)]
+
+
+def test_the_words_test_reads_the_results_files_the_notebook_and_the_study_pages_too():
     pages = user_pages()
     assert RESULTS / "lr_window.md" in pages and ROOT / "benchmarks" / "lr_window.md" in pages
+    assert NOTEBOOKS / "oblrpo_walkthrough.ipynb" in pages and NOTEBOOKS / "oblrpo_walkthrough.py" in pages
+    assert "OBLRPOTrainer" in notebook_text(NOTEBOOKS / "oblrpo_walkthrough.ipynb")
 
 
 def test_the_pages_speak_to_users_without_issue_numbers_or_workshop_words():
-    found = [f"{path.relative_to(ROOT)}:{i}: {m.group(0)!r}" for path in user_pages()
-             for i, line in enumerate(path.read_text().splitlines(), 1) for m in WORKSHOP_WORDS.finditer(line)]
+    found = [hit for path in user_pages() for hit in workshop_words(path)]
     assert found == [], "words for us, not for users (say it for a user, or move the history to CHANGELOG.md):\n" + \
         "\n".join(found)
 
 
+def test_the_changelog_s_headings_name_changes_not_rounds_of_work():
+    headings = [(i, line) for i, line in enumerate((ROOT / "CHANGELOG.md").read_text().splitlines(), 1)
+                if line.startswith("#")]
+    assert len(headings) >= 3
+    found = [f"CHANGELOG.md:{i}: {m.group(0)!r} in {line!r}" for i, line in headings
+             for m in [*WORKSHOP_WORDS.finditer(line), *HEADING_WORDS.finditer(line)]]
+    assert found == [], "a heading for us, not for users:\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize("text", ["see issue 58", "Issue 49's rule", "on a lent GPU", 'with carry=[".whl"]',
                                   "the lead measured", "this session had left", "beside other jobs",
-                                  "on the 2-core sandbox", "2 busy CPU cores"])
+                                  "on the 2-core sandbox", "2 busy CPU cores", "they were produced before issue 30",
+                                  "blocked by the CPU budget", "more than its budget of 8", "on this 2-core machine",
+                                  "OMP_NUM_THREADS=1 nohup nice -n 10 python x.py", "results:cost_counts_before_issue47",
+                                  "its meaning and remedy (`GUIDE`)", "## start: smollm2 after 0 demo steps",
+                                  "## step15: smollm2 after 15 demo steps", "the note in `shared/paper/estimators.md`"])
 def test_the_words_test_catches_workshop_words(text):
     assert WORKSHOP_WORDS.search(text)
 
 
 @pytest.mark.parametrize("text", ["the demo's helpers", "a 2-core CPU at load average 5", "on this task",
-                                  "the issue tracker", "lentils, relentless"])
+                                  "the issue tracker", "lentils, relentless", "against a budget of 774-824 MB",
+                                  "## smollm2, after 15 demo steps", "a 2-core CPU, 1 torch thread"])
 def test_the_words_test_leaves_plain_words_alone(text):
     assert not WORKSHOP_WORDS.search(text)
+
+
+@pytest.mark.parametrize("text", ["### Changed (the house, third pass)", "### Added (prompts per step, stage 1)",
+                                  "### Changed (the demo in its own room)"])
+def test_the_headings_test_catches_rounds_of_work(text):
+    assert HEADING_WORDS.search(text)
 
 
 # ------------------------------------------------------------------------------------------- the GPU's cost
