@@ -3,7 +3,7 @@
 A page's prose is what a reader reads as sentences: code blocks, indented blocks, tables, headings, HTML comments
 and images are left out; inline code and a link count as one word each (a link by its text). A sentence ends at
 ". ", "? " or "! " (after any closing "**", ")" or quote) before a capital letter, a parenthesis, a quote, a link or
-inline code; a list item or a paragraph break ends one too. Generated blocks are prose a reader reads, so they count.
+inline code; a list item or a paragraph break ends one too. A formula (`$...$`, `$$...$$`) counts as one word. Generated blocks are prose a reader reads, so they count.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def sentences(text: str) -> list[str]:
     lines = prose_lines(text)
     body = "\n".join(lines)
     body = re.sub(r"`[^`\n]*`", "CODE", body)
+    body = re.sub(r"\$\$.*?\$\$|\$[^$\n]+\$", "MATH", body, flags=re.S)  # a formula reads as one word
     body = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", body)
     blocks = re.split(r"\n\s*\n|\n\s*(?:[-*]|\d+\.)\s+", "\n" + body)
     found = []
@@ -72,6 +73,8 @@ def test_the_sentence_splitter_reads_markdown_as_a_reader_does():
             "| a | table. Not prose |\n\n    an indented block. Not prose\n")
     assert sentences(text) == ["**The answer.**", "It ends here (really).", "Then CODE and a link follow.",
                                "an item without a stop", "another item.", "With two sentences."]
+    assert sentences("Each step applies $\\eta_{\\max} \\cdot f$, where f is\n$$f = \\frac{N}{N + B}$$\nthe factor.") == [
+        "Each step applies MATH, where f is MATH the factor."]
     assert sentences("Dr. GRPO is 0.5x at e.g. 3 prompts. Next one.") == [
         "Dr. GRPO is 0.5x at e.g. 3 prompts.", "Next one."]  # no capital after "e.g." ends nothing
 

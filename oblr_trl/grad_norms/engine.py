@@ -31,10 +31,11 @@ from .factors import (
 from . import factors, generic, hooks
 from .head import lm_head_terms
 from .head_transform import transform_of
+from .checkpointing import norms_checkpointing
 from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Replay, Slot, _fp32
 from .experts import RoutedCaptures
-from .plan import ModelPlan, ModelView, view_of
+from .plan import ModelPlan, ModelView, module_names, view_of
 from . import soft_prompt
 from .support import Unsupported, UnsupportedModulesError, coverage_plan, prompt_plan, refuse_outside_decoder
 
@@ -125,7 +126,7 @@ class _Pass:
 
     def __init__(self, view: ModelView, batch: int, device: torch.device, stream_group_size: int | None,
                  materialize: bool):
-        lm, prompted = view.lm, view.prompted
+        prompted = view.prompted
         self.head = view.head
         if not isinstance(self.head, nn.Linear):
             raise UnsupportedModulesError([Unsupported("lm_head", type(self.head).__name__,
@@ -133,14 +134,13 @@ class _Pass:
         plan = coverage_plan(view)
         self.hooked, self.whole_call, self.borrowed = _hooked_modules(plan)
         self.rules = {c.module: c.rule for c in plan.covered}
-        self.names = {m: n for n, m in lm.named_modules()}
+        self.view = view
         if prompted is not None:  # a soft prompt's encoder (soft_prompt.py): its layers, each by its own rule
             for covered in prompt_plan(prompted, plan.memo):
                 self.hooked.append(covered.module)
                 self.rules[covered.module] = covered.rule
                 if covered.whole_call:
                     self.whole_call.add(covered.module)
-            self.names.update({m: n for n, m in soft_prompt.encoder_modules(prompted)})
         self.routed = RoutedCaptures(plan.memo)
         self.slot_of, self.slots, self.sharing = _slots(self.hooked, self.head, self.borrowed)
         self.batch, self.device, self.k, self.materialize = batch, device, stream_group_size, materialize
@@ -156,6 +156,14 @@ class _Pass:
                 raise ValueError(f"group_size={stream_group_size} must divide the batch size {batch}.")
             self.streamed = torch.zeros(batch // stream_group_size, stream_group_size, stream_group_size,
                                         device=device)
+
+    @property
+    def names(self) -> dict[nn.Module, str]:
+        """Each module's qualified name (a soft prompt encoder's in the ``PeftModel``): only a refusal needs them."""
+        names = dict(module_names(self.view))
+        if self.view.prompted is not None:
+            names.update({m: n for n, m in soft_prompt.encoder_modules(self.view.prompted)})
+        return names
 
     def refusal(self, module: nn.Module, error: Exception) -> Unsupported:
         """A failure forming ``module``'s per-sequence gradients, as an entry of the library's refusal: its path and
@@ -410,7 +418,8 @@ def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, s
     banks = [m for m in run.whole_call if m not in in_checkpointed]
     zero3_head = _head_params(run.head)  # DeepSpeed ZeRO-3: the head gathered whole, before the pass
     try:
-        with _fsdp_root_unsharded(lm), run.routed.routed_forwards(banks), capture(
+        with norms_checkpointing(checkpointed) as reentrant, _fsdp_root_unsharded(lm), \
+                run.routed.routed_forwards(banks), capture(
                 run.hooked, run.batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
             if prompted is None:
                 tokens = dict(input_ids=input_ids, attention_mask=attention_mask)
@@ -420,6 +429,11 @@ def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, s
             hidden = backbone(**tokens, use_cache=False, **(model_inputs or {})).last_hidden_state
             h, head_weight, head_bias, lse, grad_h, head_self_done = _head_terms(
                 run, lm, hidden, span, scored, alpha, transform, zero3_head)
+            if keep_graph and reentrant:
+                raise NotImplementedError(
+                    "keep_graph=True (one_backward replayed) needs non-reentrant gradient checkpointing: a second "
+                    "backward of a reentrant checkpoint's graph would write no parameter's .grad. Take the two-pass "
+                    "path (OBLRPOConfig(one_backward=False)) or keep_graph=False.")
             if hidden.requires_grad:
                 full_grad = torch.zeros_like(hidden)
                 full_grad[:, span] = grad_h.to(hidden.dtype)
