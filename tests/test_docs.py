@@ -464,7 +464,23 @@ def check_built_site(site: Path):
     api = (site / "api.html").read_text()
     assert not re.search(r":(?:func|class|meth|mod|attr|data|exc|obj):", api)
     assert api.count('class="autorefs autorefs-internal"') >= 10
-    assert "<li>" in (site / "models.html").read_text().split("<strong>Quantized bases")[1][:3000]
+    items = len(re.findall(r"^ *(?:[-*+]|\d+\.) ", (ROOT / "CHANGELOG.md").read_text(), re.M))
+    nested = len(re.findall(r"^ {2,}(?:[-*+]|\d+\.) ", (ROOT / "CHANGELOG.md").read_text(), re.M))
+    changelog = (site / "changelog.html").read_text().split("<article", 1)[1]
+    assert nested > 0 and changelog.count("<li>") >= items and nested_items(changelog) >= nested  # nested by 2 spaces
+
+
+def nested_items(html: str) -> int:
+    """The list items of ``html`` inside another list's item."""
+    depth, count = 0, 0
+    for tag in re.findall(r"</?(?:ul|ol|li)\b", html):
+        if tag in ("<ul", "<ol"):
+            depth += 1
+        elif tag in ("</ul", "</ol"):
+            depth -= 1
+        elif tag == "<li" and depth >= 2:
+            count += 1
+    return count
     for name in ("index.html", "how-it-works.html", "glossary.html"):
         assert 'class="arithmatex"' in (site / name).read_text(), name
     assert "katex.min.js" in index_scripts(site) and (site / "javascripts" / "katex" / "fonts").is_dir()
