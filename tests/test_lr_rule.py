@@ -114,7 +114,8 @@ def test_the_docs_the_help_and_the_docstring_quote_the_rule_s_figures(where):
     assert "calibrated" in flat and "eta_max" in flat  # the mode, and the paper's reading one option away
     if where == "docs":
         assert "Set `learning_rate` to the lr you would give GRPO." in text
-        assert f"min(f_t / f_ref, {figures['cap']})" in flat and "oblr/noise_scale" in flat
+        assert f"\\min\\left(\\frac{{f_t}}{{f_{{\\mathrm{{ref}}}}}}, {figures['cap']}\\right)" in flat  # typeset
+        assert "oblr/noise_scale" in flat
         missing_rows = [row for row in table_rows() if row not in text]
         assert not missing_rows, f"the section's table differs from the results files: {missing_rows}"
         assert "What it keeps of Theorem 4" in flat and "gives up the absolute level" in flat

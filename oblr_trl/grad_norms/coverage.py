@@ -9,10 +9,10 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
    never runs, but whose parameters autograd reaches from the hidden states, is used functionally by an ancestor:
    its parameters are *borrowed* by the nearest ancestor that runs, which takes them on the exact per-row path
    (:mod:`.generic`: that ancestor's call re-run per sequence, one vector-Jacobian product each), and the borrowed
-   module gets no hooks of its own. Cost: one forward and one backward of a 2 x 8-token batch, once per model (and
-   per set of trainable parameters); then, in every pass, the per-row path's cost for each borrowing ancestor.
+   module gets no hooks of its own. Cost: one forward and one backward of a 2 x 8-token batch, once per model state
+   (:func:`~.plan.state_key`); then, in every pass, the per-row path's cost for each borrowing ancestor.
 2. **The probe** (:func:`probe`, run by :func:`validate`, so at ``OBLRPOTrainer`` construction, and by the engine
-   once per model and set of trainable parameters): on a 2-sequence batch (one left-padded, one ending early), each
+   once per model state, :func:`~.plan.state_key`): on a 2-sequence batch (one left-padded, one ending early), each
    sequence's gradient as the engine forms it must equal autograd's gradient of that sequence's log-probability run
    alone, within the promise: relative error <= 1e-4 per parameter (plus a floor of 1e-7 of the whole gradient,
    for parameters whose gradient is nearly 0) and over all parameters together. It runs in float32 (a bf16/fp16
@@ -42,10 +42,10 @@ import torch
 from torch import nn
 
 from .engine import per_sequence_grads
-from . import head_transform
+from . import head_adapters, head_transform
 from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names  # noqa: F401
 from . import oracle
-from .lm import unwrap_causal_lm, unwrap_distributed
+from .lm import output_head, unwrap_causal_lm, unwrap_distributed
 from .quantized import LOST_SCALES, backward_gaps, lost_scales, quantized, restore, warn_undone
 from .plan import ModelView, plan_of, view_of
 from .support import ADVICE, Unsupported, UnsupportedModulesError, unsupported_modules
@@ -165,6 +165,7 @@ def _refused(lm: nn.Module, error: Exception) -> list[Unsupported]:
 
 def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], shown: dict[str, str],
            modules: dict[str, nn.Module], rtol: float) -> list[Unsupported]:
+    params, shown, modules = trained_parameters(model)  # as the model is now: float32_mode's copies, where swapped
     ids, attention, completion_mask = probe_batch(lm)
     outer = unwrap_distributed(model)
 
@@ -208,14 +209,30 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], sho
     return _mismatches(modules, {shown[n]: v for n, v in found.items()}, rtol)
 
 
+NO_GRAD = ("Per-sequence gradients need autograd, and this call runs under {what}: the pass would record no "
+           "output gradient. Call it outside the {what} block, or wrap the call in {fix}.")
+
+
+def refuse_without_grad() -> None:
+    """Refuses, naming the cause, a call under ``torch.no_grad()`` or ``torch.inference_mode()`` (every call: the
+    grad mode is read each time, never remembered)."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(NO_GRAD.format(what="torch.inference_mode()", fix="torch.inference_mode(False)"))
+    if not torch.is_grad_enabled():
+        raise RuntimeError(NO_GRAD.format(what="torch.no_grad() (grad mode off)", fix="torch.enable_grad()"))
+
+
 def check_once(model: nn.Module) -> ModelView:
-    """:func:`validate` with the probe, once per model and set of trainable parameters (the engine calls this at
-    every pass; the trainer's construction has usually done it already). Raises naming every uncovered module. What
-    passed is remembered on the model's plan (:class:`~.plan.ModelPlan`). Returns the model resolved
-    (:func:`~.plan.view_of`), for the pass that follows."""
+    """:func:`validate` with the probe, once per model state (:func:`~.plan.state_key`: its modules, their classes,
+    forwards and hooks, its parameters and their dtypes, the config's caps and scales, the trainable parameters of
+    the whole model handed in; the engine calls this at every pass, and the key is built again each time; the
+    trainer's construction has usually done the check already). Refuses a call under ``no_grad`` or
+    ``inference_mode``. Raises naming every uncovered module. What passed is remembered on the model's plan
+    (:class:`~.plan.ModelPlan`). Returns the model resolved (:func:`~.plan.view_of`), for the pass that follows."""
+    refuse_without_grad()
     view = view_of(model)
     lm, plan = view.lm, view.plan
-    if plan.probing or plan.probed == view.trainable:
+    if plan.probing or plan.probed == view.key:
         return view
     if sharded(lm):  # no plain forward can run on shards: what was checked before sharding stands
         if plan.probed is None and not plan.warned_unchecked:
@@ -264,6 +281,9 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
     """:func:`validate`'s checks on a model in its trainable layout: by module type, the head, then the probe."""
     try:
         found = unsupported_modules(model)
+        lm = unwrap_causal_lm(model)
+        if any(p.requires_grad for p in lm.parameters()):  # the head: an nn.Linear, or one under an adapter it forms
+            found = head_adapters.refusal(output_head(lm)) + found
         found = found or head_transform.check(model)
     except UnsupportedModulesError:
         raise
@@ -273,5 +293,6 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
     if not found and run_probe:
         found = probe(model)
         if not found:
-            plan_of(model).probed = trainable_names(unwrap_causal_lm(model))
+            view = view_of(model)
+            view.plan.probed = view.key
     return found

@@ -4,18 +4,20 @@ The engine scores completions with ``z = alpha * C * tanh(s / C)`` (or ``alpha *
 output ``s = h W^T + b`` (:func:`~.factors.head_logits`), ``h`` the backbone's ``last_hidden_state``. Models put
 their own transforms between ``s`` and the logits they return: Gemma 2's ``final_logit_softcapping``, xLSTM's
 ``output_logit_soft_cap``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, a fixed per-vocabulary offset; and
-some config fields of the same names are read by nothing (MPT's ``logit_scale``). So, once per model, on the probe
+some config fields of the same names are read by nothing (MPT's ``logit_scale``). So, once per model state, on the probe
 batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own output logits ``y`` are compared with
 ``s`` and one of these is fitted: ``y = a s``; ``y = a s + c_v`` (a per-vocabulary offset ``c``); ``y = P tanh(Q s)``
 (a soft cap: before or after a scale, it is ``alpha = P Q``, ``C = 1 / Q``; a cap named by any config field with
 "cap" in its name is tried first and taken where it fits, else ``P`` and ``Q`` are fitted). The simplest that
 reproduces ``y`` as well as the best (:func:`fit`), within float precision (:data:`TOLERANCE`, relative, over the
 positions attended to; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision), is what
-the engine computes; where none does, the model is refused naming the head and the difference. A scale fitted to
-``1 +- 1e-6`` is taken as 1. The transform is remembered on the model's plan (:class:`~.plan.ModelPlan`): a config changed afterwards (a cap set by hand)
-is not seen again. Cost: one forward of the backbone and one of the model on the probe
-batch, once per model. Models whose parameters are already shards (no plain forward) use the config's names
-(:func:`from_config`), which :func:`~.coverage.check_once` warns about.
+the engine computes (where float32 does not reproduce it, float64, which no autocast region casts, is tried: a
+forward wrapped in Accelerate's autocast); where none does, the model is refused naming the head and the difference.
+A scale fitted to ``1 +- 1e-6`` is taken as 1. The transform is remembered on the model's plan
+(:class:`~.plan.ModelPlan`) under the model's state (:func:`~.plan.state_key`): a hook on the head, a head of
+another class, a forward patched or a cap set in the config afterwards is observed again. Cost: one forward of the
+backbone and one of the model on the probe batch, once per model state. Models whose parameters are already shards
+(no plain forward) use the config's names (:func:`from_config`), which :func:`~.coverage.check_once` warns about.
 """
 
 from __future__ import annotations
@@ -173,20 +175,22 @@ def fit(s: torch.Tensor, y: torch.Tensor, named_caps: list[float] = ()) -> tuple
 
 
 def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsupported]]:
+    from .head_adapters import adapter_of
+
     head = output_head(lm)
+    adapter = adapter_of(head)  # the head's raw output under LoRA or trained tokens (head_adapters.py)
     names = {m: n for n, m in lm.named_modules()}
     name, kind = names.get(head, "lm_head"), type(head).__name__
     ids, attention, _ = probe_batch(lm)
     with torch.no_grad():
         hidden = backbone_of(lm)(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
         y = lm(input_ids=ids, attention_mask=attention, use_cache=False).logits
-    if hidden.shape[-1] != head.weight.shape[-1]:
+    width = adapter.linear.weight.shape[-1]
+    if hidden.shape[-1] != width:
         return HeadTransform(), [Unsupported(name, kind, (
-            f"its input width is {head.weight.shape[-1]}, the backbone's last_hidden_state {hidden.shape[-1]}: the "
+            f"its input width is {width}, the backbone's last_hidden_state {hidden.shape[-1]}: the "
             "model transforms the hidden states between the backbone and the head"))]
-    s = hidden.double() @ head.weight.detach().double().T
-    if head.bias is not None:
-        s = s + head.bias.detach().double()
+    s = adapter.raw_output(hidden)
     if y.shape != s.shape:
         return HeadTransform(), [Unsupported(name, kind, f"the model's own logits have shape {tuple(y.shape)}, its "
                                              f"head's output h W^T + b on last_hidden_state {tuple(s.shape)}")]
@@ -208,10 +212,18 @@ def check(model: nn.Module) -> list[Unsupported]:
     and the difference; empty where there is nothing to observe (no Linear head, sharded parameters)."""
     view = view_of(model)
     lm, plan = view.lm, view.plan
-    if plan.head_transform is not None or not isinstance(view.head, nn.Linear) or sharded(lm):
+    from .head_adapters import refusal
+
+    if plan.head_transform is not None or refusal(view.head) or sharded(lm):
         return []
     with plain_mode(lm), float32_mode(lm) as upcast:
         transform, refused = _observe(lm, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)
+    if refused and upcast:  # a forward that casts float32 itself (Accelerate's autocast wrapper): float64 it keeps
+        with plain_mode(lm), float32_mode(lm, torch.float64) as wide:
+            if wide:
+                wide_transform, wide_refused = _observe(lm, TOLERANCE)
+                if not wide_refused:
+                    transform, refused = wide_transform, []
     if not refused:
         plan.head_transform = transform
     return refused

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .lm import output_head
-from .plan import trainable_names, view_of  # noqa: F401 (trainable_names: imported from here too)
+from .plan import plan_of_lm, trainable_names, view_of  # noqa: F401 (trainable_names: imported from here too)
 from .quantized import compute_dtype, packed, quantized
 
 PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
@@ -45,9 +45,11 @@ def probe_batch(lm: nn.Module, batch: int = PROBE_BATCH, prompt: int = PROBE_PRO
 @contextmanager
 def plain_mode(lm: nn.Module):
     """Eval mode (no dropout, no gradient checkpointing), no autocast and full float32 matmuls (no TF32, whose 1e-3
-    rounding is above the probe's 1e-4), for discovery, the head's observation and the probe; the train/eval mode and
-    the matmul precision are put back after."""
-    was_training, precision = lm.training, torch.get_float32_matmul_precision()
+    rounding is above the probe's 1e-4), for discovery, the head's observation and the probe; each module's own
+    train/eval flag and the matmul precision are put back after (a model with some layers in eval and others in train
+    keeps them so). Inside an autocast region, the region's own casts are left as they were."""
+    modes = [(m, m.training) for m in lm.modules()]
+    precision = torch.get_float32_matmul_precision()
     cudnn_tf32 = torch.backends.cudnn.allow_tf32
     device = lm.get_input_embeddings().weight.device
     lm.eval()
@@ -57,35 +59,54 @@ def plain_mode(lm: nn.Module):
         with torch.autocast(device_type=device.type, enabled=False):
             yield
     finally:
-        lm.train(was_training)
+        for m, training in modes:
+            m.training = training
         torch.set_float32_matmul_precision(precision)
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
 @contextmanager
 def float32_mode(lm: nn.Module, dtype: torch.dtype = torch.float32):
-    """The model in ``dtype`` (float32, or float64 for the probe's second look) while inside, every floating parameter
-    and buffer put back in its own dtype after (a bf16/fp16/float32 value is exact in a wider type, so nothing
-    changes). In half precision the reference itself is too coarse to judge by: bf16 logits of a 49k vocabulary are
-    spaced 0.125 apart near 20, which moves each sequence's gradient by tens of percent. A quantized model (weights
-    stored 4- or 8-bit, whatever the storage dtype: :func:`~.quantized.packed`) keeps those weights: its floating
-    parameters (the adapters, norms, biases) and buffers are upcast, and layers with their own compute dtype
-    (bitsandbytes' 4-bit) compute in float32; it cannot run in float64 (the dequantizing kernels have no float64).
-    Yields whether the model runs in ``dtype``."""
-    tensors = list(lm.parameters()) + list(lm.buffers())
+    """The model computing in ``dtype`` (float32, or float64 for the probe's second look) while inside: each floating
+    parameter and buffer in another dtype is replaced, in its module, by a copy in ``dtype`` (tied ones by one copy,
+    a parameter's copy trainable as it is), and the originals are put back after. The user's tensors are never cast
+    in place: their values, dtypes and autograd identity stay as they were (an in-place cast would rebuild a weight's
+    autograd link, and an enclosing autocast region's cached casts of it would no longer reach it). A
+    bf16/fp16/float32 value is exact in a wider type. In half precision the reference itself is too coarse to judge
+    by: bf16 logits of a 49k vocabulary are spaced 0.125 apart near 20, which moves each sequence's gradient by tens
+    of percent. A quantized model (weights stored 4- or 8-bit, whatever the storage dtype: :func:`~.quantized.packed`)
+    keeps those weights: its floating parameters (the adapters, norms, biases) and buffers are copied upcast, and
+    layers with their own compute dtype (bitsandbytes' 4-bit) compute in float32; it cannot run in float64 (the
+    dequantizing kernels have no float64). While inside, the model's plan keeps its view (the copies are the check's).
+    Yields whether the model runs in ``dtype``. Cost: a copy of every parameter not yet in ``dtype``, while inside."""
     wide = (torch.float32, torch.float64) if dtype == torch.float32 else (torch.float64,)
     if quantized(lm) and dtype != torch.float32:
         yield False
         return
-    dtypes = [(t, t.dtype) for t in tensors if not packed(t) and t.dtype not in wide]  # codes stay as stored
+    copies: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+
+    def copy_of(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(t) not in copies:
+            value = t.detach().to(dtype)
+            copies[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if parameter else value
+        return copies[id(t)]
+
+    plan = plan_of_lm(lm)
+    plan.held += 1
     try:
-        for t, _ in dtypes:
-            t.data = t.data.to(dtype)
+        for m in lm.modules():
+            for store, parameter in ((m._parameters, True), (m._buffers, False)):
+                for name, t in store.items():
+                    if t is not None and not packed(t) and t.dtype not in wide:  # codes stay as stored
+                        swapped.append((store, name, t))
+                        store[name] = copy_of(t, parameter)
         with compute_dtype(lm, dtype):
             yield True
     finally:
-        for t, old in dtypes:
-            t.data = t.data.to(old)
+        for store, name, t in reversed(swapped):
+            store[name] = t
+        plan.held -= 1
 
 
 def _discover(lm: nn.Module, backbone: nn.Module) -> dict[nn.Module, nn.Module]:
@@ -124,17 +145,18 @@ def _discover(lm: nn.Module, backbone: nn.Module) -> dict[nn.Module, nn.Module]:
 def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
     """``{module: ancestor}`` for every trainable module whose forward never runs while autograd reaches its
     parameters (they are used functionally): the ancestor that takes them on the per-row path. Found once per model
-    and set of trainable parameters (a tiny forward and backward), then remembered on the model's plan
-    (:class:`~.plan.ModelPlan`). Models whose parameters are already shards cannot run that forward: they keep what
-    was found before sharding (``validate`` at trainer construction finds it), or nothing."""
+    state (:func:`~.plan.state_key`: its modules, their forwards and hooks, its trainable set; a tiny forward and
+    backward), then remembered on the model's plan (:class:`~.plan.ModelPlan`). Models whose parameters are already
+    shards cannot run that forward: they keep what was found before sharding (``validate`` at trainer construction
+    finds it), or nothing."""
     view = view_of(model)
     lm, names, plan = view.lm, view.trainable, view.plan
     known = plan.owners
-    if known is not None and (known[0] == names or sharded(lm)):
+    if known is not None and (known[0] == view.key or sharded(lm)):
         return known[1]
     if not names or sharded(lm):
         return {}
     with plain_mode(lm):
         owners = _discover(lm, view.backbone)
-    plan.owners = (names, owners)
+    plan.owners = (view.key, owners)
     return owners

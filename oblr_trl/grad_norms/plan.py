@@ -12,14 +12,23 @@ hook.
 
 The plan also keeps the model resolved (:func:`view_of`): a :class:`ModelView` of the wrapper the trainer calls, the
 ``*ForCausalLM``, its backbone, head and text config, and a soft prompt's ``PeftModel``, found once and found again
-only when the model's structure changes. A pass resolves the model once and hands the view to the rooms it calls."""
+only when the model's structure changes. A pass resolves the model once and hands the view to the rooms it calls.
+
+Every remembered answer is kept under what it depends on (:func:`state_key`, built once per pass by walking the
+modules: no tensor data is read): each module's identity and class, the forward it runs (an instance patch, or its
+class's), its hooks (and the global ones), each parameter's identity and dtype, the config values a rule reads (soft
+caps, scales), and the trainable parameters of the whole model handed in (a PEFT prompt encoder's included). When the
+model's structure changes, everything found about it is forgotten (:meth:`ModelPlan.forget`); when only its
+trainable set changes, the recognisers' findings and the head's transform are kept."""
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from . import soft_prompt
 from .lm import backbone_of, output_head, text_config, under_peft, unwrap_causal_lm, unwrap_distributed
@@ -35,18 +44,32 @@ class ModelPlan:
         # what a recogniser found, by (kind, module): a tensor rule ('rule'), a bank's layout ('bank'), a router
         # ('router')
         self.memo: dict[tuple[str, nn.Module], object] = {}
-        self.owners: tuple[tuple[str, ...], dict] | None = None  # (trainable names, {borrowed module: ancestor})
+        self.owners: tuple[tuple, dict] | None = None  # (the view's key, {borrowed module: ancestor})
         # support.coverage_plan: each trainable module with its rule ([Covered]), every module none covers
-        # ([Unsupported]), and what they were resolved under (trainable parameter names, the modules, the per-row
-        # limit, switched-off rules, registered rules)
+        # ([Unsupported]), and what they were resolved under (the view's key, the per-row limit, switched-off rules,
+        # registered rules)
         self.covered: list = []
         self.unsupported: list = []
         self.key: tuple | None = None
         self.head_transform = None  # the head's transform as observed (head_transform.check), or None
-        self.probed: tuple[str, ...] | None = None  # the trainable parameters the coverage probe passed with
+        self.probed: tuple | None = None  # the view's key (view_key) the coverage probe passed on
         self.warned_unchecked = False  # first seen sharded: warned once (coverage.check_once)
         self.probing = False  # the coverage probe's own engine pass is running: it is not probed again
         self.view: ModelView | None = None  # the model resolved (view_of), with what it was resolved under
+        self.structure: tuple | None = None  # the structure (state_key) what is remembered was found on
+        self.held = 0  # a check runs on copies swapped in (ledger.float32_mode): the view stands as it was
+
+    def forget(self, structure: tuple, trainable_changed: bool) -> None:
+        """The model's structure or trainable set changed (:func:`state_key`): what depends on it is found again.
+        A new structure forgets everything; a new trainable set only the coverage (functional users, rules chosen,
+        the probe's pass): the recognisers' findings and the head's transform do not depend on it."""
+        if self.structure is None:  # first resolved: what was found so far was found on this model as it is
+            self.structure = structure
+        elif structure != self.structure:
+            self.memo, self.head_transform, self.structure = {}, None, structure
+        elif not trainable_changed:
+            return
+        self.owners, self.key, self.probed = None, None, None
 
     def __deepcopy__(self, memo) -> "ModelPlan":
         return ModelPlan()
@@ -96,6 +119,7 @@ class ModelView:
     trainable: tuple[str, ...]
     module_ids: tuple[int, ...]
     key: tuple
+    names: dict | None = None  # {module: qualified name} in the *ForCausalLM, found when first asked (module_names)
 
     @property
     def outer(self) -> nn.Module | None:
@@ -114,12 +138,86 @@ class ModelView:
         return plan_of_lm(self.lm)
 
 
+_CONFIG_WORDS = ("cap", "scal", "multiplier", "logit")  # config fields a rule or the head's transform reads
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = tuple(getattr(_torch_module, f"_global{name}") for name in _HOOKS)
+
+
+# transformers' enable_input_require_grads hook only marks the embedding's output as requiring grad: registering it
+# again changes nothing, and TRL re-enables gradient checkpointing around each generation, which registers it again
+_IDEMPOTENT_HOOKS = ("make_inputs_require_grads",)
+
+
+def _hook_ids(hooks: dict | None) -> tuple:
+    """A hooks dict's handles, by id, but an idempotent hook's (:data:`_IDEMPOTENT_HOOKS`), which counts once."""
+    if not hooks:
+        return ()
+    ids = [k for k, f in hooks.items()
+           if getattr(getattr(f, "__code__", None), "co_name", None) not in _IDEMPOTENT_HOOKS]
+    return (*ids, len(ids) < len(hooks))
+
+
+def _walk(root: nn.Module, stop: nn.Module | None, structure: list, trainable: list) -> None:
+    """Appends, for each module under ``root`` (not descending into ``stop``), its identity, class, the forward it
+    runs, its hooks and its parameters' identities and dtypes to ``structure``, and its trainable parameters'
+    identities to ``trainable``. Reads attributes only: O(modules + parameters), no tensor data."""
+    stack = [root]
+    pop, push, add, train = stack.pop, stack.extend, structure.extend, trainable.append
+    while stack:
+        m = pop()
+        if m is None or m is stop:
+            continue
+        d = m.__dict__
+        cls = type(m)
+        add((id(m), cls, id(d.get("forward")), cls.forward))
+        hooks = [d.get(name) for name in _HOOKS]
+        if any(hooks):
+            add(tuple(_hook_ids(h) for h in hooks))
+        for p in d["_parameters"].values():
+            if p is not None:
+                add((id(p), p.dtype))
+                if p.requires_grad:
+                    train(id(p))
+        push(d["_modules"].values())
+
+
+def _config_values(config) -> tuple:
+    """The text config's numbers a rule or the head's transform reads (soft caps, scales, multipliers)."""
+    if config is None:
+        return ()
+    return tuple((k, v) for k, v in vars(config).items()
+                 if (v is None or isinstance(v, (int, float))) and any(w in k.lower() for w in _CONFIG_WORDS))
+
+
+def state_key(outer: nn.Module, lm: nn.Module) -> tuple[tuple, tuple, tuple]:
+    """What the remembered answers about a model depend on, in three parts: the ``*ForCausalLM``'s structure (its
+    modules, their classes, forwards, hooks, parameters' identities and dtypes, the global hooks, the config's
+    caps and scales), what lies outside it in the model handed in (a PEFT wrapper's modules: a prompt encoder), and
+    the trainable parameters of the whole (by identity). Built in one walk of the modules, no tensor read."""
+    structure: list = []
+    outside: list = []
+    trainable: list = []
+    _walk(lm, None, structure, trainable)
+    if outer is not lm:
+        _walk(outer, lm, outside, trainable)
+    structure.append(tuple(tuple(hooks) for hooks in _GLOBAL_HOOKS))
+    structure.append(_config_values(text_config(lm)))
+    return tuple(structure), tuple(outside), tuple(trainable)
+
+
 def view_key(outer: nn.Module, lm: nn.Module, head_wrapper: nn.Module | None) -> tuple:
-    """What a view is resolved under: the trainable parameter names, the modules (an adapter added, a layer
-    replaced), the active adapter (a soft prompt's, switched), and the head wrapper's active adapters and switch
-    (PEFT's ``modules_to_save``)."""
+    """What a view is resolved under: the model's state (:func:`state_key`: modules, classes, forwards, hooks,
+    parameters, config values, the trainable set), the active adapter (a soft prompt's, switched), and the head
+    wrapper's active adapters and switch (PEFT's ``modules_to_save``)."""
     head_state = (getattr(head_wrapper, "active_adapters", None), getattr(head_wrapper, "disable_adapters", None))
-    return trainable_names(lm), tuple(map(id, lm.modules())), getattr(outer, "active_adapter", None), head_state
+    return (*state_key(outer, lm), getattr(outer, "active_adapter", None), head_state)
+
+
+def module_names(view: "ModelView") -> dict:
+    """``{module: qualified name}`` in the view's ``*ForCausalLM``, walked once per view (what refusals name)."""
+    if view.names is None:
+        object.__setattr__(view, "names", {m: n for n, m in view.lm.named_modules()})
+    return view.names
 
 
 def view_of(model) -> ModelView:
@@ -132,12 +230,19 @@ def view_of(model) -> ModelView:
     lm = under_peft(outer)
     plan = plan_of_lm(lm)
     seen = plan.view
-    if seen is not None and seen.outer is outer and seen.key == view_key(outer, lm, seen.head_wrapper):
-        return seen
+    if seen is not None and seen.outer is outer:
+        if plan.held:  # a check's copies swapped in: the model is the one resolved
+            return seen
+        key = view_key(outer, lm, seen.head_wrapper)
+        if seen.key == key:
+            return seen
     get_head = getattr(lm, "get_output_embeddings", None)
     wrapper = get_head() if callable(get_head) else None
     key = view_key(outer, lm, wrapper)
+    plan.forget(key[0], seen is None or seen.key[1:3] != key[1:3])
     prompted = soft_prompt.soft_prompt_model(outer)
     refs = weakref.ref(outer), weakref.ref(lm), None if prompted is None else weakref.ref(prompted)
-    plan.view = ModelView(refs, backbone_of(lm), output_head(lm), wrapper, text_config(lm), key[0], key[1], key)
+    module_ids = tuple(map(id, lm.modules()))
+    plan.view = ModelView(refs, backbone_of(lm), output_head(lm), wrapper, text_config(lm), trainable_names(lm),
+                          module_ids, key)
     return plan.view
