@@ -91,7 +91,7 @@ def test_the_tables_render_from_records(tmp_path):
         runs += [rec("GRPO", 2e-3, s, [0.3] * 10 + [0.5 + s / 100] * 10, sampled=0.5 + s / 100),
                  rec("OBLR-PO", 2e-3, s, [0.3] * 10 + [0.52 + s / 90] * 10, sampled=0.52 + s / 90, b=4.0),
                  rec("GRPO-shuffled", 2e-3, s, flat(0.3))]
-    args = argparse.Namespace(prompts=16, grid_seed=0, steps=20, testbed="{}", out=tmp_path / "testbed",
+    args = argparse.Namespace(prompts=16, grid_seed=0, steps=20, points=3, testbed="{}", out=tmp_path / "testbed",
                               search=tmp_path / "none")
     T.render_all(args, runs, "cmd")
     regime = (tmp_path / "testbed_regime.md").read_text()
