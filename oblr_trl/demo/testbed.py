@@ -1,7 +1,8 @@
 """A CPU testbed in the paper's regime: a small policy whose per-prompt gradients agree (a small noise scale B).
 
-The embedded tiny policy (:mod:`.tiny`) on chain_sum has B of about 1000 prompts: at any N a CPU affords, its SNR
-factor ``N / (N + B)`` is small, far from the paper's runs (f near 1). This module builds a policy with a small B:
+The embedded tiny policy (:mod:`.tiny`) on chain_sum has a noise scale B of hundreds of prompts or more: at any N
+a CPU affords, its SNR factor ``N / (N + B)`` is small, far from the paper's runs (f near 1). This module builds a
+policy with a small B:
 
 * **The task** (``reverse``): a string of 3 to 5 digits; the answer is the string reversed (``"4821"`` ->
   ``"1284"``). Binary reward from :func:`score_reply`, the task's verifier: 1.0 for exactly the reversed digits (the
@@ -9,12 +10,14 @@ factor ``N / (N + B)`` is small, far from the paper's runs (f near 1). This modu
 * **The split** (:func:`split_of`): each distinct digit string belongs to the train or the held-out split by a hash
   of the string itself, one in ten held out. The two splits are disjoint whatever the seeds or sizes drawn, so a
   held-out problem is never trained on, by the warm-up or by RL.
-* **The policy**: a randomly initialised Qwen3 (``"testbed"`` size, about 0.4M parameters) with the character
+* **The policy**: a randomly initialised Qwen3 (hidden 96, 2 layers: 0.29M parameters) with the character
   tokenizer of :mod:`.tiny`, warmed up by supervised fine-tuning (:func:`.tiny.warmup_sft`) on training-split
-  problems whose answers are the reversed string with probability ``p_reverse`` and the string copied unchanged
-  otherwise. The warm policy can do both; which one it does is a single behaviour shared by every prompt, so RL's
-  per-prompt gradients agree: the regime where the SNR factor is near 1 at a modest N. What RL has to learn is
-  the choice, not a new skill: the way RL on a pretrained model mostly sharpens what the model can already do.
+  problems whose answers are right (the reversed string) with probability ``p_reverse`` and otherwise wrong as
+  ``wrong`` says: the string copied unchanged, the right string followed by a period, or half each (the default).
+  The warm policy can do all of them; which one it does is a behaviour shared by every prompt, so RL's per-prompt
+  gradients agree: the regime where the SNR factor is near 1 at a modest N (B about 3.6 prompts at the start with
+  the default warm-up; ``benchmarks/testbed.md``). What RL has to learn is the choice, not a new skill: the way RL
+  on a pretrained model mostly sharpens what the model can already do.
 
 :func:`load_or_build_testbed` builds it once (deterministic from its seed: a rebuild gives the same weights) and
 caches it under :func:`.tiny.default_cache_dir`.
