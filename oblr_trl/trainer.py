@@ -11,7 +11,7 @@ via :class:`.deepspeed_step.ZeroStepHook`); an optimizer pre-step hook refuses a
   generation; refusals at construction: :mod:`.setup_checks`; warnings, once each: :class:`.advice.Advice`; the model
   card and the checkpointed SNR state (:mod:`.state_file`): ``create_model_card``, ``_save_checkpoint``, ``train``, ...
 
-Every TRL internal used here is a seam listed and fingerprinted in :mod:`.trl_seam`.
+Every TRL internal used here is a seam listed, with a hash of its source, in ``tests/seam_table.py``.
 """
 
 from __future__ import annotations

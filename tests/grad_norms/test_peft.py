@@ -87,7 +87,7 @@ def test_trainable_tokens_on_tied_embeddings_are_refused_with_the_reason_and_the
     """trainable_token_indices with tied embeddings puts the trained rows in the LM head too, which the pass forms
     only for an nn.Linear head: refused saying so (it said "the LM head must be an nn.Linear"), the model unchanged;
     the advice (LoRA on the embedding) is exact on the same tied model."""
-    from oblr_trl.grad_norms.fingerprint import differences, fingerprint
+    from fingerprint import differences, fingerprint
     from oblr_trl.grad_norms.support import UnsupportedModulesError
     from studies.zoo import build
 
