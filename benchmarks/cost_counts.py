@@ -171,7 +171,6 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
         trainer = cls(model=model, args=args, reward_funcs=lambda completions, **k: [0.0] * len(completions),
                       train_dataset=dataset, processing_class=build_tokenizer(), peft_config=peft)
     lm = unwrap_causal_lm(trainer.model)
-    plan_of(lm).probed = coverage.trainable_names(lm)
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1  # as train() sets it, and its checkpointing:
     if ckpt:
@@ -182,6 +181,16 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
             enable(activation_checkpointing_kwargs=kwargs or None)
         else:
             trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+    # what the pass remembers, found for the model as the step will run it (kept under its state, plan.state_key),
+    # so that nothing is found again inside the counted step: the coverage, the config's head transform (see above),
+    # and the probe taken as passed
+    from oblr_trl.grad_norms.plan import view_of
+    from oblr_trl.grad_norms.support import coverage_plan
+
+    view = view_of(trainer.model)
+    coverage_plan(view)
+    view.plan.head_transform = head_transform.from_config(lm)
+    view.plan.probed = view.key
     return trainer
 
 

@@ -9,10 +9,10 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
    never runs, but whose parameters autograd reaches from the hidden states, is used functionally by an ancestor:
    its parameters are *borrowed* by the nearest ancestor that runs, which takes them on the exact per-row path
    (:mod:`.generic`: that ancestor's call re-run per sequence, one vector-Jacobian product each), and the borrowed
-   module gets no hooks of its own. Cost: one forward and one backward of a 2 x 8-token batch, once per model (and
-   per set of trainable parameters); then, in every pass, the per-row path's cost for each borrowing ancestor.
+   module gets no hooks of its own. Cost: one forward and one backward of a 2 x 8-token batch, once per model state
+   (:func:`~.plan.state_key`); then, in every pass, the per-row path's cost for each borrowing ancestor.
 2. **The probe** (:func:`probe`, run by :func:`validate`, so at ``OBLRPOTrainer`` construction, and by the engine
-   once per model and set of trainable parameters): on a 2-sequence batch (one left-padded, one ending early), each
+   once per model state, :func:`~.plan.state_key`): on a 2-sequence batch (one left-padded, one ending early), each
    sequence's gradient as the engine forms it must equal autograd's gradient of that sequence's log-probability run
    alone, within the promise: relative error <= 1e-4 per parameter (plus a floor of 1e-7 of the whole gradient,
    for parameters whose gradient is nearly 0) and over all parameters together. It runs in float32 (a bf16/fp16

@@ -4,18 +4,20 @@ The engine scores completions with ``z = alpha * C * tanh(s / C)`` (or ``alpha *
 output ``s = h W^T + b`` (:func:`~.factors.head_logits`), ``h`` the backbone's ``last_hidden_state``. Models put
 their own transforms between ``s`` and the logits they return: Gemma 2's ``final_logit_softcapping``, xLSTM's
 ``output_logit_soft_cap``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, a fixed per-vocabulary offset; and
-some config fields of the same names are read by nothing (MPT's ``logit_scale``). So, once per model, on the probe
+some config fields of the same names are read by nothing (MPT's ``logit_scale``). So, once per model state, on the probe
 batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own output logits ``y`` are compared with
 ``s`` and one of these is fitted: ``y = a s``; ``y = a s + c_v`` (a per-vocabulary offset ``c``); ``y = P tanh(Q s)``
 (a soft cap: before or after a scale, it is ``alpha = P Q``, ``C = 1 / Q``; a cap named by any config field with
 "cap" in its name is tried first and taken where it fits, else ``P`` and ``Q`` are fitted). The simplest that
 reproduces ``y`` as well as the best (:func:`fit`), within float precision (:data:`TOLERANCE`, relative, over the
 positions attended to; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision), is what
-the engine computes; where none does, the model is refused naming the head and the difference. A scale fitted to
-``1 +- 1e-6`` is taken as 1. The transform is remembered on the model's plan (:class:`~.plan.ModelPlan`): a config changed afterwards (a cap set by hand)
-is not seen again. Cost: one forward of the backbone and one of the model on the probe
-batch, once per model. Models whose parameters are already shards (no plain forward) use the config's names
-(:func:`from_config`), which :func:`~.coverage.check_once` warns about.
+the engine computes (where float32 does not reproduce it, float64, which no autocast region casts, is tried: a
+forward wrapped in Accelerate's autocast); where none does, the model is refused naming the head and the difference.
+A scale fitted to ``1 +- 1e-6`` is taken as 1. The transform is remembered on the model's plan
+(:class:`~.plan.ModelPlan`) under the model's state (:func:`~.plan.state_key`): a hook on the head, a head of
+another class, a forward patched or a cap set in the config afterwards is observed again. Cost: one forward of the
+backbone and one of the model on the probe batch, once per model state. Models whose parameters are already shards
+(no plain forward) use the config's names (:func:`from_config`), which :func:`~.coverage.check_once` warns about.
 """
 
 from __future__ import annotations
@@ -212,6 +214,12 @@ def check(model: nn.Module) -> list[Unsupported]:
         return []
     with plain_mode(lm), float32_mode(lm) as upcast:
         transform, refused = _observe(lm, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)
+    if refused and upcast:  # a forward that casts float32 itself (Accelerate's autocast wrapper): float64 it keeps
+        with plain_mode(lm), float32_mode(lm, torch.float64) as wide:
+            if wide:
+                wide_transform, wide_refused = _observe(lm, TOLERANCE)
+                if not wide_refused:
+                    transform, refused = wide_transform, []
     if not refused:
         plan.head_transform = transform
     return refused

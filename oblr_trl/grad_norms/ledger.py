@@ -146,8 +146,9 @@ def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
     """``{module: ancestor}`` for every trainable module whose forward never runs while autograd reaches its
     parameters (they are used functionally): the ancestor that takes them on the per-row path. Found once per model
     state (:func:`~.plan.state_key`: its modules, their forwards and hooks, its trainable set; a tiny forward and
-    backward), then remembered on the model's plan (:class:`~.plan.ModelPlan`). Models whose parameters are already shards cannot run that forward: they keep what
-    was found before sharding (``validate`` at trainer construction finds it), or nothing."""
+    backward), then remembered on the model's plan (:class:`~.plan.ModelPlan`). Models whose parameters are already
+    shards cannot run that forward: they keep what was found before sharding (``validate`` at trainer construction
+    finds it), or nothing."""
     view = view_of(model)
     lm, names, plan = view.lm, view.trainable, view.plan
     known = plan.owners

@@ -44,15 +44,15 @@ class ModelPlan:
         # what a recogniser found, by (kind, module): a tensor rule ('rule'), a bank's layout ('bank'), a router
         # ('router')
         self.memo: dict[tuple[str, nn.Module], object] = {}
-        self.owners: tuple[tuple[str, ...], dict] | None = None  # (trainable names, {borrowed module: ancestor})
+        self.owners: tuple[tuple, dict] | None = None  # (the view's key, {borrowed module: ancestor})
         # support.coverage_plan: each trainable module with its rule ([Covered]), every module none covers
-        # ([Unsupported]), and what they were resolved under (trainable parameter names, the modules, the per-row
-        # limit, switched-off rules, registered rules)
+        # ([Unsupported]), and what they were resolved under (the view's key, the per-row limit, switched-off rules,
+        # registered rules)
         self.covered: list = []
         self.unsupported: list = []
         self.key: tuple | None = None
         self.head_transform = None  # the head's transform as observed (head_transform.check), or None
-        self.probed: tuple[str, ...] | None = None  # the trainable parameters the coverage probe passed with
+        self.probed: tuple | None = None  # the view's key (view_key) the coverage probe passed on
         self.warned_unchecked = False  # first seen sharded: warned once (coverage.check_once)
         self.probing = False  # the coverage probe's own engine pass is running: it is not probed again
         self.view: ModelView | None = None  # the model resolved (view_of), with what it was resolved under
@@ -63,7 +63,9 @@ class ModelPlan:
         """The model's structure or trainable set changed (:func:`state_key`): what depends on it is found again.
         A new structure forgets everything; a new trainable set only the coverage (functional users, rules chosen,
         the probe's pass): the recognisers' findings and the head's transform do not depend on it."""
-        if structure != self.structure:
+        if self.structure is None:  # first resolved: what was found so far was found on this model as it is
+            self.structure = structure
+        elif structure != self.structure:
             self.memo, self.head_transform, self.structure = {}, None, structure
         elif not trainable_changed:
             return
@@ -141,29 +143,42 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 _GLOBAL_HOOKS = tuple(getattr(_torch_module, f"_global{name}") for name in _HOOKS)
 
 
-def _walk(root: nn.Module, stop: nn.Module | None, structure: list, trainable: list, seen: set) -> None:
+# transformers' enable_input_require_grads hook only marks the embedding's output as requiring grad: registering it
+# again changes nothing, and TRL re-enables gradient checkpointing around each generation, which registers it again
+_IDEMPOTENT_HOOKS = ("make_inputs_require_grads",)
+
+
+def _hook_ids(hooks: dict | None) -> tuple:
+    """A hooks dict's handles, by id, but an idempotent hook's (:data:`_IDEMPOTENT_HOOKS`), which counts once."""
+    if not hooks:
+        return ()
+    ids = [k for k, f in hooks.items()
+           if getattr(getattr(f, "__code__", None), "co_name", None) not in _IDEMPOTENT_HOOKS]
+    return (*ids, len(ids) < len(hooks))
+
+
+def _walk(root: nn.Module, stop: nn.Module | None, structure: list, trainable: list) -> None:
     """Appends, for each module under ``root`` (not descending into ``stop``), its identity, class, the forward it
     runs, its hooks and its parameters' identities and dtypes to ``structure``, and its trainable parameters'
     identities to ``trainable``. Reads attributes only: O(modules + parameters), no tensor data."""
     stack = [root]
+    pop, push, add, train = stack.pop, stack.extend, structure.extend, trainable.append
     while stack:
-        m = stack.pop()
-        if id(m) in seen or m is stop:
+        m = pop()
+        if m is None or m is stop:
             continue
-        seen.add(id(m))
-        cls = type(m)
         d = m.__dict__
-        structure += (id(m), cls, id(d.get("forward")), id(getattr(cls, "forward", None)))
-        for name in _HOOKS:
-            hooks = d.get(name)
-            if hooks:
-                structure.append((name, *hooks))
+        cls = type(m)
+        add((id(m), cls, id(d.get("forward")), cls.forward))
+        hooks = [d.get(name) for name in _HOOKS]
+        if any(hooks):
+            add(tuple(_hook_ids(h) for h in hooks))
         for p in d["_parameters"].values():
             if p is not None:
-                structure += (id(p), p.dtype)
+                add((id(p), p.dtype))
                 if p.requires_grad:
-                    trainable.append(id(p))
-        stack.extend(c for c in reversed(d["_modules"].values()) if c is not None)
+                    train(id(p))
+        push(d["_modules"].values())
 
 
 def _config_values(config) -> tuple:
@@ -182,10 +197,9 @@ def state_key(outer: nn.Module, lm: nn.Module) -> tuple[tuple, tuple, tuple]:
     structure: list = []
     outside: list = []
     trainable: list = []
-    seen: set = set()
-    _walk(lm, None, structure, trainable, seen)
+    _walk(lm, None, structure, trainable)
     if outer is not lm:
-        _walk(outer, lm, outside, trainable, seen)
+        _walk(outer, lm, outside, trainable)
     structure.append(tuple(tuple(hooks) for hooks in _GLOBAL_HOOKS))
     structure.append(_config_values(text_config(lm)))
     return tuple(structure), tuple(outside), tuple(trainable)

@@ -12,7 +12,7 @@ from . import generic, soft_prompt
 from . import experts, lora_experts, routers  # noqa: F401 (their call rules register on import)
 from .ledger import functional_owners
 from .lm import output_head, unwrap_causal_lm, unwrap_distributed
-from .plan import ModelPlan, ModelView, plan_of, view_of
+from .plan import ModelPlan, ModelView, view_of
 from .recognise import find_rule
 from .rules import CallRule, Rule, find_call_rule, registered, switched_off_now
 
@@ -146,8 +146,9 @@ def coverage_plan(model: nn.Module) -> ModelPlan:
     """The model's plan (:class:`~.plan.ModelPlan`, carried on its ``*ForCausalLM``): ``covered``, each trainable
     backbone module with the rule chosen for it, and ``unsupported``, every module none covers. Resolved once per
     model: resolved again only when what it was resolved under changes (the model's state, :func:`~.plan.state_key`:
-    its modules, forwards, hooks, parameters and trainable set; the per-row limit, the switched-off rules, :func:`~.rules.switched_off`, or the registered ones,
-    :func:`~.rules.registered`); the recognisers' probes are kept in its ``memo`` across re-resolutions."""
+    its modules, forwards, hooks, parameters and trainable set; the per-row limit; the switched-off rules,
+    :func:`~.rules.switched_off`; or the registered ones, :func:`~.rules.registered`); the recognisers' probes are
+    kept in its ``memo`` while the model's structure stays as it was."""
     view = view_of(model)
     plan = view.plan
     key = (view.key, generic.MAX_NUMEL, switched_off_now(), registered())
@@ -195,7 +196,7 @@ def outside_modules(model: nn.Module) -> list[Unsupported]:
     prompted = soft_prompt.soft_prompt_model(model)
     if prompted is not None:
         try:
-            prompt_plan(prompted, plan_of(lm).memo)
+            prompt_plan(prompted, view_of(model).plan.memo)  # the plan as of the model's state now
         except UnsupportedModulesError as error:
             return list(error.modules)
     inside = {id(p) for p in lm.parameters()}

@@ -207,13 +207,13 @@ def test_gemma2s_soft_cap_set_after_construction(when):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    config = Gemma2Config(**{**CONFIG, "num_hidden_layers": 2}, final_logit_softcapping=None, attn_logit_softcapping=None)
+    config = Gemma2Config(**CONFIG, final_logit_softcapping=None, attn_logit_softcapping=None)
     model = Gemma2ForCausalLM(config).float().train()
     model = changed(model, when, lambda m: setattr(m.config, "final_logit_softcapping", 3.0))
     assert_exact(model)
 
 
-# ---------------------------------------------------------------- the probe's verdict, kept only for the model it judged
+# ---------------------------------------------------------------- the probe's verdict, for the model it judged
 def _down_hook(model):
     model.model.layers[1].mlp.down_proj.register_forward_hook(lambda module, args, output: 2 * output)
 
@@ -227,6 +227,24 @@ def test_a_hook_on_a_layer_is_refused_by_name(when, trainable):
         norms(model)
     with pytest.raises(UnsupportedModulesError, match=r"model\.layers\.1\.mlp\.down_proj"):  # and again, every pass
         norms(model)
+
+
+@pytest.mark.parametrize("when", WHEN)
+def test_a_global_forward_hook_on_a_layer_is_refused_by_name(when):
+    handles = []
+
+    def change(model):
+        down = model.model.layers[1].mlp.down_proj
+        handles.append(nn.modules.module.register_module_forward_hook(
+            lambda module, args, output: 2 * output if module is down else None))
+
+    try:
+        model = changed(only(llama(), "mlp"), when, change)
+        with pytest.raises(UnsupportedModulesError, match=r"model\.layers\.1\.mlp\.down_proj"):
+            norms(model)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 # ---------------------------------------------------------------- functional use, found on the forward as it is
@@ -244,7 +262,8 @@ class FunctionalMLP(nn.Module):
 
     def __init__(self, mlp):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act_fn = mlp.act_fn
 
     def forward(self, x):
         return F.linear(self.act_fn(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
