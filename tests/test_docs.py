@@ -247,8 +247,10 @@ def test_the_docs_result_blocks_are_the_generated_tables_and_the_support_table_i
         found += [m.group("name") for m in BLOCK.finditer(text)]
         assert updated(text, DOCS) == text, f"{page.name}: a result block differs from its table; run " \
                                              "python benchmarks/update_readme.py"
-    assert {"ablation_when", "when_to_use", "ablation_baseline", "demo_seeds_smollm2", "cost_counts", "step_cost",
-            "bench_gpu_nvidia_h200"} <= set(found)
+    assert {"demo_seeds_smollm2", "cost_counts", "step_cost", "bench_gpu_nvidia_h200", "paper_n_when"} <= set(found)
+    studies = " ".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.md"))  # what Evidence points to
+    assert all(f"<!-- results:{name}:begin -->" in studies for name in ("ablation_when", "when_to_use",
+                                                                          "ablation_baseline", "prompts_per_step"))
     update_readme = importlib.util.module_from_spec(
         importlib.util.spec_from_file_location("update_readme", ROOT / "benchmarks" / "update_readme.py"))
     update_readme.__spec__.loader.exec_module(update_readme)
