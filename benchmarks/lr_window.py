@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 from harness import md_table, utc_now  # noqa: E402
 from harness.stats import fisher_exact  # noqa: E402,F401  (re-exported: lr_window.fisher_exact)
-from studies.ablation.design import ARMS, build_parser, lr_of, window_multiples  # noqa: E402
+from studies.ablation.design import ARMS, CALIBRATED, REFERENCE, build_parser, lr_of, window_multiples  # noqa: E402
 from studies.ablation.records import curve_at, load_runs  # noqa: E402
 
 
@@ -109,6 +109,33 @@ def collapse_tests(summaries: dict[str, dict], pairs: list[tuple[str, str]]) -> 
     return tests
 
 
+def calibrated_section(rows: list[dict], summaries: dict[str, dict], args) -> list[str]:
+    """Where the window has both GRPO and OBLR-PO with ``snr_lr_mode="calibrated"`` (``CALIBRATED``, whose lr is the
+    lr one would give GRPO): their best lrs, how far apart (the goal: within 2x, one grid step), and the cells where
+    the calibrated arm is below GRPO at the same lr."""
+    g, c = summaries.get(REFERENCE, {}), summaries.get(CALIBRATED, {})
+    if "best_lr" not in g or "best_lr" not in c:
+        return []
+    ratio = max(g["best_lr"], c["best_lr"]) / min(g["best_lr"], c["best_lr"])
+    verdict = "within 2x" if ratio <= 2.0 + 1e-9 else f"{ratio:.3g}x apart, more than 2x"
+    lines = ["", f"## GRPO's lr in OBLR-PO (`snr_lr_mode=\"calibrated\"`)", "",
+             f"{CALIBRATED}: OBLR-PO with `learning_rate` read as the lr one would give GRPO, on GRPO's grid. GRPO's "
+             f"best lr {g['best_lr']:.3g} ({g['best_mean']:.1f}), {CALIBRATED}'s best {c['best_lr']:.3g} "
+             f"({c['best_mean']:.1f}): {verdict}. Per lr (same seeds), {CALIBRATED} minus GRPO:", ""]
+    table = []
+    for r in (r for r in rows if r["arm"] == CALIBRATED and r["n"]):
+        other = next((o for o in rows if o["arm"] == REFERENCE and math.isclose(o["lr"], r["lr"])), None)
+        if other is None:
+            continue
+        paired = [(v, w) for s, v in zip(r["seeds"], r["values"]) for t, w in zip(other["seeds"], other["values"])
+                  if s == t]
+        diff = statistics.mean(v - w for v, w in paired) if paired else math.nan
+        table.append([f"{r['lr']:.3g}", fmt(r["mean"]), fmt(statistics.mean(w for _, w in paired) if paired else
+                                                             math.nan), fmt(diff, "+.1f"), str(len(paired)),
+                      "OBLR-PO loses" if diff < 0 else "OBLR-PO ties or wins" if diff == diff else "-"])
+    return lines + md_table(["lr", CALIBRATED, "GRPO (same seeds)", "difference (pts)", "seeds", ""], table)
+
+
 def fmt(x: float, spec: str = ".1f") -> str:
     return "-" if x is None or x != x else format(x, spec)
 
@@ -127,7 +154,9 @@ def render(rows: list[dict], summaries: dict[str, dict], tests: list[dict], args
         f"completions per step). Cell: greedy held-out accuracy (100 problems) after {args.window_steps} steps, seeds "
         f"{','.join(map(str, args.window_seeds))} (40-step runs evaluated at step {args.window_steps} serve: the "
         "first steps of a run do not depend on its length). OBLR-PO's lr is its eta_max (the SNR step applies a "
-        f"fraction of it). In the window: mean within {args.tolerance:g} points of the arm's best mean on the grid. "
+        "fraction of it)" + (f"; {CALIBRATED}'s is the lr one would give GRPO (`snr_lr_mode=\"calibrated\"`)"
+                             if CALIBRATED in args.window_arms else "")
+        + f". In the window: mean within {args.tolerance:g} points of the arm's best mean on the grid. "
         f"Collapsed: more than {args.collapse_pts:g} points below the starting model.",
         "",
     ]
@@ -154,6 +183,7 @@ def render(rows: list[dict], summaries: dict[str, dict], tests: list[dict], args
     lines += md_table(["arm", "best lr (mean)", "window (contiguous, around the best)", "width",
                        f"runs within {args.tolerance:g} pts of the best mean", "collapsed above its lr",
                        "collapsed, whole grid"], summary_rows)
+    lines += calibrated_section(rows, summaries, args)
     lines += ["", "## Collapse rates, Fisher's exact test (two-sided)", ""]
     lines += md_table(["arms", "lrs", "collapsed", "p"],
                       [[f"{t['a']} vs {t['b']}", t["scope"], f"{t['a_collapsed']}/{t['a_runs']} vs "

@@ -21,7 +21,7 @@ without training at any N, what the step factor would be at N = 8 ... 128 at two
 3. **Re-sampling (pure, from the records).** A step of N prompts drawn from the pool (``--draws`` draws without
    replacement) has ``sum_q ||H_q||^2 = sum_{q in S} K_qq`` and ``||G||^2 = 1_S^T K 1_S``: exactly what the trainer's
    :class:`oblr_trl.step_sizer.StepSizer` hands :func:`oblr_trl.snr_formulas.snr_step_size`, which forms the decision
-   here too. Two estimators: ``per_step`` (the paper's, and every estimator's first step), and the default
+   here too. Two estimators: ``per_step`` (the paper's, and the first step of ``ema`` and ``window``), and the default
    ``ema_soft`` after ``--chain`` (15) steps whose batches are independent draws at these same parameters (an
    idealisation: in training the parameters move between the steps the average spans).
 

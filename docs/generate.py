@@ -101,6 +101,20 @@ def site_tables(markdown: str) -> str:
     return "\n".join(out)
 
 
+TABLE = re.compile(r"<table>.*?</table>", re.S)
+TABLE_CODE = re.compile(r"<code>([^<]{13,})</code>")
+
+
+def site_table_code(html: str) -> str:
+    """A page's HTML with each long code span in a table breakable only between its parts: a ``<wbr>`` after each
+    slash, dot, underscore, comma and equals sign (the site's stylesheet stops a table's code from breaking anywhere
+    else, so ``oblr/lr_scale`` wraps as ``oblr/`` ``lr_scale``, never as ``oblr/l`` ``r_scal`` ``e``)."""
+    def code(match: re.Match) -> str:
+        return "<code>" + re.sub(r"(?<=[/._,=])(?=[^/._,=\s])", "<wbr>", match.group(1)) + "</code>"
+
+    return TABLE.sub(lambda table: TABLE_CODE.sub(code, table.group(0)), html)
+
+
 LIST_ITEM = re.compile(r"^(?P<indent> *)(?P<marker>[-*+]|\d+[.)]) ")
 TOP_ITEM = re.compile(r"(?:[-*+]|\d+[.)]) ")
 

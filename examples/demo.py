@@ -17,7 +17,7 @@ Reads top to bottom like the algorithm:
     python examples/demo.py --model tiny    # the embedded tiny model (make demo-tiny): a few minutes, nothing downloaded
     python examples/demo.py --quick         # a smoke run of a few steps
     python examples/demo.py --model Qwen/Qwen3-0.6B   # any Hub model (needs network; a GPU advised)
-    python examples/demo.py --model smollm2 --trainer grpo --learning_rate 5.5e-4   # TRL's GRPO, same setting
+    python examples/demo.py --model smollm2 --trainer grpo   # TRL's GRPO, same setting, the same learning rate
 
 `--trainer grpo` trains the identical setting (data, rewards, LoRA, sampling, steps, lr schedule, loss_type, beta, seed)
 with `trl.GRPOTrainer` and GRPO's own reward scaling (scale_rewards="group"), for a side-by-side comparison.
@@ -32,15 +32,17 @@ import sys
 import time
 
 # Per-model defaults (a flag given on the command line wins). Chosen by measurement: benchmarks/demo_seeds.md,
-# "The demo on a real model", lists what was tried.
+# "The demo on a real model", lists what was tried. learning_rate is the lr one would give GRPO, for both trainers:
+# 5.5e-4 on smollm2 (GRPO's lr in the 10-step comparison on this task, benchmarks/real_compare.md), 3e-4 on tiny (GRPO at
+# 3e-4 gained 7 points over 200 steps where 3e-3 collapsed, benchmarks/results/compare_full.md).
 PRESETS = {
     "smollm2": dict(
-        prompt_template="chain_sum", lora_r=16, learning_rate=1e-3, max_steps=15, num_eval=100, eval_samples=4,
+        prompt_template="chain_sum", lora_r=16, learning_rate=5.5e-4, max_steps=15, num_eval=100, eval_samples=4,
         max_completion_length=8, one_backward=True, num_train=1000, format_reward=0.0, lr_scheduler_type="constant",
         exclude_held_out=True, weight_clip=10.0,  # gradient norms vary >100x within a group here: the trainer's advice
     ),
     "tiny": dict(
-        prompt_template=None, lora_r=0, learning_rate=3e-3, max_steps=300, num_eval=1000, eval_samples=4,
+        prompt_template=None, lora_r=0, learning_rate=3e-4, max_steps=300, num_eval=1000, eval_samples=4,
         max_completion_length=8, one_backward=False, num_train=2000, format_reward=0.0, lr_scheduler_type="linear",
         exclude_held_out=False,  # its 1000 held-out problems cover nearly all 200 distinct ones: nothing would be left
     ),
@@ -89,7 +91,8 @@ def parse_args(argv=None):
         "memory). A multiple of --num_generations that divides --per_device_train_batch_size; default: all at once.",
     )
     parser.add_argument("--learning_rate", type=float, default=None,
-                        help="Maximum step size eta_max; OBLR-PO scales it by its SNR factor in [0, 1].")
+                        help="The lr, as you would give it to GRPO (OBLRPOConfig.learning_rate; with --snr_lr_mode "
+                        "eta_max, the largest step eta_max).")
     parser.add_argument("--lora_r", type=int, default=None, help="LoRA rank on all linear layers; 0 = full fine-tuning.")
     parser.add_argument("--one_backward", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="OBLRPOConfig.one_backward (true: the norms and the update from one backward pass).")
@@ -118,6 +121,9 @@ def parse_args(argv=None):
                         "--leave_one_out false: GRPO's advantages, e.g. under OBLR-PO's SNR step).")
     parser.add_argument("--snr_lr", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="OBLRPOConfig.snr_lr: true (default) or false.")
+    parser.add_argument("--snr_lr_mode", default=None,
+                        help="OBLRPOConfig.snr_lr_mode: calibrated (default; learning_rate is the lr you would give "
+                        "GRPO) or eta_max (the paper's reading: learning_rate is eta_max).")
     parser.add_argument("--snr_estimator", default=None,
                         help="OBLRPOConfig.snr_estimator: ema_soft (default), ema, window or per_step.")
     parser.add_argument("--snr_ema", type=float, default=None, help="OBLRPOConfig.snr_ema (default: the config's).")
@@ -184,7 +190,7 @@ def parse_args(argv=None):
 
 
 # OBLRPOConfig options the demo passes through when given (the config's defaults otherwise).
-OBLR_OPTIONS = ("baseline", "leave_one_out", "scale_rewards", "grad_norm_estimator", "snr_lr", "snr_estimator", "snr_ema", "snr_window",
+OBLR_OPTIONS = ("baseline", "leave_one_out", "scale_rewards", "grad_norm_estimator", "snr_lr", "snr_lr_mode", "snr_estimator", "snr_ema", "snr_window",
                 "lr_scale_min", "weight_clip", "one_backward")
 # What a reused before-RL measurement must share with this run.
 BEFORE_KEYS = ("task", "task_config", "model", "prompt_template", "num_eval", "eval_seed", "eval_samples", "max_completion_length")
@@ -522,6 +528,11 @@ def main(args):
     snrs = [entry["oblr/snr"] for entry in history if entry.get("oblr/snr") is not None]
     window = max(1, min(10, len(rewards) // 4))
     steps = trainer.state.global_step
+    factors = [e["oblr/snr_factor"] for e in history if e.get("oblr/snr_factor") is not None]
+
+    def last_logged(key):
+        return next((e[key] for e in reversed(history) if e.get(key) is not None), None)
+
     applied_lrs = [e["oblr/lr"] for e in history if "oblr/lr" in e] or [e["learning_rate"] for e in history
                                                                           if "learning_rate" in e and "loss" in e]
     summary = {
@@ -551,6 +562,9 @@ def main(args):
         "final_lr_scale": lr_scales[-1] if lr_scales else None,
         "skipped_fraction": mean([s == 0.0 for s in lr_scales]) if lr_scales else None,
         "mean_applied_lr": mean(applied_lrs) if applied_lrs else None,
+        "lr_mean": last_logged("oblr/lr_mean"),  # the trainer's own mean applied lr over the run
+        "eta_max": last_logged("oblr/eta_max"),
+        "mean_snr_factor": mean(factors) if factors else None,
         "mean_snr": mean(snrs) if snrs else None,
         "seconds_per_step": round(train_seconds / max(1, steps), 1),
         "torch_threads": torch.get_num_threads(),

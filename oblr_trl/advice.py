@@ -38,7 +38,7 @@ WARNINGS = {
     "scorable or left in the loss): nothing to size, so its lr scale is 0 (lr_scale_min if set) and the SNR estimate "
     "is left as it was. If this persists the rewards do not vary within groups: check the reward functions, or raise "
     "num_generations or the sampling temperature.",
-    "stalled": f"The applied learning rate has stayed below {STALL_SCALE:.0%} of the scheduled one (eta_max) for "
+    "stalled": f"The applied learning rate has stayed below {STALL_SCALE:.0%} of the scheduled one (learning_rate) for "
     f"{STALL_STEPS} steps in a row: these steps barely move the model. The SNR estimate finds each step's gradient "
     "mostly noise, or zero. Check that the rewards vary within groups and are finite (oblr/reward_mean, reward_std, "
     "oblr/unscorable); give each step more prompts (per_device_train_batch_size, gradient_accumulation_steps); or set "
@@ -122,7 +122,7 @@ GUIDE = {
         "logs), raise `num_generations` or the sampling `temperature`, or pick prompts that are neither too easy nor "
         "too hard for the model."),
     "stalled": Guide(
-        f"The applied lr has stayed below {STALL_SCALE:.0%} of the scheduled one (eta_max) for {STALL_STEPS} steps "
+        f"The applied lr has stayed below {STALL_SCALE:.0%} of the scheduled one (`learning_rate`) for {STALL_STEPS} steps "
         "in a row: the SNR estimate finds each step's gradient mostly noise, or zero, and the steps barely move the "
         "model. `oblr/lr_scale` and `oblr/lr` show it.",
         "Check that the rewards vary within groups and are finite (`oblr/reward_mean`, TRL's `reward_std`, "
@@ -133,9 +133,9 @@ GUIDE = {
         "one sample: the SNR counts completions instead (their noise is correlated, so it is misestimated).",
         "Make `per_device_train_batch_size x steps_per_generation` a multiple of `num_generations`."),
     "precision": Guide(
-        "The model's trainable weights are bf16 or fp16, and at the applied lr (eta_max x the SNR factor, often "
-        "far below eta_max) most updates are below half a weight's spacing: they round away and those weights "
-        "never change.",
+        "The model's trainable weights are bf16 or fp16, and at the applied lr (`learning_rate` shaped by the SNR "
+        "factor; with `snr_lr_mode=\"eta_max\"` often far below it) most updates are below half a weight's "
+        "spacing: they round away and those weights never change.",
         "Load the model in float32 and train with `bf16=True` (autocast keeps float32 master weights), or raise "
         "`learning_rate`."),
 }

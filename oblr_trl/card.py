@@ -75,8 +75,10 @@ CONSTRAINED_GRPO_OPTIONS = (
 # (log key, label) of the metrics over the run.
 RUN_METRICS = (
     ("reward", "reward"),
-    ("oblr/lr_scale", "step-size scale N·SNR/(1+N·SNR)"),
+    ("oblr/snr_factor", "SNR factor f = N·SNR/(1+N·SNR)"),
+    ("oblr/lr_scale", "applied lr / scheduled lr"),
     ("oblr/lr", "applied lr"),
+    ("oblr/eta_max", "eta_max"),
     ("oblr/snr", "gradient SNR"),
     ("oblr/num_samples", "samples per step N"),
     ("oblr/baseline_mean", "baseline mean"),
@@ -139,7 +141,7 @@ def run_metrics_rows(log_history: list[dict]) -> list[str]:
 
 
 def step_size_summary(log_history: list[dict], config) -> list[str]:
-    """Lines on the step size over the run: mean lr scale, steps at scale 0, the applied lr against lr_max."""
+    """Lines on the step size over the run: mean lr scale, steps at scale 0, the applied lr against learning_rate."""
     scales = [v for v in metric_values(log_history, "oblr/lr_scale") if math.isfinite(v)]
     if not scales:
         return []
@@ -152,8 +154,9 @@ def step_size_summary(log_history: list[dict], config) -> list[str]:
     applied = [v for v in metric_values(log_history, "oblr/lr") if math.isfinite(v)]
     if applied:
         lines.append(
-            f"- mean applied lr: {_fmt(sum(applied) / len(applied))} (`learning_rate`, the maximum: "
-            f"{_fmt(float(getattr(config, 'learning_rate', float('nan'))))})"
+            f"- mean applied lr: {_fmt(sum(applied) / len(applied))} (`learning_rate`: "
+            f"{_fmt(float(getattr(config, 'learning_rate', float('nan'))))}, snr_lr_mode="
+            f"{getattr(config, 'snr_lr_mode', 'eta_max')!r})"
         )
     return lines
 
@@ -196,7 +199,7 @@ def oblr_card_section(
     lines = [SECTION_START, "", "## OBLR-PO training", ""]
     lines += [
         "Trained with [OBLR-PO](https://arxiv.org/abs/2511.23310): the gradient-weighted baseline (Theorem 7) and "
-        "the SNR-governed step size `lr_t = lr_max · N·SNR_t / (1 + N·SNR_t)` (Theorem 4).",
+        "the SNR-governed step size `lr_t = eta_max · N·SNR_t / (1 + N·SNR_t)` (Theorem 4).",
         "",
         "### Settings",
         "",

@@ -10,10 +10,11 @@ from trl import GRPOConfig
 
 from .estimators import BASELINES, GRAD_NORM_ESTIMATORS, baseline_uses_weights
 from .loss_terms import LOSS_TYPES, terms_beyond_ratio_one
-from .snr_formulas import SNR_ESTIMATORS, check_estimator
+from .snr_formulas import CALIBRATION_STEPS, MAX_LR_MULTIPLE, SNR_ESTIMATORS, check_estimator
 
 SUPPORTED_LOSS_TYPES = LOSS_TYPES  # every TRL 1.16 loss type
 SNR_SAMPLE_UNITS = ("auto", "group", "completion")
+SNR_LR_MODES = ("calibrated", "eta_max")
 
 
 def snr_samples_per_step(per_device_train_batch_size: int, gradient_accumulation_steps: int, num_processes: int,
@@ -84,15 +85,17 @@ class OBLRPOConfig(GRPOConfig):
 
     - the variance-optimal **gradient-weighted baseline** (Theorem 7), `b(q) = sum_i w_i r_i / sum_i w_i` with
       `w_i = ||grad log pi(o_i|q)||^2`, here in its leave-one-out form, without division by the reward std;
-    - the **SNR-governed step size** (Theorem 4), `lr_t = lr_max * N SNR_t / (1 + N SNR_t)`, where `lr_max` is the
-      scheduled learning rate and `SNR_t` is estimated from the step's own samples.
+    - the **SNR-governed step size** (Theorem 4), `lr_t = eta_max * N SNR_t / (1 + N SNR_t)`, where `SNR_t` is
+      estimated from the step's own samples.
 
-    `learning_rate` is eta_max, the largest step. Each step applies `learning_rate x f`, the SNR factor
-    `f = N SNR / (1 + N SNR) = N / (N + B)`: N prompts per step, B = 1/SNR the gradient noise scale in prompts
-    (`oblr/noise_scale`). Set `eta_max = the lr you would give GRPO / f`, so that the applied lr (`oblr/lr_mean`) is
-    GRPO's; measured on SmolLM2-135M with LoRA, f is 0.06-0.43 at 8 prompts per step and 0.49-0.92 at 128. The
-    default 5e-6 is GRPO's default 1e-6 / 0.2. When the prompts per step change from N1 to N2, multiply
-    `learning_rate` by f(N1) / f(N2). The rule and its measurements: docs, How it works, "Choosing the learning rate".
+    `learning_rate` is the lr you would give GRPO (default 1e-6, GRPO's default). With `snr_lr_mode="calibrated"`
+    (the default) the run's first 10 steps apply `learning_rate` as scheduled while `f_ref`, the mean of their SNR
+    factors `f = N SNR / (1 + N SNR)`, is measured; after them each step applies `learning_rate x f / f_ref`, at most
+    2x `learning_rate` (eta_max = `learning_rate / f_ref`, logged as `oblr/eta_max`). Noisy steps are shorter than
+    clean ones, and the step still shrinks when the signal fades later.
+    `snr_lr_mode="eta_max"` is the paper's literal reading: `learning_rate` is eta_max and each step applies
+    `learning_rate x f`. Check `oblr/lr_mean`, the mean applied lr. The rule and its measurements: docs, How it
+    works, "Choosing the learning rate".
 
     Defaults differ from `GRPOConfig` where the paper's theory requires it: `scale_rewards="none"` (std scaling biases
     the gradient), `beta=0.0` and `num_iterations=1` (on-policy, unbiased updates).
@@ -110,7 +113,14 @@ class OBLRPOConfig(GRPOConfig):
             `snr_lr=True` the exact per-sequence gradients are computed anyway (the SNR needs them): the proxies
             then change the baseline only, and save work only with `snr_lr=False`.
         snr_lr (`bool`, defaults to `True`):
-            Scale each optimizer step's learning rate by `N SNR / (1 + N SNR)` (Theorem 4).
+            Scale each optimizer step's learning rate by its SNR factor `N SNR / (1 + N SNR)` (Theorem 4), as
+            `snr_lr_mode` says.
+        snr_lr_mode (`str`, defaults to `"calibrated"`):
+            What `learning_rate` means. `"calibrated"`: the lr you would give GRPO. The run's first 10 steps (from the
+            first step with a factor above 0) apply it as scheduled while `f_ref`, their mean factor, is measured;
+            after them each step applies `learning_rate x min(f / f_ref, 2)`. eta_max is `learning_rate / f_ref`,
+            logged as `oblr/eta_max`. `"eta_max"`: the paper's reading; `learning_rate` is eta_max and each step
+            applies `learning_rate x f`.
         snr_sample_unit (`str`, defaults to `"auto"`):
             What counts as one i.i.d. sample in the SNR estimate: `"group"` (a prompt with its completions, which share
             a leave-one-out baseline and are therefore correlated; `N` = number of prompts per optimizer step, which
@@ -191,8 +201,19 @@ class OBLRPOConfig(GRPOConfig):
     snr_lr: bool = field(
         default=True,
         metadata={
-            "help": "Scale each step's learning rate by N*SNR/(1+N*SNR) (Theorem 4; default True). The configured "
-            "learning_rate (and its schedule) is the maximum step size."
+            "help": "Scale each step's learning rate by its SNR factor N*SNR/(1+N*SNR) (Theorem 4; default True), as "
+            "snr_lr_mode says."
+        },
+    )
+    snr_lr_mode: str = field(
+        default="calibrated",
+        metadata={
+            "help": f"What learning_rate means under snr_lr=True: 'calibrated' (default; the lr you would give GRPO: "
+            f"the first {CALIBRATION_STEPS} steps apply it while f_ref, their mean SNR factor, is measured, then each "
+            f"step applies learning_rate x f/f_ref, at most {MAX_LR_MULTIPLE:g}x learning_rate; eta_max = "
+            "learning_rate/f_ref is logged as oblr/eta_max) or 'eta_max' (the paper's reading: learning_rate is "
+            "eta_max, each step applies learning_rate x f).",
+            "choices": list(SNR_LR_MODES),
         },
     )
     snr_sample_unit: str = field(
@@ -261,22 +282,17 @@ class OBLRPOConfig(GRPOConfig):
         },
     )
 
-    # ---- eta_max ----
     learning_rate: float = field(
-        default=5e-6,
+        default=1e-6,
         metadata={
-            "help": "eta_max, the largest step OBLR-PO takes: each step applies learning_rate x f, the SNR factor "
-            "f = N*SNR/(1+N*SNR) = N/(N+B) (N prompts per step, B = 1/SNR the gradient noise scale in prompts, logged "
-            "as oblr/noise_scale). Set it to the lr you would give GRPO divided by the f you expect, so that the "
-            "applied lr (oblr/lr_mean) is GRPO's: f was 0.06-0.43 at 8 prompts per step and 0.49-0.92 at 128 on "
-            "SmolLM2-135M with LoRA, so at 128 prompts eta_max is 1.1-2x your GRPO lr. On the 20-step lr window (8 "
-            "prompts per step) the best eta_max was 3.33e-3, 22x GRPO's best 1.5e-4, where f averaged 0.094. The "
-            "default 5e-6 is GRPO's default 1e-6 / 0.2 (f = 0.2, for 8 prompts per step). When the prompts per step "
-            "change from N1 to N2, multiply learning_rate by f(N1)/f(N2). If oblr/lr_mean sits k times below the lr "
-            "you would give GRPO, multiply learning_rate by k."
+            "help": "Set it to the lr you would give GRPO (default 1e-6, GRPO's default). With snr_lr_mode='calibrated' "
+            f"(default) the first {CALIBRATION_STEPS} steps apply it as scheduled while f_ref, the mean of their SNR "
+            "factors f = N*SNR/(1+N*SNR), is measured; after them each step applies learning_rate x f/f_ref, at most "
+            f"{MAX_LR_MULTIPLE:g}x learning_rate (oblr/lr_mean is the mean applied lr, oblr/eta_max = "
+            "learning_rate/f_ref). With snr_lr_mode='eta_max' it is eta_max, the largest step, and each step applies "
+            "learning_rate x f."
         },
     )
-    # ---- end eta_max ----
 
     # Paper defaults that differ from GRPOConfig's.
     scale_rewards: str = field(
@@ -293,9 +309,9 @@ class OBLRPOConfig(GRPOConfig):
         _check_registered(BASELINES, self.baseline)
         _check_registered(GRAD_NORM_ESTIMATORS, self.grad_norm_estimator)
         _check_choice("snr_sample_unit", self.snr_sample_unit, SNR_SAMPLE_UNITS)
+        _check_choice("snr_lr_mode", self.snr_lr_mode, SNR_LR_MODES)
         if not self.learning_rate >= 0:
-            raise ValueError(f"OBLRPOConfig.learning_rate={self.learning_rate} must be >= 0 (it is eta_max, the "
-                             "largest step).")
+            raise ValueError(f"OBLRPOConfig.learning_rate={self.learning_rate} must be >= 0.")
         self._resolve_snr_sample_unit()
         _check_choice("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
         if not 0.0 <= self.lr_scale_min <= 1.0:
@@ -386,8 +402,9 @@ class OBLRPOConfig(GRPOConfig):
 def upgrade_config(args: GRPOConfig) -> OBLRPOConfig:
     """An ``OBLRPOConfig`` with every option of a ``GRPOConfig`` (what a drop-in ``OBLRPOTrainer`` is handed).
 
-    OBLR-PO's options take their defaults; ``learning_rate`` is kept as it is and becomes eta_max, warned (each step
-    applies a fraction of it). One GRPO option conflicts with the theory and is replaced, with a warning:
+    OBLR-PO's options take their defaults; ``learning_rate`` is kept as it is: under the default
+    ``snr_lr_mode="calibrated"`` it means what it means to GRPO (the run's first steps apply it). One GRPO
+    option conflicts with the theory and is replaced, with a warning:
     ``scale_rewards`` (GRPO's default ``"group"``) becomes ``"none"`` (dividing by the group's reward std biases the
     gradient). ``multi_objective_aggregation="normalize_then_sum"`` is refused (the baseline does not cover it).
     """
@@ -403,13 +420,6 @@ def upgrade_config(args: GRPOConfig) -> OBLRPOConfig:
             stacklevel=3,
         )
         values["scale_rewards"] = "none"
-    warnings.warn(
-        f"OBLRPOTrainer got a GRPOConfig: its learning_rate={args.learning_rate:g} becomes eta_max, the largest step, "
-        "and each step applies a fraction f of it (N SNR / (1 + N SNR)), so the applied lr sits below what GRPO would "
-        "apply. Set learning_rate to the lr you would give GRPO divided by f (OBLRPOConfig's default, 5e-6, is "
-        "GRPO's 1e-6 / 0.2) and watch oblr/lr_mean and oblr/noise_scale; or pass an OBLRPOConfig.",
-        stacklevel=3,
-    )
     return OBLRPOConfig(**values)
 
 

@@ -50,9 +50,10 @@ def _draw(ax, steps: list[float], values: list[float], label: str) -> None:
 # (panel title, y label, [(log key, legend label), ...]); a panel whose keys never appear is drawn empty with a note.
 PANELS = [
     ("Reward", "mean reward of the step's completions", [("reward", "training reward")]),
-    ("OBLR-PO step-size scale", "lr scale = eta_t / eta_max", [("oblr/lr_scale", "lr scale")]),
-    ("Applied learning rate", "learning rate", [("oblr/lr", "applied lr (eta_max x scale)"),
-                                               ("learning_rate", "eta_max (schedule)")]),
+    ("OBLR-PO step-size scale", "applied lr / scheduled lr", [("oblr/lr_scale", "lr scale"),
+                                                              ("oblr/snr_factor", "SNR factor f")]),
+    ("Applied learning rate", "learning rate", [("oblr/lr", "applied lr"), ("learning_rate", "learning_rate (schedule)"),
+                                               ("oblr/eta_max", "eta_max")]),
     ("Gradient SNR", "SNR", [("oblr/snr", "SNR")]),
     ("Baseline vs reward", "reward", [("oblr/baseline_mean", "baseline mean"), ("oblr/reward_mean", "reward mean")]),
     ("Completion length", "tokens", [("completions/mean_length", "mean length")]),

@@ -50,7 +50,7 @@ import torch
 
 from .registry import Registry
 
-# name -> ``(signal, noise, state, *, beta, window) -> (signal, noise, new_state)``: this step's estimates averaged
+# name -> ``(signal, noise, state, *, beta, window, n) -> (signal, noise, new_state)``: this step's estimates averaged
 # over steps as the estimator does (selected by ``OBLRPOConfig.snr_estimator``; :func:`register_snr_estimator`)
 SNR_ESTIMATORS = Registry("snr_estimator", "SNR estimator")
 register_snr_estimator = SNR_ESTIMATORS.register
@@ -80,7 +80,7 @@ class SNRState:
                    tuple((float(s), float(n)) for s, n in d.get("recent", ())))
 
 
-# A step whose applied lr is below STALL_SCALE of the scheduled one (eta_max at that point of the schedule) barely
+# A step whose applied lr is below STALL_SCALE of the scheduled one (learning_rate at that point of the schedule) barely
 # moves the model; STALL_STEPS such steps in a row are warned (the schedule's own warmup and decay do not count).
 STALL_SCALE = 0.01
 STALL_STEPS = 10
@@ -125,6 +125,68 @@ class LrStats:
                    float(d.get("scale_sum", 0.0)), int(d.get("low_streak", 0)))
 
 
+# ``OBLRPOConfig.snr_lr_mode="calibrated"``: learning_rate is the lr a user would give GRPO. The run's first
+# CALIBRATION_STEPS sized steps apply it as scheduled while their mean factor f_ref is measured; after them each step
+# applies f / f_ref of it (eta_max = learning_rate / f_ref), never more than MAX_LR_MULTIPLE x.
+CALIBRATION_STEPS = 10
+MAX_LR_MULTIPLE = 2.0
+CALIBRATED_STATUSES = ("ok", "zero_snr")  # steps whose factor is an estimate of the SNR (and so count)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibrated mode's state (JSON-serialisable, saved with checkpoints): ``steps`` factors counted so far (at
+    most ``CALIBRATION_STEPS``) and their sum. :attr:`reference` is their mean, ``f_ref``; 0 before the first."""
+
+    steps: int = 0
+    factor_sum: float = 0.0
+
+    @property
+    def reference(self) -> float:
+        """``f_ref``, the mean factor of the counted steps (0 before any: uncalibrated)."""
+        return self.factor_sum / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "factor_sum": self.factor_sum}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        return cls(int(d["steps"]), float(d["factor_sum"]))
+
+
+def calibrated_multiplier(decision: "SNRDecision", calibration: Calibration, *, lr_scale_min: float = 0.0,
+                          steps: int = CALIBRATION_STEPS, cap: float = MAX_LR_MULTIPLE) -> tuple[float, Calibration]:
+    """``(m, new_calibration)``: the calibrated mode multiplies the scheduled lr by ``m``. ``f`` is this step's factor
+    ``N SNR / (1 + N SNR)``, ``f_ref`` the mean factor over the run's first ``steps`` counted steps, and
+    ``eta_max = scheduled lr / f_ref``.
+
+    - Calibration (the first ``steps`` counted steps): each applies the scheduled lr (``m = 1``) while its factor is
+      added to ``f_ref``, so those steps apply exactly the lr a user would give GRPO; a step whose factor is 0 applies
+      0 (``lr_scale_min`` if set). A step counts when its factor is an estimate (status ``"ok"`` or ``"zero_snr"``,
+      :data:`CALIBRATED_STATUSES`), from the first step whose factor is > 0.
+    - After it, ``f_ref`` is frozen and ``m = max(min(f / f_ref, cap), lr_scale_min)``: a noisier step is shorter than
+      a cleaner one (Theorem 4's ordering), a factor that fades later in the run shrinks the step with it, and no
+      step applies more than ``cap`` x the scheduled lr.
+    - Before the first positive factor (``f_ref = 0``: uncalibrated) every factor is 0, so the step applies
+      ``lr_scale_min``.
+    - Degenerate steps (``"few_samples"``, ``"zero_gradient"``, ``"nonfinite_grad"``) do not count and take the
+      decision's own scale (1: the lr left as scheduled; or ``lr_scale_min``), as in the paper's reading.
+
+    The factors are functions of all-reduced quantities, so every rank holds the same calibration and applies the
+    same lr.
+    """
+    if decision.status not in CALIBRATED_STATUSES:
+        return decision.scale, calibration
+    factor = decision.factor
+    if calibration.steps < steps and (calibration.steps > 0 or factor > 0.0):  # a calibration step
+        calibration = Calibration(calibration.steps + 1, calibration.factor_sum + factor)
+        return (1.0 if factor > 0.0 else lr_scale_min), calibration
+    reference = calibration.reference
+    if not reference > 0.0:
+        return lr_scale_min, calibration
+    return max(min(factor / reference, cap), lr_scale_min), calibration
+
+
 @dataclass(frozen=True)
 class SNRDecision:
     """One optimizer step's step-size decision: ``scale`` multiplies the scheduled lr.
@@ -146,6 +208,7 @@ class SNRDecision:
     step_signal: float
     step_noise: float
     status: str
+    factor: float = math.nan  # N SNR / (1 + N SNR) before lr_scale_min's floor ("ok" and "zero_snr" steps)
 
     @property
     def noise_scale(self) -> float:
@@ -289,10 +352,36 @@ def expected_positive_part(mean: float, se: float) -> float:
     return mean * 0.5 * math.erfc(-z / math.sqrt(2)) + se * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
 
 
+def step_signal_se(signal: float, noise: float, n: int) -> float:
+    """An upper bound on the standard error of one step's signal estimate, from that step's own estimates: what
+    ``"ema_soft"`` uses on its first step, where no spread across steps exists yet.
+
+    The signal estimate of :func:`step_signal_noise` is the U-statistic ``S = sum_{i != j} <g_i, g_j> / (n (n - 1))``
+    of the ``n`` i.i.d. single-sample estimates ``g_i`` (mean ``mu``, covariance ``Sigma``; ``s = ||mu||^2``,
+    ``v = tr Sigma``). Hoeffding's decomposition of an order-2 U-statistic with kernel ``h(x, y) = <x, y>`` gives
+    ``Var S = 4 (n - 2) zeta_1 / (n (n - 1)) + 2 zeta_2 / (n (n - 1))`` with ``zeta_1 = Var <g_1, mu> = mu' Sigma mu``
+    and ``zeta_2 = Var <g_1, g_2> = tr Sigma^2 + 2 mu' Sigma mu``. Bounding ``mu' Sigma mu <= s v`` (the largest
+    eigenvalue of ``Sigma`` is at most its trace) and ``tr Sigma^2 <= v^2``:
+
+        Var S <= 2 v^2 / (n (n - 1)) + 4 s v / n
+
+    (equal when ``Sigma`` has rank one along ``mu``). Returned with the step's estimates plugged in, each clipped at 0
+    (``max(signal, 0)``, ``max(noise, 0)``): ``sqrt(2 v^2 / (n (n - 1)) + 4 max(s, 0) v / n)``; 0 where ``n < 2``.
+    Tested by Monte Carlo against the empirical spread of ``S`` (``tests/test_estimators_montecarlo.py``).
+    """
+    if n < 2:
+        return 0.0
+    s, v = max(signal, 0.0), max(noise, 0.0)
+    return math.sqrt(2 * v * v / (n * (n - 1)) + 4 * s * v / n)
+
+
 @register_snr_estimator("ema_soft")
-def _ema_soft(signal: float, noise: float, state: SNRState, *, beta: float, **_) -> tuple[float, float, SNRState]:
+def _ema_soft(signal: float, noise: float, state: SNRState, *, beta: float, n: int = 0,
+              **_) -> tuple[float, float, SNRState]:
     s_hat, v_hat, state = _ema(signal, noise, state, beta=beta)
     t, correction = state.steps, 1 - beta**state.steps
+    if t == 1:  # no history, so no spread across steps: the first step's own sampling error (step_signal_se)
+        return expected_positive_part(s_hat, step_signal_se(signal, noise, n)), v_hat, state
     spread = max(state.signal_sq / correction - s_hat**2, 0.0)  # the EMA-weighted variance of the step estimates
     # variance of a bias-corrected EMA of t i.i.d. values: spread (1 - beta)(1 - beta^2t) / ((1 + beta)(1 - beta^t)^2)
     se = math.sqrt(spread * (1 - beta) * (1 - beta ** (2 * t)) / ((1 + beta) * correction**2))
@@ -348,12 +437,12 @@ def snr_step_size(
     if not (math.isfinite(grad_sq_norm) and math.isfinite(sum_sq)):
         return nonfinite
     step_s, step_v = step_signal_noise(float(sum_sq), float(grad_sq_norm), n)
-    signal, noise, new_state = SNR_ESTIMATORS[estimator](step_s, step_v, state, beta=beta, window=window)
+    signal, noise, new_state = SNR_ESTIMATORS[estimator](step_s, step_v, state, beta=beta, window=window, n=n)
     if not all(map(math.isfinite, (signal, noise, *_floats(new_state)))):  # overflow: not an estimate to carry on
         return nonfinite
     scale, snr = scale_from_signal_noise(signal, noise, n)
     status = "zero_snr" if scale == 0.0 else "ok"
-    return SNRDecision(max(scale, lr_scale_min), snr, n, signal, noise, step_s, step_v, status), new_state
+    return SNRDecision(max(scale, lr_scale_min), snr, n, signal, noise, step_s, step_v, status, scale), new_state
 
 
 def _floats(state: SNRState) -> list[float]:

@@ -24,11 +24,11 @@ import re
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .snr_formulas import LrStats, SNRState
+from .snr_formulas import Calibration, LrStats, SNRState
 
 STATE_NAME = "oblr_state.json"  # OBLR-PO's cross-step state, beside trainer_state.json in each checkpoint
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers' last write into a checkpoint: the mark of a complete one
-VERSION = 2
+VERSION = 3  # 3: the calibrated mode's state; 2: the SNR estimator's state and lr statistics; 1: neither
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -41,13 +41,16 @@ def checkpoint_folder(run_dir: str, global_step: int) -> str:
     return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
 
 
-def write_state(folder: str, global_step: int, snr_state: SNRState, lr_stats: LrStats) -> str:
+def write_state(folder: str, global_step: int, snr_state: SNRState, lr_stats: LrStats,
+                calibration: Calibration | None = None) -> str:
     """Write ``folder/oblr_state.json`` atomically (the folder is created if need be); returns its path. A crash
-    leaves the previous file or none, never part of one."""
+    leaves the previous file or none, never part of one. ``calibration``: the calibrated mode's state (a fresh one
+    where ``None``)."""
+    calibration = Calibration() if calibration is None else calibration
     os.makedirs(folder, exist_ok=True)
     path, tmp = os.path.join(folder, STATE_NAME), os.path.join(folder, f".{STATE_NAME}.{os.getpid()}.tmp")
     payload = {"version": VERSION, "global_step": global_step, "snr_state": snr_state.to_dict(),
-               "lr_stats": lr_stats.to_dict()}
+               "lr_stats": lr_stats.to_dict(), "calibration": calibration.to_dict()}
     for stale in [n for n in os.listdir(folder) if n.startswith(f".{STATE_NAME}.") and n.endswith(".tmp")]:
         os.remove(os.path.join(folder, stale))  # a killed save's
     with open(tmp, "w") as f:
@@ -65,7 +68,8 @@ def write_state(folder: str, global_step: int, snr_state: SNRState, lr_stats: Lr
 
 def _refuse(path: str, problem: str) -> StateFileError:
     return StateFileError(
-        f"{path}: {problem}. It holds OBLR-PO's SNR estimator state and lr statistics for this checkpoint, and "
+        f"{path}: {problem}. It holds OBLR-PO's SNR estimator state, lr statistics and calibrated eta_max for this "
+        "checkpoint, and "
         "oblr-trl writes it atomically, so it was changed after the save. To resume anyway, delete the file (the SNR "
         "estimate then restarts from the next step's samples, warned), or resume from another checkpoint.")
 
@@ -95,9 +99,12 @@ def _section(saved: dict, name: str, path: str, keys: tuple[str, ...]) -> dict:
     return part
 
 
-def parse_state(text: str, path: str, global_step: int | None = None) -> tuple[SNRState, LrStats] | None:
-    """The state in ``text`` (the content of ``path``), every field checked; ``None`` for a file of version 1 (an
-    oblr-trl before the SNR estimators, with no estimator state). Raises :class:`StateFileError` for an empty,
+def parse_state(text: str, path: str,
+                global_step: int | None = None) -> tuple[SNRState, LrStats, Calibration | None] | None:
+    """The state in ``text`` (the content of ``path``), every field checked: ``(snr_state, lr_stats, calibration)``,
+    with ``calibration`` ``None`` for a file of version 2 (an oblr-trl before the calibrated mode: the caller
+    calibrates again); ``None`` for a file of version 1 (an oblr-trl before the SNR estimators, with no estimator
+    state). Raises :class:`StateFileError` for an empty,
     truncated or garbled file, a missing key, a wrong type, a NaN or infinite value, or a ``global_step`` other than
     the checkpoint's (``global_step``, where given)."""
     if not text.strip():
@@ -133,10 +140,17 @@ def parse_state(text: str, path: str, global_step: int | None = None) -> tuple[S
             _number(stats[key], path, f"lr_stats.{key}", integer=integer, minimum=0)
     if stats["skipped"] > stats["steps"]:
         raise _refuse(path, f"lr_stats.skipped={stats['skipped']} exceeds lr_stats.steps={stats['steps']}")
-    return SNRState.from_dict(s), LrStats.from_dict(stats)
+    calibration = None
+    if version >= 3:
+        c = _section(saved, "calibration", path, ("steps", "factor_sum"))
+        _number(c["steps"], path, "calibration.steps", integer=True, minimum=0)
+        _number(c["factor_sum"], path, "calibration.factor_sum", minimum=0)
+        calibration = Calibration.from_dict(c)
+    return SNRState.from_dict(s), LrStats.from_dict(stats), calibration
 
 
-def read_state(checkpoint: str, global_step: int | None = None) -> tuple[tuple[SNRState, LrStats] | None, str | None]:
+def read_state(checkpoint: str, global_step: int | None = None
+               ) -> tuple[tuple[SNRState, LrStats, Calibration | None] | None, str | None]:
     """``(state, note)`` of ``checkpoint``: the validated state (:func:`parse_state`), or ``None`` with a note to warn
     with where the checkpoint has no usable one (no file, or a version-1 file). Raises :class:`StateFileError` for
     a damaged file. ``global_step`` defaults to the checkpoint's own (its ``trainer_state.json``): transformers 4.x
@@ -148,8 +162,8 @@ def read_state(checkpoint: str, global_step: int | None = None) -> tuple[tuple[S
         return None, (f"{checkpoint} has no {STATE_NAME}: it was saved by another trainer (e.g. GRPOTrainer), by "
                       "oblr-trl 0.1.0 or earlier (which wrote the file after the rest of the checkpoint, so a crash "
                       "during the save could leave it out), or the file was removed. The SNR estimate restarts from "
-                      "the next step's samples, and oblr/lr_mean, lr_scale_mean and skipped_fraction count from this "
-                      "step.")
+                      "the next step's samples, oblr/lr_mean, lr_scale_mean and skipped_fraction count from this "
+                      "step, and (snr_lr_mode='calibrated') eta_max is calibrated again from the next steps.")
     with open(path, encoding="utf-8", errors="replace") as f:
         state = parse_state(f.read(), path, global_step)
     if state is None:

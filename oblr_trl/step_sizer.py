@@ -1,9 +1,11 @@
 """The SNR step size (Theorem 4) applied to a torch optimizer: one object that owns the mechanism across a step.
 
 :class:`StepSizer` holds what lives between a step's micro-batches and across steps: the step's SNR samples (recorded
-by the loss), the SNR estimator's state and the running lr statistics (both checkpointed), and the learning rates it
+by the loss), the SNR estimator's state, the running lr statistics and the calibration of ``snr_lr_mode="calibrated"``
+(all checkpointed), and the learning rates it
 scaled (restored right after the optimizer step, so no scheduler compounds the scale). :meth:`StepSizer.size` returns
-the metrics to log and the warnings found; the formulas are :func:`.snr_formulas.snr_step_size`'s. The step's
+the metrics to log and the warnings found; the formulas are :func:`.snr_formulas.snr_step_size`'s and
+:func:`.snr_formulas.calibrated_multiplier`'s. The step's
 ``||G||^2``: :func:`parameters_grad_sq_norm` (under DeepSpeed, :func:`.deepspeed_step.reported_grad_sq_norm`, called
 from :class:`.deepspeed_step.ZeroStepHook`).
 """
@@ -19,7 +21,7 @@ from transformers import TrainerCallback
 
 from .estimators import unit_sq_norms
 from . import state_file
-from .snr_formulas import LrStats, SNRState, snr_step_size
+from .snr_formulas import CALIBRATION_STEPS, Calibration, LrStats, SNRState, calibrated_multiplier, snr_step_size
 
 
 @dataclass
@@ -91,7 +93,8 @@ def parameters_grad_sq_norm(parameters, scaler=None) -> float:
 
 
 class StepSizer:
-    """Sizes each optimizer step by ``N SNR / (1 + N SNR)`` from the samples recorded during it (see the module)."""
+    """Sizes each optimizer step by its SNR factor ``N SNR / (1 + N SNR)`` from the samples recorded during it, as
+    ``snr_lr_mode`` says (see the module)."""
 
     def __init__(self, args):
         self.args = args
@@ -101,7 +104,7 @@ class StepSizer:
     def reset(self) -> None:
         """A fresh run's state (``train()`` without a checkpoint: no samples, a fresh estimate and statistics)."""
         self.abandon()
-        self.snr_state, self.lr_stats = SNRState(), LrStats()
+        self.snr_state, self.lr_stats, self.calibration = SNRState(), LrStats(), Calibration()
 
     def abandon(self) -> None:
         """Leave a step unfinished (``train()`` ended by an exception): scheduled lrs back, this rank's samples gone."""
@@ -130,9 +133,11 @@ class StepSizer:
         return ["deepspeed_skipped"]
 
     def size(self, groups: list[dict], grad_sq_norm: float, unscored: bool = False) -> tuple[dict, list[str]]:
-        """Scales the lr of ``groups`` by this step's SNR factor; returns the metrics to log (without the ``oblr/``
-        prefix) and the warning keys. ``unscored``: the batch had no reward at all (an SNR of 0 is then that, not
-        noise)."""
+        """Scales the lr of ``groups`` by this step's multiplier: the SNR factor ``f`` (``snr_lr_mode="eta_max"``),
+        or ``f / f_ref`` capped (``"calibrated"``, :func:`.snr_formulas.calibrated_multiplier`); returns the metrics
+        to log (without the ``oblr/`` prefix) and the warning keys. ``lr_scale`` is the multiplier (applied lr /
+        scheduled lr), ``snr_factor`` is ``f``, ``eta_max`` the scheduled lr / ``f_ref`` (the scheduled lr itself in
+        ``"eta_max"`` mode). ``unscored``: the batch had no reward at all (an SNR of 0 is then that, not noise)."""
         sum_sq, n = self.samples.reduce_all_ranks()
         a = self.args
         step, self.snr_state = snr_step_size(
@@ -142,13 +147,24 @@ class StepSizer:
         quiet = step.status == "ok" or (unscored and step.status in ("zero_snr", "zero_gradient"))  # no_rewards says
         warnings = [] if quiet else [step.status]
         self._saved, self._groups = [group["lr"] for group in groups], groups
+        scheduled = groups[0]["lr"] if groups else 0.0
+        if a.snr_lr_mode == "calibrated":
+            scale, self.calibration = calibrated_multiplier(step, self.calibration, lr_scale_min=a.lr_scale_min)
+            reference = self.calibration.reference
+            eta_max = scheduled / reference if reference > 0 else None  # not logged before the first positive factor
+        else:  # "eta_max": the scheduled lr is eta_max
+            scale, eta_max = step.scale, scheduled
         for group in groups:
-            group["lr"] = group["lr"] * step.scale
-        applied = groups[0]["lr"]
-        self.lr_stats = self.lr_stats.record(step.scale, applied)
+            group["lr"] = group["lr"] * scale
+        applied = groups[0]["lr"] if groups else 0.0
+        self.lr_stats = self.lr_stats.record(scale, applied)
         if self.lr_stats.stalled:
             warnings.append("stalled")
-        metrics = {"lr_scale": step.scale, "num_samples": float(n), "lr": applied, **self.lr_stats.metrics()}
+        metrics = {"lr_scale": scale, "num_samples": float(n), "lr": applied, **self.lr_stats.metrics()}
+        if step.factor == step.factor:  # an estimate ("ok", "zero_snr" steps)
+            metrics["snr_factor"] = step.factor
+        if eta_max is not None:
+            metrics["eta_max"] = eta_max
         if step.snr == step.snr:  # undefined (fewer than 2 samples, non-finite gradient): not logged, warned
             metrics["snr"] = step.snr
         if step.noise_scale == step.noise_scale:  # undefined or unbounded (signal <= 0): not logged
@@ -165,7 +181,7 @@ class StepSizer:
     def save(self, run_dir: str, global_step: int) -> None:
         """Write the state into ``run_dir/checkpoint-<global_step>`` (atomically; :func:`.state_file.write_state`)."""
         state_file.write_state(state_file.checkpoint_folder(run_dir, global_step), global_step, self.snr_state,
-                               self.lr_stats)
+                               self.lr_stats, self.calibration)
 
     def load(self, checkpoint: str, global_step: int | None = None) -> str | None:
         """Restore the state saved in ``checkpoint`` (validated: a damaged file raises
@@ -173,9 +189,15 @@ class StepSizer:
         None. No note where the run would not use the estimator's state (``snr_lr=False``, ``"per_step"``)."""
         state, note = state_file.read_state(checkpoint, global_step)
         if state is None:
-            self.snr_state, self.lr_stats = SNRState(), LrStats()
-            return note if self.args.snr_lr and self.args.snr_estimator != "per_step" else None
-        self.snr_state, self.lr_stats = state
+            self.snr_state, self.lr_stats, self.calibration = SNRState(), LrStats(), Calibration()
+            carried = self.args.snr_estimator != "per_step" or self.args.snr_lr_mode == "calibrated"
+            return note if self.args.snr_lr and carried else None
+        self.snr_state, self.lr_stats, calibration = state
+        self.calibration = Calibration() if calibration is None else calibration
+        if calibration is None and self.args.snr_lr and self.args.snr_lr_mode == "calibrated":
+            return (f"{checkpoint}/{state_file.STATE_NAME} predates the calibrated learning rate (an older oblr-trl, "
+                    f"where learning_rate was eta_max): eta_max is calibrated again from the next "
+                    f"{CALIBRATION_STEPS} steps.")
         return None
 
 

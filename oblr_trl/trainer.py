@@ -3,8 +3,8 @@
 Each override hands TRL's data to one function or object and back; none holds a formula. Data flows one way, each
 stage a value: TRL's batch -> norms (:mod:`.norm_passes`; :func:`.one_backward.chunk_norms` in ``compute_loss``) ->
 advantages ``r_i - b_i`` (Theorem 7: :func:`.advantages.compute_advantages`) -> ``a_i = c_i A_i`` (``_policy_weights``)
--> loss and update (TRL's; :meth:`.one_backward.ChunkNorms.update`) and SNR samples -> the step size ``lr x N SNR /
-(1 + N SNR)`` (Theorem 4: :class:`.step_sizer.StepSizer`, at the step's last micro-batch, or in ZeRO's optimizer step
+-> loss and update (TRL's; :meth:`.one_backward.ChunkNorms.update`) and SNR samples -> the step size ``eta_max x N SNR
+/ (1 + N SNR)`` (Theorem 4, ``eta_max`` calibrated or ``learning_rate``: :class:`.step_sizer.StepSizer`, at the step's last micro-batch, or in ZeRO's optimizer step
 via :class:`.deepspeed_step.ZeroStepHook`); an optimizer pre-step hook refuses any step whose size was not set.
 
 * the path (``one_backward`` whole, in chunks or replayed, or two passes): :class:`.path_choice.Route`, asked once per
@@ -46,8 +46,9 @@ class OBLRPOTrainer(GRPOTrainer):
 
     Same constructor as `trl.GRPOTrainer`. `args` is an [`OBLRPOConfig`]; with no `args` one is built (output
     directory `<model name>-OBLR-PO`), and a `GRPOConfig` is upgraded to one with the same options (see
-    `oblr_trl.config.upgrade_config`). Logs under `oblr/`: `lr_scale`, `snr`, `noise_scale`, `lr`, `num_samples`,
-    `baseline_mean`, `reward_mean`, `weight_spread`, `fallback_samples`, `clipped_weights`, `unscorable`.
+    `oblr_trl.config.upgrade_config`). Logs under `oblr/`: `lr_scale`, `snr_factor`, `eta_max`, `snr`, `noise_scale`,
+    `lr`, `lr_mean`, `lr_scale_mean`, `skipped_fraction`, `num_samples`, `baseline_mean`, `reward_mean`,
+    `weight_spread`, `fallback_samples`, `clipped_weights`, `unscorable`.
     """
 
     _tag_names = ["trl", "oblr-po"]
@@ -274,7 +275,8 @@ class OBLRPOTrainer(GRPOTrainer):
             append_oblr_section(self.args.output_dir, self.args, self.state.log_history)
 
     # ------------------------------------------------------ checkpoint / resume
-    # The only OBLR-PO state that outlives a step is the step sizer's (the SNR smoothing state, lr statistics).
+    # The only OBLR-PO state that outlives a step is the step sizer's (the SNR smoothing state, lr statistics, the
+    # calibrated eta_max).
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """TRL's, resuming from the latest *complete* checkpoint (:func:`.state_file.resume_point`); each call a fresh
         run of the step sizer (or the checkpoint's), whose scaled lr no exception leaves in the optimizer."""

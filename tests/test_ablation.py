@@ -21,7 +21,7 @@ def ab():
 
 
 def args_for(ab, tmp_path, **kw):
-    base = dict(arms=list(ab.ARMS), grpo_lr=5e-4, seeds=[0, 1, 2, 3], max_steps=40, eval_every=10,
+    base = dict(arms=list(abl_design.ABLATION_ARMS), grpo_lr=5e-4, seeds=[0, 1, 2, 3], max_steps=40, eval_every=10,
                 stability_multiples=[3.0, 10.0], stability_seeds=[0, 1, 2], stability_steps=20, collapse_pts=10.0,
                 lr_check_arms=["GRPO"], lr_check_multiples=[0.3], lr_check_seeds=[0, 1, 2],
                 delta=5.0, run_dir=tmp_path / "runs", out=tmp_path / "results" / "ablation", demo_args=[],
@@ -68,7 +68,7 @@ def write_run(ab, root, arm, lr, seed, after, steps=40, collapsed=False, large=N
 def test_jobs_run_the_ablation_seed_major_then_the_stability_window(ab, tmp_path):
     a = args_for(ab, tmp_path, seeds=[0, 1], stability_seeds=[0], lr_check_seeds=[])
     order = [(arm, lr, seed, steps) for arm, lr, seed, steps, _ in ab.jobs(a)]
-    assert order[:6] == [(arm, ab.lr_of(arm, 5e-4, eta=2.0), 0, 40) for arm in ab.ARMS]
+    assert order[:6] == [(arm, ab.lr_of(arm, 5e-4, eta=2.0), 0, 40) for arm in abl_design.ABLATION_ARMS]
     assert order[6][2] == 1 and len(order) == 12 + 2 + 12
     assert order[12:14] == [("OBLR-PO", 1e-3, 0, 120), ("GRPO", 5e-4, 0, 120)]  # the long runs, in their own folders
     assert order[14] == ("GRPO", 1.5e-3, 0, 20) and order[20] == ("GRPO", 5e-3, 0, 20)
@@ -210,7 +210,7 @@ def test_a_round_at_another_eta_max_reuses_the_runs_at_its_lrs(ab, tmp_path):
     a = args_for(ab, tmp_path, grpo_lr=1.5e-4, eta_multiple=20 / 3, earlier_grpo_lr=[5e-4], earlier_eta_multiple=[2.0],
                  seeds=[0, 1, 2], lr_check_arms=[], stability_seeds=[], long_seeds=[])
     for seed in range(3):
-        for arm in ab.ARMS:
+        for arm in abl_design.ABLATION_ARMS:
             write_run(ab, a.run_dir, arm, ab.lr_of(arm, 5e-4, eta=2.0), seed, AFTER[arm][seed], large=AFTER[arm][seed])
         write_run(ab, a.run_dir, "GRPO", 1.5e-4, seed, 0.5, large=0.5)
     ab.tabulate(a, [])
@@ -261,7 +261,7 @@ def test_contrasts_are_per_seed_with_t_intervals(ab, tmp_path):
 def test_the_stability_cells_at_an_earlier_rounds_lr_are_its_40_step_runs_at_step_20(ab, tmp_path):
     a = args_for(ab, tmp_path, grpo_lr=1.5e-4, seeds=[0], stability_seeds=[0], stability_multiples=[10 / 3, 10.0],
                  lr_check_seeds=[], long_seeds=[])
-    assert [ab.lr_of(arm, 1.5e-4, 10 / 3, eta=2.0) for arm in ab.ARMS] == [5e-4, 5e-4, 5e-4, 1e-3, 1e-3, 1e-3]
+    assert [ab.lr_of(arm, 1.5e-4, 10 / 3, eta=2.0) for arm in abl_design.ABLATION_ARMS] == [5e-4, 5e-4, 5e-4, 1e-3, 1e-3, 1e-3]
     write_run(ab, a.run_dir, "OBLR-PO", 1e-3, 0, 0.55, large=0.40)  # the earlier round's 40-step run
     write_run(ab, a.run_dir, "OBLR-PO", 3e-4, 0, 0.50, large=0.40)  # the design's 1x run
     ab.sync_records(a.run_dir, a.records)

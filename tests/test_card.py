@@ -48,7 +48,7 @@ def test_section_shows_the_step_size_over_the_run_not_the_last_step(tmp_path):
     section = oblr_card_section(config(tmp_path), HISTORY)
     assert "mean lr scale over the run: 0.25 (2 steps)" in section
     assert "steps at lr scale 0 (no update: no signal, or an SNR estimate of 0): 1 of 2 (50%)" in section
-    assert "mean applied lr: 0.00025 (`learning_rate`, the maximum: 0.001)" in section
+    assert "mean applied lr: 0.00025 (`learning_rate`: 0.001, snr_lr_mode='calibrated')" in section
     # mean over the run, first and last steps (non-finite values skipped), count
     assert "| reward (`reward`) | 0.5 | 0.5 | 0.5 | 2 |" in section
     assert "(`oblr/snr`) | 0.125 | 0.125 | 0.125 | 2 |" in section

@@ -55,14 +55,20 @@ def test_upgrade_keeps_every_grpo_option():
         assert upgrade_config(GRPOConfig(**common_args())).scale_rewards == "none"
 
 
-def test_default_eta_max_is_five_times_grpos_default_lr():
-    """eta_max defaults to GRPO's default lr over the SNR factor f = 0.2 it expects at 8 prompts per step (the rule
-    of docs/how-it-works.md; tests/test_lr_rule.py checks the docs and the help quote it)."""
-    default = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}["learning_rate"]
+def test_default_lr_is_grpo_s_default_in_the_calibrated_mode():
+    """learning_rate means what it means to GRPO (snr_lr_mode="calibrated", the default): so its default is GRPO's."""
+    fields = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}
     grpo_default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["learning_rate"]
-    assert default == pytest.approx(5 * grpo_default) and default == pytest.approx(5e-6)
+    assert fields["learning_rate"] == grpo_default == 1e-6 and fields["snr_lr_mode"] == "calibrated"
     args = {k: v for k, v in common_args().items() if k != "learning_rate"}
-    assert OBLRPOConfig(**args).learning_rate == pytest.approx(5e-6)  # what a user who sets none gets
+    assert OBLRPOConfig(**args).learning_rate == grpo_default  # what a user who sets none gets
+
+
+def test_an_unknown_snr_lr_mode_is_refused_naming_the_option_and_the_allowed_values():
+    with pytest.raises(ValueError, match=re.escape("OBLRPOConfig.snr_lr_mode='eta' is not allowed; allowed values: "
+                                                  "['calibrated', 'eta_max']")):
+        OBLRPOConfig(**common_args(), snr_lr_mode="eta")
+    assert OBLRPOConfig(**common_args(), snr_lr_mode="eta_max").snr_lr_mode == "eta_max"
 
 
 def test_trl_default_batch_sizes_the_snr_step_by_completion_with_a_warning():
@@ -126,9 +132,13 @@ def test_snr_window_of_the_window_estimator_is_shown_with_its_quotes():
         check_estimator("window", 0.9, "10")
 
 
-def test_a_grpo_config_keeps_its_lr_as_eta_max_and_says_so():
-    """issue 46: GRPO's lr (default 1e-6) becomes eta_max, of which each step applies a fraction: warned, with the
-    fix. The value itself is kept (README: every GRPOConfig option is kept)."""
-    with pytest.warns(UserWarning, match=r"learning_rate=1e-06 becomes eta_max.*the lr you would give GRPO divided by f"):
-        upgraded = upgrade_config(GRPOConfig(**{**common_args(), "learning_rate": 1e-6}))
-    assert upgraded.learning_rate == 1e-6
+def test_a_grpo_config_keeps_its_lr_which_means_what_it_meant():
+    """A GRPOConfig's lr is kept, and under the default calibrated mode it is the lr GRPO would apply: no warning
+    about it (the one about scale_rewards stays)."""
+    import warnings as w
+
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        upgraded = upgrade_config(GRPOConfig(**{**common_args(), "learning_rate": 3e-6}))
+    assert upgraded.learning_rate == 3e-6 and upgraded.snr_lr_mode == "calibrated"
+    assert not [c for c in caught if "learning_rate" in str(c.message) or "eta_max" in str(c.message)]

@@ -73,11 +73,11 @@ def test_demo_grpo_trainer_reused_before_accuracy_and_pass_through_flags(tmp_pat
     assert re.search(r"GRPO: 100%.*3/3", grpo.stdout + grpo.stderr) and "before GRPO" in grpo.stdout
     g = json.loads((tmp_path / "grpo" / "summary.json").read_text())
     assert g["trainer"] == "grpo" and g["mean_lr_scale"] is None and "baseline" not in g
-    # GRPO has no SNR factor: its applied lr is the schedule's (the tiny preset: linear from 3e-3 over 3 steps)
+    # GRPO has no SNR factor: its applied lr is the schedule's (the tiny preset: linear from 3e-4 over 3 steps)
     history = json.loads((tmp_path / "grpo" / "log_history.json").read_text())
     scheduled = [e["learning_rate"] for e in history if "loss" in e]
     assert len(scheduled) == 3 and g["mean_applied_lr"] == pytest.approx(sum(scheduled) / 3)
-    assert max(scheduled) == pytest.approx(3e-3)
+    assert max(scheduled) == pytest.approx(3e-4)
     before = json.loads((tmp_path / "grpo" / "before.json").read_text())
     assert before["accuracy_before"] == g["accuracy_before"] and before["seed"] == 0
 

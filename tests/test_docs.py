@@ -414,6 +414,21 @@ def test_make_docs_builds_strictly_from_the_docs_extra_and_ci_runs_it_after_the_
     assert all(name in extras for name in ("mkdocs", "mkdocs-material", "mkdocstrings[python]"))
 
 
+def test_make_docs_check_installs_its_browser_and_client_then_opens_the_built_site(tmp_path):
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    lines = subprocess.run(["make", "--no-print-directory", "-n", "docs-check", f"VENV={tmp_path / 'venv'}",
+                            f"CHROMIUM={tmp_path / 'no-chromium'}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env=env, check=True).stdout.splitlines()
+    text = "\n".join(lines)
+    assert "mkdocs build --strict --site-dir site" in text and "apt-get install -y -q chromium" in text
+    assert any(line.endswith('pip install -q -e ".[docs-check]"') for line in lines)
+    assert lines[-1].endswith("tests/test_docs_site.py") and "OBLR_DOCS_SITE=site" in lines[-1]
+    extras = (ROOT / "setup.cfg").read_text().split("docs-check =")[1].split("\n#")[0]
+    assert "playwright" in extras and "mkdocs-material" in extras
+
+
 @pytest.mark.slow
 def test_the_docs_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs")
@@ -449,7 +464,23 @@ def check_built_site(site: Path):
     api = (site / "api.html").read_text()
     assert not re.search(r":(?:func|class|meth|mod|attr|data|exc|obj):", api)
     assert api.count('class="autorefs autorefs-internal"') >= 10
-    assert "<li>" in (site / "models.html").read_text().split("<strong>Quantized bases")[1][:3000]
+    items = len(re.findall(r"^ *(?:[-*+]|\d+\.) ", (ROOT / "CHANGELOG.md").read_text(), re.M))
+    nested = len(re.findall(r"^ {2,}(?:[-*+]|\d+\.) ", (ROOT / "CHANGELOG.md").read_text(), re.M))
+    changelog = (site / "changelog.html").read_text().split("<article", 1)[1]
+    assert nested > 0 and changelog.count("<li>") >= items and nested_items(changelog) >= nested  # nested by 2 spaces
+
+
+def nested_items(html: str) -> int:
+    """The list items of ``html`` inside another list's item."""
+    depth, count = 0, 0
+    for tag in re.findall(r"</?(?:ul|ol|li)\b", html):
+        if tag in ("<ul", "<ol"):
+            depth += 1
+        elif tag in ("</ul", "</ol"):
+            depth -= 1
+        elif tag == "<li" and depth >= 2:
+            count += 1
+    return count
     for name in ("index.html", "how-it-works.html", "glossary.html"):
         assert 'class="arithmatex"' in (site / name).read_text(), name
     assert "katex.min.js" in index_scripts(site) and (site / "javascripts" / "katex" / "fonts").is_dir()
@@ -501,6 +532,16 @@ def test_a_wide_table_is_turned_on_the_site_and_long_words_may_wrap():
     assert "[x](glossary.md#snr_factor)" in out and generate.site_tables("| a |\n|---|\n| b |") == "| a |\n|---|\n| b |"
     html = render_site_markdown(generate.site_tables(table))
     assert html.count("<tr>") == 15
+
+
+def test_a_table_s_long_code_spans_break_only_between_their_parts():
+    html = ("<p><code>oblr/lr_scale_mean</code></p><table><tr><td><code>oblr/lr_scale_mean</code> <code>ema</code> "
+            '<code>snr_estimator="ema_soft"</code></td></tr></table>')
+    out = generate.site_table_code(html)
+    assert out.startswith("<p><code>oblr/lr_scale_mean</code></p>")  # outside tables: as it was
+    assert "<code>oblr/<wbr>lr_<wbr>scale_<wbr>mean</code> <code>ema</code>" in out
+    assert '<code>snr_<wbr>estimator=<wbr>"ema_<wbr>soft"</code>' in out
+    assert "word-break: normal" in (DOCS / "stylesheets" / "extra.css").read_text()
 
 
 def test_the_api_reference_s_sphinx_roles_become_cross_references():

@@ -31,6 +31,7 @@ from oblr_trl.snr_formulas import (
     snr_step_size,
     step_scale_from_contributions,
     step_signal_noise,
+    step_signal_se,
 )
 
 import toy_policy as tp  # tests/ is on the tests' path (setup.cfg's pythonpath)
@@ -284,6 +285,58 @@ def test_the_trainers_step_estimates_are_unbiased_and_size_its_step():
     applied = [snr_step_size("per_step", float(a), float(b), n)[0].scale for a, b in zip(sum_sq[:300], total_sq[:300])]
     torch.testing.assert_close(torch.tensor(applied, dtype=F64), expected, rtol=1e-9, atol=1e-12)
     assert (expected == 0).any() and (expected > 0).any()
+
+
+def _variance_band(samples: torch.Tensor) -> tuple[float, float]:
+    """The sample variance of ``samples`` (1-d) and its standard error ``sqrt((mu_4 - var^2) / T)``."""
+    centred = samples - samples.mean()
+    var = float(centred.pow(2).mean())
+    return var, math.sqrt(max(float(centred.pow(4).mean()) - var * var, 0.0) / samples.shape[0])
+
+
+def _shapes(gen):
+    """(name, mu, draw) of the toys: ``draw(trials, n)`` gives ``(trials, n, d)`` i.i.d. single-sample estimates."""
+    d = 6
+    mu = torch.full((d,), 0.3, dtype=F64)
+    u = mu / mu.norm()
+    cov = _random_cov(d, 3.0, gen)
+    chol = torch.linalg.cholesky(cov)
+
+    def gaussian(trials, n):
+        return mu + torch.randn(trials, n, d, generator=gen, dtype=F64) @ chol.T
+
+    def rank_one(trials, n):  # Sigma = 3 u u' along mu: the bound's two inequalities hold with equality
+        return mu + math.sqrt(3.0) * torch.randn(trials, n, 1, generator=gen, dtype=F64) * u
+
+    def skewed(trials, n):  # centred exponential noise, covariance 0.5 I: not Gaussian
+        return mu + math.sqrt(0.5) * (torch.empty(trials, n, d, dtype=F64).exponential_(generator=gen) - 1.0)
+
+    return [("gaussian", mu, gaussian, cov.trace()), ("rank one along mu", mu, rank_one, torch.tensor(3.0)),
+            ("skewed", mu, skewed, torch.tensor(0.5 * d))]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_the_first_step_standard_error_bounds_the_signal_estimate_s_spread(n):
+    """``step_signal_se`` (what ``"ema_soft"`` uses on its first step, with no history): at the true ``s = ||mu||^2``
+    and ``v = tr Sigma`` its square ``2 v^2 / (n (n - 1)) + 4 s v / n`` bounds the Monte Carlo variance of the step's
+    signal estimate, with equality where Sigma has rank one along mu (the derivation's inequalities are then
+    equalities: checked within the band, so a wrong constant fails); with the step's own estimates plugged in, its
+    mean square still covers the variance."""
+    gen = torch.Generator().manual_seed(20 + n)
+    trials = 40_000
+    for name, mu, draw, trace in _shapes(gen):
+        x = draw(trials, n)
+        h = x / n  # the trainer's contributions: g_q = n H_q
+        signal, noise = step_signal_noise(h.pow(2).sum((1, 2)), h.sum(1).pow(2).sum(-1), n)
+        var, band = _variance_band(signal)
+        s, v = float(mu.pow(2).sum()), float(trace)
+        bound = step_signal_se(s, v, n) ** 2
+        assert bound == pytest.approx(2 * v * v / (n * (n - 1)) + 4 * s * v / n, rel=1e-12)
+        assert var <= bound + Z * band, f"{name}, n={n}: variance {var:.4g} above the bound {bound:.4g} (+-{band:.2g})"
+        if name == "rank one along mu":
+            assert abs(var - bound) <= Z * band, f"n={n}: rank one, variance {var:.4g} vs exact {bound:.4g}"
+        plugged = torch.tensor([step_signal_se(float(a), float(b), n) ** 2 for a, b in zip(signal[:4000], noise[:4000])])
+        assert float(plugged.mean()) >= var - Z * band, f"{name}, n={n}: plug-in {float(plugged.mean()):.4g} < {var:.4g}"
 
 
 def test_gradient_snr_is_the_clipped_ratio_of_the_unbiased_estimates():

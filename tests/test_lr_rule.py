@@ -1,7 +1,9 @@
-"""The one lr rule (docs/how-it-works.md, "Choosing the learning rate"): eta_max = GRPO's lr / f, f = N / (N + B) the
-SNR step's factor at N prompts per step, B the gradient noise scale. Its figures are computed here from the results
-files (the lr window's 20-step runs and the prompts-per-step pools), and the docs' section, `learning_rate`'s help, the
-config's docstring and the default must quote the same ones."""
+"""The one lr rule (docs/how-it-works.md, "Choosing the learning rate"): set `learning_rate` to the lr you would give
+GRPO; by default (`snr_lr_mode="calibrated"`) the first steps apply it on average, each step `learning_rate x
+min(f / f_ref, 2)`. Its constants come from the code (`CALIBRATION_STEPS`, `MAX_LR_MULTIPLE`) and its figures from the
+results files (the prompts-per-step pools, the lr window's 20-step runs of the paper's reading); the docs' section,
+`learning_rate`'s help, the config's docstring, the default, the README, Quick start and the recipes must say the same.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from trl import GRPOConfig
 
 from oblr_trl import OBLRPOConfig
+from oblr_trl.snr_formulas import CALIBRATION_STEPS, MAX_LR_MULTIPLE
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -59,7 +62,8 @@ def rule_figures() -> dict[str, str]:
         "predicted": f"{lr(round(grpo['lo'] / f_best, 4))} to {lr(round(grpo['hi'] / f_best, 4))}",
         "f_at_8": f"{min(at[8]):.2f}-{max(at[8]):.2f}", "f_at_128": f"{min(at[128]):.2f}-{max(at[128]):.2f}",
         "eta_at_128": f"{1 / max(at[128]):.1f}-{1 / min(at[128]):.0f}x",
-        "default": lr(default), "grpo_default": lr(grpo_default), "f_default": f"{grpo_default / default:g}",
+        "default": lr(default), "grpo_default": lr(grpo_default),
+        "steps": f"first {CALIBRATION_STEPS} steps", "cap": f"{MAX_LR_MULTIPLE:g}",
     }
 
 
@@ -94,44 +98,50 @@ def test_the_rule_s_figures_come_from_the_results_files():
     assert lo <= applied <= hi  # ... which landed inside GRPO's window: the rule's premise, measured
 
 
+RULE = "the lr you would give GRPO"
+
+
 @pytest.mark.parametrize("where", ["docs", "help", "docstring"])
 def test_the_docs_the_help_and_the_docstring_quote_the_rule_s_figures(where):
     text = {"docs": section, "help": help_text, "docstring": docstring}[where]()
     flat = " ".join(text.split())
     figures = rule_figures()
-    needed = {"docs": list(figures), "help": ["oblr_best", "ratio", "grpo_best", "f_best", "f_at_8", "f_at_128",
-                                               "eta_at_128", "default", "grpo_default", "f_default"],
-              "docstring": ["f_at_8", "f_at_128", "default", "grpo_default", "f_default"]}[where]
+    needed = {"docs": [k for k in figures if k not in ("default",)],
+              "help": ["grpo_default", "steps", "cap"], "docstring": ["grpo_default", "steps"]}[where]
     missing = {k: figures[k] for k in needed if figures[k] not in flat}
     assert not missing, f"{where} does not quote {missing}"
-    assert "oblr/lr_mean" in flat and "oblr/noise_scale" in flat  # the metrics that say whether the lr is right
+    assert RULE in flat and "oblr/lr_mean" in flat and "oblr/eta_max" in flat
+    assert "calibrated" in flat and "eta_max" in flat  # the mode, and the paper's reading one option away
     if where == "docs":
+        assert "Set `learning_rate` to the lr you would give GRPO." in text
+        assert f"\\min\\left(\\frac{{f_t}}{{f_{{\\mathrm{{ref}}}}}}, {figures['cap']}\\right)" in flat  # typeset
+        assert "oblr/noise_scale" in flat
         missing_rows = [row for row in table_rows() if row not in text]
         assert not missing_rows, f"the section's table differs from the results files: {missing_rows}"
-    assert "a few times" not in flat and "1e-3 on two tasks" not in flat  # the old recipes are gone
+        assert "What it keeps of Theorem 4" in flat and "gives up the absolute level" in flat
+    assert "a few times" not in flat and "1e-3 on two tasks" not in flat and "5e-6" not in flat  # the old rules
 
 
-def test_the_default_is_grpo_s_default_over_the_quoted_factor():
-    """The docs and the help say the default is GRPO's default / f; that is the default, and f lies in the range
-    measured at 8 prompts per step."""
-    figures = rule_figures()
-    default = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}["learning_rate"]
-    for text in (section(), help_text()):
-        flat = " ".join(text.split())
-        m = re.search(r"(\d[\de.-]*),? (?:is|=) GRPO's default (\d[\de.-]*) ?/ ?(?:f = )?([\d.]+)", flat)
-        assert m, flat[:300]
-        quoted, grpo_default, f = (float(x) for x in m.groups())
-        assert quoted == default == pytest.approx(grpo_default / f)
-        lo, hi = (float(x) for x in figures["f_at_8"].split("-"))
-        assert lo <= f <= hi
+def test_the_default_is_grpo_s_default_and_the_calibrated_mode():
+    fields = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}
+    grpo_default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["learning_rate"]
+    assert fields["learning_rate"] == grpo_default and fields["snr_lr_mode"] == "calibrated"
+    assert f"default {lr(grpo_default)}, GRPO's default" in " ".join(help_text().split())
 
 
-def test_the_gpu_recipes_follow_the_rule_at_their_prompts_per_step():
-    """Each GPU recipe (128 prompts per step) sets eta_max = the GRPO lr its comment names / f, with f inside the
-    range measured at 128 prompts per step, and names oblr/lr_mean as the check."""
+@pytest.mark.parametrize("page", ["README.md", "docs/quickstart.md"])
+def test_the_front_pages_say_the_rule_in_one_sentence_and_set_grpo_s_lr(page):
+    text = (ROOT / page).read_text()
+    flat = " ".join(text.split())
+    assert "the lr you would give GRPO" in flat and "5e-6" not in flat and "η_max = GRPO's lr" not in flat
+    assert re.search(r"learning_rate=1e-6, +# the lr you would give GRPO", text), page
+
+
+def test_the_gpu_recipes_set_the_grpo_lr_their_comment_names():
+    """Each GPU recipe (128 prompts per step) sets learning_rate to the lr its comment says one would give GRPO, in the
+    calibrated mode (the default), and names oblr/lr_mean as the check."""
     import yaml
 
-    lo, hi = (float(x) for x in rule_figures()["f_at_128"].split("-"))
     recipes = sorted((ROOT / "examples" / "recipes").glob("qwen3_*.yaml"))
     assert recipes
     for path in recipes:
@@ -141,6 +151,46 @@ def test_the_gpu_recipes_follow_the_rule_at_their_prompts_per_step():
                    * int(re.search(r"Prompts per step: (\d+) training GPU", text).group(1)) // config["num_generations"])
         assert prompts == 128, path.name
         grpo_lr = float(re.search(r"the lr you would give GRPO \(([\d.e-]+)", text).group(1))
-        f = grpo_lr / float(config["learning_rate"])
-        assert lo <= f <= hi, f"{path.name}: eta_max implies f = {f:.2f}, outside {lo}-{hi} measured at 128"
+        assert float(config["learning_rate"]) == grpo_lr, path.name
+        assert config.get("snr_lr_mode", "calibrated") == "calibrated", path.name
         assert "oblr/lr_mean" in text and "Choosing the learning rate" in text
+
+
+# ---------------------------------------------------------------- the calibrated mode's measurements, one source each
+def applied_figures() -> dict[str, str]:
+    """The figures How it works quotes from the applied-lr table (benchmarks/results/applied_lr.json)."""
+    rows = [r for r in json.loads((RESULTS / "applied_lr.json").read_text())["rows"] if "tiny" in r["model"]]
+    capped = [r for r in rows if r["later"] == pytest.approx(MAX_LR_MULTIPLE)]
+    out = {"f_first": f"{min(r['f_first'] for r in rows):.3f}-{max(r['f_first'] for r in rows):.3f}"}
+    if capped:
+        r = capped[0]
+        out["capped"] = f"at {r['prompts_per_step']} prompts per step"
+        out["rise"] = f"{r['f_first']:.3f} to {r['f_later']:.3f}"
+    return out
+
+
+def test_how_it_works_quotes_the_applied_lr_table():
+    """Every tiny-policy run's first 10 steps applied learning_rate (the calibration's design, measured), and the
+    section quotes the table's factors and where the cap was reached."""
+    rows = json.loads((RESULTS / "applied_lr.json").read_text())["rows"]
+    assert rows and all(r["within"] for r in rows if "tiny" in r["model"])
+    flat = " ".join(section().split())
+    missing = {k: v for k, v in applied_figures().items() if v not in flat}
+    assert not missing, f"How it works does not quote {missing}"
+    assert f"ran at the cap, {MAX_LR_MULTIPLE:g}x `learning_rate`" in flat
+
+
+def test_the_demo_presets_and_their_pages_use_grpo_s_lr():
+    """The demo's OBLR-PO presets are the lr GRPO gets in the same setting (`--trainer grpo` runs the same preset), in
+    the calibrated mode; docs/demos.md says so with the same figures."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    page = " ".join((ROOT / "docs" / "demos.md").read_text().split())
+    smollm2, tiny = demo.PRESETS["smollm2"]["learning_rate"], demo.PRESETS["tiny"]["learning_rate"]
+    assert f"`learning_rate` = {lr(smollm2)} (constant), the lr GRPO gets in the same setting" in page
+    assert f"`learning_rate={lr(tiny)}` (the lr GRPO gets on this policy" in page
+    assert "snr_lr_mode" not in str(demo.PRESETS)  # the default mode: calibrated
+    assert "--trainer grpo   # TRL's GRPO, same setting, the same learning rate" in demo.__doc__

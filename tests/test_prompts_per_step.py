@@ -72,10 +72,13 @@ def test_default_estimator_chain_carries_the_state_as_the_trainer_does():
             rows = h[batch]
             ref, state = snr_step_size("ema_soft", float((rows**2).sum()), float((rows.sum(0) ** 2).sum()), 4, state)
         assert d.scale == pytest.approx(ref.scale, abs=1e-12)
-    # a chain of one step is the per-step decision (every estimator's first step)
-    one = pps.step_decisions(gram, chains[:, :1, :], "ema_soft")
+    # a chain of one step is the per-step decision under "ema" (its first step); "ema_soft"'s first step lifts the
+    # signal by its own samples' standard error (no history), so it is never below the per-step one
+    one = pps.step_decisions(gram, chains[:, :1, :], "ema")
     per = pps.step_decisions(gram, chains[:, 0, :])
     assert [d.scale for d in one] == pytest.approx([d.scale for d in per], abs=1e-12)
+    soft = pps.step_decisions(gram, chains[:, :1, :], "ema_soft")
+    assert all(s.scale >= p.scale for s, p in zip(soft, per))
 
 
 def test_draw_subsets():

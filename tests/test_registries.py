@@ -162,7 +162,8 @@ def test_the_trainer_calls_the_registered_snr_estimator_and_formulas(monkeypatch
     trainer, _ = train(OBLRPOTrainer, OBLRPOConfig(**common_args(max_steps=1), snr_estimator="ema_soft"))
     assert len(estimated) == len(signal_noise) == len(scales) == 1
     assert estimated[0][2] == trainer.step_sizer.snr_state
-    assert logged(trainer, "oblr/lr_scale") == [scales[0][0]]
+    assert logged(trainer, "oblr/snr_factor") == [scales[0][0]]
+    assert logged(trainer, "oblr/lr_scale") == [1.0]  # calibrated (the default): the first step applies learning_rate
     assert logged(trainer, "oblr/snr") == [scales[0][1]]
 
 

@@ -16,12 +16,18 @@ import pytest
 
 from oblr_trl import OBLRPOConfig
 from oblr_trl.snr_formulas import (
+    CALIBRATION_STEPS,
+    MAX_LR_MULTIPLE,
+    Calibration,
+    SNRDecision,
     SNRState,
+    calibrated_multiplier,
     expected_positive_part,
     scale_from_signal_noise,
     snr_step_size,
     step_scale_from_contributions,
     step_signal_noise,
+    step_signal_se,
 )
 
 KW = {"per_step": {}, "ema": {"beta": 0.9}, "ema_soft": {"beta": 0.9}, "window": {"window": 10}}
@@ -137,10 +143,15 @@ def test_ema_is_bias_corrected_from_the_first_step():
         ema, state = snr_step_size("ema", 3.0, 10.0, 8, state, beta=0.9)
         per_step, _ = snr_step_size("per_step", 3.0, 10.0, 8)
         assert ema.scale == pytest.approx(per_step.scale, rel=1e-12) and ema.scale > 0
-    soft = None  # constant inputs have no spread: the soft EMA is the EMA
-    for _ in range(5):
+    soft = None  # constant inputs have no spread across steps: from the second step on the soft EMA is the EMA
+    for step in range(5):
         decision, soft = snr_step_size("ema_soft", 3.0, 10.0, 8, soft, beta=0.9)
-        assert decision.scale == pytest.approx(per_step.scale, rel=1e-9)
+        if step == 0:  # no history: the first step's own standard error (step_signal_se) lifts the signal a little
+            se = step_signal_se(decision.step_signal, decision.step_noise, 8)
+            assert se > 0 and decision.step_signal < decision.signal <= decision.step_signal + 0.4 * se
+            assert decision.signal == pytest.approx(expected_positive_part(decision.step_signal, se), rel=1e-12)
+        else:
+            assert decision.scale == pytest.approx(per_step.scale, rel=1e-9)
 
 
 def test_window_pools_exactly_the_last_steps():
@@ -267,3 +278,74 @@ def test_the_noise_scale_is_finite_or_undefined_never_inf(estimator):
     if estimator != "ema_soft":  # a signal estimate below 0: the step's scale is 0 and its noise scale unbounded
         negative, _ = snr_step_size(estimator, 4.0, 0.0, 4, None, **kw)
         assert negative.status == "zero_snr" and math.isnan(negative.noise_scale)
+
+
+# ------------------------------------------------------------------ the calibrated mode (snr_lr_mode="calibrated")
+def decision(factor: float, status: str = "ok", scale: float | None = None) -> SNRDecision:
+    nan = math.nan
+    return SNRDecision(factor if scale is None else scale, nan, 8, nan, nan, nan, nan, status, factor)
+
+
+def multipliers(factors, calibration=None, **kw):
+    calibration, out = calibration or Calibration(), []
+    for f in factors:
+        m, calibration = calibrated_multiplier(f if isinstance(f, SNRDecision) else decision(f), calibration, **kw)
+        out.append(m)
+    return out, calibration
+
+
+def test_calibrated_multiplier_applies_the_scheduled_lr_while_calibrating_then_f_over_the_frozen_mean():
+    """Brute force: the first K steps apply m = 1 (exactly the scheduled lr) while f_ref = mean(f_1..f_K) is measured;
+    then m_t = min(f_t / f_ref, cap), f_ref frozen, so a fading factor still shrinks the step."""
+    rng = np.random.default_rng(0)
+    factors = list(rng.uniform(0.05, 0.6, CALIBRATION_STEPS)) + [0.9, 0.3, 0.1, 0.03, 0.01]
+    got, calibration = multipliers(factors)
+    f_ref = float(np.mean(factors[:CALIBRATION_STEPS]))
+    assert got[:CALIBRATION_STEPS] == [1.0] * CALIBRATION_STEPS
+    for t in range(CALIBRATION_STEPS, len(factors)):
+        assert got[t] == pytest.approx(min(factors[t] / f_ref, MAX_LR_MULTIPLE), rel=1e-12)
+    assert calibration.steps == CALIBRATION_STEPS and calibration.reference == pytest.approx(f_ref, rel=1e-12)
+    assert got[-5] == MAX_LR_MULTIPLE and got[-4] > got[-3] > got[-2] > got[-1] > 0  # capped; fading: shorter
+
+
+def test_calibrated_multiplier_keeps_the_ordering_and_is_capped():
+    """After calibration, a noisier step (smaller f) is never longer (Theorem 4's ordering); no step applies more
+    than MAX_LR_MULTIPLE x the scheduled lr, however clean."""
+    _, calibration = multipliers([0.1] * CALIBRATION_STEPS)
+    grid = np.linspace(0.0, 1.0, 101)
+    steps = [calibrated_multiplier(decision(f), calibration)[0] for f in grid]
+    assert all(a <= b for a, b in zip(steps, steps[1:])) and max(steps) == MAX_LR_MULTIPLE and steps[0] == 0.0
+    assert calibrated_multiplier(decision(0.15), calibration)[0] == pytest.approx(1.5)
+    assert calibrated_multiplier(decision(0.9), calibration, cap=3.0)[0] == 3.0
+
+
+def test_calibration_starts_at_the_first_positive_factor_and_zero_gives_zero():
+    """f_ref = 0 (no positive factor yet, e.g. the paper's per-step estimate clipped at 0): the step applies
+    lr_scale_min (0 by default: f = 0 gives 0, warned as zero_snr by the trainer), and the calibration has not started.
+    A zero factor during calibration counts (it is an estimate) and applies 0; after it, 0 gives 0."""
+    got, calibration = multipliers([decision(0.0, "zero_snr"), decision(0.0, "zero_snr"), 0.3, 0.0, 0.3, 0.3], steps=3)
+    assert got == [0.0, 0.0, 1.0, 0.0, 1.0, pytest.approx(0.3 / 0.2)] and calibration == Calibration(3, 0.6)
+    assert calibrated_multiplier(decision(0.0, "zero_snr"), calibration)[0] == 0.0
+    floored, _ = multipliers([decision(0.0, "zero_snr", scale=0.05)], lr_scale_min=0.05)
+    assert floored == [0.05]
+
+
+@pytest.mark.parametrize("status, scale", [("few_samples", 1.0), ("zero_gradient", 0.0), ("nonfinite_grad", 0.0)])
+def test_degenerate_steps_do_not_count_and_take_the_decision_s_own_scale(status, scale):
+    _, calibration = multipliers([0.2, 0.4])
+    m, after = calibrated_multiplier(decision(math.nan, status, scale=scale), calibration)
+    assert m == scale and after == calibration
+
+
+def test_ema_soft_first_step_is_not_clipped_to_zero_for_want_of_history():
+    """A first step whose own signal estimate is below 0 (noise dominates) kept scale 0 under "ema_soft" (no spread
+    yet, se = 0); its own samples bound the standard error now, so the step moves, less than a clear step would."""
+    sum_sq, n = 1.0, 4  # ||G||^2 = 0.9 < sum_sq: a negative signal estimate, a positive noise estimate
+    step_s, step_v = step_signal_noise(sum_sq, 0.9, n)
+    assert step_s < 0 < step_v
+    soft, _ = snr_step_size("ema_soft", sum_sq, 0.9, n, beta=0.9)
+    paper, _ = snr_step_size("per_step", sum_sq, 0.9, n)
+    clear, _ = snr_step_size("ema_soft", 1.0, 3.9, n, beta=0.9)
+    assert paper.scale == 0.0 and 0.0 < soft.scale < clear.scale and soft.status == "ok"
+    se = step_signal_se(step_s, step_v, n)
+    assert soft.signal == pytest.approx(expected_positive_part(step_s, se), rel=1e-12)

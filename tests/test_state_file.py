@@ -11,20 +11,31 @@ import pytest
 
 from oblr_trl.state_file import (STATE_NAME, TRAINER_STATE_NAME, StateFileError, parse_state, read_state,
                                  resume_point, write_state)
-from oblr_trl.snr_formulas import LrStats, SNRState
+from oblr_trl.snr_formulas import Calibration, LrStats, SNRState
 
 SNR = SNRState(steps=3, signal=0.5, noise=2.0, signal_sq=0.4, recent=((0.1, 1.0), (0.2, 2.0)))
 STATS = LrStats(steps=3, skipped=1, lr_sum=0.02, scale_sum=0.6, low_streak=1)
+CAL = Calibration(steps=3, factor_sum=0.7000000000000001)  # a float that only repr round-trips exactly
 
 
 def good() -> dict:
-    return {"version": 2, "global_step": 6, "snr_state": SNR.to_dict(), "lr_stats": STATS.to_dict()}
+    return {"version": 3, "global_step": 6, "snr_state": SNR.to_dict(), "lr_stats": STATS.to_dict(),
+            "calibration": CAL.to_dict()}
 
 
 def test_write_then_read_round_trips_and_leaves_no_temporary_file(tmp_path):
-    path = write_state(str(tmp_path / "checkpoint-6"), 6, SNR, STATS)
+    path = write_state(str(tmp_path / "checkpoint-6"), 6, SNR, STATS, CAL)
     assert os.listdir(tmp_path / "checkpoint-6") == [STATE_NAME] and path.endswith(STATE_NAME)
-    assert read_state(str(tmp_path / "checkpoint-6"), 6) == ((SNR, STATS), None)
+    assert read_state(str(tmp_path / "checkpoint-6"), 6) == ((SNR, STATS, CAL), None)
+
+
+def test_a_version_2_file_reads_without_a_calibration():
+    """oblr-trl before the calibrated mode wrote version 2 (no calibration): its state is kept, the calibration is
+    None (the step sizer then calibrates again, with a note: tests/test_step_sizer.py)."""
+    saved = good()
+    saved["version"] = 2
+    del saved["calibration"]
+    assert parse_state(json.dumps(saved), "f.json") == (SNR, STATS, None)
 
 
 def test_a_non_finite_state_is_not_written(tmp_path):
@@ -37,6 +48,7 @@ def test_an_older_file_without_low_streak_reads_with_a_fresh_streak():
     saved = good()
     del saved["lr_stats"]["low_streak"]
     assert parse_state(json.dumps(saved), "f.json")[1] == LrStats(3, 1, 0.02, 0.6, 0)
+    assert parse_state(json.dumps(saved), "f.json")[2] == CAL
 
 
 def _damaged():
@@ -50,7 +62,7 @@ def _damaged():
         "an empty object": ("{}", "version is None"),
         "nan": (text.replace('"signal": 0.5', '"signal": NaN'), "NaN"),
         "inf": (text.replace('"lr_sum": 0.02', '"lr_sum": Infinity'), "Infinity"),
-        "newer": (text.replace('"version": 2', '"version": 9'), "newer oblr-trl"),
+        "newer": (text.replace('"version": 3', '"version": 9'), "newer oblr-trl"),
     }
     for name, edit, problem in (
         ("no snr_state", lambda d: d.pop("snr_state"), "snr_state is None"),
@@ -65,6 +77,10 @@ def _damaged():
         ("recent", lambda d: d["snr_state"].update(recent=[[1.0]]), "snr_state.recent"),
         ("no step", lambda d: d.pop("global_step"), "global_step is None"),
         ("no version", lambda d: d.pop("version"), "version is None"),
+        ("no calibration", lambda d: d.pop("calibration"), "calibration is None"),
+        ("calibration key", lambda d: d["calibration"].pop("factor_sum"), "lacks the key(s) ['factor_sum']"),
+        ("negative calibration", lambda d: d["calibration"].update(factor_sum=-0.1), "calibration.factor_sum is -0.1"),
+        ("float calibration steps", lambda d: d["calibration"].update(steps=1.5), "calibration.steps is 1.5"),
         ("other step", lambda d: d.update(global_step=4), "saved at step 4, but the checkpoint is at step 6"),
     ):
         saved = good()
@@ -144,9 +160,9 @@ def test_without_a_step_the_file_is_checked_against_the_checkpoints_own_step(tmp
     """transformers 4.x loads the optimizer (and the trainer this file) before its own state: ``Trainer.state`` is
     still at step 0 then, so the step to check against is the checkpoint's ``trainer_state.json``."""
     folder = tmp_path / "checkpoint-6"
-    write_state(str(folder), 6, SNR, STATS)
+    write_state(str(folder), 6, SNR, STATS, CAL)
     (folder / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": 6}))
-    assert read_state(str(folder)) == ((SNR, STATS), None)
+    assert read_state(str(folder)) == ((SNR, STATS, CAL), None)
     (folder / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": 7}))
     with pytest.raises(StateFileError, match="saved at step 6, but the checkpoint is at step 7"):
         read_state(str(folder))

@@ -12,12 +12,12 @@ import torch
 
 from oblr_trl.state_file import STATE_NAME
 from oblr_trl.step_sizer import StepSizer, parameters_grad_sq_norm
-from oblr_trl.snr_formulas import STALL_SCALE, STALL_STEPS, snr_step_size
+from oblr_trl.snr_formulas import CALIBRATION_STEPS, STALL_SCALE, STALL_STEPS, snr_step_size
 
 
 def config(**kw):
     return SimpleNamespace(**{**dict(snr_estimator="per_step", snr_ema=0.9, snr_window=10, lr_scale_min=0.0,
-                                     snr_lr=True), **kw})
+                                     snr_lr=True, snr_lr_mode="eta_max"), **kw})
 
 
 def record_units(sizer, unit_sq):
@@ -66,6 +66,7 @@ def test_state_round_trips_through_a_checkpoint_folder(tmp_path):
     other = StepSizer(config(snr_estimator="ema"))
     assert other.load(str(checkpoint), global_step=7) is None
     assert other.snr_state == sizer.snr_state and other.lr_stats == sizer.lr_stats
+    assert other.calibration == sizer.calibration
     missing = StepSizer(config(snr_estimator="ema")).load(str(tmp_path / "nothing"))
     assert f"no {STATE_NAME}" in missing and "another trainer" in missing and "crash" in missing
 
@@ -89,15 +90,17 @@ def test_stall_is_warned_after_stall_steps_below_stall_scale():
     (no zero-SNR warning): the stall warning is the one that says so, at the STALL_STEPS-th step in a row."""
     sizer = StepSizer(config(snr_estimator="ema_soft"))
     warned_at, scales = [], []
-    for step in range(STALL_STEPS + 3):
+    for step in range(STALL_STEPS + 4):
         record_units(sizer, [1.0, 1.0, 1.0, 1.0])
         metrics, warnings = sizer.size([{"lr": 1.0}], grad_sq_norm=4.05 if step % 2 else 3.95)
         sizer.restore()
         scales.append(metrics["lr_scale"])
         warned_at += [step] if "stalled" in warnings else []
         assert "zero_snr" not in warnings or step == 0
-    assert all(0.0 < s < STALL_SCALE for s in scales[1:]), scales
-    assert warned_at[0] == STALL_STEPS - 1, warned_at
+    # the first step has no spread across steps: its own samples bound its standard error (step_signal_se), so it
+    # is not clipped to 0 (a step of a real size); the later ones are, and the streak starts at step 1
+    assert scales[0] > STALL_SCALE and all(0.0 < s < STALL_SCALE for s in scales[1:]), scales
+    assert warned_at[0] == STALL_STEPS, warned_at
     record_units(sizer, [1.0, 2.0, 0.5, 1.5])
     sizer.size([{"lr": 1.0}], grad_sq_norm=9.0)  # a clear step ends the streak
     assert sizer.lr_stats.low_streak == 0
@@ -147,3 +150,47 @@ def test_the_two_pass_rows_are_read_in_one_transfer_and_their_sum_is_the_per_uni
     for sizer in (whole, split):
         total, n = sizer.samples.reduce_all_ranks()
         assert n == 2 and total == pytest.approx(expected)
+
+
+def test_calibrated_mode_applies_the_scheduled_lr_while_calibrating_then_f_over_f_ref():
+    """snr_lr_mode="calibrated": the first CALIBRATION_STEPS steps apply exactly the scheduled lr while f_ref (their
+    mean factor) is measured; then each applies f / f_ref of it; logged with the factor and eta_max = lr / f_ref."""
+    sizer = StepSizer(config(snr_lr_mode="calibrated"))
+    steps = [([1.0, 2.0, 0.5, 1.5], 9.0), ([1.0, 1.0, 1.0, 1.0], 8.0), ([2.0, 0.5, 0.5, 1.0], 12.0)]
+    factors = []
+    for t in range(CALIBRATION_STEPS + 3):
+        unit_sq, g2 = steps[t % 3]
+        groups = [{"lr": 1e-3}, {"lr": 2e-3}]
+        record_units(sizer, unit_sq)
+        metrics, warnings = sizer.size(groups, grad_sq_norm=g2)
+        decision, _ = snr_step_size("per_step", sum(unit_sq), g2, 4)
+        factors.append(decision.scale)
+        f_ref = sum(factors[:CALIBRATION_STEPS]) / min(len(factors), CALIBRATION_STEPS)
+        m = 1.0 if t < CALIBRATION_STEPS else decision.scale / f_ref
+        assert warnings == [] and metrics["snr_factor"] == decision.scale
+        assert [g["lr"] for g in groups] == pytest.approx([1e-3 * m, 2e-3 * m], rel=1e-12)
+        assert metrics["lr_scale"] == pytest.approx(m, rel=1e-12)
+        assert metrics["eta_max"] == pytest.approx(1e-3 / f_ref, rel=1e-12)
+        sizer.restore()
+        assert [g["lr"] for g in groups] == [1e-3, 2e-3]
+    assert len(set(factors)) == 3 and sizer.calibration.steps == CALIBRATION_STEPS
+    assert sizer.calibration.factor_sum == pytest.approx(sum(factors[:CALIBRATION_STEPS]))
+
+
+def test_calibrated_state_round_trips_and_a_version_2_checkpoint_calibrates_again(tmp_path):
+    sizer = StepSizer(config(snr_lr_mode="calibrated", snr_estimator="ema"))
+    record_units(sizer, [1.0, 2.0, 0.5, 1.5])
+    sizer.size([{"lr": 1.0}], grad_sq_norm=9.0)
+    sizer.save(str(tmp_path), global_step=1)
+    other = StepSizer(config(snr_lr_mode="calibrated", snr_estimator="ema"))
+    assert other.load(str(tmp_path / "checkpoint-1"), global_step=1) is None
+    assert other.calibration == sizer.calibration and other.calibration.steps == 1
+    path = tmp_path / "checkpoint-1" / STATE_NAME
+    saved = json.loads(path.read_text())
+    saved["version"] = 2
+    del saved["calibration"]
+    path.write_text(json.dumps(saved))
+    note = other.load(str(tmp_path / "checkpoint-1"), global_step=1)
+    assert "predates the calibrated learning rate" in note and other.calibration.steps == 0
+    assert other.snr_state == sizer.snr_state  # the estimator's state is kept
+    assert StepSizer(config(snr_estimator="ema")).load(str(tmp_path / "checkpoint-1"), global_step=1) is None

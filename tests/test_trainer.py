@@ -20,19 +20,25 @@ Recorder = OBLRPOTrainer  # helpers.train records every trainer it builds
 def test_lr_is_scheduled_lr_times_logged_scale():
     trainer, probe = train(Recorder, OBLRPOConfig(**common_args(max_steps=3, gradient_accumulation_steps=2)))
     scales, scheduled = logged(trainer, "oblr/lr_scale"), logged(trainer, "learning_rate")
-    assert len(scales) == 3 and len(probe.applied) == 3
-    for applied, scale, lr in zip(probe.applied, scales, scheduled):
-        assert 0.0 <= scale <= 1.0
+    factors = logged(trainer, "oblr/snr_factor")
+    assert len(scales) == 3 and len(probe.applied) == 3 and len(factors) == 3
+    for t, (applied, scale, lr) in enumerate(zip(probe.applied, scales, scheduled)):
+        # the default snr_lr_mode="calibrated": its first 10 steps apply the scheduled lr (f > 0) while f_ref is measured
+        assert scale == (1.0 if factors[t] > 0 else 0.0)
+        assert 0.0 <= factors[t] <= 1.0 and 0.0 <= scale <= 2.0
         assert applied == pytest.approx(lr * scale, rel=1e-9, abs=1e-15)
+    assert scales[0] == 1.0  # the first step applies the scheduled lr exactly
+    assert logged(trainer, "oblr/eta_max") == pytest.approx(
+        [lr / (sum(factors[: t + 1]) / (t + 1)) for t, lr in enumerate(scheduled)], rel=1e-12)
     for current, from_scheduler in probe.after:  # restored: the scheduler never compounds the scale
         assert current == pytest.approx(from_scheduler)
-    assert any(0 < s < 1 for s in scales)
+    assert any(0 < f < 1 for f in factors)
     # the noise scale B = 1/SNR in prompts, logged beside the SNR, and the factor is N / (N + B)
     noise_scales, snrs = logged(trainer, "oblr/noise_scale"), logged(trainer, "oblr/snr")
     n = logged(trainer, "oblr/num_samples")
     assert len(noise_scales) == 3 and all(math.isfinite(b) and b >= 0 for b in noise_scales)
     assert noise_scales == pytest.approx([1 / snr for snr in snrs], rel=1e-9)
-    assert scales == pytest.approx([k / (k + b) for k, b in zip(n, noise_scales)], rel=1e-9)
+    assert factors == pytest.approx([k / (k + b) for k, b in zip(n, noise_scales)], rel=1e-9)
 
 
 def test_step_terms_match_per_sample_autograd():
@@ -42,7 +48,7 @@ def test_step_terms_match_per_sample_autograd():
     (~1e-3), which the scale's cancellation n/(n-1) (1 - sum||H_q||^2/||G||^2) amplifies ~7x here, and whose size
     depends on the CPU's bf16 matmul kernel (AMX or AVX512-BF16): an exactness test cannot be one there."""
     args = OBLRPOConfig(**common_args(max_steps=1, gradient_accumulation_steps=2, max_grad_norm=1e9, bf16=False),
-                        one_backward=False)
+                        one_backward=False, snr_estimator="per_step")  # this step's own factor, as expected below
     model = build_model(TOKENIZER)
     reference_model = copy.deepcopy(model)  # the parameters the step's gradient was taken at
     trainer, _ = train(Recorder, args, model=model)
@@ -63,7 +69,7 @@ def test_step_terms_match_per_sample_autograd():
     assert logged(trainer, "oblr/num_samples") == [len(groups)] == [4]  # 16 completions in the step, groups of 4
     assert logged(trainer, "grad_norm")[0] == pytest.approx(float(total.norm()), rel=1e-5)
     expected = step_scale_from_contributions(sum(float(h @ h) for h in groups.values()), float(total @ total), 4)
-    assert logged(trainer, "oblr/lr_scale")[0] == pytest.approx(float(expected), rel=1e-5)  # measured: 2.5e-7
+    assert logged(trainer, "oblr/snr_factor")[0] == pytest.approx(float(expected), rel=1e-5)  # measured: 2.5e-7
     assert 0 < float(expected) < 1
 
 

@@ -67,6 +67,7 @@ QUANTIZED: Mapping[str, dict] = MappingProxyType({
     "QLoRA nf4, bf16 storage, generate first": dict(storage=BF16, generate="after import"),
     "QLoRA nf4, generate first, before import oblr_trl": dict(generate="before import"),
     "LoRA on an 8-bit base": dict(bits=8),
+    "QLoRA nf4, prepare_model_for_kbit_training defaults (reentrant checkpointing)": dict(prepare=True),
 })
 QUANTIZED_WIDTH = 128  # hidden size: layers wider than bitsandbytes' 64-value blocks, as real models'
 
@@ -189,9 +190,10 @@ def _checkpoint(family: str, tie: bool, folder: str) -> str:
 
 
 def load_quantized(path: str, quant="nf4", double=False, compute=torch.float32, storage=torch.uint8, bits=4,
-               repacking=True):
+               repacking=True, prepare=False):
     """The checkpoint loaded as a user loads it for QLoRA, LoRA on every linear layer (seeded, non-zero); with
-    ``repacking=False`` bitsandbytes' CPU repacking is off from the start: the reference, a fresh load."""
+    ``repacking=False`` bitsandbytes' CPU repacking is off from the start: the reference, a fresh load. ``prepare``:
+    through ``peft.prepare_model_for_kbit_training`` with its defaults first (reentrant gradient checkpointing)."""
     import peft
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -199,6 +201,8 @@ def load_quantized(path: str, quant="nf4", double=False, compute=torch.float32, 
         load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double,
         bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=storage))
     base = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=compute)
+    if prepare:
+        base = peft.prepare_model_for_kbit_training(base)
     torch.manual_seed(0)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0,
                                                       init_lora_weights="gaussian"))
@@ -249,6 +253,8 @@ def quantized_verdict(setting: str, family: str, tie: bool, folder: str) -> Verd
     if changed:
         return Verdict("WRONG", f"validate passed on a model that is not the one loaded: {', '.join(changed[:2])}")
     expected = per_row_sq_norms(reference, ids, attention, completion_mask, temperature=0.7)
+    if kwargs.get("prepare"):  # in train mode, where its (reentrant) gradient checkpointing runs
+        model.train()
     ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7).double()
     return _compared(ours, expected, 2e-2 if kwargs.get("compute") == BF16 else RTOL)
 

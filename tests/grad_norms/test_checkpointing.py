@@ -114,3 +114,57 @@ def test_one_backward_replayed_is_refused_under_reentrant_checkpointing():
     ids, attention, completion_mask = padded_batch(VOCAB)
     with pytest.raises(NotImplementedError, match="non-reentrant"):
         per_sequence_grads(model, ids, attention, completion_mask, stream_group_size=2, keep_graph=True)
+
+
+class SelfCheckpointed(torch.nn.Module):
+    """A module that calls torch's checkpoint in its own forward (not transformers' gradient checkpointing)."""
+
+    def __init__(self, inner, use_reentrant):
+        super().__init__()
+        self.inner, self.use_reentrant = inner, use_reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.use_reentrant)
+
+
+def test_a_module_calling_reentrant_checkpoint_itself_is_refused_and_the_advice_works():
+    """What the pass's own checkpoint cannot reach: refused naming the model and the call; the advice
+    (use_reentrant=False in that call) is exact against per-row autograd."""
+    from oblr_trl.grad_norms import UnsupportedModulesError
+
+    ids, attention, completion_mask = padded_batch(VOCAB)
+    model = qwen3()
+    fresh = copy.deepcopy(model)
+    model.model.layers[1].mlp = SelfCheckpointed(model.model.layers[1].mlp, use_reentrant=True)
+    with pytest.raises(UnsupportedModulesError, match="use_reentrant=False in that call"):
+        per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    model.model.layers[1].mlp.use_reentrant = False  # the advice
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), per_sample_sq_norms(fresh, ids, attention, completion_mask),
+                               rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "LoRA on the banks"])
+def test_moe_expert_banks_and_one_backwards_kept_factors_under_reentrant_checkpointing(lora):
+    """Qwen3-MoE's expert banks (routed tokens, taken from the recomputation) and the factors one_backward keeps
+    (materialize=True): per-row autograd's norms and within-group products."""
+    peft = pytest.importorskip("peft")
+    from studies.zoo import VOCAB as ZOO_VOCAB, build
+
+    model = build("Qwen3-MoE", False)
+    if lora:
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=[], init_lora_weights=False,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    model.train()
+    fresh = copy.deepcopy(model)
+    lm = model.get_base_model() if lora else model
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=REENTRANT)
+    lm.enable_input_require_grads()
+    ids, attention, completion_mask = padded_batch(ZOO_VOCAB, batch=4)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), per_sample_sq_norms(fresh, ids, attention, completion_mask),
+                               rtol=1e-5, atol=1e-9)
+    kept = per_sequence_grads(model, ids, attention, completion_mask, materialize=True)
+    expected = within_group_products(per_sample_grads(fresh, ids, attention, completion_mask), 2)
+    torch.testing.assert_close(kept.inner_products(2).double(), expected, rtol=1e-5, atol=1e-6)

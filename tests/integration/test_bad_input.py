@@ -99,7 +99,7 @@ def test_a_step_that_stays_tiny_is_warned_after_stall_steps(lr_scale_min, caplog
                                                                              lr_scale_min=lr_scale_min)),
                                    reward=constant)
     assert logged(trainer, "oblr/lr_scale") == [lr_scale_min] * STALL_STEPS
-    stalled = f"below 1% of the scheduled one (eta_max) for {STALL_STEPS} steps in a row"
+    stalled = f"below 1% of the scheduled one (learning_rate) for {STALL_STEPS} steps in a row"
     assert (stalled in caplog.text) == (lr_scale_min == 0.0)
     if lr_scale_min == 0.0:
         assert caplog.text.count(stalled) == 1 and "lr_scale_min" in caplog.text and "more prompts" in caplog.text

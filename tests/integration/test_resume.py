@@ -1,7 +1,9 @@
-"""Checkpoint and resume of OBLR-PO's cross-step state (the SNR EMA), through the real trainer on the tiny model.
+"""Checkpoint and resume of OBLR-PO's cross-step state (the SNR EMA, the calibrated eta_max), through the real trainer
+on the tiny model.
 
-Four steps straight and two steps + checkpoint + resume for two more must log the same `oblr/lr_scale` and `oblr/snr`
-and end at the same parameters: `snr_ema=0.5` makes steps 3-4 depend on the state carried over from step 2. The RNG
+Four steps straight and two steps + checkpoint + resume for two more must log the same `oblr/lr_scale`, `oblr/snr` and
+`oblr/eta_max` and end at the same parameters: `snr_ema=0.5` makes steps 3-4 depend on the state carried over from step
+2, and so does the calibration of `snr_lr_mode="calibrated"` (the default: f_ref is still the mean of steps 1-2). The RNG
 (torch, numpy, python) is restored by transformers' own checkpoint, and `steps_per_generation ==
 gradient_accumulation_steps` (the default) makes every step generate anew, so TRL's generation buffer holds nothing
 across the checkpoint.
@@ -56,7 +58,7 @@ def test_resume_reproduces_the_straight_run(straight, tmp_path):
     resumed = make_trainer(tmp_path)
     resumed.train(resume_from_checkpoint=checkpoint)
     assert resumed.state.global_step == 4
-    for key in ("oblr/lr_scale", "oblr/snr", "oblr/reward_mean", "grad_norm"):
+    for key in ("oblr/lr_scale", "oblr/snr", "oblr/snr_factor", "oblr/eta_max", "oblr/reward_mean", "grad_norm"):
         ours, theirs = last_logged(resumed, key), logged(straight, key)
         assert len(ours) == len(theirs) == 4, key
         assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-12), key
@@ -66,8 +68,11 @@ def test_resume_reproduces_the_straight_run(straight, tmp_path):
     for run in (resumed, straight):  # the EMA state both runs end with, as their last checkpoints hold it
         with open(os.path.join(run.args.output_dir, "checkpoint-4", OBLR_STATE_NAME)) as f:
             saved = json.load(f)
-            states.append([saved["snr_state"]["signal"], saved["snr_state"]["noise"], *saved["lr_stats"].values()])
+            states.append([saved["snr_state"]["signal"], saved["snr_state"]["noise"], *saved["lr_stats"].values(),
+                           *saved["calibration"].values()])
     assert states[0] == pytest.approx(states[1], rel=1e-6)
+    assert states[0][-2:] == states[1][-2:] and states[0][-2] == 4  # the calibration: 4 steps counted, bit for bit
+    assert last_logged(resumed, "oblr/eta_max") == logged(straight, "oblr/eta_max")  # bit for bit
 
 
 def test_resume_from_a_checkpoint_without_oblr_state_warns(straight, tmp_path, caplog):
@@ -80,7 +85,8 @@ def test_resume_from_a_checkpoint_without_oblr_state_warns(straight, tmp_path, c
         resumed.train(resume_from_checkpoint=str(checkpoint))
     assert f"no {OBLR_STATE_NAME}" in caplog.text
     # step 3 then smooths nothing: its scale differs from the straight run's, which smoothed with step 2's state
-    assert last_logged(resumed, "oblr/lr_scale")[2] != pytest.approx(logged(straight, "oblr/lr_scale")[2], rel=1e-6)
+    assert last_logged(resumed, "oblr/snr_factor")[2] != pytest.approx(logged(straight, "oblr/snr_factor")[2], rel=1e-6)
+    assert resumed.step_sizer.calibration.steps == 1  # calibrated again from step 3 (the straight run: 3 steps)
 
 
 # ------------------------------------------------------------------ issue 46: train() again, faults around a step
@@ -135,7 +141,7 @@ def test_an_exception_just_before_the_optimizer_step_leaves_the_scheduled_lr(tmp
             if state.global_step == 1:
                 raise KeyboardInterrupt("stopped by hand")
 
-    trainer = make_trainer(tmp_path, max_steps=3, save_strategy="no")
+    trainer = make_trainer(tmp_path, max_steps=3, save_strategy="no", snr_lr_mode="eta_max")  # scale = f < 1
     trainer.add_callback(Fails())
     with pytest.raises(KeyboardInterrupt):
         trainer.train()

@@ -8,16 +8,22 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[2]
 
-# arm -> (examples/demo.py flags, whether it has OBLR-PO's SNR step: its lr is then eta_max, --eta_multiple x L)
+# The ablation's SNR arms ran with learning_rate = eta_max (the paper's reading): pinned, so they mean what they meant.
+ETA_MAX = ["--snr_lr_mode", "eta_max"]
+CALIBRATED = "OBLR-PO-calibrated"
+# arm -> (examples/demo.py flags, whether its lr is eta_max, --eta_multiple x L: OBLR-PO's SNR step, paper's reading)
 ARMS: dict[str, tuple[list[str], bool]] = {
     "GRPO": (["--trainer", "grpo", "--micro_batch", "16"], False),
     "RLOO": (["--baseline", "mean", "--snr_lr", "false", "--micro_batch", "16"], False),
     "baseline-only": (["--snr_lr", "false"], False),
-    "SNR-only": (["--baseline", "mean", "--leave_one_out", "false", "--scale_rewards", "group"], True),
-    "OBLR-PO": ([], True),
-    "OBLR-PO-per_step": (["--snr_estimator", "per_step"], True),
+    "SNR-only": (["--baseline", "mean", "--leave_one_out", "false", "--scale_rewards", "group", *ETA_MAX], True),
+    "OBLR-PO": (ETA_MAX, True),
+    "OBLR-PO-per_step": (["--snr_estimator", "per_step", *ETA_MAX], True),
+    # learning_rate as GRPO's (snr_lr_mode="calibrated", the default since the ablation ran): lrs on GRPO's grid
+    CALIBRATED: (["--snr_lr_mode", "calibrated"], False),
 }
-SNR_ARMS = [arm for arm, (_, snr) in ARMS.items() if snr]
+SNR_ARMS = [arm for arm, (_, snr) in ARMS.items() if snr]  # lr = eta_max
+ABLATION_ARMS = [arm for arm in ARMS if arm != CALIBRATED]  # the ablation's own (the calibrated arm: the lr window)
 REFERENCE = "GRPO"
 # The task variant: chain_sum sums of two numbers of one or two digits. The demo's one-digit sums start at 50% greedy
 # and reach ~70% within 15 steps (benchmarks/results/demo_seeds_smollm2.md): no headroom over 40 steps. This one
@@ -93,7 +99,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The runner's options; their defaults are the design (the arms, L, eta_max, the seeds, the checks).
     `description`: the --help text above them (``ablation.py``'s docstring)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=ABLATION_ARMS, choices=list(ARMS))
     parser.add_argument("--grpo_lr", type=float, default=1.5e-4,
                         help="GRPO's best lr on this task: the best mean on the large set of the lr check (the "
                              "tables warn when another lr of the check beats it)")

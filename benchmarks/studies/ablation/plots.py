@@ -13,7 +13,7 @@ def plot(curves: dict, contrasts: list[dict], path: Path, title: str) -> None:
 
     fig = Figure(figsize=(13, 10), layout="constrained")  # 2 x 2: each panel readable at a page's width
     axes = fig.subplots(2, 2).ravel()
-    palette = dict(zip(ARMS, ("tab:red", "tab:gray", "tab:green", "tab:orange", "tab:blue", "tab:purple")))
+    palette = dict(zip(ARMS, ("tab:red", "tab:gray", "tab:green", "tab:orange", "tab:blue", "tab:purple", "tab:cyan")))
     for arm, c in curves.items():
         if c["lr_scale"]:
             axes[0].plot(list(c["lr_scale"]), list(c["lr_scale"].values()), color=palette[arm], label=arm)
@@ -49,7 +49,7 @@ def plot_long(runs: list[dict], path: Path, title: str) -> None:
 
     fig = Figure(figsize=(14, 4.2), layout="constrained")
     axes = fig.subplots(1, 3)
-    palette = dict(zip(ARMS, ("tab:red", "tab:gray", "tab:green", "tab:orange", "tab:blue", "tab:purple")))
+    palette = dict(zip(ARMS, ("tab:red", "tab:gray", "tab:green", "tab:orange", "tab:blue", "tab:purple", "tab:cyan")))
     for r in sorted(runs, key=lambda r: (r["seed"], r["arm"])):
         label, color = f"{r['arm']} seed {r['seed']}", palette[r["arm"]]
         steps = [e["step"] for e in r["history"]]
