@@ -36,28 +36,47 @@ class Metric:
 
 
 CATALOGUE: tuple[Metric, ...] = (
-    Metric("lr_scale",
-           "The step-size factor `N·SNR / (1 + N·SNR)` of Theorem 4 applied to this optimizer step, at least "
-           "`lr_scale_min`.",
+    Metric("snr_factor",
+           "The [SNR factor](glossary.md#snr-factor) `f = N·SNR / (1 + N·SNR)` of Theorem 4 for this optimizer "
+           "step, from the step's SNR estimate (before `lr_scale_min`). Not logged for a step without an estimate "
+           "(fewer than 2 samples, a zero or non-finite gradient).",
            "Between 0 and 1, rarely exactly 0 with the default `snr_estimator=\"ema_soft\"`. Measured at 8 prompts "
            "per step: 0.07-0.12 on the tiny demo, 0.13-0.37 on SmolLM2-135M with LoRA; it falls as training goes on "
-           "(0.12 → 0.02 over 120 steps on SmolLM2). Below 0.01 for 10 steps in a row warns "
+           "(0.12 → 0.02 over 120 steps on SmolLM2).",
+           label="SNR factor f = N·SNR/(1+N·SNR)", legend="SNR factor f"),
+    Metric("lr_scale",
+           "The applied lr over the scheduled `learning_rate`: `min(f / f_ref, 2)` by default "
+           "(`snr_lr_mode=\"calibrated\"`, f_ref the mean factor of the first 10 steps, which apply 1), `f` itself "
+           "with `snr_lr_mode=\"eta_max\"`; at least `lr_scale_min`.",
+           "Calibrated: exactly 1 over the first 10 steps (0 where the factor is 0), then around 1, falling below "
+           "it as the signal fades, never above 2. Below 0.01 for 10 steps in a row warns "
            "([`stalled`](troubleshooting.md#stalled)).",
-           label="step-size scale N·SNR/(1+N·SNR)", legend="lr scale"),
+           label="applied lr / scheduled lr", legend="lr scale"),
+    Metric("eta_max",
+           "[η_max](glossary.md#eta_max), the lr a step with factor 1 would apply: the scheduled `learning_rate` / "
+           "f_ref (`snr_lr_mode=\"calibrated\"`; not logged before the first step with a factor above 0), the "
+           "scheduled `learning_rate` itself with `\"eta_max\"`.",
+           "Calibrated: 1/f_ref times `learning_rate`, several times it at 8 prompts per step (where f is "
+           "0.06-0.43) and close to it at 128 (f 0.49-0.92); settled after the first 10 steps, then it follows the "
+           "schedule. A value far above what the model tolerates for a clean step means noisy first steps (a small "
+           "f_ref); the cap still holds each step to 2x `learning_rate`.",
+           label="eta_max", legend="eta_max"),
     Metric("snr",
-           "The step's gradient signal-to-noise ratio `‖∇J‖² / tr Σ` per sample, as `snr_estimator` estimates it. "
-           "Not logged for a step where it is undefined (fewer than 2 samples, a non-finite gradient).",
+           "The step's gradient signal-to-noise ratio $\\lVert \\nabla J \\rVert^2 / \\operatorname{tr} \\Sigma$ "
+           "per sample, as `snr_estimator` estimates it. Not logged for a step where it is undefined (fewer than 2 "
+           "samples, a non-finite gradient).",
            "Small and positive: a mean of 0.03-0.06 on the SmolLM2 demo (N = 8). `N·SNR` near 1 means the step runs "
            "at about half of [η_max](glossary.md#eta_max). Exactly 0 under `\"per_step\"`, `\"ema\"` or "
            "`\"window\"` is a skipped step ([`zero_snr`](troubleshooting.md#zero_snr)).",
            label="gradient SNR", legend="SNR"),
     Metric("noise_scale",
-           "The [gradient noise scale](glossary.md#noise-scale) `B = tr Σ / ‖∇J‖² = 1 / SNR`, in samples: prompts "
-           "where a sample is a group (`snr_sample_unit`, by default wherever a step holds at least 2 prompts). It "
-           "is McCandlish et al.'s (2018) critical batch size, the prompts per step at which a step's noise equals "
-           "its signal; the step's factor `oblr/lr_scale` is `N / (N + B)`, N = `oblr/num_samples`. Not logged for "
-           "a step whose signal estimate is ≤ 0 (B unbounded: [`zero_snr`](troubleshooting.md#zero_snr), warned) or "
-           "whose SNR is undefined: never inf or NaN.",
+           "The [gradient noise scale](glossary.md#noise-scale) $B = \\operatorname{tr} \\Sigma / \\lVert \\nabla J "
+           "\\rVert^2 = 1 / \\mathrm{SNR}$, in samples: prompts where a sample is a group (`snr_sample_unit`, by "
+           "default wherever a step holds at least 2 prompts). It is McCandlish et al.'s (2018) critical batch "
+           "size, the prompts per step at which a step's noise equals its signal; the step's factor `oblr/lr_scale` "
+           "is `N / (N + B)`, N = `oblr/num_samples`. Not logged for a step whose signal estimate is ≤ 0 (B "
+           "unbounded: [`zero_snr`](troubleshooting.md#zero_snr), warned) or whose SNR is undefined: never inf or "
+           "NaN.",
            "Read it against your prompts per step N. **N well below B** (N < B/3: factor under 0.25): steps are "
            "noise-dominated, the factor shrinks the lr; more prompts per step make each step count. **N near B**: "
            "the factor is about 0.5. **N well above B** (N > 3B: factor over 0.75): diminishing returns, extra "
@@ -66,21 +85,23 @@ CATALOGUE: tuple[Metric, ...] = (
            "two-digit terms. What to set from it: [Choosing the learning "
            "rate](how-it-works.md#choosing-the-learning-rate)."),
     Metric("lr",
-           "The learning rate this optimizer step applied: the scheduled lr (η_max) × `oblr/lr_scale`.",
-           "In the range of a learning rate you would give GRPO on this task; if it sits far below it, raise "
-           "`learning_rate` ([Choosing the learning rate](how-it-works.md#choosing-the-learning-rate)).",
-           label="applied lr", legend="applied lr (eta_max x scale)"),
+           "The learning rate this optimizer step applied: the scheduled `learning_rate` × `oblr/lr_scale`.",
+           "Calibrated: near `learning_rate` at the start, falling as the signal fades. If it sits far below what "
+           "you would give GRPO, see [Choosing the learning rate](how-it-works.md#choosing-the-learning-rate).",
+           label="applied lr", legend="applied lr"),
     Metric("lr_mean",
            "The mean applied lr over every step since the start of training (carried through a resume by the "
            "checkpoint's `oblr_state.json`).",
-           "The number to compare with GRPO's lr: near the lr you would give GRPO. If it is k times lower, multiply "
-           "`learning_rate` by k ([Choosing the learning rate](how-it-works.md#choosing-the-learning-rate)). On the "
-           "lr window's best η_max (3.33e-3) it was 3.1e-4, inside GRPO's window (1.5e-4 to 5e-4)."),
+           "The number to compare with GRPO's lr. Calibrated: `learning_rate` itself over the first 10 steps (they "
+           "apply it as scheduled; less only where a factor was 0), lower later as the signal fades. With "
+           "`snr_lr_mode=\"eta_max\"`: f times `learning_rate` ([Choosing the learning "
+           "rate](how-it-works.md#choosing-the-learning-rate))."),
     Metric("lr_scale_mean",
            "The mean of `oblr/lr_scale` since the start of training.",
-           "0.19-0.31 over the SmolLM2 demo's 3 seeds (15 steps), 0.05-0.10 over the tiny demo's (300 steps) "
-           "(`benchmarks/results/demo_seeds_smollm2.md`, `demo_seeds.md`, 2026-11-24, 2-core CPU); a value near 0 "
-           "says most steps barely moved ([`stalled`](troubleshooting.md#stalled))."),
+           "With `snr_lr_mode=\"eta_max\"` (where it is the mean factor): 0.19-0.31 over the SmolLM2 demo's 3 seeds "
+           "(15 steps), 0.05-0.10 over the tiny demo's (300 steps) (`benchmarks/results/demo_seeds_smollm2.md`, "
+           "`demo_seeds.md`, 2026-11-24, 2-core CPU); a value near 0 says most steps barely moved "
+           "([`stalled`](troubleshooting.md#stalled))."),
     Metric("skipped_fraction",
            "The fraction of optimizer steps since the start of training whose scale was exactly 0 (they did not "
            "move the model).",
@@ -139,7 +160,11 @@ def key(name: str) -> str:
     return metric(name).key
 
 
-def labelled(names: tuple[str, ...] | list[str], field: str = "label") -> list[tuple[str, str]]:
-    """``(log key, label)`` of the metrics ``names``, in that order; ``field``: ``"label"`` (the model card's) or
-    ``"legend"`` (the plots')."""
-    return [(metric(name).key, getattr(metric(name), field)) for name in names]
+def labelled(names: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
+    """``(log key, label)`` of the metrics ``names``, in that order: the model card's rows (``card.RUN_METRICS``)."""
+    return [(metric(name).key, metric(name).label) for name in names]
+
+
+def legend(name: str) -> tuple[str, str]:
+    """``(log key, legend)`` of the metric ``name``: a curve of the training plots (``plotting.PANELS``)."""
+    return metric(name).key, metric(name).legend
