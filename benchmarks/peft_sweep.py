@@ -11,12 +11,17 @@ Writes ``benchmarks/results/peft_sweep.{md,json}`` (the Supported models page sh
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from studies.peft_sweep import document, moe_sweep, quantized_sweep, sweep, to_json
 
 HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / "tests"  # tests/fingerprint.py, the bit-for-bit model state the verdicts compare
 
 
 def main(argv=None) -> int:
@@ -24,6 +29,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(HERE / "results" / "peft_sweep"),
                         help="the results' path, without its suffix (.md and .json are written)")
     args = parser.parse_args(argv)
+    path = os.environ.get("PYTHONPATH", "")
+    if importlib.util.find_spec("fingerprint") is None and str(TESTS) not in path.split(os.pathsep):
+        # tests/ is not on the path (it is under pytest): run again with it there, as arch_sweep.py runs its rows
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), path) if p)}
+        return subprocess.run([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)], env=env).returncode
     results, moe, quantized = sweep(), moe_sweep(), quantized_sweep()
     with open(args.out + ".json", "w") as f:
         json.dump(to_json(results, moe, quantized), f, indent=1)

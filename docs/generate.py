@@ -8,13 +8,15 @@ committed part differs from what the code generates:
   options it redeclares, from the dataclass fields' ``help`` metadata (the one source of truth: the same text is
   ``examples/oblrpo.py --help``);
 - ``warnings``: every warning of ``oblr_trl/advice.py`` with its meaning and remedy (``GUIDE``);
+- ``metrics``: every ``oblr/`` metric with what it is and what a healthy run shows, from ``oblr_trl/metrics.py``'s
+  ``CATALOGUE`` (which the trainer's logging, the model card and the plots read too);
 - ``changelog``: CHANGELOG.md;
 - ``api``: the API reference's map of the names ``oblr_trl`` exports, from their docstrings.
 
 The benchmark tables are not made here: they are committed blocks that ``benchmarks/update_readme.py`` rewrites from
 ``benchmarks/results/`` (their runs take hours), as is the support table (``python
-benchmarks/support_table.py``). :func:`logged_metrics` finds the ``oblr/`` metrics the trainer logs, for the
-test that each has its row on the Logged metrics page.
+benchmarks/support_table.py``). :func:`logged_metrics` finds the ``oblr/`` metrics the package's code forms, for the
+test that the catalogue holds each and no other.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 MARKER = re.compile(r"(?P<begin><!-- generated:(?P<name>[\w-]+):begin -->\n)(?P<body>.*?)(?P<end><!-- generated:(?P=name):end -->)",
                     re.S)
-PAGES = ["configuration.md", "troubleshooting.md", "changelog.md", "api.md"]  # the pages with generated parts
+PAGES = ["configuration.md", "troubleshooting.md", "metrics.md", "changelog.md", "api.md"]  # pages with generated parts
 FIGURES = ROOT / "benchmarks" / "results"  # served as figures/<name>.png (docs/hooks.py)
 FIGURE_LINK = re.compile(r"\]\(\.\./benchmarks/results/(?P<name>[\w.-]+\.png)\)")
 
@@ -322,6 +324,16 @@ def troubleshooting() -> str:
     return "\n".join(entries)
 
 
+# ----------------------------------------------------------------------------------------------- metrics
+def metrics_table() -> str:
+    """One row per metric of ``oblr_trl.metrics.CATALOGUE``, in its order: the log key, what it is, what a healthy
+    run shows."""
+    from oblr_trl.metrics import CATALOGUE
+
+    rows = ["| metric | what it is | what a healthy run shows |", "|---|---|---|"]
+    return "\n".join(rows + [f"| `{m.key}` | {m.meaning} | {m.healthy} |" for m in CATALOGUE])
+
+
 # ----------------------------------------------------------------------------------------------- changelog
 def changelog() -> str:
     """CHANGELOG.md, its title dropped (the page has its own), its links to ``docs/PAGE.md`` made relative to the
@@ -377,7 +389,8 @@ def api_table() -> str:
     return "\n".join(rows)
 
 
-GENERATORS = {"config": config_reference, "warnings": troubleshooting, "changelog": changelog, "api": api_table}
+GENERATORS = {"config": config_reference, "warnings": troubleshooting, "metrics": metrics_table,
+              "changelog": changelog, "api": api_table}
 
 
 def render(markdown: str) -> str:

@@ -35,6 +35,7 @@ import textwrap
 
 from trl import GRPOConfig
 
+from .metrics import key as metric_key, labelled
 from .plotting import plot_training
 
 logger = logging.getLogger(__name__)
@@ -72,17 +73,10 @@ CONSTRAINED_GRPO_OPTIONS = (
     "max_grad_norm",
 )
 
-# (log key, label) of the metrics over the run.
-RUN_METRICS = (
-    ("reward", "reward"),
-    ("oblr/snr_factor", "SNR factor f = N·SNR/(1+N·SNR)"),
-    ("oblr/lr_scale", "applied lr / scheduled lr"),
-    ("oblr/lr", "applied lr"),
-    ("oblr/eta_max", "eta_max"),
-    ("oblr/snr", "gradient SNR"),
-    ("oblr/num_samples", "samples per step N"),
-    ("oblr/baseline_mean", "baseline mean"),
-)
+# (log key, label) of the metrics over the run: TRL's reward, then OBLR-PO's, labelled as the catalogue
+# (.metrics) labels them.
+RUN_METRICS = (("reward", "reward"),
+               *labelled(("snr_factor", "lr_scale", "lr", "eta_max", "snr", "num_samples", "baseline_mean")))
 WINDOW = 10  # steps in the "first" and "last" columns
 
 
@@ -142,7 +136,7 @@ def run_metrics_rows(log_history: list[dict]) -> list[str]:
 
 def step_size_summary(log_history: list[dict], config) -> list[str]:
     """Lines on the step size over the run: mean lr scale, steps at scale 0, the applied lr against learning_rate."""
-    scales = [v for v in metric_values(log_history, "oblr/lr_scale") if math.isfinite(v)]
+    scales = [v for v in metric_values(log_history, metric_key("lr_scale")) if math.isfinite(v)]
     if not scales:
         return []
     zero = sum(v == 0 for v in scales)
@@ -151,7 +145,7 @@ def step_size_summary(log_history: list[dict], config) -> list[str]:
         f"- steps at lr scale 0 (no update: no signal, or an SNR estimate of 0): {zero} of {len(scales)} "
         f"({zero / len(scales):.0%})",
     ]
-    applied = [v for v in metric_values(log_history, "oblr/lr") if math.isfinite(v)]
+    applied = [v for v in metric_values(log_history, metric_key("lr")) if math.isfinite(v)]
     if applied:
         lines.append(
             f"- mean applied lr: {_fmt(sum(applied) / len(applied))} (`learning_rate`: "

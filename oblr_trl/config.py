@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .estimators import BASELINES, GRAD_NORM_ESTIMATORS, baseline_uses_weights
+from .estimators import BASELINES, GRAD_NORM_ESTIMATORS, weights_need
 from .loss_terms import LOSS_TYPES, terms_beyond_ratio_one
 from .snr_formulas import CALIBRATION_STEPS, MAX_LR_MULTIPLE, SNR_ESTIMATORS, check_estimator
 
@@ -435,5 +435,4 @@ def config_for(args: GRPOConfig | None, model) -> OBLRPOConfig:
 def needs_norms(args: OBLRPOConfig) -> bool:
     """Whether the run needs per-sequence gradient norms: for the SNR step, or for gradient-weighted baseline weights
     formed from the norms."""
-    weighted = baseline_uses_weights(args.baseline)  # as the baseline's registry entry declares
-    return args.snr_lr or (weighted and GRAD_NORM_ESTIMATORS.select(args.grad_norm_estimator).needs == "norms")
+    return args.snr_lr or weights_need(args.baseline, args.grad_norm_estimator) == "norms"  # as the entries declare

@@ -207,6 +207,13 @@ def weight_estimator(name: str) -> WeightEstimator:
     return GRAD_NORM_ESTIMATORS.select(name)
 
 
+def weights_need(baseline: str, estimator: str) -> str | None:
+    """What a run must form before its baseline weights, as the weight estimator ``estimator`` declares it
+    (:attr:`WeightEstimator.needs`: ``"norms"`` or ``"logit_proxy"``); None where the baseline ``baseline`` does not
+    use the weights, or the estimator needs nothing. The one question the trainer and the config ask."""
+    return weight_estimator(estimator).needs if baseline_uses_weights(baseline) else None
+
+
 def baseline_weights(
     estimator: str, loss_type: str, lengths: torch.Tensor, sq_norms: torch.Tensor | None = None
 ) -> torch.Tensor:

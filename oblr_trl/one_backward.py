@@ -164,7 +164,7 @@ def replayed_update(grads, a: torch.Tensor, bad: torch.Tensor) -> None:
     """``sum_i a_i u_i`` added to ``.grad`` from a pass with ``keep_graph=True``: the backbone's part by a second
     backward of its kept graph, the last hidden state's per-row gradient scaled by ``a_i`` (under non-reentrant
     checkpointing each layer is recomputed again: the layers' cost is GRPO's backward, and nothing beyond the
-    checkpointed inputs is held); the head's from its usages (:meth:`.PerSequenceGradients.accumulate_grad`).
+    checkpointed inputs is held); the head's from its usages (:meth:`.grad_norms.PerSequenceGradients.accumulate_grad`).
     Rows ``bad`` (a norm that was not finite) add nothing."""
     from .grad_norms import PerSequenceGradients
     from .grad_norms.factors import VOCAB_CHUNK

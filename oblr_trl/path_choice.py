@@ -167,9 +167,9 @@ def chunk_sizes(rows: int, group: int) -> list[int]:
 @dataclass(frozen=True)
 class Budget:
     """What the memory-aware default may spend: ``room``, the bytes the update's peak (operator outputs and gradients,
-    as :func:`peak_bytes` predicts) may take on the device (``inf``: no device figure, a CPU); ``cap``, the most bytes
-    it may add to GRPO's predicted peak (``OBLRPOConfig.max_extra_memory_gib``; None: no cap); ``host``: the room is
-    the CPU's host memory (:func:`choose_on_host` decides), not a GPU's."""
+    as :func:`.cost_model.peak_bytes` predicts) may take on the device (``inf``: no device figure, a CPU); ``cap``,
+    the most bytes it may add to GRPO's predicted peak (``OBLRPOConfig.max_extra_memory_gib``; None: no cap);
+    ``host``: the room is the CPU's host memory (:func:`choose_on_host` decides), not a GPU's."""
 
     room: float
     cap: float | None = None

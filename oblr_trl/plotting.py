@@ -10,6 +10,7 @@ import math
 import os
 
 from .extras import require
+from .metrics import key as metric_key, legend
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -47,15 +48,15 @@ def _draw(ax, steps: list[float], values: list[float], label: str) -> None:
         ax.plot(steps, values, marker="o", markersize=3, label=label)
 
 
-# (panel title, y label, [(log key, legend label), ...]); a panel whose keys never appear is drawn empty with a note.
+# (panel title, y label, [(log key, legend label), ...]): OBLR-PO's curves from the catalogue (.metrics.legend);
+# a panel whose keys never appear is drawn empty with a note.
 PANELS = [
     ("Reward", "mean reward of the step's completions", [("reward", "training reward")]),
-    ("OBLR-PO step-size scale", "applied lr / scheduled lr", [("oblr/lr_scale", "lr scale"),
-                                                              ("oblr/snr_factor", "SNR factor f")]),
-    ("Applied learning rate", "learning rate", [("oblr/lr", "applied lr"), ("learning_rate", "learning_rate (schedule)"),
-                                               ("oblr/eta_max", "eta_max")]),
-    ("Gradient SNR", "SNR", [("oblr/snr", "SNR")]),
-    ("Baseline vs reward", "reward", [("oblr/baseline_mean", "baseline mean"), ("oblr/reward_mean", "reward mean")]),
+    ("OBLR-PO step-size scale", "applied lr / scheduled lr", [legend("lr_scale"), legend("snr_factor")]),
+    ("Applied learning rate", "learning rate", [legend("lr"), ("learning_rate", "learning_rate (schedule)"),
+                                               legend("eta_max")]),
+    ("Gradient SNR", "SNR", [legend("snr")]),
+    ("Baseline vs reward", "reward", [legend("baseline_mean"), legend("reward_mean")]),
     ("Completion length", "tokens", [("completions/mean_length", "mean length")]),
 ]
 
@@ -64,7 +65,8 @@ def skipped_steps(log_history: list[dict]) -> tuple[list[float], list[float]]:
     """The steps that did not update the model: ``(equal, zero)``. ``equal``: every group's rewards were equal (TRL's
     ``frac_reward_zero_std`` is 1), so no completion had an advantage; ``zero``: the other steps at lr scale 0."""
     equal = [step for step, frac in zip(*_series(log_history, "frac_reward_zero_std")) if frac >= 1.0]
-    zero = [step for step, scale in zip(*_series(log_history, "oblr/lr_scale")) if scale == 0.0 and step not in equal]
+    scales = zip(*_series(log_history, metric_key("lr_scale")))
+    zero = [step for step, scale in scales if scale == 0.0 and step not in equal]
     return equal, zero
 
 
@@ -120,7 +122,7 @@ def _panel(ax, panel: str, keys, log_history: list[dict], accuracy, last_step, c
     if panel in ("Reward", "OBLR-PO step-size scale"):
         drawn = _mark_skipped(ax, log_history) or drawn
     if panel == "OBLR-PO step-size scale":
-        _, scales = _series(log_history, "oblr/lr_scale")
+        _, scales = _series(log_history, metric_key("lr_scale"))
         if scales:
             zero = sum(s == 0 for s in scales) / len(scales)
             ax.text(0.02, 0.97, f"scale 0 (update skipped) on {zero:.0%} of {len(scales)} steps",

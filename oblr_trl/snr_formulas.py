@@ -274,7 +274,7 @@ def elementwise_scale(signal, noise, n: int) -> tuple[torch.Tensor, torch.Tensor
 # ``m = mean_i ||g_i||^2`` over ``n`` single-sample estimates and ``||gbar||^2`` (the batch's squared norm), as the
 # paper writes them. ``m = n sum_sq`` and ``gbar = G`` turn them into the step's quantities above, which these call:
 # the formulas exist once, and the Monte Carlo tests (``tests/test_estimators_montecarlo.py``) test the code the
-# trainer runs. Re-exported by :mod:`oblr_trl.estimators` and :mod:`oblr_trl` as the same function objects.
+# trainer runs. Exported by :mod:`oblr_trl` under these names as the same function objects.
 def gradient_signal_noise(mean_sample_sq_norm, batch_sq_norm, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Unbiased estimates of ``||grad J||^2`` and ``tr(Sigma)`` (McCandlish et al. 2018, App. A), not clipped.
 

@@ -11,7 +11,7 @@ via :class:`.deepspeed_step.ZeroStepHook`); an optimizer pre-step hook refuses a
   generation; refusals at construction: :mod:`.setup_checks`; warnings, once each: :class:`.advice.Advice`; the model
   card and the checkpointed SNR state (:mod:`.state_file`): ``create_model_card``, ``_save_checkpoint``, ``train``, ...
 
-Every TRL internal used here is a seam listed and fingerprinted in :mod:`.trl_seam`.
+Every TRL internal used here is a seam listed, with a hash of its source, in ``tests/seam_table.py``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from .advantages import BaselineStats, compute_advantages, raised
 from .advice import Advice
 from .card import PAPER, append_oblr_section
 from .config import config_for, needs_norms
-from .estimators import aggregate_rewards, baseline_uses_weights, weight_estimator
+from .estimators import aggregate_rewards, weights_need
 from .grad_norms import validate
 from .loss_terms import loss_coefficients
+from .metrics import key as metric_key
 from .precision import PrecisionWatch
 from .setup_checks import AUX_LOSS_WARNING, check_inputs, check_prompts, check_trainable, checked_reward_funcs
 from .setup_checks import fsdp1_refusal
@@ -46,9 +47,8 @@ class OBLRPOTrainer(GRPOTrainer):
 
     Same constructor as `trl.GRPOTrainer`. `args` is an [`OBLRPOConfig`]; with no `args` one is built (output
     directory `<model name>-OBLR-PO`), and a `GRPOConfig` is upgraded to one with the same options (see
-    `oblr_trl.config.upgrade_config`). Logs under `oblr/`: `lr_scale`, `snr_factor`, `eta_max`, `snr`, `noise_scale`,
-    `lr`, `lr_mean`, `lr_scale_mean`, `skipped_fraction`, `num_samples`, `baseline_mean`, `reward_mean`,
-    `weight_spread`, `fallback_samples`, `clipped_weights`, `unscorable`.
+    `oblr_trl.config.upgrade_config`). Logs under `oblr/` the metrics of `oblr_trl.metrics.CATALOGUE`, each with
+    what it is and what a healthy run shows (the Logged metrics page), and no other.
     """
 
     _tag_names = ["trl", "oblr-po"]
@@ -100,7 +100,7 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _log(self, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
-            self._metrics["train"][f"oblr/{name}"].append(value)
+            self._metrics["train"][metric_key(name)].append(value)  # a name missing from the catalogue raises
 
     def _unit(self, local_batch: int) -> int:
         """Rows per SNR sample: a whole group where every group lies on one rank, else one completion."""
@@ -145,8 +145,7 @@ class OBLRPOTrainer(GRPOTrainer):
         if said:
             logger.info(said)
         output["oblr_reward"] = rewards[rank * local_n : (rank + 1) * local_n]
-        if weight_estimator(self.args.grad_norm_estimator).needs == "logit_proxy" and \
-                baseline_uses_weights(self.args.baseline):  # the proxy weights stand in for the norms
+        if weights_need(self.args.baseline, self.args.grad_norm_estimator) == "logit_proxy":  # they stand in for norms
             output["oblr_proxy"] = norm_passes.logit_proxy(
                 self.model, output, chunk=self.args.per_device_train_batch_size, temperature=self.temperature,
                 autocast=self.accelerator.autocast)

@@ -1,7 +1,7 @@
 """OBLRPOTrainer's construction on a model object changes it exactly as GRPOTrainer's does, and a refused one leaves
 it bit for bit as it was (oblr_trl/construction_undo.py).
 
-Judged by the fingerprint of every tensor, buffer and quantization state (oblr_trl/grad_norms/fingerprint.py), each
+Judged by the fingerprint of every tensor, buffer and quantization state (tests/fingerprint.py), each
 parameter's requires_grad and each dropout's p:
 - accepted: equal to what GRPOTrainer's construction with the same args makes of a second copy of the same model
   (built the same way, or loaded again from the same folder), but for the changes named in DOCUMENTED;
@@ -21,8 +21,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.demo.tiny import build_tokenizer
-from oblr_trl.grad_norms.fingerprint import differences, fingerprint
 from oblr_trl.grad_norms.support import UnsupportedModulesError
+from fingerprint import differences, fingerprint
 from studies import peft_sweep
 from studies.zoo import build
 

@@ -2,7 +2,8 @@
 Before: ``python -m oblr_trl.grad_norms.support_table``, the README table's generator, failed with an ImportError
 (``per_sequence_grad_sq_norms`` had moved to ``api.py``) and no test imported it. The tools that wrote the docs'
 tables and the tiny test models have since left the package (``benchmarks/support_table.py``, ``peft_sweep.py``,
-``studies/zoo.py``)."""
+``studies/zoo.py``), and the model fingerprint and the TRL seam table with its hash printer with the tests
+(``tests/fingerprint.py``, ``tests/seam_table.py``): the package has no ``python -m`` tool today."""
 
 import pkgutil
 import subprocess
@@ -17,11 +18,11 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(oblr_trl.__path__, "oblr_
 ROOT = Path(oblr_trl.__file__).parent
 
 
-def _entry_points() -> list[str]:
+def _entry_points(modules: list[str] = MODULES, root: Path = ROOT) -> list[str]:
     """Modules that run as ``python -m``: those with a ``__main__`` block, and packages' ``__main__`` modules."""
     found = []
-    for name in MODULES:
-        path = ROOT.joinpath(*name.split(".")[1:])
+    for name in modules:
+        path = root.joinpath(*name.split(".")[1:])
         source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
         if name.endswith(".__main__") or 'if __name__ == "__main__"' in source.read_text():
             found.append(name.removesuffix(".__main__"))
@@ -41,13 +42,22 @@ def test_every_module_imports():
 
 
 def test_the_package_holds_no_tool_and_no_test_model():
-    """The sweep, the support-table generator and the tiny model zoo live with the benchmarks, not in what
+    """The sweep, the support-table generator and the tiny model zoo live with the benchmarks, the model fingerprint
+    and the TRL seam table with its hash printer with the tests, not in what
     ``pip install`` installs."""
-    assert not {m for m in MODULES if m.rsplit(".", 1)[-1] in ("peft_sweep", "support_table", "zoo")}
+    tools = ("peft_sweep", "support_table", "zoo", "fingerprint", "seam_table")
+    assert not {m for m in MODULES if m.rsplit(".", 1)[-1] in tools}
 
 
-def test_the_entry_points_are_found():
-    assert "oblr_trl.trl_seam" in set(_entry_points())
+def test_the_entry_points_are_found(tmp_path):
+    """The finder sees a ``__main__`` block and a package's ``__main__`` module (in a stand-in package)."""
+    (tmp_path / "tool.py").write_text('if __name__ == "__main__":\n    pass\n')
+    (tmp_path / "quiet.py").write_text("x = 1\n")
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "__init__.py").write_text("")
+    (tmp_path / "cli" / "__main__.py").write_text("")
+    modules = ["pkg.tool", "pkg.quiet", "pkg.cli", "pkg.cli.__main__"]
+    assert _entry_points(modules, tmp_path) == ["pkg.tool", "pkg.cli"]
 
 
 @pytest.mark.parametrize("module", _entry_points())

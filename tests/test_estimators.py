@@ -97,3 +97,20 @@ def test_registering_a_baseline_name_twice_raises():
         register_baseline("mean")(lambda *a: None)
     assert estimators.BASELINES["mean"].fn is estimators.mean_baseline
     assert not estimators.baseline_uses_weights("mean") and estimators.baseline_uses_weights("gradient_weighted")
+
+
+def test_what_the_weights_need_is_the_estimator_s_declaration_under_a_baseline_that_uses_them(monkeypatch):
+    """``weights_need``: the registered estimator's ``needs`` where the baseline reads the weights, else None; for
+    every pair of registered baselines and estimators, a user's entries included."""
+    monkeypatch.setitem(estimators.GRAD_NORM_ESTIMATORS, "proxy_squares",
+                        estimators.WeightEstimator(lambda lt, ln, s: s**2, needs="logit_proxy"))
+    monkeypatch.setitem(estimators.BASELINES, "ignores_weights",
+                        estimators.Baseline(estimators.mean_baseline, uses_weights=False))
+    expected = {("gradient_weighted", "exact"): "norms", ("gradient_weighted", "logit"): "logit_proxy",
+                ("gradient_weighted", "length"): None, ("gradient_weighted", "proxy_squares"): "logit_proxy"}
+    for baseline in estimators.BASELINES:
+        for estimator in estimators.GRAD_NORM_ESTIMATORS:
+            assert estimators.weights_need(baseline, estimator) == expected.get((baseline, estimator)), (
+                baseline, estimator)
+    with pytest.raises(ValueError, match="grad_norm_estimator='nope' is not allowed"):
+        estimators.weights_need("gradient_weighted", "nope")

@@ -1,11 +1,17 @@
 """The house's shape, checked: no import cycle in oblr_trl/, no function in it over 60 lines (docstrings aside: a
-long one is a mechanism that wants its own object), and a trainer of at most 300 lines."""
+long one is a mechanism that wants its own object), a trainer of at most 300 lines, and a wheel that holds what
+training needs and no test apparatus."""
 
 import ast
 import collections
+import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "oblr_trl"
 
@@ -127,3 +133,56 @@ def test_no_test_module_imports_another():
                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             found += [f"{f.relative_to(tests)}: {name}" for name in imported if name.split(".")[-1] in names]
     assert found == []
+
+
+# -------------------------------------------------------------------------- the wheel: training, not test apparatus
+# what tests/fingerprint.py and tests/seam_table.py define
+APPARATUS = {"fingerprint", "differences", "Seam", "SEAMS", "drift", "source_hash"}
+
+
+def wheel_names(wheel: Path) -> dict[str, set[str]]:
+    """Each module of ``wheel``: the names it defines at its top level (functions, classes, assignments)."""
+    out = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if name.endswith(".py"):
+                tree = ast.parse(archive.read(name))
+                out[name] = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                             for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                             if isinstance(t, ast.Name)} | {
+                    node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    return out
+
+
+@pytest.mark.slow
+def test_the_wheel_trains_and_holds_no_test_apparatus(tmp_path):
+    """``pip wheel`` of a copy of the checkout: every module of oblr_trl/ is in it, importing the trainer from the
+    unpacked wheel alone works, and none of its modules defines the model fingerprint or the TRL seam table, which
+    live in tests/ (fingerprint.py, seam_table.py)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(PACKAGE.parent / name, source / name)
+    shutil.copytree(PACKAGE, source / "oblr_trl", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=600)
+    (wheel,) = (tmp_path / "dist").glob("oblr_trl-*.whl")
+    names = wheel_names(wheel)
+    assert set(names) == {str(f.relative_to(PACKAGE.parent)) for f in PACKAGE.rglob("*.py")}
+    assert {f"{module}: {name}" for module, defined in names.items() for name in defined & APPARATUS} == set()
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    code = ("import sys, oblr_trl, oblr_trl.trainer; from oblr_trl import *; "
+            "print(oblr_trl.__file__); print(sorted(m for m in sys.modules if m in ('fingerprint', 'seam_table')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert out.stdout.splitlines()[-2:] == [str(tmp_path / "site" / "oblr_trl" / "__init__.py"), "[]"]
+
+
+def test_the_wheel_check_sees_test_apparatus(tmp_path):
+    """The check above can fail: a module that defines the fingerprint or the seam table is named."""
+    wheel = tmp_path / "x.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("oblr_trl/trl_seam.py", "SEAMS: tuple = ()\ndef sequence_inputs(batch): ...\n")
+        archive.writestr("oblr_trl/grad_norms/fingerprint.py", "def fingerprint(model): ...\nclass Other: ...\n")
+    assert wheel_names(wheel) == {"oblr_trl/trl_seam.py": {"SEAMS", "sequence_inputs"},
+                                  "oblr_trl/grad_norms/fingerprint.py": {"fingerprint", "Other"}}

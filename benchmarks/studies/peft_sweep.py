@@ -7,7 +7,8 @@ committed table against it; ``python benchmarks/peft_sweep.py`` writes that tabl
 The types come from PEFT's own registry (``peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING``), so a new PEFT release shows up
 here as a new row, tried with its defaults, rather than as a user's bug. :data:`SIZED` holds the arguments a type needs
 to fit a model of hidden size 32 (its defaults assume a real model's widths), and :data:`NOT_FOR_GRPO` the types whose
-forward needs inputs GRPOTrainer never passes.
+forward needs inputs GRPOTrainer never passes. Whether ``validate`` left a model as it was is judged by
+``tests/fingerprint.py`` (test apparatus, on the tests' import path; ``benchmarks/peft_sweep.py`` puts it there).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def verdict(peft_type: str, family: str, tie: bool, make=None) -> Verdict:
     """One case: build the adapter (or say why it does not apply; ``make()``: the adapted model, in place of the
     type's defaults), validate it, and compare its norms with per-row autograd's when validate passes."""
     from oblr_trl.grad_norms import UnsupportedModulesError, per_sequence_grad_sq_norms, validate
-    from oblr_trl.grad_norms.fingerprint import fingerprint
+    from fingerprint import fingerprint
     from oblr_trl.grad_norms.oracle import per_row_sq_norms
 
     if peft_type in NOT_FOR_GRPO:
@@ -160,7 +161,7 @@ def _refused(error) -> Verdict:
 def _unchanged(before: dict, model, passed: bool) -> Verdict | None:
     """A WRONG verdict where ``validate`` changed the model, else None. Nothing may change, but on a model that
     passes bitsandbytes' CPU repacking switch, turned off (documented: :func:`~.quantized.restore`)."""
-    from oblr_trl.grad_norms.fingerprint import differences, fingerprint
+    from fingerprint import differences, fingerprint
 
     after = fingerprint(model)
     changed = [k for k in differences(before, after)
@@ -232,7 +233,7 @@ def quantized_verdict(setting: str, family: str, tie: bool, folder: str) -> Verd
     model bit for bit as it was, and an accepted one bit for bit a fresh load of the checkpoint (every tensor,
     buffer and quantization state field); then its norms against per-row autograd on that fresh load."""
     from oblr_trl.grad_norms import UnsupportedModulesError, per_sequence_grad_sq_norms, validate
-    from oblr_trl.grad_norms.fingerprint import differences, fingerprint
+    from fingerprint import differences, fingerprint
     from oblr_trl.grad_norms.oracle import per_row_sq_norms
 
     kwargs = dict(QUANTIZED[setting])

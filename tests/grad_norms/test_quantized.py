@@ -15,9 +15,9 @@ import torch
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import coverage, keep_differentiable
-from oblr_trl.grad_norms.fingerprint import differences, fingerprint
 from oblr_trl.grad_norms.quantized import Restored, backward_gaps
 from oblr_trl.grad_norms.support import Unsupported, UnsupportedModulesError
+from fingerprint import differences, fingerprint
 from reference import padded_batch, per_sample_sq_norms
 
 bnb = pytest.importorskip("bitsandbytes")

@@ -1,5 +1,7 @@
 """A model's state, bit for bit, as one comparable value: what "a refusal leaves the model unchanged" and "the repair
-gives back the model as loaded" are checked against (``tests/grad_norms/test_quantized.py``, the PEFT sweep)."""
+gives back the model as loaded" are checked against (``tests/grad_norms/test_quantized.py``,
+``tests/test_construction_unchanged.py``, the PEFT sweep ``benchmarks/studies/peft_sweep.py``). Test apparatus: not
+installed with the package; the tests and ``python benchmarks/peft_sweep.py`` find it on their import path."""
 
 from __future__ import annotations
 
