@@ -238,10 +238,9 @@ def when_text(result: dict, pilots: list[dict], design: dict) -> str:
                  f"{'this power' if len(judged) == 1 else 'these powers'} is not evidence of no difference; no default "
                  "changes.")
     factors = [f"{r['arm']} {r['factor']:.2f}" for r in result["arms"] if r["n"] and r["factor"] == r["factor"]]
-    text += (" What this can say is limited: runs of 8 steps in which no arm's training reward rose by more than a "
-             "point and sampled accuracy stayed about level (only greedy accuracy moved); N below this policy's noise scale, so the SNR "
-             "factor N/(N+B) stayed small" + (f" (mean over the runs' steps: {', '.join(factors)})" if factors else "")
-             + "; and OBLR-PO's learning_rate read as eta_max, so it applied less lr than GRPO (under-dosed).")
+    text += (" Limits: in 8 steps no arm's training reward rose by more than a point; N sat below the policy's noise "
+             "scale" + (f" (mean SNR factor: {', '.join(factors)})" if factors else "") + "; OBLR-PO's learning_rate "
+             "was read as eta_max (under-dosed).")
     return text + " " + smollm2_need(pilots) + "; not run."
 
 

@@ -304,12 +304,13 @@ def verdict_of(c: dict) -> str:
         return f"{c['mean']:+.1f} pts ({c['n']} seeds, no interval yet)"
     lo, hi = c["ci"]
     word = "better" if lo > 0 else "worse" if hi < 0 else "no difference detected"
-    return f"{c['mean']:+.1f} [{lo:+.1f}, {hi:+.1f}] {word}"
+    return f"{c['mean']:+.1f} pts [{lo:+.1f}, {hi:+.1f}] {word}"
 
 
 def contrast_text(cs: dict) -> str:
     """Per metric the difference, interval and verdict; then the powers' range and the seeds."""
-    said = "; ".join(f"{SHORT[m]} {verdict_of(cs[m])}" for m in METRICS if m in cs)
+    said = ". ".join(f"{SHORT[m].capitalize() if i else SHORT[m]} {verdict_of(cs[m])}"
+                     for i, m in enumerate(m for m in METRICS if m in cs))
     powers = [cs[m]["power"] for m in METRICS if m in cs and cs[m]["power"] == cs[m]["power"]]
     seeds = max((cs[m]["n"] for m in METRICS if m in cs), default=0)
     if powers:
@@ -325,21 +326,21 @@ def when_text(learning: dict, regime: dict, compare: dict) -> str:
     for n, out in sorted(compare.items(), key=lambda kv: -int(kv[0])):
         reg = regime.get(n, {})
         f, b = reg.get("f_ref", reg.get("f", math.nan)), reg.get("B_ref", reg.get("B", math.nan))
-        where = f" measured at N = {reg['N_ref']}" if reg.get("N_ref") not in (None, int(n)) else ""
-        head = f"**N = {n}** (f = {f:.2f} at the start, B = {b:.1f} prompts{where}; {reg.get('steps', '?')} steps)"
+        where = f" from N = {reg['N_ref']}" if reg.get("N_ref") not in (None, int(n)) else ""
+        head = (f"**N = {n}** ({reg.get('steps', '?')} steps): f = {f:.2f} at the start (B = {b:.1f} prompts{where}). "
+                f"OBLR-PO - GRPO")
         if "sampled (held-out)" not in out:
             parts.append(head + ": not run to its seeds yet.")
             continue
-        mode = f", OBLR-PO's read as {out['lr_mode']}" if out.get("lr_mode") else ""
-        text = (f"{head}, OBLR-PO - GRPO at each one's best lr ({out['best']['GRPO']:.3g}; "
-                f"{out['best']['OBLR-PO']:.3g}{mode}), in points: {contrast_text(out)}")
+        mode = f", read as {out['lr_mode']}" if out.get("lr_mode") else ""
+        text = f"{head} at best lrs ({out['best']['GRPO']:.3g}; {out['best']['OBLR-PO']:.3g}{mode}): {contrast_text(out)}"
         r90 = ", ".join(f"{a} {'never' if k is None else f'{k:,}'}" for a, k in out.get("rollouts_90", {}).items()
                         if a in ("GRPO", "OBLR-PO"))
         parts.append(text + f". Rollouts to 90% of GRPO's gain: {r90}.")
     learned = ""
     if learning:
-        learned = (f"GRPO learns: last-10 minus first-10 training reward {100 * learning['grpo_gain_min']:+.1f} pts "
-                   f"or more, a shuffled-reward control {100 * learning['shuffled_gain_max']:+.1f} or less. ")
+        learned = (f"GRPO learns (reward gain {100 * learning['grpo_gain_min']:+.1f} pts or more; shuffled-reward "
+                   f"control {100 * learning['shuffled_gain_max']:+.1f} or less). ")
     judged = [out[m] for out in compare.values() for m in METRICS if m in out and out[m].get("ci")]
     excluded = any(c["ci"][0] > 0 or c["ci"][1] < 0 for c in judged)
     tail = (" An interval excludes 0: on this policy only." if excluded else
