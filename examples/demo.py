@@ -12,7 +12,7 @@ Reads top to bottom like the algorithm:
   5. measure held-out accuracy again, print a summary, plot the curves, save the model (adapter) and print the command
      that re-scores it.
 
-    python examples/demo.py                 # SmolLM2-135M-Instruct (make demo): ~10 min on 2 CPU cores, ~10 GB of memory at its peak,
+    python examples/demo.py                 # SmolLM2-135M-Instruct (make demo): about 12 min on 2 CPU cores (11.8 min, 2026-11-27), ~10 GB at its peak,
                                             # offline after a one-time ~93 MB download
     python examples/demo.py --model tiny    # the embedded tiny model (make demo-tiny): a few minutes, nothing downloaded
     python examples/demo.py --quick         # a smoke run of a few steps

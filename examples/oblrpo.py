@@ -15,12 +15,17 @@ built and warmed up offline in seconds):
     HF_HUB_OFFLINE=1 python examples/oblrpo.py --config examples/recipes/smollm2_cpu.yaml
     HF_HUB_OFFLINE=1 python examples/oblrpo.py --config examples/recipes/tiny_cpu.yaml
 
-A Hub model and dataset (network; a GPU; see examples/recipes/README.md for the paper's multi-GPU recipes):
+A Hub model and dataset (network; a GPU; see examples/recipes/README.md for the paper's multi-GPU recipes). The
+prompt asks for the `\\boxed{}` answer the reward reads, Qwen3 answers without its `<think>` block (with it, TRL's
+512-token default often ends before the answer: reward 0), and 16 x 4 completions on one GPU are 8 prompts per step:
 
     python examples/oblrpo.py \
         --model_name_or_path Qwen/Qwen3-0.6B \
         --dataset_name trl-lib/DeepMath-103K \
         --reward_funcs latex_accuracy_reward \
+        --prompt_suffix " Put your final answer within \\boxed{}." \
+        --chat_template_kwargs '{"enable_thinking": false}' \
+        --per_device_train_batch_size 16 --gradient_accumulation_steps 4 \
         --output_dir Qwen3-0.6B-OBLR-PO \
         --use_peft
 
@@ -68,6 +73,10 @@ class OBLRPOScriptArguments(ScriptArguments):
         num_eval_examples (`int`, *optional*, defaults to `64`):
             Number of generated held-out problems (seed `seed + 1`), used when `eval_strategy` is not `"no"`; their
             questions are removed from the training problems.
+        prompt_suffix (`str`, *optional*):
+            Text appended to every prompt (to the last user message of a conversational `prompt`), for a dataset
+            whose prompts do not ask for the answer in the form the reward reads, e.g.
+            `" Put your final answer within \\boxed{}."` for DeepMath-103K and `latex_accuracy_reward`.
         prompt_template (`str`, *optional*):
             Question wording of the generated problems: a `str.format` template over reasoning-gym's `question` and the
             entry's metadata (e.g. `"What is {expression}? Reply with only the number."`), or a task name for
@@ -107,6 +116,12 @@ class OBLRPOScriptArguments(ScriptArguments):
         metadata={"help": "Number of generated held-out problems (seed: --seed + 1), used when --eval_strategy is not "
                   "'no'; their questions are removed from the training problems."},
     )
+    prompt_suffix: str | None = field(
+        default=None,
+        metadata={"help": "Text appended to every prompt (to the last user message of a conversational prompt), e.g. "
+                  "' Put your final answer within \\boxed{}.' for a dataset whose prompts do not ask for the answer "
+                  "in the form the reward reads (DeepMath-103K with latex_accuracy_reward)."},
+    )
     prompt_template: str | None = field(
         default=None,
         metadata={"help": "Question wording of the generated problems: a str.format template over reasoning-gym's "
@@ -135,6 +150,25 @@ def latex_accuracy_reward(completions, solution, **kwargs):
     import trl.rewards
 
     return trl.rewards.accuracy_reward(completions, [s if "$" in s else f"${s}$" for s in solution], **kwargs)
+
+
+def append_to_prompt(prompt, suffix: str):
+    """`prompt` with `suffix` appended: to the string, or to the last user message of a conversational prompt (a list
+    of `{"role", "content"}` messages; the list is copied, never changed in place)."""
+    if isinstance(prompt, str):
+        return prompt + suffix
+    last_user = max((i for i, m in enumerate(prompt) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError("examples/oblrpo.py: --prompt_suffix needs a user message in every conversational prompt; "
+                         f"this prompt has none: {prompt!r}. Word the dataset's `prompt` column itself instead.")
+    return [{**m, "content": m["content"] + suffix} if i == last_user else m for i, m in enumerate(prompt)]
+
+
+def with_prompt_suffix(dataset, suffix: str | None):
+    """The dataset with `suffix` appended to every `prompt` (`append_to_prompt`); unchanged when `suffix` is empty."""
+    if not suffix or dataset is None:
+        return dataset
+    return dataset.map(lambda row: {"prompt": append_to_prompt(row["prompt"], suffix)})
 
 
 # The script's own rewards by name.
@@ -273,6 +307,9 @@ def main(script_args, training_args, model_args):
             eval_dataset = make_dataset(script_args.task, size=script_args.num_eval_examples,
                                         seed=training_args.seed + 1, prompt_template=template)
             train_dataset = without_questions_of(train_dataset, eval_dataset)  # held-out questions stay unseen
+
+    train_dataset = with_prompt_suffix(train_dataset, script_args.prompt_suffix)
+    eval_dataset = with_prompt_suffix(eval_dataset, script_args.prompt_suffix)
 
     trainer = OBLRPOTrainer(
         model=model,

@@ -18,7 +18,7 @@
 # same base model with TRL's `GRPOTrainer` and the same settings, measure held-out accuracy before and after, and save
 # the adapter with its model card. The task, wording, reward and optimizer settings are those of the real-model demo
 # (`python examples/demo.py --model smollm2`), with 10 steps instead of 15: both trainers took 27 minutes in all on a
-# busy 2-core machine (1 torch thread), in at most 3.4 GB of memory.
+# 2-core CPU under load (1 torch thread), in at most 3.4 GB of memory.
 #
 # **Size.** Three environment variables, read in the first cell, set it: `OBLR_WALKTHROUGH_STEPS` (RL steps per
 # trainer, default 10), `OBLR_WALKTHROUGH_BATCH` (completions per step, a multiple of 8, default 64 = 8 prompts × 8)
@@ -240,7 +240,7 @@ plt.show()
 #   the replies below the figures, not only the reward curve.
 #
 # **What the committed run shows** (the outputs below: default size, seed 0, 2026-11-23). **Read its figures as mean
-# verifier scores, not exact answers:** they were produced before issue 30, when `evaluate_accuracy` returned the
+# verifier scores, not exact answers:** they were produced by an earlier `evaluate_accuracy`, which returned the
 # verifier's mean score on the reply's first line (partial credit; 0 of 100 answers were exact there). The code now
 # returns the exact-answer rate of the reply's final number (what `make demo` reports: greedy 50% before RL); run
 # `python notebooks/_build_walkthrough.py` (about 30 minutes on 2 cores) to refresh the outputs under it. Held-out mean

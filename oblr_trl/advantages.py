@@ -76,7 +76,7 @@ def identical_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per row: whether its group's scorable rewards (2 or more) are all equal. Their advantages are exactly 0: a
     weighted mean of equal values is that value, but in floating point ``sum_j w_j r / sum_j w_j`` differs from
     ``r`` by an ulp, and those ulps would make a step of identical groups look like a tiny gradient of pure noise
-    instead of the zero gradient it is (``status="zero_gradient"`` in :func:`.step_size.snr_step_size`)."""
+    instead of the zero gradient it is (``status="zero_gradient"`` in :func:`.snr_formulas.snr_step_size`)."""
     r = rewards.reshape(-1, group_size)
     valid = ~torch.isnan(r)
     high = torch.where(valid, r, torch.full_like(r, -torch.inf)).amax(1)

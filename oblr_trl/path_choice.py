@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cost_model, multimodal
+from .grad_norms.checkpointing import runs_reentrant
 from .grad_norms.lm import output_head, unwrap_causal_lm
 from .loss_terms import terms_beyond_ratio_one
 
@@ -497,11 +498,14 @@ class Route:
         rows = min(batch["prompt_ids"].shape[0], args.per_device_train_batch_size)
         shape = describe(model, rows, batch["prompt_ids"].shape[1], max_completion_length,
                          2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
-        # replayed only in one process: its second backward runs outside DDP's and FSDP's forward (untested there)
+        # replayed only in one process: its second backward runs outside DDP's and FSDP's forward (untested there);
+        # and only under non-reentrant checkpointing: the norms pass runs a reentrant layer under its own checkpoint
+        # (grad_norms/checkpointing.py), whose graph a second backward cannot take the update from
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
+        reentrant = runs_reentrant(model)
         within = {} if budget is None else {"budget": budget}  # no budget: the ratio targets
-        choice = rule_for(budget)(shape, **within, replay=not distributed)
+        choice = rule_for(budget)(shape, **within, replay=not distributed and not reentrant)
         chunk = self._asked_chunk(choice, shape, budget)
         chunks = [chunk, norms_chunk(shape, **within)]
         if distributed:  # the same on every rank: the smallest
@@ -510,12 +514,17 @@ class Route:
         if self.enabled is False:
             self.decided = True
             return f"OBLR-PO (two passes, gradient checkpointing on): norms pass in chunks of {self.norms_chunk} rows."
-        if self.enabled is None:
+        automatic = self.enabled is None
+        if automatic:
             self.enabled, self.replay = chunk > 0, chunk > 0 and choice.replay
         elif chunk == 0:  # one_backward=True: as little at a time as whole groups allow
             chunk = chunk_sizes(rows, group_size)[-1]
         self.chunk_rows, self.decided = (chunk if self.enabled else 0), True
-        return self.describe_choice(choice, shape, budget, args, rows)
+        said = self.describe_choice(choice, shape, budget, args, rows)
+        if reentrant and automatic and shape.checkpointing:
+            said += (" Under reentrant gradient checkpointing one_backward is never replayed (no second backward of "
+                     "the norms pass's graph).")
+        return said
 
     def _asked_chunk(self, choice: Choice, shape: cost_model.Shape, budget: Budget | None) -> int:
         """The chunk the rule's ``choice`` gives this route: the choice's own for the automatic choice; for

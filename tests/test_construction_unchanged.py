@@ -6,7 +6,7 @@ parameter's requires_grad and each dropout's p:
 - accepted: equal to what GRPOTrainer's construction with the same args makes of a second copy of the same model
   (built the same way, or loaded again from the same folder), but for the changes named in DOCUMENTED;
 - refused (the construction raises): equal to the model before the construction.
-Cases: full fine-tuning, PEFT tuners from the sweep (accepted and refused: prefix tuning, tied trainable_token_indices;
+Cases: full fine-tuning, PEFT tuners from the sweep (accepted and refused: prefix tuning, LoRA on the LM head (TRL's own refusal); tied trainable_token_indices;
 beta 0 and > 0; adapted by the user or by TRL from a peft_config), LoRA on GPT-OSS's expert banks, and bitsandbytes 4-bit bases (nf4/fp4, double quantization or
 not, bf16 storage, a generate() first, with oblr_trl imported or before).
 
@@ -97,6 +97,8 @@ ACCEPTED = {
     "GPT-OSS expert banks (target_parameters)": (
         lora("GPT-OSS", target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
         {}),
+    "LoRA with trainable_token_indices, tied embeddings": (
+        lora(tie=True, target_modules=["q_proj"], trainable_token_indices=[1, 2, 3]), {}),
 }
 
 
@@ -120,10 +122,14 @@ def test_a_refused_peft_model_is_unchanged(beta):
     assert "PrefixEncoder" in str(error) or "prompt" in str(error).lower()
 
 
-def test_tied_trainable_token_indices_refused_leaves_the_model_unchanged():
-    """LoRA with trainable_token_indices on tied embeddings: the trained rows sit in the LM head too (refused)."""
-    error = check(lora(tie=True, target_modules=["q_proj"], trainable_token_indices=[1, 2, 3]), refused=True)
-    assert "trainable_token_indices" in str(error)
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_lora_on_the_lm_head_is_refused_as_grpo_trainer_refuses_it_and_the_model_is_unchanged(tie):
+    """TRL's own refusal (its fused head reads lm_head.weight, so an adapter there would never train), raised by
+    GRPOTrainer as by OBLRPOTrainer; the per-sequence norms themselves are exact there (tests/grad_norms/test_peft.py)."""
+    error = check(lora(tie=tie, target_modules=["q_proj", "lm_head"]), refused=True)
+    assert "Applying a PEFT adapter to `lm_head` is not supported" in str(error)
+    assert "Applying a PEFT adapter to `lm_head` is not supported" in str(construct(
+        GRPOTrainer, lora(tie=tie, target_modules=["q_proj", "lm_head"])(), None))
 
 
 @pytest.fixture(scope="module")

@@ -247,8 +247,10 @@ def test_the_docs_result_blocks_are_the_generated_tables_and_the_support_table_i
         found += [m.group("name") for m in BLOCK.finditer(text)]
         assert updated(text, DOCS) == text, f"{page.name}: a result block differs from its table; run " \
                                              "python benchmarks/update_readme.py"
-    assert {"ablation_when", "when_to_use", "ablation_baseline", "demo_seeds_smollm2", "cost_counts", "step_cost",
-            "bench_gpu_nvidia_h200"} <= set(found)
+    assert {"demo_seeds_smollm2", "cost_counts", "step_cost", "bench_gpu_nvidia_h200", "paper_n_when"} <= set(found)
+    studies = " ".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.md"))  # what Evidence points to
+    assert all(f"<!-- results:{name}:begin -->" in studies for name in ("ablation_when", "when_to_use",
+                                                                          "ablation_baseline", "prompts_per_step"))
     update_readme = importlib.util.module_from_spec(
         importlib.util.spec_from_file_location("update_readme", ROOT / "benchmarks" / "update_readme.py"))
     update_readme.__spec__.loader.exec_module(update_readme)
@@ -412,6 +414,21 @@ def test_make_docs_builds_strictly_from_the_docs_extra_and_ci_runs_it_after_the_
     assert all(name in extras for name in ("mkdocs", "mkdocs-material", "mkdocstrings[python]"))
 
 
+def test_make_docs_check_installs_its_browser_and_client_then_opens_the_built_site(tmp_path):
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    lines = subprocess.run(["make", "--no-print-directory", "-n", "docs-check", f"VENV={tmp_path / 'venv'}",
+                            f"CHROMIUM={tmp_path / 'no-chromium'}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env=env, check=True).stdout.splitlines()
+    text = "\n".join(lines)
+    assert "mkdocs build --strict --site-dir site" in text and "apt-get install -y -q chromium" in text
+    assert any(line.endswith('pip install -q -e ".[docs-check]"') for line in lines)
+    assert lines[-1].endswith("tests/test_docs_site.py") and "OBLR_DOCS_SITE=site" in lines[-1]
+    extras = (ROOT / "setup.cfg").read_text().split("docs-check =")[1].split("\n#")[0]
+    assert "playwright" in extras and "mkdocs-material" in extras
+
+
 @pytest.mark.slow
 def test_the_docs_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs")
@@ -429,3 +446,166 @@ def test_the_docs_site_builds_strictly(tmp_path):
     assert 'src="figures/lr_window.png"' in evidence and 'src="../benchmarks/results' not in evidence
     index = (tmp_path / "site" / "index.html").read_text()  # plain .html links: it navigates from file://
     assert 'href="quickstart.html"' in index and (tmp_path / "site" / "search" / "search_index.js").exists()
+    check_built_site(tmp_path / "site")
+
+
+def check_built_site(site: Path):
+    """What a reader offline meets, read from the built HTML (tests/test_docs_site.py opens it in Chromium): every
+    script and stylesheet a page loads is the site's own; the API reference shows no raw Sphinx role and links its
+    cross-references; lists are lists; the formulas are marked for KaTeX, which the site carries."""
+    pages = sorted(p for p in site.glob("*.html") if p.name != "404.html")
+    for page in pages:
+        html = page.read_text()
+        external = re.findall(r'<(?:script[^>]*src|link[^>]*href)="((?:https?:)?//[^"]+)"', html)
+        external = [url for url in external if "stylesheet" in html.split(url)[0][-200:] or ".js" in url]
+        assert external == [], f"{page.name} loads {external}: not offline"
+        literal_items = re.findall(r"<p>(?:(?!</p>).)*\n\s*(?:[-*+]|\d+\.) \S", html, re.S)
+        assert literal_items == [], f"{page.name}: a list run into a paragraph: {literal_items[0][:200]!r}"
+    api = (site / "api.html").read_text()
+    assert not re.search(r":(?:func|class|meth|mod|attr|data|exc|obj):", api)
+    assert api.count('class="autorefs autorefs-internal"') >= 10
+    items = len(re.findall(r"^ *(?:[-*+]|\d+\.) ", (ROOT / "CHANGELOG.md").read_text(), re.M))
+    nested = len(re.findall(r"^ {2,}(?:[-*+]|\d+\.) ", (ROOT / "CHANGELOG.md").read_text(), re.M))
+    changelog = (site / "changelog.html").read_text().split("<article", 1)[1]
+    assert nested > 0 and changelog.count("<li>") >= items and nested_items(changelog) >= nested  # nested by 2 spaces
+
+
+def nested_items(html: str) -> int:
+    """The list items of ``html`` inside another list's item."""
+    depth, count = 0, 0
+    for tag in re.findall(r"</?(?:ul|ol|li)\b", html):
+        if tag in ("<ul", "<ol"):
+            depth += 1
+        elif tag in ("</ul", "</ol"):
+            depth -= 1
+        elif tag == "<li" and depth >= 2:
+            count += 1
+    return count
+    for name in ("index.html", "how-it-works.html", "glossary.html"):
+        assert 'class="arithmatex"' in (site / name).read_text(), name
+    assert "katex.min.js" in index_scripts(site) and (site / "javascripts" / "katex" / "fonts").is_dir()
+    assert "iframe-worker-shim.js" in index_scripts(site) and "unpkg.com" not in (site / "index.html").read_text()
+
+
+def index_scripts(site: Path) -> str:
+    return " ".join(re.findall(r'<script src="([^"]+)"', (site / "index.html").read_text()))
+
+
+# ------------------------------------------------------------------------------------------- the site's rendering
+def render_site_markdown(markdown: str) -> str:
+    """A page's Markdown as the site renders it (hooks.py's rewriting, then mkdocs.yml's extensions)."""
+    import markdown as md
+
+    text = generate.site_tables(generate.site_lists(markdown))
+    return md.markdown(text, extensions=["admonition", "attr_list", "tables", "pymdownx.superfences"])
+
+
+def test_a_list_nested_by_two_spaces_is_nested_on_the_site():
+    page = ("Intro.\n\n- **One**: text\n  more text\n  - *a*: sub\n    more\n  - *b*: sub\n\n  A paragraph of one.\n"
+            "- **Two**\n    - four-space sub\n\n```python\nx = 1\n  - not a list\n```\n")
+    html = render_site_markdown(page)
+    assert html.count("<ul>") == 3 and html.count("<li>") == 5, html
+    assert re.search(r"<li><em>a</em>: sub\s+more</li>", html) and "A paragraph of one." in html.split("<em>b</em>")[1]
+    assert "\n  - not a list\n" in generate.site_lists(page) and "<pre" in html  # fenced code untouched
+    assert generate.site_lists(generate.site_lists(page)) == generate.site_lists(page)
+    # an item right after a paragraph of its list (not the item's own) starts an item, as on GitHub
+    after = render_site_markdown("- one\n  - sub\n\n  Para.\n- two\n")
+    assert after.count("<li>") == 3 and "- two" not in after
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+def test_no_page_runs_a_list_into_a_paragraph_on_the_site(page):
+    html = render_site_markdown(generate.render(page.read_text()))
+    found = re.findall(r"<p>(?:(?!</p>).)*\n\s*(?:[-*+]|\d+\.) \S", html, re.S)
+    assert found == [], f"{page.name}: {found[0][-300:]!r}"
+
+
+def test_a_wide_table_is_turned_on_the_site_and_long_words_may_wrap():
+    head = "| model | " + " | ".join(f"m{i}" for i in range(14)) + " |"
+    rows = [f"| {name} | " + " | ".join(str(i) for i in range(14)) + " |" for name in ("tiny", "small")]
+    table = "\n".join([head, "|" + "---|" * 15, *rows])
+    turned = generate.site_tables(table).splitlines()
+    assert turned[0] == "| model | tiny | small |" and turned[2] == "| m0 | 0 | 0 |" and len(turned) == 16
+    narrow = "| a | b |\n|---|---|\n| model.layers.0.self_attn | `keep.this.code_span` and [x](glossary.md#snr_factor) |"
+    out = generate.site_tables(narrow)
+    assert "model.<wbr>layers.<wbr>0.<wbr>self_<wbr>attn" in out and "`keep.this.code_span`" in out
+    assert "[x](glossary.md#snr_factor)" in out and generate.site_tables("| a |\n|---|\n| b |") == "| a |\n|---|\n| b |"
+    html = render_site_markdown(generate.site_tables(table))
+    assert html.count("<tr>") == 15
+
+
+def test_a_table_s_long_code_spans_break_only_between_their_parts():
+    html = ("<p><code>oblr/lr_scale_mean</code></p><table><tr><td><code>oblr/lr_scale_mean</code> <code>ema</code> "
+            '<code>snr_estimator="ema_soft"</code></td></tr></table>')
+    out = generate.site_table_code(html)
+    assert out.startswith("<p><code>oblr/lr_scale_mean</code></p>")  # outside tables: as it was
+    assert "<code>oblr/<wbr>lr_<wbr>scale_<wbr>mean</code> <code>ema</code>" in out
+    assert '<code>snr_<wbr>estimator=<wbr>"ema_<wbr>soft"</code>' in out
+    assert "word-break: normal" in (DOCS / "stylesheets" / "extra.css").read_text()
+
+
+def test_the_api_reference_s_sphinx_roles_become_cross_references():
+    griffe = pytest.importorskip("griffe")
+    spec = importlib.util.spec_from_file_location("api_roles", DOCS / "api_roles.py")
+    api_roles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(api_roles)
+    package = griffe.load("oblr_trl", search_paths=[str(ROOT)], extensions=griffe.load_extensions(api_roles.SphinxRoles))
+    choice = package["path_choice"]
+    assert api_roles.resolve(choice, package, "choose_within") == "oblr_trl.path_choice.choose_within"
+    assert api_roles.resolve(choice, package, ".one_backward") == "oblr_trl.one_backward"
+    assert api_roles.resolve(choice, package, "Route.at_generation") == "oblr_trl.path_choice.Route.at_generation"
+    assert api_roles.resolve(choice, package, "no_such_thing") is None
+    raw, objects = [], 0
+    for obj in api_roles._walk(package):
+        if obj.docstring is not None:
+            objects += 1
+            raw += [f"{obj.path}: {m.group(0)}" for m in api_roles.ROLE.finditer(obj.docstring.value)]
+    assert objects > 100 and raw == []
+    assert '<autoref identifier="oblr_trl.path_choice.choose_within" optional><code>choose_within()</code></autoref>' \
+        in choice.docstring.value
+    assert api_roles.render(choice, package, ":data:`NOT_THERE`") == "`NOT_THERE`"
+
+
+def test_the_site_is_offline_and_searches_option_names():
+    """mkdocs.yml: the iframe-worker shim and KaTeX come from docs/ (Material's offline plugin would load the shim from
+    a CDN, and the theme its fonts), and search splits words as option and metric names need."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=Loader)
+    assert config["theme"]["font"] is False
+    local = [*config["extra"]["polyfills"], *config["extra_javascript"], *config["extra_css"]]
+    assert any("iframe-worker" in path for path in config["extra"]["polyfills"])
+    assert all(not path.startswith(("http:", "https:", "//")) and (DOCS / path).exists() for path in local), local
+    assert "pymdownx.arithmatex" in str(config["markdown_extensions"])
+    search = next(p["search"] for p in config["plugins"] if isinstance(p, dict) and "search" in p)
+    words = [w for w in re.split(search["separator"], "Set oblr/lr_mean, noise_scale and OBLRPOConfig.snr_estimator.")
+             if w]
+    assert {"lr_mean", "noise_scale", "snr_estimator", "oblr"} <= set(words), words
+
+
+# ------------------------------------------------------------------------------------------- the release
+def test_the_changelog_dates_the_release_of_this_version_under_an_unreleased_section():
+    """Keep a Changelog: `## [Unreleased]` first (later work goes there), then each release dated, the newest this
+    package's version (setup.cfg reads it from `oblr_trl.__version__`); a release's groups are Keep a Changelog's
+    own, each once, and it stays short enough to read."""
+    import configparser
+
+    import oblr_trl
+
+    text = (ROOT / "CHANGELOG.md").read_text()
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections[0] == "[Unreleased]", sections[:2]
+    assert re.fullmatch(rf"\[{re.escape(oblr_trl.__version__)}\] - \d{{4}}-\d{{2}}-\d{{2}}", sections[1]), sections[1]
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    assert config["metadata"]["version"].strip() == "attr: oblr_trl.__version__"
+    groups = {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
+    for release in re.split(r"^## ", text, flags=re.M)[2:]:
+        headings = re.findall(r"^### (.+)$", release, re.M)
+        assert set(headings) <= groups and len(headings) == len(set(headings)), headings
+        assert len(release.split()) <= 2000, f"{release.splitlines()[0]}: {len(release.split())} words"
+    assert "Added" in re.findall(r"^### (.+)$", re.split(r"^## ", text, flags=re.M)[2], re.M)

@@ -2,7 +2,7 @@
 uses it: a newcomer never meets "ghost norm", "replay" or "the SNR factor" before being told what it is.
 
 A page's first use of a term is its first occurrence in the page's prose: headings, code blocks, inline code (unless
-the term is itself code, like `one_backward`), link targets, images and generated blocks do not count."""
+the term is itself code, like `one_backward`), formulas, link targets, images and generated blocks do not count."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ SKIPPED = {"glossary.md", "changelog.md", "api.md"}
 SPAN_SKIP = re.compile(
     r"(?s:<!--\s*(results|generated):[\w.-]+:begin\s*-->.*?<!--\s*\1:[\w.-]+:end\s*-->)"  # generated blocks
     r"|(?s:^```.*?^```[ \t]*$)"  # fenced code
+    r"|(?s:\$\$.+?\$\$)|\$[^$\s][^$\n]*?\$"  # formulas (typeset as math, like code they are no prose)
     r"|^#.*$"  # headings
     r"|^!\[.*$|^_[^\n]*\.png[^\n]*_$"  # images and their captions
     r"|(?s:<!--.*?-->)"  # comments

@@ -70,3 +70,96 @@ def test_extras_hold_what_the_gpu_recipes_and_the_notebook_need():
     assert "jupyter" in notebook and "nbconvert" in notebook and "ipywidgets" in notebook
     dev = " ".join(found["dev"])  # what tests/test_notebook.py executes the notebook with
     assert all(name in dev for name in ("nbformat", "nbclient", "ipykernel", "ipywidgets"))
+
+
+# ------------------------------------------------------------------ what the README and the docs name exists
+DOC_PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "changelog.md"),
+             *sorted((ROOT / "benchmarks").glob("*.md")), ROOT / "examples" / "recipes" / "README.md"]
+# (the Changelog names what was renamed or moved, under its old name too)
+PLACEHOLDER = re.compile(r"\bNAME\b|<\w+>")  # benchmarks/NAME.py: a pattern, not a file
+
+
+def named(pattern: str) -> dict[str, list[str]]:
+    found = {}
+    for page in DOC_PAGES:
+        for name in re.findall(pattern, page.read_text()):
+            if not PLACEHOLDER.search(name):
+                found.setdefault(name, []).append(str(page.relative_to(ROOT)))
+    return found
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``dotted`` is a module, or an attribute reached from the longest importable module in it."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[i:]:
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+    return False
+
+
+def test_resolves_tells_a_moved_name_from_a_present_one():
+    assert resolves("oblr_trl.demo.tasks.extract_answer") and resolves("oblr_trl.grad_norms")
+    assert not resolves("oblr_trl.tasks.extract_answer") and not resolves("oblr_trl.config.no_such_name")
+
+
+def test_every_oblr_trl_name_the_readme_and_the_docs_give_imports():
+    """The README, the docs' pages, the study pages and the recipes' README."""
+    names = named(r"\boblr_trl(?:\.[A-Za-z_]\w*)+")
+    assert len(names) > 30
+    missing = {name: pages for name, pages in names.items() if not resolves(name)}
+    assert missing == {}, f"named in the docs, not importable: {missing}"
+
+
+def test_every_file_the_readme_and_the_docs_give_exists():
+    """Paths in the repository named as files (by their extension) or folders (by a trailing slash)."""
+    paths = named(r"(?<![\w/.-])((?:oblr_trl|examples|benchmarks|tests|notebooks|docs)/[\w./-]*"
+                  r"(?:\.(?:py|md|yaml|yml|ipynb|png|json|txt|cfg)\b|/))")
+    assert len(paths) > 30
+    missing = {path: pages for path, pages in paths.items() if not (ROOT / path).exists()}
+    assert missing == {}, f"named in the docs, not in the repository: {missing}"
+
+
+def test_every_script_the_readme_and_the_docs_run_exists_and_answers_help():
+    """`python <dir>/<script>.py` in the README and the docs: each exists; the benchmarks' --help is run by
+    tests/test_benchmark_scripts.py (every benchmarks/*.py), the others' here."""
+    import os
+    import subprocess
+    import sys
+
+    scripts = named(r"python3? ((?:examples|benchmarks|notebooks|docs)/[\w/]+\.py)")
+    assert {"examples/demo.py", "examples/oblrpo.py", "benchmarks/update_readme.py"} <= set(scripts)
+    assert [s for s in scripts if not (ROOT / s).exists()] == []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    for script in sorted(s for s in scripts if not s.startswith("benchmarks/")):
+        if "__main__" not in (ROOT / script).read_text() or "argparse" not in (ROOT / script).read_text():
+            continue  # a script with no options (docs/generate.py, notebooks/_build_walkthrough.py)
+        proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr[-2000:])
+
+
+# ------------------------------------------------------------------ the extras
+def test_every_extra_is_documented_in_the_readme_s_install():
+    text = (ROOT / "README.md").read_text()
+    install = text.split("## Install\n")[1].split("\n## Two commands")[0]
+    undocumented = [name for name in extras() if f'[{name}]' not in install]
+    assert undocumented == [], f"extras the README's Install does not name: {undocumented}"
+
+
+def test_the_readme_snippet_runs_after_make_demo():
+    """`make` installs the demo extra; the README's snippet scores with TRL's accuracy_reward, which imports
+    math-verify when called: the demo extra has it."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert 'pip install -q -e ".[demo]"' in makefile.split("$(VENV)/.installed:")[1].split("\n\n")[0]
+    snippet = (ROOT / "README.md").read_text().split("## Swap GRPOTrainer for OBLRPOTrainer\n")[1].split("\n## ")[0]
+    assert "from trl.rewards import accuracy_reward" in snippet
+    assert any(r.startswith("math-verify") for r in extras()["demo"])

@@ -414,3 +414,68 @@ def test_chunk_norms_refuse_a_lost_or_repeated_update():
     next(chunks)
     with pytest.raises(RuntimeError, match="was not applied"):
         next(chunks)
+
+
+def test_the_automatic_choice_never_replays_under_reentrant_checkpointing(monkeypatch, caplog):
+    """A reentrant layer runs under the norms pass's own checkpoint, whose graph a second backward cannot take the
+    update from: where the rule would replay, the automatic choice takes one_backward unreplayed or two passes,
+    says so, and trains with the same lr scales as two passes."""
+    from oblr_trl import path_choice
+
+    real = path_choice.choose
+    monkeypatch.setattr(path_choice, "device_budget", lambda *args, **kwargs: None)  # the ratio rule's choose
+    asked = []
+
+    def replay_where_allowed(shape, replay=True):
+        asked.append(replay)
+        return path_choice.Choice(True, GROUP, 1.0, 1.0, replay=True) if replay else real(shape, replay)
+
+    monkeypatch.setattr(path_choice, "choose", replay_where_allowed)
+    kwargs = common_args(max_steps=2, bf16=False, gradient_checkpointing_kwargs={"use_reentrant": True})
+    with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
+        one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
+    assert asked == [False] and not one.route.replay
+    assert "never replayed" in caplog.text
+    two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
+    assert logged(one, "oblr/lr_scale") == pytest.approx(logged(two, "oblr/lr_scale"), rel=1e-4)
+
+
+HEAD_ADAPTERS = {  # PEFT on the LM head (grad_norms/head_adapters.py)
+    "trainable tokens, tied": (True, dict(target_modules=["q_proj"], trainable_token_indices=[5, 6, 7])),
+    "LoRA on lm_head, tied": (True, dict(target_modules=["q_proj", "lm_head"], init_lora_weights="gaussian")),
+    "LoRA on lm_head, untied": (False, dict(target_modules=["lm_head"], init_lora_weights="gaussian")),
+}
+
+
+@pytest.mark.parametrize("replayed", [False, True], ids=["kept factors", "replayed"])
+@pytest.mark.parametrize("kind", list(HEAD_ADAPTERS))
+def test_one_backwards_update_with_peft_on_the_head_matches_per_row_autograd(kind, replayed):
+    """The update ``sum_i a_i u_i`` one_backward writes, from the kept factors (materialize) or replayed (a second
+    backward of the pass's graph plus the head's usages), with the head's adapter among the usages: per-row
+    autograd's, in fp32. (The trainer cannot run these in TRL 1.16: tests/integration/test_adapters_in_trainer.py.)"""
+    import peft
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from oblr_trl.grad_norms import per_sequence_grads
+    from oblr_trl.one_backward import replayed_update
+    from reference import padded_batch, per_sample_grads
+
+    tie, config = HEAD_ADAPTERS[kind]
+    torch.manual_seed(0)
+    base = Qwen3ForCausalLM(Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        tie_word_embeddings=tie))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, **config)).train()
+    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.get_base_model().enable_input_require_grads()
+    ids, attention, mask = padded_batch(97)
+    rows = per_sample_grads(model, ids, attention, mask)
+    a = torch.randn(ids.shape[0])
+    if replayed:
+        grads = per_sequence_grads(model, ids, attention, mask, stream_group_size=2, keep_graph=True)
+        replayed_update(grads, a, torch.zeros_like(a, dtype=torch.bool))
+    else:
+        per_sequence_grads(model, ids, attention, mask, materialize=True).accumulate_grad(a)
+    got = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]).double()
+    expected = sum(ai * g.double() for ai, g in zip(a.tolist(), rows))
+    assert expected.norm() > 0 and ((got - expected).norm() / expected.norm()).item() <= 1e-5

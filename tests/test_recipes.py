@@ -313,3 +313,88 @@ def test_latex_accuracy_reward_scores_bare_latex_solutions_that_accuracy_reward_
     assert reward(right, solutions) == [1.0] * len(rows)
     assert reward(wrong, solutions) == [0.0] * len(rows)
     assert (accuracy_reward(right, solutions), accuracy_reward(wrong, solutions)) != ([1.0] * 5, [0.0] * 5)
+
+
+# ------------------------------------------------------------------ each recipe learns as shipped
+# Rows in `trl-lib/DeepMath-103K`'s format, written here (not downloaded): a conversational `prompt` holding the bare
+# question (the dataset asks for no answer format) and the final answer as bare LaTeX in `solution`. Each with a
+# completion answering in the form the recipe's prompt asks for (right, then wrong).
+DEEPMATH_ROWS = [
+    ("Evaluate the limit \\(\\lim_{x\\to\\infty} \\left(\\sqrt[3]{x+1}-\\sqrt[3]{x}\\right)\\).", "0",
+     "The difference behaves like 1/(3x^{2/3}), so the limit is \\(\\boxed{0}\\).", "\\(\\boxed{1}\\)"),
+    ("A fair coin is tossed twice. What is the probability of exactly one head?", "\\dfrac{1}{2}",
+     "Two of the four outcomes have one head: $\\boxed{\\frac{1}{2}}$.", "$\\boxed{\\frac{1}{4}}$"),
+    ("Find the distance between the points (0, 0) and (2, 2).", "2\\sqrt{2}",
+     "By Pythagoras the distance is \\boxed{2\\sqrt{2}}.", "The distance is \\boxed{2}."),
+    ("Compute \\(\\lim_{n\\to\\infty} (1 - 2/n)^n\\).", "e^{-2}",
+     "This is the exponential limit: \\boxed{\\frac{1}{e^{2}}}.", "\\boxed{e^{2}}"),
+    ("In how many ways can 2 of 4 distinct books be placed in order on a shelf?", "12",
+     "4 x 3 orderings: \\boxed{12}.", "\\boxed{6}"),
+]
+
+
+def prompts_per_step(recipe, config) -> int:
+    processes = int(ARITHMETIC.search(recipe.read_text()).group(1))
+    return config.per_device_train_batch_size * config.gradient_accumulation_steps * processes \
+        // config.num_generations
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_each_recipe_asks_for_the_answer_its_reward_reads_and_scores_rows_of_its_dataset(recipe):
+    """A recipe learns as shipped: its prompt asks for the answer in the form its reward reads, the completion budget
+    holds that answer (Qwen3 without its thinking block), every step has >= 8 prompts, and its reward functions,
+    built by the script from the recipe, score a right answer 1 and a wrong one 0 on rows in its dataset's format."""
+    script_args, config, _ = parse_recipe(recipe)
+    assert prompts_per_step(recipe, config) >= 8
+    rewards = SCRIPT.build_reward_funcs(script_args, config)
+    if script_args.dataset_name:  # the math recipes
+        pytest.importorskip("math_verify")
+        assert script_args.dataset_name == "trl-lib/DeepMath-103K"
+        rows = [dict(prompt=[{"role": "user", "content": q}], solution=s) for q, s, _, _ in DEEPMATH_ROWS]
+        asked = [SCRIPT.append_to_prompt(row["prompt"], script_args.prompt_suffix or "") for row in rows]
+        assert all("\\boxed{}" in p[-1]["content"] for p in asked), "the prompt never asks for the \\boxed{} answer"
+        assert [p[-1]["content"] for p in asked] != [row["prompt"][-1]["content"] for row in rows]
+        assert config.chat_template_kwargs == {"enable_thinking": False}  # Qwen3: no <think> before the answer
+        kwargs = dict(solution=[row["solution"] for row in rows])
+        right, wrong = ([[{"role": "assistant", "content": r[i]}] for r in DEEPMATH_ROWS] for i in (2, 3))
+    else:  # reasoning-gym problems, worded as the recipe words them
+        from oblr_trl.demo import make_dataset
+
+        data = make_dataset(script_args.task, size=6, seed=config.seed, prompt_template=SCRIPT.prompt_template(script_args))
+        asked = data["prompt"]
+        kwargs = dict(prompts=asked, entry=data["entry"], answer=data["answer"])
+        if "Reply with only the number" in asked[0][-1]["content"]:
+            right = [[{"role": "assistant", "content": a}] for a in data["answer"]]
+        else:  # reasoning-gym's own wording; the verifier reads the reply's final number
+            right = [[{"role": "assistant", "content": f"The answer is {a}"}] for a in data["answer"]]
+        wrong = [[{"role": "assistant", "content": str(int(a) + 1)}] for a in data["answer"]]
+        assert config.max_completion_length >= max(len(a) for a in data["answer"])
+    for reward in rewards:
+        assert reward(completions=right, **kwargs) == [1.0] * len(right), reward.__name__
+        assert reward(completions=wrong, **kwargs) == [0.0] * len(wrong), reward.__name__
+
+
+def test_append_to_prompt_asks_in_the_last_user_message_and_refuses_a_prompt_without_one():
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+                    {"role": "assistant", "content": "4"}, {"role": "user", "content": "3 + 3?"}]
+    asked = SCRIPT.append_to_prompt(conversation, " Box it.")
+    assert [m["content"] for m in asked] == ["Be brief.", "2 + 2?", "4", "3 + 3? Box it."]
+    assert conversation[-1]["content"] == "3 + 3?"  # copied, not changed in place
+    assert SCRIPT.append_to_prompt("2 + 2?", " Box it.") == "2 + 2? Box it."
+    with pytest.raises(ValueError, match="examples/oblrpo.py: --prompt_suffix"):
+        SCRIPT.append_to_prompt([{"role": "system", "content": "Be brief."}], " Box it.")
+
+
+def test_the_hub_example_asks_for_the_boxed_answer_without_thinking_at_8_prompts_per_step():
+    """The script's Hub command (its docstring, as a shell reads it from the source) as the parser reads it."""
+    import shlex
+
+    source = (EXAMPLES / "oblrpo.py").read_text().split('"""')[1].replace("\\\\", "\\")  # the docstring's \\
+    command = re.search(r"^    python examples/oblrpo\.py (\\\n.*?)\n\n", source, re.S | re.M).group(1)
+    argv = shlex.split(command.replace("\\\n", " "))  # as bash joins a line ending in \\
+    script_args, config, model_args = SCRIPT.make_parser().parse_args_and_config([*argv, "--use_cpu", "true"])
+    assert model_args.model_name_or_path.startswith("Qwen/Qwen3") and script_args.dataset_name == "trl-lib/DeepMath-103K"
+    assert script_args.reward_funcs == ["latex_accuracy_reward"]
+    assert "\\boxed{}" in script_args.prompt_suffix
+    assert config.chat_template_kwargs == {"enable_thinking": False}
+    assert config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations >= 8

@@ -42,10 +42,10 @@ import torch
 from torch import nn
 
 from .engine import per_sequence_grads
-from . import head_transform
+from . import head_adapters, head_transform
 from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names  # noqa: F401
 from . import oracle
-from .lm import unwrap_causal_lm, unwrap_distributed
+from .lm import output_head, unwrap_causal_lm, unwrap_distributed
 from .quantized import LOST_SCALES, backward_gaps, lost_scales, quantized, restore, warn_undone
 from .plan import ModelView, plan_of, view_of
 from .support import ADVICE, Unsupported, UnsupportedModulesError, unsupported_modules
@@ -281,6 +281,9 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
     """:func:`validate`'s checks on a model in its trainable layout: by module type, the head, then the probe."""
     try:
         found = unsupported_modules(model)
+        lm = unwrap_causal_lm(model)
+        if any(p.requires_grad for p in lm.parameters()):  # the head: an nn.Linear, or one under an adapter it forms
+            found = head_adapters.refusal(output_head(lm)) + found
         found = found or head_transform.check(model)
     except UnsupportedModulesError:
         raise

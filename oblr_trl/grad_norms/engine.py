@@ -30,7 +30,9 @@ from .factors import (
 )
 from . import factors, generic, hooks
 from .head import lm_head_terms
+from .head_adapters import HeadPass, adapter_of
 from .head_transform import transform_of
+from .checkpointing import norms_checkpointing
 from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Replay, Slot, _fp32
 from .experts import RoutedCaptures
@@ -69,18 +71,19 @@ def _zero3_partitioned(params) -> list[torch.Tensor]:
     return [p for p in params if p is not None and hasattr(p, "ds_id")]
 
 
-def _head_params(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Under DeepSpeed ZeRO-3: detached full copies of the head's weight and bias, gathered from their partitions
-    before the pass (the pass reads the head directly, where no ZeRO-3 hook gathers it; a tied head shares the input
-    embedding, which ZeRO-3 releases after the embedding's forward). ``None`` when the head is not partitioned: it
-    is read in place then. The backbone's layers are gathered by ZeRO-3's own module hooks, forward and backward."""
-    partitioned = _zero3_partitioned([head.weight, head.bias])
+def _head_params(params) -> dict[int, torch.Tensor]:
+    """Under DeepSpeed ZeRO-3: detached full copies of the head's parameters (its weight and bias, an adapter's),
+    by ``id``, gathered from their partitions before the pass (the pass reads the head directly, where no ZeRO-3 hook
+    gathers it; a tied head shares the input embedding, which ZeRO-3 releases after the embedding's forward). Empty
+    when the head is not partitioned: it is read in place then. The backbone's layers are gathered by ZeRO-3's own
+    module hooks, forward and backward."""
+    partitioned = _zero3_partitioned(params)
     if not partitioned:
-        return None
+        return {}
     import deepspeed  # present: the parameters are ZeRO-3's
 
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-        return head.weight.detach().clone(), None if head.bias is None else head.bias.detach().clone()
+        return {id(p): p.detach().clone() for p in partitioned}
 
 
 @contextmanager
@@ -126,10 +129,9 @@ class _Pass:
     def __init__(self, view: ModelView, batch: int, device: torch.device, stream_group_size: int | None,
                  materialize: bool):
         prompted = view.prompted
-        self.head = view.head
-        if not isinstance(self.head, nn.Linear):
-            raise UnsupportedModulesError([Unsupported("lm_head", type(self.head).__name__,
-                                                       "the LM head must be an nn.Linear")])
+        self.adapter = adapter_of(view.head)  # an nn.Linear, or one under LoRA or trained tokens (head_adapters.py)
+        self.head = self.adapter.linear
+        self.head_pass: HeadPass | None = None  # the head's operands under its adapter, set by the pass
         plan = coverage_plan(view)
         self.hooked, self.whole_call, self.borrowed = _hooked_modules(plan)
         self.rules = {c.module: c.rule for c in plan.covered}
@@ -141,7 +143,7 @@ class _Pass:
                 if covered.whole_call:
                     self.whole_call.add(covered.module)
         self.routed = RoutedCaptures(plan.memo)
-        self.slot_of, self.slots, self.sharing = _slots(self.hooked, self.head, self.borrowed)
+        self.slot_of, self.slots, self.sharing = _slots(self.hooked + self.adapter.modules, self.head, self.borrowed)
         self.batch, self.device, self.k, self.materialize = batch, device, stream_group_size, materialize
         self.failed: list[Unsupported] = []
         self.usages: dict[Slot, list[Usage]] = defaultdict(list)
@@ -243,8 +245,10 @@ class _Pass:
             elif record.output_grad is not None:  # else streamed, a recomputation, or an unused output
                 self.keep(record, materialize_now=False)
 
-    def add_head(self, delta: SoftmaxDelta, h: torch.Tensor, self_products_done: bool) -> None:
-        head = self.head
+    def add_head(self, delta: SoftmaxDelta, self_products_done: bool) -> None:
+        head, h = self.head, self.head_pass.h
+        for module, name, usage in self.head_pass.usages(delta):  # an adapter's (head_adapters.py)
+            self.usages[self.slot_of[_slot(module, name)]].append(usage)
         if head.weight.requires_grad:
             usage = Factored(delta, Dense(h))
             self.usages[self.slot_of[(head, "weight")]].append(usage)
@@ -270,11 +274,10 @@ class _Pass:
 
 
 REENTRANT_ADVICE = (
-    "Per-sequence gradient norms need non-reentrant gradient checkpointing. A model prepared by "
-    "peft.prepare_model_for_kbit_training has reentrant checkpointing on (its default): prepare it with "
-    "prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={'use_reentrant': False}). Otherwise set "
-    "gradient_checkpointing_kwargs={'use_reentrant': False} in the trainer's config, or call "
-    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}).")
+    "transformers' gradient checkpointing, reentrant or not, is handled (grad_norms/checkpointing.py); a module that "
+    "calls torch.utils.checkpoint.checkpoint(..., use_reentrant=True) in its own forward is not: pass "
+    "use_reentrant=False in that call, or train without exact norms: "
+    "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False).")
 
 
 def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[Record],
@@ -291,48 +294,57 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
         if p.requires_grad
     ]
     targets = inputs_with_grad + first_layer_params or [p for p in backbone.parameters() if p.requires_grad]
+    if not targets:  # nothing trainable below the head (LoRA on the head alone, the inputs' gradients on)
+        return
     try:
         torch.autograd.grad(hidden, targets, grad_outputs=grad, allow_unused=True, retain_graph=retain_graph)
     except RuntimeError as error:
         if "use_reentrant=True" not in str(error):
             raise
         raise UnsupportedModulesError(
-            [Unsupported("", type(backbone).__name__, "it runs under reentrant gradient checkpointing, which the "
-                         "per-sequence gradient pass cannot go through")],
+            [Unsupported("", type(backbone).__name__, "a module of it calls torch's reentrant checkpoint in its own "
+                         "forward, which the per-sequence gradient pass cannot go through (transformers' gradient "
+                         "checkpointing, reentrant or not, is handled); pass use_reentrant=False in that call")],
             advice=REENTRANT_ADVICE,
         ) from error
 
 
-def _head_operands(lm: nn.Module, head: nn.Linear, hidden: torch.Tensor, span: slice, device_type: str,
-                   gathered: tuple[torch.Tensor, torch.Tensor | None] | None = None):
+def _head_operands(lm: nn.Module, head: nn.Linear, hidden: torch.Tensor, span: slice, device_type: str, read):
     """The head's input rows (the positions that predict completion tokens) and weight, detached and, when the pass
-    runs under autocast, in the autocast dtype, as the fused head's products run. ``gathered``: the head's weight and
-    bias gathered before the pass (DeepSpeed ZeRO-3, :func:`_head_params`)."""
+    runs under autocast, in the autocast dtype, as the fused head's products run. ``read(param)``: a parameter as a
+    plain tensor (gathered before the pass under DeepSpeed ZeRO-3, :func:`_head_params`)."""
     half = torch.is_autocast_enabled(device_type) and device_type in factors.HALF_OPERAND_DEVICES
     head_dtype = torch.get_autocast_dtype(device_type) if half else None
     h = hidden[:, span].detach()
-    if gathered is not None:
-        weight, bias = gathered
-    else:
-        weight, bias = _plain(head.weight, lm), None if head.bias is None else _plain(head.bias, lm)
+    weight, bias = read(head.weight), None if head.bias is None else read(head.bias)
     if head_dtype is not None:
         h, weight = h.to(head_dtype), weight.to(head_dtype)
     return h, weight, bias
 
 
 def _head_terms(run: _Pass, lm: nn.Module, hidden: torch.Tensor, span: slice, scored: tuple, alpha: float,
-                transform, gathered):
+                transform, gathered: dict):
     """The head's operands (its bias with the observed offset folded in, :mod:`.head_transform`), the log-sum-exp of
     the scored logits and the head's output gradient. Streamed, the head weight's own products come with its output
     gradient, from the same softmax chunks: streamed, in blocks of the stream's group (added to the pass's parts);
     with materialize (one_backward, which needs the norms), each row's alone (kept as the pass's presummed products).
-    The last value returned says whether they were formed."""
+    The last value returned says whether they were formed. Under a head adapter (LoRA, trained tokens:
+    :mod:`.head_adapters`) ``h`` and the weight returned are its widened operands, the output gradient is the head
+    input's, and no products come with it."""
     head = run.head
-    h, weight, bias = _head_operands(lm, head, hidden, span, hidden.device.type, gathered)
+
+    def read(param):
+        return gathered[id(param)] if id(param) in gathered else _plain(param, lm)
+
+    h, weight, bias = _head_operands(lm, head, hidden, span, hidden.device.type, read)
+    run.head_pass = HeadPass(run.adapter, read)
+    h, weight = run.head_pass.operands(h, weight, hidden[:, span])
     bias = transform.bias(bias)
     k = (run.k if run.streamed is not None else 1 if run.materialize else None) if head.weight.requires_grad else None
+    k = k if run.adapter.plain else None
     with _fp32(hidden.device):
         lse, grad_h, head_self = lm_head_terms(h, *scored, weight, bias, alpha, transform.softcap, k)
+        grad_h = run.head_pass.input_grad(grad_h)
     if head_self is not None and run.streamed is not None:
         run.parts.append(head_self)
     elif head_self is not None:
@@ -392,8 +404,8 @@ def per_sequence_grads(
     run.collect(records)
     before = {slot: len(usages) for slot, usages in run.usages.items()}
     head = run.head
-    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, transform.softcap), h,
+    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad) or not run.adapter.plain:
+        run.add_head(SoftmaxDelta(h, head_weight, head_bias, alpha, lse, labels, mask, transform.softcap),
                      head_self_done)
     result = run.result()
     if keep_graph:  # the head's usages, added after the backbone's, and the hidden state's graph (Replay)
@@ -415,9 +427,11 @@ def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, s
     # expert banks outside checkpointed layers keep their routed pairs' factors from the forward (experts.py)
     in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
     banks = [m for m in run.whole_call if m not in in_checkpointed]
-    zero3_head = _head_params(run.head)  # DeepSpeed ZeRO-3: the head gathered whole, before the pass
+    zero3_head = _head_params([run.head.weight, run.head.bias, *(p for m in run.adapter.modules
+                                                                for p in m.parameters())])  # ZeRO-3: gathered whole
     try:
-        with _fsdp_root_unsharded(lm), run.routed.routed_forwards(banks), capture(
+        with norms_checkpointing(checkpointed) as reentrant, _fsdp_root_unsharded(lm), \
+                run.routed.routed_forwards(banks), capture(
                 run.hooked, run.batch, run.on_grad_hook, checkpointed, run.whole_call) as (records, inputs_with_grad):
             if prompted is None:
                 tokens = dict(input_ids=input_ids, attention_mask=attention_mask)
@@ -427,6 +441,11 @@ def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, s
             hidden = backbone(**tokens, use_cache=False, **(model_inputs or {})).last_hidden_state
             h, head_weight, head_bias, lse, grad_h, head_self_done = _head_terms(
                 run, lm, hidden, span, scored, alpha, transform, zero3_head)
+            if keep_graph and reentrant:
+                raise NotImplementedError(
+                    "keep_graph=True (one_backward replayed) needs non-reentrant gradient checkpointing: a second "
+                    "backward of a reentrant checkpoint's graph would write no parameter's .grad. Take the two-pass "
+                    "path (OBLRPOConfig(one_backward=False)) or keep_graph=False.")
             if hidden.requires_grad:
                 full_grad = torch.zeros_like(hidden)
                 full_grad[:, span] = grad_h.to(hidden.dtype)

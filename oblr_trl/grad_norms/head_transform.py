@@ -175,20 +175,22 @@ def fit(s: torch.Tensor, y: torch.Tensor, named_caps: list[float] = ()) -> tuple
 
 
 def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsupported]]:
+    from .head_adapters import adapter_of
+
     head = output_head(lm)
+    adapter = adapter_of(head)  # the head's raw output under LoRA or trained tokens (head_adapters.py)
     names = {m: n for n, m in lm.named_modules()}
     name, kind = names.get(head, "lm_head"), type(head).__name__
     ids, attention, _ = probe_batch(lm)
     with torch.no_grad():
         hidden = backbone_of(lm)(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
         y = lm(input_ids=ids, attention_mask=attention, use_cache=False).logits
-    if hidden.shape[-1] != head.weight.shape[-1]:
+    width = adapter.linear.weight.shape[-1]
+    if hidden.shape[-1] != width:
         return HeadTransform(), [Unsupported(name, kind, (
-            f"its input width is {head.weight.shape[-1]}, the backbone's last_hidden_state {hidden.shape[-1]}: the "
+            f"its input width is {width}, the backbone's last_hidden_state {hidden.shape[-1]}: the "
             "model transforms the hidden states between the backbone and the head"))]
-    s = hidden.double() @ head.weight.detach().double().T
-    if head.bias is not None:
-        s = s + head.bias.detach().double()
+    s = adapter.raw_output(hidden)
     if y.shape != s.shape:
         return HeadTransform(), [Unsupported(name, kind, f"the model's own logits have shape {tuple(y.shape)}, its "
                                              f"head's output h W^T + b on last_hidden_state {tuple(s.shape)}")]
@@ -210,7 +212,9 @@ def check(model: nn.Module) -> list[Unsupported]:
     and the difference; empty where there is nothing to observe (no Linear head, sharded parameters)."""
     view = view_of(model)
     lm, plan = view.lm, view.plan
-    if plan.head_transform is not None or not isinstance(view.head, nn.Linear) or sharded(lm):
+    from .head_adapters import refusal
+
+    if plan.head_transform is not None or refusal(view.head) or sharded(lm):
         return []
     with plain_mode(lm), float32_mode(lm) as upcast:
         transform, refused = _observe(lm, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)

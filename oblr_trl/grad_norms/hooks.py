@@ -21,6 +21,33 @@ from . import factors
 _REPLAYING: ContextVar[bool] = ContextVar("replaying", default=False)
 
 
+# Inside a layer that the pass runs under its own reentrant checkpoint (:mod:`.checkpointing`): "forward" in the
+# layer's forward (run without a graph), "recompute" in its backward's recomputation (where its modules are recorded);
+# None elsewhere. With the trainable parameters the recomputation's backward must also reach (``targets``): those of
+# modules whose input carries no gradient.
+_REENTRANT: ContextVar[tuple[str, list] | None] = ContextVar("reentrant", default=None)
+
+
+@contextmanager
+def reentrant_stage(stage: str, targets: list | None = None):
+    token = _REENTRANT.set((stage, targets if targets is not None else []))
+    try:
+        yield
+    finally:
+        _REENTRANT.reset(token)
+
+
+def _reentrant_stage() -> str | None:
+    found = _REENTRANT.get()
+    return None if found is None else found[0]
+
+
+def _recompute_targets(module: nn.Module) -> None:
+    """A module recorded in a reentrant recomputation whose input carries no gradient: its trainable parameters (and
+    those it uses functionally) become targets of that recomputation's backward, so that it reaches the module."""
+    _REENTRANT.get()[1].extend(p for p in module.parameters() if p.requires_grad)
+
+
 def replaying() -> bool:
     """Whether a per-row re-run is under way (the capture hooks then record nothing)."""
     return _REPLAYING.get()
@@ -119,7 +146,8 @@ def in_backward() -> bool:
 
 
 def checkpointed_layers(backbone: nn.Module) -> list[nn.Module]:
-    """Layers that transformers will run under (non-reentrant) gradient checkpointing in this forward."""
+    """Layers that transformers will run under gradient checkpointing in this forward (reentrant ones run under the
+    pass's own checkpoint, :mod:`.checkpointing`)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # pragma: no cover - older transformers
@@ -187,8 +215,9 @@ class _Capture:
     def call_hook(self, module, args, kwargs, output):
         """A whole call: arguments, keyword arguments and every output that carries a gradient."""
         batch = self.batch
-        if replaying() or (in_backward() and self.calls[module]):
-            return None
+        stage = _reentrant_stage()
+        if replaying() or stage == "forward" or (in_backward() and self.calls[module] and stage != "recompute"):
+            return None  # a reentrant layer's forward: recorded in its recomputation
         if batch > 1 and torch.is_tensor(output) and output.dim() and output.shape[0] == 1 and output.requires_grad:
             output = output.expand(batch, *output.shape[1:])  # shared by every row: gradient per row
         # Each output that carries a gradient is replaced by a fresh view of itself, so that its hook sees only the
@@ -209,8 +238,11 @@ class _Capture:
         record.output_grad = [None] * len(outputs)
         self.records.append(record)
         live_inputs = input_tensors(args, kwargs)
-        self.inputs_with_grad.extend(map(gradient_edge, live_inputs))
         record.input_has_grad = bool(live_inputs)
+        if stage != "recompute":
+            self.inputs_with_grad.extend(map(gradient_edge, live_inputs))
+        elif not live_inputs:
+            _recompute_targets(module)
         for i, o in enumerate(outputs):
             o.register_hook(lambda grad, record=record, i=i: None if self.closed else
                             record.output_grad.__setitem__(i, grad.detach()))
@@ -221,12 +253,16 @@ class _Capture:
         gradient when the backward reaches it."""
         if replaying():
             return None
+        stage = _reentrant_stage()
+        if stage == "forward":  # a reentrant layer's forward (no graph): its calls counted, recorded when recomputed
+            self.calls[module] += 1
+            return None
         if not args or not torch.is_tensor(args[0]) or not torch.is_tensor(output) or not output.requires_grad:
             return None
         returned = None
         if self.batch > 1 and output.dim() and output.shape[0] == 1:
             output = returned = output.expand(self.batch, *output.shape[1:])  # shared by every row: gradient per row
-        if in_backward() and module in self.in_checkpointed and self.calls[module]:
+        if in_backward() and module in self.in_checkpointed and self.calls[module] and stage != "recompute":
             return returned  # the recomputation of a module that ran in the forward: paired by the pre-hook
         deferred = module in self.in_checkpointed and not in_backward()
         try:
@@ -242,7 +278,9 @@ class _Capture:
             self.waiting[module].append(record)
         if not args[0].requires_grad:
             record.input_has_grad = False
-        elif not deferred:
+            if stage == "recompute":
+                _recompute_targets(module)
+        elif not deferred and stage != "recompute":
             self.inputs_with_grad.append(gradient_edge(args[0]))
 
         def grad_hook(grad, record=record):

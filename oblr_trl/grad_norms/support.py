@@ -11,7 +11,7 @@ from torch import nn
 from . import generic, soft_prompt
 from . import experts, lora_experts, routers  # noqa: F401 (their call rules register on import)
 from .ledger import functional_owners
-from .lm import output_head, unwrap_causal_lm, unwrap_distributed
+from .lm import unwrap_causal_lm, unwrap_distributed
 from .plan import ModelPlan, ModelView, view_of
 from .recognise import find_rule
 from .rules import CallRule, Rule, find_call_rule, registered, switched_off_now
@@ -22,13 +22,6 @@ ADVICE = (
     "the SNR step size needs the exact norms, so it must be off too), or register a rule with "
     "oblr_trl.grad_norms.register_grad_norm_rule."
 )
-
-TIED_TOKENS = (
-    "PEFT's trainable_token_indices on a model with tied embeddings wraps the LM head too: the trained token rows, "
-    "shared with the input embedding, replace those rows of the head's weight, and the per-sequence pass forms the "
-    "head's share only for an nn.Linear head, so these rows' gradient through the head would be missing. Exact "
-    "instead: LoRA on the embedding (target_modules including 'embed_tokens', exact with tied embeddings), or "
-    "trainable_token_indices on a model whose embeddings are not tied")
 
 @dataclass(frozen=True)
 class Unsupported:
@@ -218,16 +211,12 @@ def outside_modules(model: nn.Module) -> list[Unsupported]:
 
 def unsupported_modules(model: nn.Module) -> list[Unsupported]:
     """Every trainable module of ``model`` (a causal LM, possibly PEFT/DDP-wrapped) the exact norms do not cover, by
-    type (the probe of :func:`~.coverage.validate` checks the rest by running them)."""
+    type; the head is :func:`~.head_adapters.refusal`'s, which :func:`~.coverage.validate` adds (its probe checks the
+    rest by running them)."""
     lm = unwrap_causal_lm(model)
     found = outside_modules(model)
     if not any(p.requires_grad for p in lm.parameters()):
         return found
-    head = output_head(lm)
-    if type(head).__name__ == "TrainableTokensWrapper":  # PEFT's trainable_token_indices on tied embeddings
-        found.append(Unsupported("lm_head", type(head).__name__, TIED_TOKENS))
-    elif not isinstance(head, nn.Linear):
-        found.append(Unsupported("lm_head", type(head).__name__, "the LM head must be an nn.Linear"))
     return found + coverage_plan(model).unsupported
 
 

@@ -95,15 +95,6 @@ def test_gradient_checkpointing_gives_the_same_norms():
     torch.testing.assert_close(ckpt.inner_products(2), kept.inner_products(2), rtol=1e-5, atol=1e-4)
 
 
-def test_reentrant_checkpointing_is_refused_with_the_option_to_set():
-    model = qwen3(tie=False)
-    model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    ids, attention, completion_mask = padded_batch()
-    with pytest.raises(UnsupportedModulesError, match="use_reentrant': False"):
-        per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
-
-
 def test_frozen_model_gives_zero_norms():
     model = qwen3(tie=True).requires_grad_(False)
     ids, attention, completion_mask = padded_batch()

@@ -83,25 +83,52 @@ def test_a_trainable_parameter_outside_the_causal_lm_is_checked_not_skipped():
     assert [f.name for f in found] == ["prompt_encoder.default.embedding"]
 
 
-def test_trainable_tokens_on_tied_embeddings_are_refused_with_the_reason_and_the_advice_works():
-    """trainable_token_indices with tied embeddings puts the trained rows in the LM head too, which the pass forms
-    only for an nn.Linear head: refused saying so (it said "the LM head must be an nn.Linear"), the model unchanged;
-    the advice (LoRA on the embedding) is exact on the same tied model."""
-    from oblr_trl.grad_norms.fingerprint import differences, fingerprint
+# The LM head under an adapter (head_adapters.py). Before: LoRA on lm_head was refused ("the LM head must be an
+# nn.Linear"), and trainable_token_indices on tied embeddings (the trained rows sit in the head too) as well.
+HEAD_ADAPTERS = {
+    "LoRA on lm_head and q_proj": dict(target_modules=["q_proj", "lm_head"], init_lora_weights="gaussian"),
+    "LoRA on lm_head alone": dict(target_modules=["lm_head"], init_lora_weights="gaussian"),
+    "trainable_token_indices": dict(target_modules=["q_proj"], trainable_token_indices=[1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("kind", list(HEAD_ADAPTERS))
+def test_head_adapters_are_exact(kind, tie):
+    """Squared norms and within-group inner products (streamed, as the two-pass path takes them) against per-row
+    autograd; with tied embeddings the trained token rows are one parameter with the embedding's."""
+    from oblr_trl import per_sequence_grad_inner_products
+    from reference import per_sample_grads, within_group_products
+    from studies.zoo import build
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(build("Llama", tie), peft.LoraConfig(r=4, **HEAD_ADAPTERS[kind]))
+    assert validate(model) == []
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7).double()
+    reference = per_sample_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    assert reference[[0, 1, 3]].min() > 0
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-9)
+    products = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=2)
+    expected = within_group_products(per_sample_grads(model, ids, attention, completion_mask), 2)
+    torch.testing.assert_close(products.double(), expected, rtol=1e-5, atol=1e-8)
+
+
+def test_dora_on_the_head_is_refused_by_name_and_the_advice_works():
+    """DoRA on lm_head: refused naming the head; the advice (plain LoRA on it) is exact on the same model."""
     from oblr_trl.grad_norms.support import UnsupportedModulesError
     from studies.zoo import build
 
-    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
     torch.manual_seed(0)
-    model = peft.get_peft_model(build("Llama", True), peft.LoraConfig(r=4, target_modules=["q_proj"],
-                                                                    trainable_token_indices=[1, 2, 3]))
-    before = fingerprint(model)
-    with pytest.raises(UnsupportedModulesError, match="trainable_token_indices on a model with tied embeddings"):
+    model = peft.get_peft_model(build("Llama", True), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"],
+                                                                    use_dora=True))
+    with pytest.raises(UnsupportedModulesError, match="'lm_head'.*DoRA") as refused:
         validate(model)
-    assert differences(before, fingerprint(model)) == []
+    assert "LoRA on it with one active adapter, no DoRA" in str(refused.value)
     torch.manual_seed(0)
-    model = peft.get_peft_model(build("Llama", True), peft.LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"],
+    model = peft.get_peft_model(build("Llama", True), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"],
                                                                     init_lora_weights="gaussian"))
     assert validate(model) == []
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
     ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask).double()
     torch.testing.assert_close(ours, per_sample_sq_norms(model, ids, attention, completion_mask), rtol=1e-5, atol=1e-9)

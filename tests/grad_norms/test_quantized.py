@@ -328,26 +328,27 @@ def test_a_quantized_model_that_cannot_run_in_float32_is_judged_as_it_computes_w
     assert any("cannot be checked in float32" in r.getMessage() for r in caplog.records)
 
 
-def test_prepare_model_for_kbit_training_default_is_refused_and_the_advice_works(saved):
+def test_prepare_model_for_kbit_training_defaults_are_exact(saved):
     """PEFT's QLoRA preparation turns reentrant checkpointing on by default (transformers' and TRL's default is
-    non-reentrant): refused with advice that names that call; the advice, applied, gives per-row autograd's norms."""
-    def prepared(**kwargs):
-        base = AutoModelForCausalLM.from_pretrained(saved, quantization_config=BitsAndBytesConfig(load_in_4bit=True),
-                                                    dtype=torch.float32)
-        base = peft.prepare_model_for_kbit_training(base, **kwargs)
-        torch.manual_seed(0)
-        return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0,
-                                                         init_lora_weights="gaussian")).train()
+    non-reentrant); the pass runs those layers under its own checkpoint (grad_norms/checkpointing.py) and gives
+    per-row autograd's norms, taken on a fresh copy without checkpointing. (Before, refused.)"""
+    import copy
 
+    base = AutoModelForCausalLM.from_pretrained(saved, quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+                                                dtype=torch.float32)
+    base = peft.prepare_model_for_kbit_training(base)  # its defaults: reentrant checkpointing
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0,
+                                                      init_lora_weights="gaussian")).train()
+    from oblr_trl.grad_norms.checkpointing import runs_reentrant
+
+    assert runs_reentrant(model)
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
-    with pytest.raises(UnsupportedModulesError) as refused:
-        per_sequence_grad_sq_norms(prepared(), ids, attention, completion_mask)
-    advice = "prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={'use_reentrant': False})"
-    assert advice in str(refused.value)
-    model = prepared(gradient_checkpointing_kwargs={"use_reentrant": False})  # the advice
-    assert model.base_model.model.is_gradient_checkpointing
     ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask).double()
-    expected = per_sample_sq_norms(model, ids, attention, completion_mask)
+    fresh = copy.deepcopy(model)
+    fresh.base_model.model.gradient_checkpointing_disable()
+    expected = per_sample_sq_norms(fresh, ids, attention, completion_mask)
     assert expected[[0, 1, 3]].min() > 0
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-9)
+    assert runs_reentrant(model)  # the model's own setting, kept
 

@@ -105,3 +105,69 @@ def test_the_soft_prompt_advice_without_exact_norms_works():
     trainer, _ = train(OBLRPOTrainer, args, model=build_model(TOKENIZER),
                        peft_config=peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     assert trainer.state.global_step == 1
+
+
+@pytest.mark.parametrize("config", [dict(gradient_checkpointing=False),
+                                    dict(gradient_checkpointing_kwargs={"use_reentrant": True})],
+                         ids=["model's own checkpointing", "use_reentrant=True in the config"])
+def test_qlora_prepared_with_its_defaults_trains_on_exact_norms(tmp_path, config, monkeypatch):
+    """PEFT's QLoRA recipe, `prepare_model_for_kbit_training(model)` with its defaults, turns on reentrant gradient
+    checkpointing. Asked for in the config too (as TRL forces it for PEFT under DeepSpeed ZeRO-3), the norms pass
+    runs every layer under its own reentrant checkpoint, each step, and the model still runs reentrant after; with
+    checkpointing left to the model, TRL's generation turns it back on with the config's kwargs (non-reentrant) from
+    the first step. Either way it trains, on norms that are per-row autograd's (of TRL's bf16 adapters, within bf16's
+    rounding). (Before: refused wherever the norms pass met reentrant checkpointing.)"""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from oblr_trl.grad_norms import checkpointing
+    from oblr_trl.grad_norms.checkpointing import runs_reentrant
+
+    pytest.importorskip("bitsandbytes")
+    layers_run = []  # each layer run under the norms pass's own reentrant checkpoint
+    monkeypatch.setattr(checkpointing, "norms_checkpoint",
+                        lambda *a, real=checkpointing.norms_checkpoint: layers_run.append(1) or real(*a))
+    folder = tmp_path / "tiny"
+    build_model(TOKENIZER).save_pretrained(folder)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+    base = peft.prepare_model_for_kbit_training(base)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                      lora_dropout=0.0, init_lora_weights="gaussian"))
+    assert runs_reentrant(model)
+    args = OBLRPOConfig(**common_args(max_steps=2, bf16=False), one_backward=False, **config)
+    trainer, _ = train(Snapshot, args, model=model)
+    assert trainer.state.global_step == 2
+    if config.get("gradient_checkpointing_kwargs"):
+        assert runs_reentrant(trainer.model)
+        assert len(layers_run) >= 2 * len(trainer.model.get_base_model().model.layers)  # each step's norms pass
+    ours, expected = batch_norms_against_autograd(trainer, trainer.initial)
+    assert expected.max() > 0
+    torch.testing.assert_close(ours, expected, rtol=1e-2, atol=1e-10)
+
+
+def test_trainable_tokens_on_tied_embeddings_fail_in_grpo_trainers_loss_and_train_on_one_backward():
+    """trainable_token_indices on tied embeddings (exact norms: tests/grad_norms/test_peft.py). TRL 1.16's
+    GRPOTrainer fails on it in its first loss forward (its fused head reads ``lm_head.bias``, which PEFT's
+    TrainableTokensWrapper lacks), and so does OBLRPOTrainer's two-pass path, which runs TRL's loss; one_backward
+    (the CPU's automatic choice here) forms the update from the norms pass itself (per-row autograd's update:
+    tests/test_one_backward.py) and trains. When the GRPOTrainer case fails, TRL has learned to train it: OBLR-PO's
+    two-pass path should then be tested training it."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    def trainer(cls, config, **kwargs):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(build_model(TOKENIZER), peft.LoraConfig(
+            r=4, target_modules=["q_proj"], trainable_token_indices=[5, 6, 7], task_type="CAUSAL_LM"))
+        return cls(model=model, processing_class=TOKENIZER, reward_funcs=[length_reward], train_dataset=DATASET,
+                   args=config(**common_args(max_steps=1, bf16=False), **kwargs))
+
+    for failing in (trainer(GRPOTrainer, GRPOConfig), trainer(OBLRPOTrainer, OBLRPOConfig, one_backward=False)):
+        with pytest.raises(AttributeError, match="'TrainableTokensWrapper' object has no attribute 'bias'"):
+            failing.train()
+    one = trainer(OBLRPOTrainer, OBLRPOConfig, lr_scale_min=0.5)  # the rows move even where the SNR is ~0
+    rows = one.model.get_base_model().model.embed_tokens.token_adapter.trainable_tokens_delta["default"]
+    before = rows.detach().clone()
+    one.train()
+    assert one.uses_one_backward and one.state.global_step == 1
+    assert not torch.equal(rows.detach(), before) and torch.isfinite(rows).all()

@@ -154,3 +154,40 @@ def test_accelerate_launch_with_the_example_zero3_config_on_two_processes(plain,
     zero = json.loads(out.read_text())
     assert_ran_zero(zero, 3, world_size=2)
     assert_same_training(plain, zero, rel=1e-5)
+
+
+# ------------------------------------------- LoRA + gradient checkpointing under ZeRO-3 (TRL forces reentrant there)
+@pytest.fixture(scope="module")
+def plain_lora(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("plain_lora"), 1, 16, "fp32+lora")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_lora_with_checkpointing_under_accelerate_zero3_matches_the_plain_run(plain_lora, tmp_path, nproc):
+    """TRL's `--use_peft` recipe under `accelerate launch` with the example ZeRO-3 config: GRPOTrainer forces
+    reentrant gradient checkpointing for PEFT there; the norms pass runs those layers under its own checkpoint. The
+    same advantages, lr scales and trained adapters as a plain LoRA run (non-reentrant), every rank's update taken
+    with the one scaled lr. (Before: refused at the first norms pass.)"""
+    out = tmp_path / f"zero3-lora-{nproc}.json"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
+           os.path.join(ROOT, "examples", "accelerate_configs", "deepspeed_zero3.yaml"), "--num_processes",
+           str(nproc), "--mixed_precision", "no", SCRIPT, str(out), str(16 // nproc), "fp32+lora"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    zero = json.loads(out.read_text())
+    assert_ran_zero(zero, 3, world_size=nproc)
+    assert all(facts["reentrant_checkpointing"] for facts in zero["fsdp"])  # as TRL set it, on every rank
+    assert zero["gradient_checkpointing"] and not any(f["reentrant_checkpointing"] for f in plain_lora["fsdp"])
+    assert_same_training(plain_lora, zero, rel=1e-5)
+    assert_applied_is_scheduled_times_scale(zero)
+
+
+def test_zero2_under_reentrant_checkpointing_matches_the_plain_run(plain, tmp_path):
+    """Full fine-tuning with `use_reentrant=True` under ZeRO-2, one process: the norms pass runs the layers under its
+    own checkpoint; the same training as the plain (non-reentrant) run."""
+    zero = run(tmp_path, 1, 16, "zero2+fp32+reentrant")
+    assert_ran_zero(zero, 2)
+    assert all(facts["reentrant_checkpointing"] for facts in zero["fsdp"])
+    assert_same_training(plain, zero)
+    assert_applied_is_scheduled_times_scale(zero)

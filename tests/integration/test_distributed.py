@@ -173,3 +173,19 @@ def test_exact_norms_on_an_fsdp2_sharded_model(tmp_path):
     for result in ranks:
         assert result["ours"] == pytest.approx(result["reference"], rel=1e-4)
         assert result["no_grad_left"] and result["step_ok"]
+
+
+def test_two_ddp_processes_under_reentrant_checkpointing_match_one_plain_process(tmp_path):
+    """`gradient_checkpointing_kwargs={"use_reentrant": True}` on two DDP processes: each rank's norms pass runs the
+    layers under its own checkpoint (the model keeps its setting: DDP's backward is the reentrant one); the same
+    advantages, gradient norm, lr scale and trained parameters as one non-reentrant process (fp32).
+    (Before: refused at the first norms pass.)"""
+    one, two = run(tmp_path, 1, 16, "fp32"), run(tmp_path, 2, 8, "fp32+reentrant")
+    assert two["world_size"] == 2 and all(f["reentrant_checkpointing"] for f in two["fsdp"])
+    assert not any(f["reentrant_checkpointing"] for f in one["fsdp"])
+    for ours, theirs in zip(one["records"], two["records"]):
+        assert [r[:2] for r in ours] == [r[:2] for r in theirs]
+        assert max(abs(a[2] - b[2]) for a, b in zip(ours, theirs)) < 1e-5
+    assert two["lr_scale"] == pytest.approx(one["lr_scale"], rel=1e-5) and 0 < one["lr_scale"][0] < 1
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)

@@ -201,7 +201,7 @@ def render_when(arms: list[dict], contrasts: list[dict], planned_seeds: int, del
              f"{r['seconds_per_step_range'][1]:.0f})" + (f" and {r['peak_rss_gb']:.1f} GB" if not
                                                          math.isnan(r["peak_rss_gb"]) else "")
              for r in arms if not math.isnan(r["seconds_per_step"])]
-    lines += ["", "**Cost** (median s/step of the ablation's runs on this 2-core CPU, evaluations included, with its "
+    lines += ["", "**Cost** (median s/step of the ablation's runs on a 2-core CPU, evaluations included, with its "
               "range over the runs, and peak memory): " + (", ".join(costs) if costs else "not measured yet")
               + ". No ratio is given here: the runs did not run under the same conditions (GRPO's and RLOO's "
               "whole-batch runs of the earlier round one at a time, for their memory; every other run two or three at "

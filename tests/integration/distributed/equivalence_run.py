@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.demo.tiny import build_model, build_tokenizer
+from oblr_trl.grad_norms.checkpointing import runs_reentrant
 
 GROUP = 4
 TOKENIZER = build_tokenizer()
@@ -148,7 +149,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     global DEGENERATE_FROM, NAN_FOR_EMPTY
     flags = set(mode.split("+"))
     assert flags <= {"ddp", "degenerate", "nan", "fsdp2", "fp32", "one_backward", "ga2", "chunk", "zero0", "zero1",
-                     "zero2", "zero3", "offload", "save", "resume", "ema"}, mode
+                     "zero2", "zero3", "offload", "save", "resume", "ema", "lora", "reentrant"}, mode
     if "chunk" in flags:  # no chunk fits: one_backward under checkpointing (on here) runs one group at a time
         import oblr_trl.path_choice
 
@@ -175,19 +176,28 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         extra.update(save_strategy="steps", save_steps=1)
     if "ema" in flags:  # step 2's scale depends on step 1's SNR state: a resume must carry it over
         extra["snr_ema"] = 0.5
+    if "reentrant" in flags:  # reentrant gradient checkpointing asked for (TRL forces it for LoRA under ZeRO-3)
+        extra["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
     extra.setdefault("save_strategy", "no")
     args = OBLRPOConfig(
         output_dir=output_dir, per_device_train_batch_size=per_device, num_generations=GROUP,
         max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", use_cpu=True, learning_rate=1e-2,
         seed=0, data_seed=0, disable_tqdm=True, **extra,
     )
+    if "lora" in flags:  # TRL's --use_peft recipe; under ZeRO-3 TRL forces reentrant checkpointing for it
+        from peft import LoraConfig
+
+        extra_trainer = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                   init_lora_weights="gaussian")}
+    else:
+        extra_trainer = {}
     warnings = []  # OBLR-PO's warnings on this rank (e.g. one_backward switched off under DeepSpeed)
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("oblr_trl.trainer").addHandler(handler)
     torch.manual_seed(0)
     trainer = Recorder(model=build_model(TOKENIZER), processing_class=TOKENIZER, reward_funcs=[ones_reward], args=args,
-                       train_dataset=dataset, rollout_func=deterministic_rollout)
+                       train_dataset=dataset, rollout_func=deterministic_rollout, **extra_trainer)
     if "one_backward" in flags:
         trainer.ALL_REDUCE_BUCKET = 4096  # many small all-reduce buckets, as a large model would have
     lr_recorder = RecordLR()
@@ -206,6 +216,7 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
         "root_is_fsdp": isinstance(trainer.model_wrapped, FSDPModule),
         "all_params_dtensor": all(isinstance(p, DTensor) for p in trainer.model_wrapped.parameters()),
         "optimizer_params_dtensor": all(isinstance(p, DTensor) for g in trainer.optimizer.param_groups for p in g["params"]),
+        "reentrant_checkpointing": runs_reentrant(trainer.model_wrapped),
     }
     if trainer.is_deepspeed_enabled:  # from the config (zero*) or from `accelerate launch`'s DeepSpeed plugin
         stage = trainer.model_wrapped.zero_optimization_stage()
