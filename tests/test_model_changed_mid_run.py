@@ -100,7 +100,7 @@ def test_a_change_mid_run_keeps_the_norms_and_the_update_exact(change, ckpt, mon
     assert len(one_grads) == len(two_grads) == 3
     for step, (a, b) in enumerate(zip(one_grads, two_grads), 1):
         assert a.shape == b.shape, step
-        assert float((a - b).norm() / b.norm()) <= 3e-2, step
+        assert float((a - b).norm()) <= 3e-2 * float(b.norm()) + 1e-6, step  # 0 where every advantage is 0
 
 
 def test_an_unchanged_model_is_probed_once_more_after_the_trainers_preparation(monkeypatch):
