@@ -37,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=["regime", "compare", "low_n"], default=None)
     p.add_argument("--no_run", action="store_true")
-    p.add_argument("--arms", nargs="+", default=["GRPO", "OBLR-PO"], choices=["GRPO", "OBLR-PO", "SNR-only", "baseline-only"],
-                   help="the arms of the compare and low_n phases")
+    p.add_argument("--arms", nargs="+", default=["GRPO", "OBLR-PO"],
+                   choices=["GRPO", "OBLR-PO", "OBLR-PO-calibrated", "SNR-only", "baseline-only"],
+                   help="the arms of the compare and low_n phases (OBLR-PO: learning_rate read as eta_max; "
+                   "OBLR-PO-calibrated: as the lr one would give GRPO)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (N)")
     p.add_argument("--low_prompts", type=int, default=2, help="N of the low-N phase")
     p.add_argument("--steps", type=int, default=50)

@@ -155,14 +155,16 @@ def render_regime(testbed: dict | None) -> list[str]:
     rows = []
     for n, cmp in sorted((testbed or {}).get("compare", {}).items(), key=lambda kv: -int(kv[0])):
         regime = testbed.get("regime", {}).get(n, {})
-        for metric in ("sampled (held-out)", "last-10 reward", "greedy (held-out)"):
-            c = cmp.get(metric)
+        # the drop-in lr reading (learning_rate = GRPO's lr; the package's default), where it ran
+        for reading, metric in [("", m) for m in ("sampled (held-out)", "last-10 reward", "greedy (held-out)")] + [
+                (", drop-in lr", m) for m in ("sampled (held-out)", "last-10 reward")]:
+            c = (cmp.get("calibrated", {}) if reading else cmp).get(metric)
             if not c or c.get("ci") is None:
                 continue
             lo, hi = c["ci"]
             verdict = "better" if lo > 0 else "worse" if hi < 0 else "no difference detected"
             f, b = regime.get("f_ref", regime.get("f", float("nan"))), regime.get("B_ref", regime.get("B", float("nan")))
-            rows.append([f"N = {n}, f = {f:.2f} (B = {b:.1f})",
+            rows.append([f"N = {n}, f = {f:.2f} (B = {b:.1f}){reading}",
                          metric, str(c["n"]), f"{c['mean']:+.1f} [{lo:+.1f}, {hi:+.1f}]", verdict,
                          f"{100 * c['power']:.0f}%", str(c.get("seeds_for_80") or ">60")])
     if not rows:
@@ -170,7 +172,8 @@ def render_regime(testbed: dict | None) -> list[str]:
     lines += ["From `results/testbed.json` (`testbed.py`, `testbed.md`): the testbed policy (0.29M parameters, digit "
               "reversal, a warm-up that leaves the choice of behaviour to RL, so its per-prompt gradients agree), "
               "OBLR-PO against GRPO each at the best lr of its own grid, paired over seeds; differences in points, "
-              "power to detect 3 points.", ""]
+              "power to detect 3 points. OBLR-PO's `learning_rate` read as eta_max, or (rows marked drop-in lr) as "
+              "the lr one would give GRPO, the package's default.", ""]
     lines += md_table(["regime", "metric", "seeds", "OBLR-PO - GRPO (pts) [95%]", "verdict", "power (3 pts)",
                        "seeds for 80%"], rows)
     return lines + [""]

@@ -103,3 +103,38 @@ def test_the_tables_render_from_records(tmp_path):
     diffs = [0.0] + [100 * (s / 90 - s / 100) + 2 for s in (1, 2, 3)]
     assert c["n"] == 4 and c["mean"] == pytest.approx(statistics.mean(diffs))
     assert result["regime"]["16"]["f"] == pytest.approx(0.8)
+
+
+def test_the_lr_agreement_counts_grid_steps_between_the_best_lrs():
+    assert T.lr_agreement(5e-4, 5e-4)["word"] == "the same lr"
+    a = T.lr_agreement(5e-4, 1e-3)
+    assert a["ratio"] == pytest.approx(2.0) and a["steps"] == pytest.approx(1.0) and a["word"] == "within one grid step"
+    b = T.lr_agreement(5e-4, 1.25e-4)
+    assert b["steps"] == pytest.approx(-2.0) and b["word"] == "2 grid steps apart"
+
+
+def test_the_drop_in_arm_has_its_own_records_contrast_and_sentence(tmp_path):
+    assert testbed_run.ARM_OPTIONS["OBLR-PO"]["snr_lr_mode"] == "eta_max"
+    assert testbed_run.ARM_OPTIONS["OBLR-PO-calibrated"]["snr_lr_mode"] == "calibrated"
+    assert S.run_name("OBLR-PO-calibrated", 1e-3, 0, 16, 50) != S.run_name("OBLR-PO", 1e-3, 0, 16, 50)
+    runs = [rec("GRPO", lr, 0, [0.3] * 10 + [0.3 + lr * 100] * 10) for lr in (5e-4, 1e-3, 2e-3)]
+    runs += [rec("OBLR-PO", lr, 0, [0.3] * 10 + [0.3 + lr * 90] * 10, b=4.0) for lr in (5e-4, 1e-3, 2e-3)]
+    runs += [rec("OBLR-PO-calibrated", lr, 0, [0.3] * 10 + [0.3 + (lr == 1e-3) * 0.3] * 10, b=4.0)
+             for lr in (5e-4, 1e-3, 2e-3)]
+    for s in (1, 2, 3):
+        runs += [rec("GRPO", 2e-3, s, [0.3] * 10 + [0.5] * 10, sampled=0.5),
+                 rec("OBLR-PO", 2e-3, s, [0.3] * 10 + [0.5] * 10, sampled=0.5, b=4.0),
+                 rec("OBLR-PO-calibrated", 1e-3, s, [0.3] * 10 + [0.5 + s / 100] * 10, sampled=0.5 + s / 100, b=4.0)]
+    args = argparse.Namespace(prompts=16, grid_seed=0, steps=20, points=3, testbed="{}", out=tmp_path / "testbed",
+                              search=tmp_path / "none")
+    T.render_all(args, runs, "cmd")
+    out = json.loads((tmp_path / "testbed.json").read_text())["compare"]["16"]
+    assert out["best"]["OBLR-PO-calibrated"] == 1e-3 and out["calibrated_lr"]["ratio"] == pytest.approx(0.5)
+    c = out["calibrated"]["sampled (held-out)"]  # seed 0 pairs too: 0.5 each at both best lrs
+    assert c["n"] == 4 and c["mean"] == pytest.approx(statistics.mean([0.0, 1.0, 2.0, 3.0]))
+    assert out["sampled (held-out)"]["mean"] == pytest.approx(0.0)
+    compare = (tmp_path / "testbed_compare.md").read_text()
+    assert "| OBLR-PO (drop-in lr) | sampled (held-out) | 4 |" in compare
+    assert "best `learning_rate` 0.001: 0.5x, within one grid step" in compare
+    assert "With the drop-in lr (best 0.001, 0.5x GRPO's: within one grid step): sampled held-out +1.5 pts" in (
+        tmp_path / "testbed_when.md").read_text()

@@ -101,3 +101,14 @@ def test_the_regime_question_states_each_contrast_with_its_verdict_and_power():
     assert "| N = 16, f = 0.82 (B = 3.6) | sampled (held-out) | 8 | -1.5 [-3.0, +0.2] | no difference detected | 61% | 12 |" in text
     assert "| last-10 reward | 8 | -4.0 [-6.0, -2.0] | worse |" in text
     assert "Not measured yet" in "\n".join(when_to_use.render_regime(None))
+
+
+def test_the_regime_question_states_the_drop_in_lr_contrast_on_its_own_rows():
+    contrast = dict(n=8, mean=-1.5, ci=[-3.0, 0.2], power=0.61, seeds_for_80=12)
+    better = dict(n=8, mean=2.5, ci=[0.5, 4.5], power=0.7, seeds_for_80=10)
+    testbed = dict(regime={"16": dict(B=3.6, f=0.82)},
+                   compare={"16": {"sampled (held-out)": contrast, "calibrated": {"sampled (held-out)": better}}})
+    text = "\n".join(when_to_use.render_regime(testbed))
+    assert "| N = 16, f = 0.82 (B = 3.6) | sampled (held-out) | 8 | -1.5 [-3.0, +0.2] |" in text
+    row = "| N = 16, f = 0.82 (B = 3.6), drop-in lr | sampled (held-out) | 8 | +2.5 [+0.5, +4.5] | better | 70% |"
+    assert row in text

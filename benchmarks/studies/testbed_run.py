@@ -3,7 +3,8 @@
     python benchmarks/studies/testbed_run.py '{"arm": "GRPO", "lr": 1e-3, "seed": 0, "prompts": 32, "steps": 50}' OUT.json
 
 Arms: GRPO (trl.GRPOTrainer, group-std reward scaling), GRPO-shuffled (the same with each step's rewards permuted
-across its completions: the same reward level, no information), OBLR-PO (the defaults), SNR-only (GRPO's advantages
+across its completions: the same reward level, no information), OBLR-PO (the defaults, ``learning_rate`` read as
+eta_max), OBLR-PO-calibrated (the defaults, ``learning_rate`` read as the lr one would give GRPO), SNR-only (GRPO's advantages
 under the SNR step), baseline-only (the gradient-weighted baseline at a constant lr). Every run: the cached warm
 policy, fresh training-split problems each step (``prompts`` x 8 completions at T = 1, 8 new tokens at most), a
 constant lr, 1 torch thread; held-out sampled accuracy (1 sample each of ``CURVE_PROBLEMS`` held-out problems) every
@@ -29,7 +30,8 @@ HISTORY_KEYS = ("reward", "oblr/lr_scale", "oblr/noise_scale", "oblr/snr", "oblr
 ARM_OPTIONS = {
     "GRPO": None,
     "GRPO-shuffled": None,
-    "OBLR-PO": {},
+    "OBLR-PO": dict(snr_lr_mode="eta_max"),  # learning_rate read as eta_max, the paper's reading
+    "OBLR-PO-calibrated": dict(snr_lr_mode="calibrated"),  # the drop-in reading: learning_rate as one would give GRPO
     "SNR-only": dict(baseline="mean", leave_one_out=False, scale_rewards="group"),
     "baseline-only": dict(snr_lr=False),
 }
@@ -81,7 +83,7 @@ def run(spec: dict) -> dict:
     else:
         options = dict(ARM_OPTIONS[arm])
         if "snr_lr_mode" in OBLRPOConfig.__dataclass_fields__ and options.get("snr_lr", True):
-            options["snr_lr_mode"] = spec.get("snr_lr_mode", "calibrated")
+            options.setdefault("snr_lr_mode", spec.get("snr_lr_mode", "calibrated"))
         config, trainer_cls = OBLRPOConfig(**options, **common), OBLRPOTrainer
     curve = []
 
@@ -111,7 +113,7 @@ def run(spec: dict) -> dict:
                if "reward" in e]
     return dict(spec=spec, arm=arm, lr=lr, seed=seed, prompts=prompts, steps=steps, group_size=GROUP,
                 testbed=tb_spec.key(), lr_mode=getattr(config, "snr_lr_mode", "eta_max") if arm in (
-                    "OBLR-PO", "SNR-only") else None, sampled=sum(sampled) / len(sampled), greedy=sum(greedy) / len(greedy),
+                    "OBLR-PO", "OBLR-PO-calibrated", "SNR-only") else None, sampled=sum(sampled) / len(sampled), greedy=sum(greedy) / len(greedy),
                 eval_problems=EVAL_PROBLEMS, eval_samples=EVAL_SAMPLES, curve=curve, history=history,
                 seconds=round(time.time() - start, 1), train_seconds=round(train_s, 1),
                 seconds_per_step=round(train_s / steps, 2), cpu_seconds=round(time.process_time() - cpu0, 1),

@@ -86,7 +86,7 @@ def grid_rows(runs: list[dict], arm: str, prompts: int, seed: int) -> list[list[
     for r in cells:
         first, last = S.first_last(r)
         applied = [h["oblr/lr"] for h in r["history"] if "oblr/lr" in h]
-        rows.append([arm, lr_of(r), r.get("lr_mode") or "-", f"{statistics.mean(applied):.3g}" if applied else lr_of(r),
+        rows.append([label(arm), lr_of(r), r.get("lr_mode") or "-", f"{statistics.mean(applied):.3g}" if applied else lr_of(r),
                      pct(first), pct(last),
                      f"{100 * (last - first):+.1f}", pct(r["sampled"]), pct(r["greedy"])])
     return rows
@@ -118,17 +118,34 @@ METRICS = {"sampled (held-out)": lambda r: r["sampled"], "last-10 reward": S.las
            "greedy (held-out)": lambda r: r["greedy"]}
 
 
-ARMS = ("GRPO", "OBLR-PO", "SNR-only", "baseline-only")
+ARMS = ("GRPO", "OBLR-PO", "OBLR-PO-calibrated", "SNR-only", "baseline-only")
+LABEL = {"OBLR-PO-calibrated": "OBLR-PO (drop-in lr)"}  # records keep the arm's key; tables show its label
+
+
+def label(arm: str) -> str:
+    return LABEL.get(arm, arm)
+
+
+def lr_agreement(grpo: float, other: float, ratio: float = 2.0) -> dict:
+    """How far `other`'s best lr lies from GRPO's: their ratio, in grid steps (`ratio` apart), and a word."""
+    steps = math.log(other / grpo) / math.log(ratio)
+    word = ("the same lr" if abs(steps) < 0.5 else "within one grid step" if abs(steps) < 1.5 else
+            f"{abs(steps):.0f} grid steps apart")
+    return dict(grpo=grpo, other=other, ratio=other / grpo, steps=steps, word=word)
 
 
 def compare_section(runs: list[dict], prompts: int, grid_seed: int, points: int = 5) -> tuple[list[str], dict]:
-    """Each arm at its best lr against GRPO, paired by seed. ``out[metric]``: OBLR-PO's contrast; ``out["halves"]``
-    the halves' (SNR-only, baseline-only) where they ran."""
+    """Each arm at its best lr against GRPO, paired by seed. ``out[metric]``: OBLR-PO's contrast; ``out["calibrated"]``
+    OBLR-PO's in the drop-in lr reading; ``out["halves"]`` the halves' (SNR-only, baseline-only) where they ran."""
     present = [a for a in ARMS if any(r["arm"] == a and r["prompts"] == prompts for r in runs)]
     best = {arm: best_of(runs, arm, prompts, grid_seed, points) for arm in present}
     lines = [f"Best lr on seed {grid_seed} (highest last-10 training reward): "
-             + ", ".join(f"{a} {'-' if b is None else f'{b:.3g}'}" for a, b in best.items()) + ".", ""]
+             + ", ".join(f"{label(a)} {'-' if b is None else f'{b:.3g}'}" for a, b in best.items()) + ".", ""]
     out = dict(best=best)
+    if best.get("GRPO") is not None and best.get("OBLR-PO-calibrated") is not None:
+        agree = out["calibrated_lr"] = lr_agreement(best["GRPO"], best["OBLR-PO-calibrated"])
+        lines[-2] += (f" GRPO's best lr {agree['grpo']:.3g} against OBLR-PO (drop-in lr)'s best `learning_rate` "
+                      f"{agree['other']:.3g}: {agree['ratio']:.3g}x, {agree['word']} (grid steps 2x).")
     if best.get("GRPO") is None or best.get("OBLR-PO") is None:
         return lines, out
     best = {a: b for a, b in best.items() if b is not None}
@@ -145,11 +162,13 @@ def compare_section(runs: list[dict], prompts: int, grid_seed: int, points: int 
             c = S.contrast(o, g, DELTA)
             if arm == "OBLR-PO":
                 out[name] = c
+            elif arm == "OBLR-PO-calibrated":
+                out.setdefault("calibrated", {})[name] = c
             else:
                 out.setdefault("halves", {}).setdefault(arm, {})[name] = c
             ci = "-" if c["ci"] is None else f"[{c['ci'][0]:+.1f}, {c['ci'][1]:+.1f}]"
             common = c["seeds"]
-            rows.append([arm, name, str(c["n"]), pct(statistics.mean(g[s] for s in common)) if common else "-",
+            rows.append([label(arm), name, str(c["n"]), pct(statistics.mean(g[s] for s in common)) if common else "-",
                          pct(statistics.mean(o[s] for s in common)) if common else "-", f"{c['mean']:+.1f}", ci,
                          "-" if c["power"] != c["power"] else f"{100 * c['power']:.0f}%",
                          str(c["seeds_for_80"] or ">60")])
@@ -165,7 +184,7 @@ def compare_section(runs: list[dict], prompts: int, grid_seed: int, points: int 
         curve = S.smoothed(S.mean_curve(seeds[arm]))
         k = S.rollouts_to_reach(curve, target, per_step)
         k90 = S.rollouts_to_reach(curve, nine_tenths, per_step)
-        reach.append([arm, str(len(seeds[arm])), "not reached" if k is None else f"{k:,}",
+        reach.append([label(arm), str(len(seeds[arm])), "not reached" if k is None else f"{k:,}",
                       "not reached" if k90 is None else f"{k90:,}", f"{len(curve) * per_step:,}"])
         out.setdefault("rollouts", {})[arm] = k
         out.setdefault("rollouts_90", {})[arm] = k90
@@ -196,7 +215,7 @@ def figure(runs: list[dict], prompts: int, best: dict, path: Path) -> bool:
             continue
         curve = S.mean_curve(rs)
         ax.plot([(i + 1) * prompts * 8 for i in range(len(curve))], [100 * v for v in curve],
-                label=f"{arm} (lr {lr:.3g}, {len(rs)} seeds)")
+                label=f"{label(arm)} (lr {lr:.3g}, {len(rs)} seeds)")
     ax.set_xlabel("rollouts")
     ax.set_ylabel("training reward (%)")
     ax.set_title(f"Testbed, N = {prompts} x 8: seed-mean training reward")
@@ -258,7 +277,7 @@ def render_all(args, runs: list[dict], command: str) -> None:
              "from the records in `benchmarks/results/testbed_runs/` (runs as in `testbed_regime.md`). Each arm's lr "
              f"grid on seed {args.grid_seed} (the SNR arms' `learning_rate` read as the \"lr reading\" column says: "
              "`eta_max`, the paper's reading, in the runs made before the package's drop-in reading was installed; "
-             "`calibrated`, the lr one would give GRPO, after), then seeds at each arm's best lr; paired by seed (the same "
+             "`calibrated`, the lr one would give GRPO, the package's default: the arm OBLR-PO (drop-in lr)), then seeds at each arm's best lr; paired by seed (the same "
              "warm policy, problems and first batch). Differences in points with Student-t 95% intervals; power of "
              f"the paired t-test to detect {DELTA:g} points at the observed spread.", ""]
     result = {}
@@ -337,11 +356,17 @@ def when_text(learning: dict, regime: dict, compare: dict) -> str:
         r90 = ", ".join(f"{a} {'never' if k is None else f'{k:,}'}" for a, k in out.get("rollouts_90", {}).items()
                         if a in ("GRPO", "OBLR-PO"))
         parts.append(text + f". Rollouts to 90% of GRPO's gain: {r90}.")
+        if "calibrated" in out and "calibrated_lr" in out:
+            a = out["calibrated_lr"]
+            primary = {m: c for m, c in out["calibrated"].items() if m in ("sampled (held-out)", "last-10 reward")}
+            parts.append(f"With the drop-in lr (best {a['other']:.3g}, {a['ratio']:.3g}x GRPO's: {a['word']}): "
+                         f"{contrast_text(primary)}.")
     learned = ""
     if learning:
         learned = (f"GRPO learns (reward gain {100 * learning['grpo_gain_min']:+.1f} pts or more; shuffled-reward "
                    f"control {100 * learning['shuffled_gain_max']:+.1f} or less). ")
-    judged = [out[m] for out in compare.values() for m in METRICS if m in out and out[m].get("ci")]
+    judged = [c[m] for out in compare.values() for c in (out, out.get("calibrated", {})) for m in METRICS
+              if m in c and c[m].get("ci")]
     excluded = any(c["ci"][0] > 0 or c["ci"][1] < 0 for c in judged)
     tail = (" An interval excludes 0: on this policy only." if excluded else
             " No interval excludes 0: no default changes." if judged else "")
