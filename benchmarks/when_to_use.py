@@ -157,7 +157,7 @@ def render_regime(testbed: dict | None) -> list[str]:
         regime = testbed.get("regime", {}).get(n, {})
         # the drop-in lr reading (learning_rate = GRPO's lr; the package's default), where it ran
         for reading, metric in [("", m) for m in ("sampled (held-out)", "last-10 reward", "greedy (held-out)")] + [
-                (", drop-in lr", m) for m in ("sampled (held-out)", "last-10 reward")]:
+                (", drop-in lr", m) for m in ("sampled (held-out)", "last-10 reward", "greedy (held-out)")]:
             c = (cmp.get("calibrated", {}) if reading else cmp).get(metric)
             if not c or c.get("ci") is None:
                 continue

@@ -136,5 +136,5 @@ def test_the_drop_in_arm_has_its_own_records_contrast_and_sentence(tmp_path):
     compare = (tmp_path / "testbed_compare.md").read_text()
     assert "| OBLR-PO (drop-in lr) | sampled (held-out) | 4 |" in compare
     assert "best `learning_rate` 0.001: 0.5x, within one grid step" in compare
-    assert "With the drop-in lr (best 0.001, 0.5x GRPO's: within one grid step): sampled held-out +1.5 pts" in (
+    assert "Drop-in lr (best 0.001, 0.5x GRPO's): sampled held-out +1.5 pts" in (
         tmp_path / "testbed_when.md").read_text()

@@ -333,8 +333,8 @@ def contrast_text(cs: dict) -> str:
     powers = [cs[m]["power"] for m in METRICS if m in cs and cs[m]["power"] == cs[m]["power"]]
     seeds = max((cs[m]["n"] for m in METRICS if m in cs), default=0)
     if powers:
-        said += (f" ({seeds} paired seeds; power {100 * min(powers):.0f}-{100 * max(powers):.0f}% for {DELTA:g} "
-                 "pts)")
+        lo, hi = f"{100 * min(powers):.0f}", f"{100 * max(powers):.0f}"
+        said += f" ({seeds} paired seeds; power {lo if lo == hi else f'{lo}-{hi}'}% for {DELTA:g} pts)"
     return said
 
 
@@ -353,14 +353,11 @@ def when_text(learning: dict, regime: dict, compare: dict) -> str:
             continue
         mode = f", read as {out['lr_mode']}" if out.get("lr_mode") else ""
         text = f"{head} at best lrs ({out['best']['GRPO']:.3g}; {out['best']['OBLR-PO']:.3g}{mode}): {contrast_text(out)}"
-        r90 = ", ".join(f"{a} {'never' if k is None else f'{k:,}'}" for a, k in out.get("rollouts_90", {}).items()
-                        if a in ("GRPO", "OBLR-PO"))
-        parts.append(text + f". Rollouts to 90% of GRPO's gain: {r90}.")
+        parts.append(text + ".")  # rollouts to reach: in the comparison's table (Evidence quotes this text)
         if "calibrated" in out and "calibrated_lr" in out:
             a = out["calibrated_lr"]
             primary = {m: c for m, c in out["calibrated"].items() if m in ("sampled (held-out)", "last-10 reward")}
-            parts.append(f"With the drop-in lr (best {a['other']:.3g}, {a['ratio']:.3g}x GRPO's: {a['word']}): "
-                         f"{contrast_text(primary)}.")
+            parts.append(f"Drop-in lr (best {a['other']:.3g}, {a['ratio']:.3g}x GRPO's): {contrast_text(primary)}.")
     learned = ""
     if learning:
         learned = (f"GRPO learns (reward gain {100 * learning['grpo_gain_min']:+.1f} pts or more; shuffled-reward "
