@@ -11,8 +11,10 @@ batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own out
 "cap" in its name is tried first and taken where it fits, else ``P`` and ``Q`` are fitted). The simplest that
 reproduces ``y`` as well as the best (:func:`fit`), within float precision (:data:`TOLERANCE`, relative, over the
 positions attended to; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision), is what
-the engine computes (where float32 does not reproduce it, float64, which no autocast region casts, is tried: a
-forward wrapped in Accelerate's autocast); where none does, the model is refused naming the head and the difference.
+the engine computes (where float32 does not reproduce it, or where the head computes in half precision inside the
+model's own forward, float64, which no autocast region casts, is tried: a forward wrapped in Accelerate's autocast,
+whose bf16-rounded logits a fit could take for a transform); where none does, the model is refused naming the head
+and the difference.
 A scale fitted to ``1 +- 1e-6`` is taken as 1. The transform is remembered on the model's plan
 (:class:`~.plan.ModelPlan`) under the model's state (:func:`~.plan.state_key`): a hook on the head, a head of
 another class, a forward patched or a cap set in the config afterwards is observed again. Cost: one forward of the
