@@ -133,17 +133,15 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     from trl import GRPOConfig, GRPOTrainer
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer
-    from oblr_trl.grad_norms import coverage
-    from oblr_trl.grad_norms.lm import unwrap_causal_lm
     from oblr_trl.demo.tiny import build_tokenizer
-
-    from oblr_trl.grad_norms import head_transform
-    from oblr_trl.grad_norms.plan import plan_of
+    from oblr_trl.grad_norms import coverage, head_transform, plan
+    from oblr_trl.grad_norms.lm import unwrap_causal_lm
+    from oblr_trl.grad_norms.support import coverage_plan
 
     prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size, PROMPT, GROUP)
     # The head's transform is observed on real logits at construction; a counted model has no values: its
     # config's transform (Qwen3: none) stands in, as for sharded heads
-    plan_of(model).head_transform = head_transform.from_config(model)
+    plan.plan_of(model).head_transform = head_transform.from_config(model)
 
     class PreparedGRPO(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -181,13 +179,9 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
             enable(activation_checkpointing_kwargs=kwargs or None)
         else:
             trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
-    # what the pass remembers, found for the model as the step will run it (kept under its state, plan.state_key),
-    # so that nothing is found again inside the counted step: the coverage, the config's head transform (see above),
-    # and the probe taken as passed
-    from oblr_trl.grad_norms.plan import view_of
-    from oblr_trl.grad_norms.support import coverage_plan
-
-    view = view_of(trainer.model)
+    # what the pass remembers, found for the model as the step runs it (plan.state_key), so nothing is found again
+    # inside the counted step: the coverage, the config's head transform (see above), the probe taken as passed
+    view = plan.view_of(trainer.model)
     coverage_plan(view)
     view.plan.head_transform = head_transform.from_config(lm)
     view.plan.probed = view.key

@@ -1,5 +1,4 @@
-"""Prompts per step (stage 1): OBLR-PO's SNR step factor ``N SNR / (1 + N SNR)`` against N, at fixed
-parameters.
+"""Prompts per step (stage 1): OBLR-PO's SNR step factor ``N SNR / (1 + N SNR)`` against N, at fixed parameters.
 
 Every comparison so far ran at N = 8 prompts per optimizer step; the paper trained at N = 128 (G = 8). This measures,
 without training at any N, what the step factor would be at N = 8 ... 128 at two points of the demo's run:
@@ -27,8 +26,8 @@ without training at any N, what the step factor would be at N = 8 ... 128 at two
 
 Reported per checkpoint and N: the SNR estimate's mean, std and 5-95% range, the factor's mean, std and 5-95% range
 and the share of steps below 0.5, and the factor at the pool's own SNR (N = 128's estimate, no re-sampling noise).
-Without replacement, a draw of 64 of 128 varies less than a fresh batch of 64 would (finite population); the
-decision table also gives draws with replacement (a bootstrap: fresh batches from the pool).
+Without replacement, a draw of 64 of 128 varies less than a fresh batch of 64 (finite population); the decision
+table also gives draws with replacement (a bootstrap: fresh batches from the pool).
 
 Stage 2 (paired training at N = 64) runs only if the factor at N = 64 still varies materially: its spread over the
 re-samples (5-95% range) or its change between the checkpoints (of the mean) is >= ``--threshold`` (0.2).
@@ -37,8 +36,7 @@ re-samples (5-95% range) or its change between the checkpoints (of the mean) is 
     python benchmarks/prompts_per_step.py --render        # the table from the records only
     python benchmarks/prompts_per_step.py --quick --records DIR --out DIR/pps   # the tiny model, small (the tests)
 
-Resumable: the 15-step demo run is skipped when its adapter exists, and each checkpoint's record
-(``--records``/<checkpoint>.json) is written once, when complete.
+Resumable: the 15-step demo run is skipped when its adapter exists; each checkpoint's record is written once, whole.
 """
 
 from __future__ import annotations
@@ -71,8 +69,7 @@ OUT = RESULTS / "prompts_per_step"
 WORK = ROOT / "outputs" / "prompts_per_step"
 NS = [8, 16, 32, 64, 128]
 QUICK = dict(model="tiny", steps=2, prompts=16, ns=[2, 4, 8, 16], draws=50, chain=5, warmup_steps=5, decision_n=8)
-# Stage 2 as the study designs it, by the ablation's resumable runner (GRPO 1.5e-4, OBLR-PO 22.2x: the window's best);
-# its --finish_by reckons 1 min a step (N = 64: ~8x).
+# Stage 2, by the ablation's resumable runner (GRPO 1.5e-4, OBLR-PO 22.2x: the window's best; 1 min a step at N = 64)
 STAGE2_COMMAND = (
     "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/ablation.py --arms GRPO OBLR-PO --seeds 0 1 2 "
     "--max_steps 20 --eval_every 10 --grpo_lr 1.5e-4 --eta_multiple 22.2 --lr_check_arms --long_arms "
@@ -91,7 +88,6 @@ STAGE2_STATUS = (
 DEFAULT_ESTIMATOR = "ema_soft"  # OBLRPOConfig.snr_estimator's default (checked in main against the config)
 
 
-# ------------------------------------------------------------------------------------ pure: re-sampling, statistics
 def draw_subsets(pool: int, n: int, draws: int, seed: int, replace: bool = False) -> torch.Tensor:
     """``(draws, n)`` indices into a pool of ``pool`` groups: each row ``n`` distinct groups (``replace=False``) or
     ``n`` independent uniform draws (``replace=True``, a bootstrap)."""
@@ -170,8 +166,7 @@ def spread(stats: dict) -> float:
     return stats["p95"] - stats["p5"]
 
 
-def checkpoint_label(name: str) -> str:
-    """A checkpoint's name as a reader says it: ``start`` -> "the start", ``step15`` -> "step 15"."""
+def checkpoint_label(name: str) -> str:  # as a reader says it: "start" -> "the start", "step15" -> "step 15"
     return "the start" if name == "start" else re.sub(r"^step(\d+)$", r"step \1", name)
 
 
@@ -186,15 +181,13 @@ def stage2_decision(rows: dict[str, list[dict]], n: int = 64, threshold: float =
     largest = max(spreads.values())
     run = largest >= threshold or (change == change and change >= threshold)
     label = checkpoint_label
+    moves = f" and its mean moves by {change:.3f} between {label(names[0])} and {label(names[-1])}"
     why = (f"at N={n} the factor's 5-95% range over the re-samples is " + ", ".join(
-        f"{spreads[c]:.3f} ({label(c)})" for c in names) + (
-        f" and its mean moves by {change:.3f} between {label(names[0])} and {label(names[-1])}" if len(names) > 1
-        else "")
+        f"{spreads[c]:.3f} ({label(c)})" for c in names) + (moves if len(names) > 1 else "")
            + f": {'at least' if run else 'both below'} the threshold {threshold:g}")
     return dict(n=n, threshold=threshold, spreads=spreads, change=change, run_stage2=run, why=why)
 
 
-# --------------------------------------------------------------------------------------------- measurement
 def load_demo():
     spec = importlib.util.spec_from_file_location("oblr_demo_script", ROOT / "examples" / "demo.py")
     spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
@@ -354,7 +347,6 @@ def measure(args, name: str, trained: Path | None) -> dict:
         diag_check_max_rel_err=diag_err, seconds=round(time.time() - start, 1), when=utc_now(), gram=gram.tolist())
 
 
-# ---------------------------------------------------------------------------------------------------- report
 def analyse(records: list[dict], args) -> dict:
     rows = {}
     for rec in records:

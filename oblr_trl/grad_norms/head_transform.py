@@ -12,7 +12,7 @@ batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own out
 reproduces ``y`` as well as the best (:func:`fit`), within float precision (:data:`TOLERANCE`, relative, over the
 positions attended to; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision), is what
 the engine computes (where float32 does not reproduce it, or where the head computes in half precision inside the
-model's own forward, float64, which no autocast region casts, is tried: a forward wrapped in Accelerate's autocast,
+model's own forward, float64, which no autocast region casts, is tried: a forward that opens its own autocast region,
 whose bf16-rounded logits a fit could take for a transform); where none does, the model is refused naming the head
 and the difference.
 A scale fitted to ``1 +- 1e-6`` is taken as 1. The transform is remembered on the model's plan
@@ -196,7 +196,7 @@ def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsup
         seen.remove()
     coarse = [d for d in ran if d.is_floating_point and torch.finfo(d).eps > torch.finfo(hidden.dtype).eps]
     if coarse and tolerance == TOLERANCE:  # asked for full precision (a quantized model's own: not judged so)
-        # an autocast inside the model's forward (Accelerate's mixed-precision wrapper): its logits are rounded to
+        # an autocast inside the model's forward (one it opens itself; Accelerate's is set aside): its logits rounded to
         # coarse's dtype, and a fit to them could take the rounding for a transform (logits near two values, a
         # saturated head: a soft cap absorbs it). Refused here, so that the caller observes again in float64.
         return HeadTransform(), [Unsupported(name, kind, (
@@ -235,12 +235,15 @@ def check(model: nn.Module) -> list[Unsupported]:
         return []
     with plain_mode(lm), float32_mode(lm) as upcast:
         transform, refused = _observe(lm, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)
-    if refused and upcast:  # a forward that casts float32 itself (Accelerate's autocast wrapper): float64 it keeps
-        with plain_mode(lm), float32_mode(lm, torch.float64) as wide:
-            if wide:
-                wide_transform, wide_refused = _observe(lm, TOLERANCE)
-                if not wide_refused:
-                    transform, refused = wide_transform, []
+    if refused and upcast:  # a forward that casts float32 itself (an autocast region inside): float64 it keeps
+        try:
+            with plain_mode(lm), float32_mode(lm, torch.float64) as wide:
+                if wide:
+                    wide_transform, wide_refused = _observe(lm, TOLERANCE)
+                    if not wide_refused:
+                        transform, refused = wide_transform, []
+        except Exception:  # no float64 forward (grouped matmuls of MoE banks): float32's refusal stands
+            pass
     if not refused:
         plan.head_transform = transform
     return refused

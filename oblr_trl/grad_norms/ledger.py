@@ -42,16 +42,35 @@ def probe_batch(lm: nn.Module, batch: int = PROBE_BATCH, prompt: int = PROBE_PRO
     return ids.to(device), attention.to(device), completion_mask.to(device)
 
 
+def _accelerate_wrapped(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is Accelerate's mixed-precision wrapper (``prepare`` under ``bf16``/``fp16``: the
+    forward run inside an autocast region, its outputs made float32), which keeps the forward it wrapped as
+    ``_original_forward``."""
+    forward = module.__dict__.get("forward")
+    wrapped = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+    return "_original_forward" in module.__dict__ and type(wrapped).__name__ == "ConvertOutputsToFp32"
+
+
 @contextmanager
 def plain_mode(lm: nn.Module):
     """Eval mode (no dropout, no gradient checkpointing), no autocast and full float32 matmuls (no TF32, whose 1e-3
     rounding is above the probe's 1e-4), for discovery, the head's observation and the probe; each module's own
     train/eval flag and the matmul precision are put back after (a model with some layers in eval and others in train
-    keeps them so). Inside an autocast region, the region's own casts are left as they were."""
+    keeps them so). Inside an autocast region, the region's own casts are left as they were. Accelerate's
+    mixed-precision wrapper of the forward (which turns autocast on again inside) is set aside while inside, as
+    Accelerate's own ``extract_model_from_parallel`` does, and put back after: the checks see the forward the trainer
+    was constructed with. While inside, the model's plan keeps its view (what a check sets aside is the check's)."""
+    plan = plan_of_lm(lm)
+    outer = plan.view.outer if plan.view is not None else None
     modes = [(m, m.training) for m in lm.modules()]
+    wrapped = [m for m in dict.fromkeys((lm, outer)) if m is not None and _accelerate_wrapped(m)]
     precision = torch.get_float32_matmul_precision()
     cudnn_tf32 = torch.backends.cudnn.allow_tf32
     device = lm.get_input_embeddings().weight.device
+    plan.held += 1
+    forwards = [(m, m.__dict__["forward"]) for m in wrapped]
+    for m in wrapped:
+        m.__dict__["forward"] = m._original_forward
     lm.eval()
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
@@ -61,8 +80,11 @@ def plain_mode(lm: nn.Module):
     finally:
         for m, training in modes:
             m.training = training
+        for m, forward in forwards:
+            m.__dict__["forward"] = forward
         torch.set_float32_matmul_precision(precision)
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        plan.held -= 1
 
 
 @contextmanager

@@ -26,7 +26,6 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
@@ -119,7 +118,6 @@ class ModelView:
     trainable: tuple[str, ...]
     module_ids: tuple[int, ...]
     key: tuple
-    names: dict | None = None  # {module: qualified name} in the *ForCausalLM, found when first asked (module_names)
 
     @property
     def outer(self) -> nn.Module | None:
@@ -214,10 +212,9 @@ def view_key(outer: nn.Module, lm: nn.Module, head_wrapper: nn.Module | None) ->
 
 
 def module_names(view: "ModelView") -> dict:
-    """``{module: qualified name}`` in the view's ``*ForCausalLM``, walked once per view (what refusals name)."""
-    if view.names is None:
-        object.__setattr__(view, "names", {m: n for n, m in view.lm.named_modules()})
-    return view.names
+    """``{module: qualified name}`` in the view's ``*ForCausalLM`` (what refusals name; walked when asked, not every
+    pass, and not kept: the view holds no module strongly)."""
+    return {m: n for n, m in view.lm.named_modules()}
 
 
 def view_of(model) -> ModelView:
