@@ -90,3 +90,14 @@ def test_render_runs_on_the_stored_results(tmp_path):
     text = when_to_use.render(json.loads((results / "variance_long.json").read_text()),
                               json.loads((results / "lr_window.json").read_text()), args)
     assert "## Is there a regime" in text and "## If I do not tune the lr" in text
+
+
+def test_the_regime_question_states_each_contrast_with_its_verdict_and_power():
+    contrast = dict(n=8, mean=-1.5, ci=[-3.0, 0.2], power=0.61, seeds_for_80=12)
+    worse = dict(n=8, mean=-4.0, ci=[-6.0, -2.0], power=0.9, seeds_for_80=6)
+    testbed = dict(regime={"16": dict(B=3.6, f=0.82)},
+                   compare={"16": {"sampled (held-out)": contrast, "last-10 reward": worse}})
+    text = "\n".join(when_to_use.render_regime(testbed))
+    assert "| N = 16, f = 0.82 (B = 3.6) | sampled (held-out) | 8 | -1.5 [-3.0, +0.2] | no difference detected | 61% | 12 |" in text
+    assert "| last-10 reward | 8 | -4.0 [-6.0, -2.0] | worse |" in text
+    assert "Not measured yet" in "\n".join(when_to_use.render_regime(None))

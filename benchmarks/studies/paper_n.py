@@ -219,7 +219,8 @@ def when_text(result: dict, pilots: list[dict], design: dict) -> str:
     missing = [c for c in CONTRASTS if c[1] in design["arms"] and c[0] not in {x["name"] for x in result["contrasts"]}]
     text = (f"**At the paper's N = {design['prompts']} prompts per step** (G = {GROUP_SIZE}), trained only on the "
             f"embedded 130k-parameter tiny policy ({design['steps']} steps a run, each arm at the best of a 3-lr grid, "
-            f"greedy held-out accuracy, paired over seeds): {runs}.")
+            f"greedy accuracy on the evaluation seed's problems, which the policy also trained on, paired over seeds): "
+            f"{runs}.")
     if missing:
         text += " Not run: " + ", ".join(c[0] for c in missing) + "."
     applied = [f"{r['arm']} {r['applied']:.2g}" for r in result["arms"] if r["n"] and r["applied"] == r["applied"]]
@@ -236,6 +237,10 @@ def when_text(result: dict, pilots: list[dict], design: dict) -> str:
         text += (f" No interval excludes 0: no difference detected, which at "
                  f"{'this power' if len(judged) == 1 else 'these powers'} is not evidence of no difference; no default "
                  "changes.")
+    factors = [f"{r['arm']} {r['factor']:.2f}" for r in result["arms"] if r["n"] and r["factor"] == r["factor"]]
+    text += (" Limits: in 8 steps no arm's training reward rose by more than a point; N sat below the policy's noise "
+             "scale" + (f" (mean SNR factor: {', '.join(factors)})" if factors else "") + "; OBLR-PO's learning_rate "
+             "was read as eta_max (under-dosed).")
     return text + " " + smollm2_need(pilots) + "; not run."
 
 

@@ -2,6 +2,8 @@
 
 * `tiny`: the embedded tiny Qwen3 and character tokenizer, built offline, warmed up by SFT and cached;
 * `tasks`: reasoning-gym datasets, rewards and held-out scoring (needs the ``demo`` extra);
+* `testbed`: a 0.29M-parameter policy on digit reversal whose per-prompt gradients agree (a small noise scale), with
+  problems held out by a hash of the problem: the paper's regime on a CPU (``benchmarks/testbed.py``);
 * `reference_model`: SmolLM2-135M-Instruct from the package index (``load_reference_model``; needs ``gguf``);
 * `card`: the held-out results the example scripts write (``eval_results.json``, ``summary.json``) on a model card;
 * `defaults`: the tiny model's task, warm-up steps and seed, shared by every entry point.
