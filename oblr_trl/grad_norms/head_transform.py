@@ -11,8 +11,10 @@ batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own out
 "cap" in its name is tried first and taken where it fits, else ``P`` and ``Q`` are fitted). The simplest that
 reproduces ``y`` as well as the best (:func:`fit`), within float precision (:data:`TOLERANCE`, relative, over the
 positions attended to; :data:`NATIVE_HALF_TOLERANCE` for a quantized model, which runs in half precision), is what
-the engine computes (where float32 does not reproduce it, float64, which no autocast region casts, is tried: a
-forward that opens its own autocast region); where none does, the model is refused naming the head and the difference.
+the engine computes (where float32 does not reproduce it, or where the head computes in half precision inside the
+model's own forward, float64, which no autocast region casts, is tried: a forward that opens its own autocast region,
+whose bf16-rounded logits a fit could take for a transform); where none does, the model is refused naming the head
+and the difference.
 A scale fitted to ``1 +- 1e-6`` is taken as 1. The transform is remembered on the model's plan
 (:class:`~.plan.ModelPlan`) under the model's state (:func:`~.plan.state_key`): a hook on the head, a head of
 another class, a forward patched or a cap set in the config afterwards is observed again. Cost: one forward of the
@@ -182,9 +184,24 @@ def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsup
     names = {m: n for n, m in lm.named_modules()}
     name, kind = names.get(head, "lm_head"), type(head).__name__
     ids, attention, _ = probe_batch(lm)
-    with torch.no_grad():
-        hidden = backbone_of(lm)(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
-        y = lm(input_ids=ids, attention_mask=attention, use_cache=False).logits
+    ran: list[torch.dtype] = []  # the dtype the head computes in inside the model's own forward
+    seen = head.register_forward_hook(lambda module, args, output: ran.append(output.dtype)
+                                      if torch.is_tensor(output) else None)
+    try:
+        with torch.no_grad():
+            hidden = backbone_of(lm)(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+            ran.clear()  # the backbone alone does not run the head
+            y = lm(input_ids=ids, attention_mask=attention, use_cache=False).logits
+    finally:
+        seen.remove()
+    coarse = [d for d in ran if d.is_floating_point and torch.finfo(d).eps > torch.finfo(hidden.dtype).eps]
+    if coarse and tolerance == TOLERANCE:  # asked for full precision (a quantized model's own: not judged so)
+        # an autocast inside the model's forward (one it opens itself; Accelerate's is set aside): its logits rounded to
+        # coarse's dtype, and a fit to them could take the rounding for a transform (logits near two values, a
+        # saturated head: a soft cap absorbs it). Refused here, so that the caller observes again in float64.
+        return HeadTransform(), [Unsupported(name, kind, (
+            f"the model's own forward computes its head in {coarse[0]}, not {hidden.dtype} (an autocast inside its "
+            "forward): its logits cannot show the head's transform"))]
     width = adapter.linear.weight.shape[-1]
     if hidden.shape[-1] != width:
         return HeadTransform(), [Unsupported(name, kind, (

@@ -172,3 +172,25 @@ def test_the_fit_finds_a_cap_on_a_large_vocabulary_from_a_sample(cap, scale):
     found, error, kind = head_transform.fit(s, y)
     assert kind == "soft cap" and error <= head_transform.TOLERANCE
     assert found.softcap == pytest.approx(cap, rel=1e-4) and found.scale == pytest.approx(scale, rel=1e-4)
+
+
+def test_a_saturated_head_under_an_autocast_forward_is_observed_in_float64():
+    """A forward that opens a bf16 autocast of its own (as Accelerate's mixed-precision wrapper does; the checks set
+    Accelerate's aside, not one like this) gives a float32 look logits rounded to bf16. On a saturated head (a bias
+    of +-1e4: logits near two values, as in a run whose every completion is eos) a soft cap fitted that rounding
+    within the 1e-5 tolerance (scale 2.7, cap 3726) and the engine scaled every gradient by 0.05; the probe then
+    refused every module. The head computing in bf16 inside the forward is now seen and the transform observed in
+    float64, which autocast leaves alone: the identity."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    model = build("Llama")
+    head = model.get_output_embeddings()
+    bias = torch.full((head.out_features,), -1e4)
+    bias[3] = 1e4
+    head.bias = torch.nn.Parameter(bias)
+    assert validate(model) == []  # construction: the forward is still the model's own
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
+    found = validate(model, strict=False)
+    transform = head_transform.transform_of(model)
+    assert found == []
+    assert transform.softcap is None and transform.offset is None and transform.scale == 1

@@ -179,6 +179,9 @@ def main(out_path: str, per_device: int, mode: str = "ddp"):
     if "reentrant" in flags:  # reentrant gradient checkpointing asked for (TRL forces it for LoRA under ZeRO-3)
         extra["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
     extra.setdefault("save_strategy", "no")
+    # the paper's reading, so that each step's lr scale is its SNR factor, compared across engines and ranks (the
+    # calibrated default applies the scheduled lr in its first 10 steps: these runs are 2 steps long)
+    extra.setdefault("snr_lr_mode", "eta_max")
     args = OBLRPOConfig(
         output_dir=output_dir, per_device_train_batch_size=per_device, num_generations=GROUP,
         max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", use_cpu=True, learning_rate=1e-2,
