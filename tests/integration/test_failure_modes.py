@@ -56,8 +56,10 @@ def train(reward=digit_reward, model=None, **overrides):
 # ------------------------------------------------------------------------------------------ (a) SNR ~ 0: collapse
 def test_pure_noise_reward_collapses_the_step_and_warns(caplog):
     with caplog.at_level(logging.WARNING):
-        trainer = train(coin_reward(), max_steps=12, snr_estimator="per_step")  # the paper's estimate
+        # the paper's estimate and reading (the calibrated default applies the scheduled lr in its first 10 steps)
+        trainer = train(coin_reward(), max_steps=12, snr_estimator="per_step", snr_lr_mode="eta_max")
     scales = logged(trainer, "oblr/lr_scale")
+    assert scales == logged(trainer, "oblr/snr_factor")  # in this reading the scale is the SNR factor itself
     assert len(scales) == 12
     assert sum(s == 0.0 for s in scales) >= 4, scales  # collapsed on a third of the steps at least
     assert statistics.mean(scales) < 0.1, scales  # and short where not
