@@ -24,7 +24,7 @@ on this machine has in flight is not started again, and the machine-wide count o
 ``--parallel``, so a second runner can join with other cells.
 
     python benchmarks/real_compare.py --max_steps 10 --cells OBLR-PO:1e-3 GRPO:5.5e-4 GRPO:1e-4,3e-3 \\
-        OBLR-PO:5.5e-3,3e-2 RLOO:auto OPO:auto --stop_launching 05:45
+        OBLR-PO:5.5e-3,3e-2 RLOO:auto OPO:auto
     python benchmarks/real_compare.py --no_run     # tabulate what exists under --run_dir
 """
 
