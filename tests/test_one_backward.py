@@ -21,7 +21,9 @@ def nan_for_some(completions, **kwargs):
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_one_backward_matches_two_passes(loss_type):
     # fp32 and SGD: parameters then differ as the gradients do (Adam would magnify float noise in near-zero entries)
-    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
+    # the paper's lr reading: every step's lr scale is the SNR factor (the calibrated default applies 1 while it calibrates)
+    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0,
+                         snr_lr_mode="eta_max")
     two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     one, probe = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
     assert one.uses_one_backward and not two.uses_one_backward
@@ -258,7 +260,9 @@ def test_one_backward_in_chunks_matches_two_passes(loss_type, monkeypatch):
     from oblr_trl import path_choice
 
     monkeypatch.setattr(path_choice, "fitting_chunk", lambda shape, budget=None: (0, float("inf")))
-    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
+    # the paper's lr reading: every step's lr scale is the SNR factor (the calibrated default applies 1 while it calibrates)
+    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0,
+                         snr_lr_mode="eta_max")
     two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=True))
     assert one.route.chunk_rows == GROUP < kwargs["per_device_train_batch_size"]
@@ -344,7 +348,9 @@ def test_one_backward_replayed_matches_two_passes(loss_type, monkeypatch, caplog
     """The default under checkpointing where the kept factors do not fit: one_backward replayed (one group per chunk
     here), with the same advantages, SNR terms, gradient and step as the two-pass path."""
     force_replay(monkeypatch)
-    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0)
+    # the paper's lr reading: every step's lr scale is the SNR factor (the calibrated default applies 1 while it calibrates)
+    kwargs = common_args(max_steps=3, loss_type=loss_type, max_grad_norm=1e9, bf16=False, optim="sgd", learning_rate=1.0,
+                         snr_lr_mode="eta_max")
     two, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs, one_backward=False))
     with caplog.at_level(logging.INFO, logger="oblr_trl.trainer"):
         one, _ = train(OBLRPOTrainer, OBLRPOConfig(**kwargs))
