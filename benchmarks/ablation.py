@@ -60,7 +60,9 @@ evaluation is never run again. A run in flight on this machine is not started tw
 expected to end by then (a run killed with its session is lost whole). Large evaluations go first (minutes), then
 main-ablation runs, seed-major (every arm's seed 0, then every arm's seed 1, ...), then the stability runs, then the
 power seeds;
-``--first_arms`` puts the named arms' training runs before the others'.
+``--first_arms`` puts the named arms' training runs before the others', ``--first_lrs`` those at the named lrs (in
+that order) before the rest; ``--no_large_eval`` trains only (the lr window reads the runs' own 100 problems), leaving
+each trained run's large evaluation to a later call without it.
 
     python benchmarks/ablation.py                       # run what is missing, then tabulate
     python benchmarks/ablation.py --no_run              # tabulate what exists under --run_dir
@@ -152,13 +154,17 @@ def pending(args) -> list[dict]:
         state = cell_state(args, out)
         long = parse_cell(out.parent.name)[2]
         name = f"{arm} lr={lr:.3g} seed={seed}" + (f" ({steps} steps)" if long else "")
-        if state == "large":
+        if state == "large" and not args.no_large_eval:
             quick.append(dict(kind="large", name=f"large eval of {name}", out=out, seed=seed, arm=arm,
                               argv=[*large, str(out)]))
         elif state == "train":
             train.append(dict(kind="train", name=name, out=out, seed=seed, arm=arm, steps=steps,
                               argv=demo_args(args, arm, lr, steps, long)))
-    return quick + sorted(train, key=lambda job: job["arm"] not in args.first_arms)  # stable: jobs' order within
+    def order(job: dict) -> tuple[bool, int]:  # --first_arms, then --first_lrs in their order; stable: jobs' order within
+        lr = parse_cell(job["out"].parent.name)[1]
+        at = [i for i, first in enumerate(args.first_lrs) if math.isclose(lr, first, rel_tol=1e-3)]
+        return job["arm"] not in args.first_arms, at[0] if at else len(args.first_lrs)
+    return quick + sorted(train, key=order)
 
 
 # Peak memory (GB of RSS) of one run on this 24 GB machine, measured on 2026-11-25/26: the arms with per-sequence norms

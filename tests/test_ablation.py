@@ -29,7 +29,7 @@ def args_for(ab, tmp_path, **kw):
                 long_seeds=[0], long_eval_every=20, finish_by=None, long_first=False, earlier_grpo_lr=[],
                 lr_check_first=False, eta_multiple=2.0, eta_check_multiples=[10 / 3], earlier_eta_multiple=[],
                 first_arms=[], power_seeds=[], power_arms=[], window_arms=["GRPO", "RLOO", "OBLR-PO"], window_seeds=[],
-                window_steps=20)
+                window_steps=20, first_lrs=[], no_large_eval=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -649,6 +649,22 @@ def test_first_arms_launch_their_training_runs_first_in_the_same_order(ab, tmp_p
     snr = [name for kind, name in plain if kind == "train" and name.split()[0] in ("OBLR-PO", "SNR-only")]
     assert train[:len(snr)] == snr and len(snr) == 10  # each: seed 0 at 1x, the window's seeds 0-1 at 3x and 10x
     assert train[len(snr):] == [name for kind, name in plain if kind == "train" and name not in snr]
+
+
+def test_first_lrs_launch_in_their_order_and_no_large_eval_trains_only(ab, tmp_path):
+    kw = dict(seeds=[], stability_seeds=[], lr_check_seeds=[], long_seeds=[], grpo_lr=1.5e-4,
+              window_arms=[abl_design.CALIBRATED], window_seeds=[0])
+    a = args_for(ab, tmp_path, **kw)
+    ab.base_path(a.records, 0).parent.mkdir(parents=True)
+    ab.base_path(a.records, 0).write_text("{}")
+    plain = [j["name"] for j in ab.pending(a)]
+    assert plain == [f"OBLR-PO-calibrated lr={lr:.3g} seed=0" for lr in (1.5e-5, 5e-5, 1.5e-4, 5e-4, 1.5e-3, 5e-3)]
+    first = [j["name"] for j in ab.pending(args_for(ab, tmp_path, **kw, first_lrs=[1.5e-4, 5e-4, 5e-5]))]
+    assert first == [plain[2], plain[3], plain[1], plain[0], plain[4], plain[5]]  # the rest in their own order
+    write_run(ab, a.run_dir, abl_design.CALIBRATED, 1.5e-4, 0, 0.5, steps=20, adapter=True)  # trained, not scored
+    assert [j["kind"] for j in ab.pending(a)][0] == "large"
+    skipped = ab.pending(args_for(ab, tmp_path, **kw, no_large_eval=True))
+    assert [j["kind"] for j in skipped] == ["train"] * 5 and plain[2] not in [j["name"] for j in skipped]
 
 
 def test_power_seeds_run_last_for_their_arms_and_serve_only_the_contrasts_between_them(ab, tmp_path):

@@ -40,7 +40,8 @@ LONG_TAG = "_long"  # the folder and record suffix of a long run's cell
 POWER_SEEDS_WHY = ("added on 2026-11-27 because, with seeds 0-4 in, SNR-only vs GRPO and OBLR-PO vs GRPO were the "
                    "contrasts short of 80% power to detect 5 points, at 6 seeds needed at their observed spread; the "
                    "rule looked at the spread only, and the added seed is reported whatever it shows")
-HISTORY_KEYS = ("step", "reward", "oblr/lr_scale", "oblr/snr", "oblr/lr", "learning_rate")
+HISTORY_KEYS = ("step", "reward", "oblr/lr_scale", "oblr/snr", "oblr/lr", "learning_rate", "oblr/snr_factor", "oblr/lr_mean",
+                "oblr/eta_max")
 # (what it measures, arm, minus arm): every arm against GRPO, then each ingredient alone, the rest held fixed
 CONTRASTS = [
     ("RLOO vs GRPO", "RLOO", "GRPO"),
@@ -151,6 +152,13 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--first_arms", nargs="*", default=[], choices=list(ARMS),
                         help="arms whose training runs launch before the others' (e.g. the SNR arms' stability "
                              "cells, while a default waits on them); the tables are unchanged")
+    parser.add_argument("--first_lrs", type=float, nargs="*", default=[],
+                        help="lrs whose training runs launch before the others', in this order (e.g. the lr window's "
+                             "most informative cells first); the tables are unchanged")
+    parser.add_argument("--no_large_eval", action="store_true",
+                        help="train only: a trained run's large evaluation (large_eval.py) is left for a later call "
+                             "without this flag (the lr window reads the runs' own 100 problems; the ablation's "
+                             "tables list such a cell as missing until then)")
     parser.add_argument("--delta", type=float, default=5.0, help="the difference (points) the power is stated for")
     parser.add_argument("--parallel", type=int, default=2, help="real-model runs at a time on this machine")
     parser.add_argument("--min_free_gb", type=float, default=6.0)
