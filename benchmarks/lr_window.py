@@ -111,17 +111,21 @@ def collapse_tests(summaries: dict[str, dict], pairs: list[tuple[str, str]]) -> 
 
 def calibrated_section(rows: list[dict], summaries: dict[str, dict], args) -> list[str]:
     """Where the window has both GRPO and OBLR-PO with ``snr_lr_mode="calibrated"`` (``CALIBRATED``, whose lr is the
-    lr one would give GRPO): their best lrs, how far apart (the goal: within 2x, one grid step), and the cells where
-    the calibrated arm is below GRPO at the same lr."""
+    lr one would give GRPO): their best lrs and how far apart, in the grid's steps (`grid_verdict`), and the cells
+    where the calibrated arm is below GRPO at the same lr."""
     g, c = summaries.get(REFERENCE, {}), summaries.get(CALIBRATED, {})
     if "best_lr" not in g or "best_lr" not in c:
         return []
-    ratio = max(g["best_lr"], c["best_lr"]) / min(g["best_lr"], c["best_lr"])
-    verdict = "within 2x" if ratio <= 2.0 + 1e-9 else f"{ratio:.3g}x apart, more than 2x"
+    grid = sorted(r["lr"] for r in rows if r["arm"] == REFERENCE)
+    run = [r["lr"] for r in rows if r["arm"] == CALIBRATED and r["n"]]
+    partial = (f" Partial: {CALIBRATED} has run {len(run)} of the grid's {len(grid)} lrs "
+               f"({', '.join(f'{lr:.3g}' for lr in run)}), so its best is the best of those."
+               if len(run) < len(grid) else "")
     lines = ["", f"## GRPO's lr in OBLR-PO (`snr_lr_mode=\"calibrated\"`)", "",
              f"{CALIBRATED}: OBLR-PO with `learning_rate` read as the lr one would give GRPO, on GRPO's grid. GRPO's "
              f"best lr {g['best_lr']:.3g} ({g['best_mean']:.1f}), {CALIBRATED}'s best {c['best_lr']:.3g} "
-             f"({c['best_mean']:.1f}): {verdict}. Per lr (same seeds), {CALIBRATED} minus GRPO:", ""]
+             f"({c['best_mean']:.1f}): {grid_verdict(g['best_lr'], c['best_lr'], grid)}.{partial} Per lr (same "
+             f"seeds), {CALIBRATED} minus GRPO:", ""]
     table = []
     for r in (r for r in rows if r["arm"] == CALIBRATED and r["n"]):
         other = next((o for o in rows if o["arm"] == REFERENCE and math.isclose(o["lr"], r["lr"])), None)
@@ -134,6 +138,21 @@ def calibrated_section(rows: list[dict], summaries: dict[str, dict], args) -> li
                                                              math.nan), fmt(diff, "+.1f"), str(len(paired)),
                       "OBLR-PO loses" if diff < 0 else "OBLR-PO ties or wins" if diff == diff else "-"])
     return lines + md_table(["lr", CALIBRATED, "GRPO (same seeds)", "difference (pts)", "seeds", ""], table)
+
+
+def grid_verdict(a: float, b: float, grid: list[float]) -> str:
+    """How far apart two best lrs of the same grid are, in its steps: "the same lr", "one grid step apart (<ratio>x)",
+    or "<k> grid steps apart (<ratio>x)"; the grid's step (~3x here) is the finest it can tell, so a goal of 2x reads
+    as "the same lr or one step". An lr off the grid is stated by its ratio alone."""
+    ratio = max(a, b) / min(a, b)
+    at = [next((i for i, lr in enumerate(grid) if math.isclose(lr, x, rel_tol=1e-3)), None) for x in (a, b)]
+    if None in at:
+        return f"{ratio:.3g}x apart"
+    steps = abs(at[0] - at[1])
+    if steps == 0:
+        return "the same lr"
+    return (f"{'one grid step' if steps == 1 else f'{steps} grid steps'} apart ({ratio:.3g}x; the grid's step is "
+            f"{ratio ** (1 / steps):.3g}x, the finest it tells apart)")
 
 
 def fmt(x: float, spec: str = ".1f") -> str:

@@ -135,3 +135,15 @@ def test_the_runner_lists_each_window_cell_once(tmp_path):
     assert ("GRPO", 1.5e-5, 0, 20) in added and ("RLOO", 5e-5, 0, 20) in added and ("OBLR-PO", 0.0333, 2, 20) in added
     assert not any(arm == "GRPO" and math.isclose(lr, 1.5e-4) for arm, lr, _, _ in added)  # the ablation's cells serve
     assert len(added) == 21
+
+
+@pytest.mark.parametrize("a, b, expected", [
+    (1.5e-4, 1.5e-4, "the same lr"),
+    (1.5e-4, 5e-4, "one grid step apart (3.33x; the grid's step is 3.33x, the finest it tells apart)"),
+    (5e-4, 1.5e-4, "one grid step apart (3.33x; the grid's step is 3.33x, the finest it tells apart)"),
+    (5e-5, 1.5e-3, "3 grid steps apart (30x; the grid's step is 3.11x, the finest it tells apart)"),
+    (1.5e-4, 3e-4, "2x apart"),  # off the grid: its ratio alone
+])
+def test_grid_verdict_counts_the_grids_steps_between_two_best_lrs(a, b, expected):
+    grid = [1.5e-5, 5e-5, 1.5e-4, 5e-4, 1.5e-3, 5e-3]
+    assert lr_window.grid_verdict(a, b, grid) == expected
