@@ -163,7 +163,9 @@ def render(rows: list[dict], summaries: dict[str, dict], tests: list[dict], args
     planned = len(args.window_seeds)
     incomplete = sum(len(s["incomplete"]) for s in summaries.values())
     lines = [
-        "# The learning-rate window of GRPO, RLOO and OBLR-PO" + (" - PARTIAL" if incomplete else ""),
+        "# The learning-rate window of " + " and ".join([", ".join(args.window_arms[:-1]), args.window_arms[-1]]
+                                                        if len(args.window_arms) > 1 else args.window_arms)
+        + (" - PARTIAL" if incomplete else ""),
         "",
         (f"**Partial: {incomplete} of {len(rows)} cells have fewer than {planned} seeds (or none) yet.** "
          if incomplete else "")
