@@ -1,6 +1,6 @@
 """Writes notebooks/oblrpo_walkthrough.ipynb, executed, with its outputs (plots included), so the repository page shows
-them. Edit the cells in notebooks/oblrpo_walkthrough.py (percent format: readable, diffable), then run this file (offline, on a CPU; 27 minutes at the default size on a 2-core
-machine with 1 torch thread, 3.4 GB peak):
+them. Edit the cells in notebooks/oblrpo_walkthrough.py (percent format: readable, diffable), then run this file (offline, on a CPU; 62 minutes at the default size on a 2-core
+machine shared with other jobs, 1 torch thread, 3.6 GB peak, 2026-12-02):
 
     python notebooks/_build_walkthrough.py            # build and execute (needs the `notebook` or `dev` extra)
     python notebooks/_build_walkthrough.py --no-execute   # cells only, outputs empty
@@ -24,7 +24,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 NOTEBOOK = Path(__file__).with_name("oblrpo_walkthrough.ipynb")
 
 # The walkthrough's size: (environment variable, default). The defaults are what the committed notebook ran with.
-DEFAULTS = {"OBLR_WALKTHROUGH_STEPS": 10, "OBLR_WALKTHROUGH_BATCH": 64, "OBLR_WALKTHROUGH_EVAL": 100}
+DEFAULTS = {"OBLR_WALKTHROUGH_STEPS": 15, "OBLR_WALKTHROUGH_BATCH": 64, "OBLR_WALKTHROUGH_EVAL": 100}
 SIZE_VARIABLES = tuple(DEFAULTS)
 
 
@@ -68,7 +68,7 @@ def build() -> nbformat.NotebookNode:
     })
 
 
-def execute(notebook: nbformat.NotebookNode, timeout: int = 1800) -> nbformat.NotebookNode:
+def execute(notebook: nbformat.NotebookNode, timeout: int = 7200) -> nbformat.NotebookNode:
     """Run every cell in a fresh kernel, offline, from a temporary folder, at the default size (the size variables are
     cleared for the kernel); the outputs are stored in `notebook`."""
     import nbclient
