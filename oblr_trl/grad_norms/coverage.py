@@ -273,7 +273,8 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
         else:
             warn_undone(restored.undone)
     if found and strict:
-        raise UnsupportedModulesError(found, advice=LOST_SCALES_ADVICE if lost else ADVICE)
+        advice = LOST_SCALES_ADVICE if lost else head_transform.advice(found, ADVICE)
+        raise UnsupportedModulesError(found, advice=advice)
     return found
 
 

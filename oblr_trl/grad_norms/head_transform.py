@@ -32,7 +32,7 @@ from torch import nn
 from .ledger import float32_mode, plain_mode, probe_batch, sharded
 from .lm import backbone_of, output_head, text_config
 from .plan import view_of
-from .support import Unsupported, UnsupportedModulesError
+from .support import ADVICE, Unsupported, UnsupportedModulesError
 
 TOLERANCE = 1e-5  # relative (Frobenius) difference allowed between the engine's head logits and the model's own
 FLOAT_FLOOR = 1e-6  # float32 logits' own rounding (3e-7 on SmolLM2's 576-wide head): fits this close are as good
@@ -216,12 +216,72 @@ def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsup
     caps = [c for c in (_number(v) for n, v in vars(config).items() if "cap" in n.lower()) if c and c > 0]
     transform, error, what = fit(s[keep], y[keep].double(), caps)
     if error <= tolerance:
-        return transform, []
+        return transform, _unlike_trl_loss(lm, ids, attention, y, name, kind, tolerance)
     return HeadTransform(), [Unsupported(name, kind, (
         f"the model's own output logits differ from what the engine would compute from its head (h W^T + b on the "
         f"backbone's last_hidden_state) by a relative {_relative(y[keep].double(), s[keep]):.2g}, and no scale, "
         f"per-vocabulary offset or soft cap explains the difference (the closest, a {what}, leaves "
         f"{error:.2g}, above {tolerance:g})"))]
+
+
+TRL_TOLERANCE = 1e-4  # relative difference allowed between TRL's fused head's log-probabilities and the logits'
+_UNLIKE_TRL = "TRL's loss scores completions through its fused LM head"
+TRL_HEAD_ADVICE = (
+    "Remove what changes the head's output but is not in TRL's loss (a forward hook: its handle's .remove(); a "
+    "patched forward: del model.lm_head.forward; a config scale the model never reads: unset it before constructing "
+    "the trainer), or train without exact norms: OBLRPOConfig(grad_norm_estimator='length', snr_lr=False). Freezing "
+    "the head does not help: the transform is in every parameter's gradient.")
+
+
+def advice(found: list[Unsupported], default: str) -> str:
+    """:data:`TRL_HEAD_ADVICE` where every refusal is the head unlike TRL's loss (:func:`_unlike_trl_loss`), else
+    ``default``."""
+    return TRL_HEAD_ADVICE if found and all(f.reason.startswith(_UNLIKE_TRL) for f in found) else default
+
+
+def trl_fused_forward(lm: nn.Module):
+    """The forward TRL's ``add_fused_lm_head`` patched on ``lm`` (what GRPOTrainer's loss calls, with
+    ``fused_lm_head=True``), or None. Read where the checks run (:func:`~.ledger.plain_mode` sets Accelerate's
+    wrapper aside, so the forward found is the one the trainer was constructed with)."""
+    forward = lm.__dict__.get("forward")
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    return forward if code is not None and "fused_lm_head" in code.co_varnames else None
+
+
+def _fused_temperature(forward) -> float:
+    """The temperature TRL's fused head divides by (a variable of the patched forward's closure; 1 if none)."""
+    function = getattr(forward, "__func__", forward)
+    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+    value = cells["temperature"].cell_contents if "temperature" in cells else 1.0
+    return float(value) if _number(value) else 1.0
+
+
+def _unlike_trl_loss(lm: nn.Module, ids: torch.Tensor, attention: torch.Tensor, y: torch.Tensor, name: str,
+                     kind: str, tolerance: float) -> list[Unsupported]:
+    """The head refused where the model carries TRL's fused head (GRPOTrainer's loss path) and its log-probabilities
+    differ from the model's own logits' (``y``, which the engine's norms follow): TRL's fused head reads the head's
+    weight and bias and the config's scale and cap, and never calls the head's forward, so a hook on the head, a
+    patched forward or a subclass' forward (or a config scale the model never reads) is in one and not in the other.
+    Empty where they agree, or where there is no fused head (the public functions on a plain model)."""
+    forward = trl_fused_forward(lm)
+    if forward is None:
+        return []
+    labels = ids.masked_fill(attention == 0, -100)
+    with torch.no_grad():
+        fused = forward(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs
+    scored = labels[:, 1:] != -100
+    own = torch.log_softmax(y[:, :-1].double() / _fused_temperature(forward), -1)
+    own = own.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0][scored]
+    difference = _relative(own, fused[:, -scored.shape[1]:][scored].double())
+    if difference <= max(TRL_TOLERANCE, tolerance):
+        return []
+    return [Unsupported(name, kind, (
+        f"{_UNLIKE_TRL} (model(..., fused_lm_head=True)), which reads "
+        f"{name}.weight and bias and the config's logit scale and soft cap and never calls the head's forward; its "
+        f"log-probabilities differ from the model's own logits' by a relative {difference:.2g}: something changes "
+        f"the model's logits that GRPO's loss does not see (a forward hook on the head, a patched forward, a subclass' "
+        f"forward, a config scale the model never reads), so the completions are sampled from one policy and trained "
+        f"as another. Remove it (a hook: its handle's .remove(); a patched forward: del model.{name}.forward)"))]
 
 
 def check(model: nn.Module) -> list[Unsupported]:
@@ -258,6 +318,6 @@ def transform_of(model: nn.Module) -> HeadTransform:
         return from_config(view.lm)
     refused = check(view)
     if refused:
-        raise UnsupportedModulesError(refused)
+        raise UnsupportedModulesError(refused, advice=advice(refused, ADVICE))
     seen = view.plan.head_transform
     return HeadTransform() if seen is None else seen

@@ -194,3 +194,77 @@ def test_a_saturated_head_under_an_autocast_forward_is_observed_in_float64():
     transform = head_transform.transform_of(model)
     assert found == []
     assert transform.softcap is None and transform.offset is None and transform.scale == 1
+
+
+def _fused_logprob_sq_norms(model, ids, attention, completion_mask):
+    """Per-row autograd of the loss path TRL's GRPOTrainer differentiates: ``model(..., fused_lm_head=True)``'s
+    completion log-probabilities (its fused head), summed, one row at a time; squared norms over trainable params."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    c = completion_mask.shape[1]
+    norms = []
+    for i in range(ids.shape[0]):
+        row_ids, row_mask = ids[i : i + 1], attention[i : i + 1]
+        labels = row_ids.masked_fill(row_mask == 0, -100)
+        labels[:, :-c] = -100
+        logps = model(input_ids=row_ids, attention_mask=row_mask, labels=labels, fused_lm_head=True).log_probs
+        total = (logps[:, -c:] * completion_mask[i : i + 1]).sum()
+        grads = torch.autograd.grad(total, params, allow_unused=True)
+        norms.append(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
+    return torch.tensor(norms, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_under_trls_fused_head_the_norms_are_those_of_its_loss(temperature):
+    """GRPOTrainer patches a fused LM head on the model (trl's add_fused_lm_head) and its loss scores completions
+    through it: where nothing sits on the head, the norms equal per-row autograd of that loss path."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = build("Llama")
+    add_fused_lm_head(model, temperature=temperature)
+    assert head_transform.trl_fused_forward(model) is not None
+    assert validate(model) == []
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=temperature)
+    torch.testing.assert_close(ours.double(), _fused_logprob_sq_norms(model, ids, attention, completion_mask),
+                               rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("change", ["hook", "patched forward", "config scale the model never reads"])
+def test_under_trls_fused_head_a_head_its_loss_does_not_see_is_refused_with_the_model_unchanged(change):
+    """TRL's fused head reads lm_head.weight and bias and the config's scale and cap, never the head's forward: a x2
+    hook on the head, a patched head forward, or MPT's logit_scale (read by TRL, never by MPT's model) makes the model's
+    own logits, which the norms follow, differ from the loss GRPO differentiates. Refused naming the head and the fix,
+    the model left as it was; the fix (the hook removed, the patch deleted, the scale unset) passes."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = build("MPT" if change.startswith("config") else "Llama")
+    head = model.get_output_embeddings()
+    if change == "config scale the model never reads":
+        model.config.logit_scale = 0.5
+    add_fused_lm_head(model)  # as GRPOTrainer does at construction: reads the config's scale and cap then
+    if change == "hook":
+        handle = head.register_forward_hook(lambda module, args, out: 2 * out)
+    elif change == "patched forward":
+        head.forward = lambda x: 2 * torch.nn.functional.linear(x, head.weight, head.bias)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModulesError, match=r"(?s)'lm_head' \(Linear\): TRL's loss scores completions through "
+                                                      r"its fused LM head.*Remove it.*Freezing the head does not help") as refused:
+        validate(model)
+    assert [m.name for m in refused.value.modules] == ["lm_head"]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    with pytest.raises(UnsupportedModulesError, match="(?s)'lm_head'.*grad_norm_estimator='length', snr_lr=False"):
+        per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    if change == "hook":
+        assert len(head._forward_hooks) == 1
+        handle.remove()
+    elif change == "patched forward":
+        del head.forward
+    else:  # the scale TRL read, undone where it reads it: a fused head built again without it
+        model.config.logit_scale = None
+        del model.forward
+        add_fused_lm_head(model)
+    assert validate(model) == []
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), _fused_logprob_sq_norms(model, ids, attention, completion_mask),
+                               rtol=1e-5, atol=1e-9)
