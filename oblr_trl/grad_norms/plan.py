@@ -168,9 +168,9 @@ def _walk(root: nn.Module, stop: nn.Module | None, structure: list, trainable: l
         d = m.__dict__
         cls = type(m)
         add((id(m), cls, id(d.get("forward")), cls.forward))
-        hooks = [d.get(name) for name in _HOOKS]
-        if any(hooks):
-            add(tuple(_hook_ids(h) for h in hooks))
+        if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks") \
+                or d.get("_backward_pre_hooks"):  # the usual module has none: four lookups, no list
+            add(tuple(_hook_ids(d.get(name)) for name in _HOOKS))
         for p in d["_parameters"].values():
             if p is not None:
                 add((id(p), p.dtype))
