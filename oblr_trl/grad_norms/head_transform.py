@@ -267,8 +267,11 @@ def _unlike_trl_loss(lm: nn.Module, ids: torch.Tensor, attention: torch.Tensor, 
     if forward is None:
         return []
     labels = ids.masked_fill(attention == 0, -100)
-    with torch.no_grad():
-        fused = forward(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs
+    try:
+        with torch.no_grad():
+            fused = forward(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs
+    except Exception:  # TRL's loss cannot score this model (trained tokens on a tied head: no lm_head.bias), so no
+        return []  # step trains on it (GRPO's fails in its loss; one_backward's update is the model's own logits')
     scored = labels[:, 1:] != -100
     own = torch.log_softmax(y[:, :-1].double() / _fused_temperature(forward), -1)
     own = own.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0][scored]
