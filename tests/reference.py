@@ -44,7 +44,7 @@ def module_sq_norms(module, x, seed=0, **kwargs):
     Ours: the capture hooks plus the module's rule (or the per-row path), as the whole-model pass uses them.
     Reference: one ``torch.autograd.grad`` per row, the module run on that row alone."""
     from oblr_trl.grad_norms import engine, hooks
-    from oblr_trl.grad_norms.rules import call_usages
+    from oblr_trl.grad_norms.rules.registry import call_usages
     from oblr_trl.grad_norms.support import how_handled, resolve
 
     batch = x.shape[0]

@@ -28,16 +28,17 @@ from .factors import (
     materializing_saves_memory,
     per_sample_dtype,
 )
-from . import factors, generic, hooks
+from . import factors, hooks
 from .head import lm_head_terms
 from .head_adapters import HeadPass, adapter_of
 from .head_transform import transform_of
 from .checkpointing import norms_checkpointing
 from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Replay, Slot, _fp32
-from .experts import RoutedCaptures
+from .rules import per_row as generic
+from .rules.experts import RoutedCaptures
 from .plan import ModelPlan, ModelView, module_names, view_of
-from . import soft_prompt
+from .rules import soft_prompt
 from .support import Unsupported, UnsupportedModulesError, coverage_plan, prompt_plan, refuse_outside_decoder
 
 

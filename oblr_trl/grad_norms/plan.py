@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from . import soft_prompt
+from .rules import soft_prompt
 from .lm import backbone_of, output_head, text_config, under_peft, unwrap_causal_lm, unwrap_distributed
 
 ATTRIBUTE = "_oblr_grad_norms_plan"

@@ -8,13 +8,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from . import generic, soft_prompt
-from . import experts, lora_experts, routers  # noqa: F401 (their call rules register on import)
+from .rules import lora_experts, per_row as generic, soft_prompt  # the package registers every family's rules
 from .ledger import functional_owners
 from .lm import unwrap_causal_lm, unwrap_distributed
 from .plan import ModelPlan, ModelView, view_of
-from .recognise import find_rule
-from .rules import CallRule, Rule, find_call_rule, registered, switched_off_now
+from .rules.recognition import find_rule
+from .rules.registry import CallRule, Rule, find_call_rule, registered, switched_off_now
 
 ADVICE = (
     "Either freeze them (module.requires_grad_(False) for each), or train without exact norms: "

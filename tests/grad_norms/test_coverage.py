@@ -204,22 +204,22 @@ def test_the_trainer_changes_every_parameter(family, one_backward):
 
 # ------------------------------------------------------------------ one registry for call rules, and switching one off
 def test_call_rules_are_registered_once_and_can_be_switched_off():
-    from oblr_trl.grad_norms import rules
+    from oblr_trl.grad_norms.rules import registry
     from oblr_trl.grad_norms.support import how_handled
 
-    assert list(rules.CALL_RULES) == ["expert_bank", "lora_expert_bank", "router"]
+    assert list(registry.CALL_RULES) == ["expert_bank", "lora_expert_bank", "router"]
     with pytest.raises(ValueError, match="already registered"):
-        rules.register_call_rule("router", lambda m: False)(lambda *a: {})
+        registry.register_call_rule("router", lambda m: False)(lambda *a: {})
     with pytest.raises(ValueError, match="No rule named"):
-        with rules.switched_off("no_such_rule"):
+        with registry.switched_off("no_such_rule"):
             pass
     model = build("Qwen3-MoE")
     bank = model.model.layers[0].mlp.experts
     lin = model.model.layers[0].self_attn.q_proj
     assert how_handled(bank) == "routed" and how_handled(lin) == "rule"
-    with rules.switched_off("expert_bank", "linear_rule"):  # a Linear then passes the router rule's probe
+    with registry.switched_off("expert_bank", "linear_rule"):  # a Linear then passes the router rule's probe
         assert how_handled(bank) == "per-row" and how_handled(lin) == "routed"
-    with rules.switched_off("expert_bank", "linear_rule", "router"):
+    with registry.switched_off("expert_bank", "linear_rule", "router"):
         assert how_handled(bank) == "per-row" and how_handled(lin) == "per-row"
         _exact(model)  # the per-row path stands in, exactly
     assert how_handled(bank) == "routed" and how_handled(lin) == "rule"

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms import engine, recognise, rules, support
+from oblr_trl.grad_norms import engine, support
+from oblr_trl.grad_norms.rules import recognition, registry
 from oblr_trl.grad_norms.plan import plan_of
 from studies.zoo import VOCAB, build
 from reference import padded_batch
@@ -79,9 +80,9 @@ def test_each_module_s_rule_is_resolved_once_per_model(monkeypatch):
     probe runs once; another set of trainable parameters, or of switched-off rules, resolves again (the recognisers'
     findings kept)."""
     resolved, recognised = Counter(), Counter()
-    resolve, probe = support.resolve, recognise.recognise
+    resolve, probe = support.resolve, recognition.recognise
     monkeypatch.setattr(support, "resolve", lambda module, *a: resolved.update([module]) or resolve(module, *a))
-    monkeypatch.setattr(recognise, "recognise", lambda module: recognised.update([module]) or probe(module))
+    monkeypatch.setattr(recognition, "recognise", lambda module: recognised.update([module]) or probe(module))
     model = build("Qwen3-MoE")
     assert validate(model) == []
     for _ in range(2):
@@ -95,7 +96,7 @@ def test_each_module_s_rule_is_resolved_once_per_model(monkeypatch):
     model.model.layers[0].mlp.requires_grad_(False)
     _norms(model)
     assert resolved == Counter(covered) + Counter(c.module for c in plan_of(model).covered)
-    with rules.switched_off("expert_bank"):
+    with registry.switched_off("expert_bank"):
         _norms(model)
     assert recognised == before
 
@@ -107,7 +108,7 @@ def test_switched_off_holds_in_its_own_thread_only():
     entered, checked = threading.Event(), threading.Event()
 
     def other():
-        with rules.switched_off("expert_bank"):
+        with registry.switched_off("expert_bank"):
             seen["inside"] = support.how_handled(bank)
             entered.set()
             checked.wait(10)

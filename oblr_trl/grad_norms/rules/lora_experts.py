@@ -29,12 +29,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import generic, hooks
+from .. import hooks
+from . import per_row as generic
 from .experts import PerExpert, RoutedCaptures, agrees, below_wrappers, call_arguments, mirror, probe_inputs, routed
 from .experts import recognise_bank
-from .factors import Dense, Factored
-from .recognise import remembered
-from .rules import register_call_rule
+from ..factors import Dense, Factored
+from .recognition import remembered
+from .registry import register_call_rule
 
 
 def is_wrapper(module: nn.Module) -> bool:

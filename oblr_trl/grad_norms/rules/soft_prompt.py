@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .lm import unwrap_distributed
+from ..lm import unwrap_distributed
 
 
 def _config(outer: nn.Module):

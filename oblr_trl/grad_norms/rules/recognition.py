@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .rules import (
+from .registry import (
     GRAD_NORM_RULES,
     _NAME_RULES,
     Rule,

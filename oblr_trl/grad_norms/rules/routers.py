@@ -17,10 +17,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import generic, hooks
-from .recognise import remembered
-from .rules import register_call_rule
-from .factors import Dense, Factored, Materialized
+from .. import hooks
+from . import per_row as generic
+from .recognition import remembered
+from .registry import register_call_rule
+from ..factors import Dense, Factored, Materialized
 
 
 class _LinearTap(TorchFunctionMode):

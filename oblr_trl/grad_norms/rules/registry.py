@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import generic
-from .factors import Dense, Factored, Materialized, OneHot, Usage
+from . import per_row as generic
+from ..factors import Dense, Factored, Materialized, OneHot, Usage
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, Usage]]
 GRAD_NORM_RULES: dict[type, Rule] = {}

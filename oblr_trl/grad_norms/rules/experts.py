@@ -31,10 +31,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .factors import Dense, Factored, Materialized, block_inner_products, block_weighted_rows
-from . import generic, hooks
-from .recognise import remembered
-from .rules import register_call_rule
+from ..factors import Dense, Factored, Materialized, block_inner_products, block_weighted_rows
+from .. import hooks
+from . import per_row as generic
+from .recognition import remembered
+from .registry import register_call_rule
 
 
 class PerExpert:
