@@ -15,18 +15,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .registry import (
-    GRAD_NORM_RULES,
-    _NAME_RULES,
-    Rule,
-    _embed_scale,
-    _original_class,
-    is_on,
-    centred_norm_rule,
-    embedding_rule,
-    linear_rule,
-    rms_norm_rule,
-)
+from .embeddings import _embed_scale, embedding_rule
+from .linear import linear_rule
+from .norms import centred_norm_rule, rms_norm_rule
+from .registry import GRAD_NORM_RULES, _NAME_RULES, Rule, _original_class, is_on
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
