@@ -44,7 +44,7 @@ import torch
 
 from . import cost_model, multimodal
 from .grad_norms.checkpointing import runs_reentrant
-from .grad_norms.lm import output_head, unwrap_causal_lm
+from .grad_norms.model import output_head, unwrap_causal_lm
 from .grad_norms.rules.registry import declared_cost, full_shape
 from .loss_terms import terms_beyond_ratio_one
 

@@ -9,7 +9,7 @@ per-model cache on the model's :class:`~.plan.ModelPlan`), :mod:`.coverage` prov
 
 from .api import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, per_sequence_grads
 from .coverage import validate
-from .lm import unwrap_causal_lm
+from .model import unwrap_causal_lm
 from .quantized import keep_differentiable
 from .result import PerSequenceGradients
 from .rules import GRAD_NORM_RULES, register_grad_norm_rule

@@ -43,11 +43,11 @@ from torch import nn
 
 from .engine import per_sequence_grads
 from . import head_adapters, head_transform
-from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names  # noqa: F401
+from .ledger import functional_owners  # noqa: F401
 from . import oracle
-from .lm import output_head, unwrap_causal_lm, unwrap_distributed
 from .quantized import LOST_SCALES, backward_gaps, lost_scales, quantized, restore, warn_undone
-from .plan import ModelView, plan_of, view_of
+from .model import (ModelView, float32_mode, output_head, plain_mode, plan_of, probe_batch, sharded, unwrap_causal_lm,
+                    unwrap_distributed, view_of)
 from .support import ADVICE, Unsupported, UnsupportedModulesError, unsupported_modules
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Replay, Slot, _fp32
 from .rules import per_row as generic
 from .rules.experts import RoutedCaptures
-from .plan import ModelPlan, ModelView, module_names, view_of
+from .model import ModelPlan, ModelView, module_names, view_of
 from .rules import soft_prompt
 from .support import Unsupported, UnsupportedModulesError, coverage_plan, prompt_plan, refuse_outside_decoder
 

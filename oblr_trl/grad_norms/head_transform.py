@@ -29,9 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .ledger import float32_mode, plain_mode, probe_batch, sharded
-from .lm import backbone_of, output_head, text_config
-from .plan import view_of
+from .model import backbone_of, float32_mode, output_head, plain_mode, probe_batch, sharded, text_config, view_of
 from .support import Unsupported, UnsupportedModulesError
 
 TOLERANCE = 1e-5  # relative (Frobenius) difference allowed between the engine's head logits and the model's own

@@ -10,8 +10,7 @@ from torch import nn
 
 from .rules import lora_experts, per_row as generic, soft_prompt  # the package registers every family's rules
 from .ledger import functional_owners
-from .lm import unwrap_causal_lm, unwrap_distributed
-from .plan import ModelPlan, ModelView, view_of
+from .model import ModelPlan, ModelView, soft_prompt_model, unwrap_causal_lm, unwrap_distributed, view_of
 from .rules.recognition import find_rule
 from .rules.registry import CallRule, Rule, find_call_rule, registered, switched_off_now
 
@@ -185,7 +184,7 @@ def outside_modules(model: nn.Module) -> list[Unsupported]:
     per-sequence pass does not take on: a soft prompt's encoder it covers (:func:`prompt_plan`) is not listed; prefix
     tuning's, or any other wrapper's trainable module, is refused by name, with advice that works."""
     outer, lm = unwrap_distributed(model), unwrap_causal_lm(model)
-    prompted = soft_prompt.soft_prompt_model(model)
+    prompted = soft_prompt_model(model)
     if prompted is not None:
         try:
             prompt_plan(prompted, view_of(model).plan.memo)  # the plan as of the model's state now

@@ -69,7 +69,7 @@ def test_a_trainable_parameter_outside_the_causal_lm_is_checked_not_skipped():
     """The class of hole soft prompts fell through: the probe's parameters are the model's as the trainer calls it.
     A prompt-tuning encoder the pass cannot see (its soft-prompt path switched off here) is refused, by the probe."""
     from oblr_trl.grad_norms import coverage
-    from oblr_trl.grad_norms.rules import soft_prompt
+    from oblr_trl.grad_norms import model as soft_prompt
     from studies.zoo import build
 
     model = peft.get_peft_model(build("Llama", True), SOFT_PROMPTS["prompt tuning"]())

@@ -14,7 +14,7 @@ import torch
 from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import engine, support
 from oblr_trl.grad_norms.rules import recognition, registry
-from oblr_trl.grad_norms.plan import plan_of
+from oblr_trl.grad_norms.model import plan_of
 from studies.zoo import VOCAB, build
 from reference import padded_batch
 
