@@ -134,7 +134,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer
     from oblr_trl.demo.tiny import build_tokenizer
-    from oblr_trl.grad_norms import coverage, head_transform, model as plan
+    from oblr_trl.grad_norms import coverage, head as head_transform, model as plan
     from oblr_trl.grad_norms.model import unwrap_causal_lm
     from oblr_trl.grad_norms.support import coverage_plan
 

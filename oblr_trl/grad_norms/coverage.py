@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .engine import per_sequence_grads
-from . import head_adapters, head_transform
+from . import head
 from .ledger import functional_owners  # noqa: F401
 from . import oracle
 from .quantized import LOST_SCALES, backward_gaps, lost_scales, quantized, restore, warn_undone
@@ -283,8 +283,8 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
         found = unsupported_modules(model)
         lm = unwrap_causal_lm(model)
         if any(p.requires_grad for p in lm.parameters()):  # the head: an nn.Linear, or one under an adapter it forms
-            found = head_adapters.refusal(output_head(lm)) + found
-        found = found or head_transform.check(model)
+            found = head.refusal(output_head(lm)) + found
+        found = found or head.check(model)
     except UnsupportedModulesError:
         raise
     except Exception as error:  # discovery's forward fails: refused, naming the model, never a bare error later

@@ -29,9 +29,7 @@ from .factors import (
     per_sample_dtype,
 )
 from . import factors, hooks
-from .head import lm_head_terms
-from .head_adapters import HeadPass, adapter_of
-from .head_transform import transform_of
+from .head import HeadPass, adapter_of, lm_head_terms, transform_of
 from .checkpointing import norms_checkpointing
 from .hooks import Record, capture, checkpointed_layers
 from .result import PerSequenceGradients, Replay, Slot, _fp32

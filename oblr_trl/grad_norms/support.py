@@ -12,36 +12,8 @@ from .rules import lora_experts, per_row as generic, soft_prompt  # the package 
 from .ledger import functional_owners
 from .model import ModelPlan, ModelView, soft_prompt_model, unwrap_causal_lm, unwrap_distributed, view_of
 from .rules.recognition import find_rule
+from .result import ADVICE, Unsupported, UnsupportedModulesError  # noqa: F401 (imported from here too)
 from .rules.registry import CallRule, Rule, find_call_rule, registered, switched_off_now
-
-ADVICE = (
-    "Either freeze them (module.requires_grad_(False) for each), or train without exact norms: "
-    "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False) (a completion-length proxy for the baseline weights; "
-    "the SNR step size needs the exact norms, so it must be off too), or register a rule with "
-    "oblr_trl.grad_norms.register_grad_norm_rule."
-)
-
-@dataclass(frozen=True)
-class Unsupported:
-    name: str  # the module's qualified name ('' for the model itself)
-    type: str  # its class name
-    reason: str
-
-    def __str__(self) -> str:
-        return f"'{self.name}' ({self.type}): {self.reason}"
-
-
-class UnsupportedModulesError(NotImplementedError):
-    """Raised by :func:`validate`; ``.modules`` lists every unsupported trainable module."""
-
-    def __init__(self, modules: list[Unsupported], advice: str = ADVICE):
-        self.modules = modules
-        lines = "\n".join(f"  - {m}" for m in modules)
-        super().__init__(
-            f"Exact per-sequence gradient norms do not cover {len(modules)} trainable module(s) of this model:\n"
-            f"{lines}\n{advice}"
-        )
-
 
 def resolve(module: nn.Module, borrowed: int = 0,
             memo: dict | None = None) -> tuple[str, Rule | CallRule | None] | None:

@@ -1,4 +1,4 @@
-"""The LM head checked by observation (oblr_trl/grad_norms/head_transform.py): whatever a model does between its head's
+"""The LM head checked by observation (oblr_trl/grad_norms/head.py): whatever a model does between its head's
 output ``h W^T + b`` and the logits it returns (a soft cap under any name, a scale, a per-vocabulary offset) is found
 on its own logits and computed exactly, a config field nothing reads changes nothing, and a transform no fit explains
 is refused naming the head. The probe (coverage.py) holds the promise, 1e-4, and catches a head transform of that
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms import UnsupportedModulesError, coverage, engine, head_transform
-from oblr_trl.grad_norms.head_transform import HeadTransform
+from oblr_trl.grad_norms import UnsupportedModulesError, coverage, engine, head as head_transform
+from oblr_trl.grad_norms.head import HeadTransform
 from studies.zoo import VOCAB, build
 from reference import padded_batch, per_sample_sq_norms
 
