@@ -136,7 +136,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     from oblr_trl.demo.tiny import build_tokenizer
     from oblr_trl.grad_norms import coverage, head as head_transform, model as plan
     from oblr_trl.grad_norms.model import unwrap_causal_lm
-    from oblr_trl.grad_norms.support import coverage_plan
+    from oblr_trl.grad_norms.coverage import coverage_plan
 
     prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size, PROMPT, GROUP)
     # The head's transform is observed on real logits at construction; a counted model has no values: its

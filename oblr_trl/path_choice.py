@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cost_model, multimodal
-from .grad_norms.checkpointing import runs_reentrant
+from .grad_norms.hooks import runs_reentrant
 from .grad_norms.model import output_head, unwrap_causal_lm
 from .grad_norms.rules.registry import declared_cost, full_shape
 from .loss_terms import terms_beyond_ratio_one
@@ -497,7 +497,7 @@ class Route:
                          2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
         # replayed only in one process: its second backward runs outside DDP's and FSDP's forward (untested there);
         # and only under non-reentrant checkpointing: the norms pass runs a reentrant layer under its own checkpoint
-        # (grad_norms/checkpointing.py), whose graph a second backward cannot take the update from
+        # (grad_norms/hooks.py), whose graph a second backward cannot take the update from
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         reentrant = runs_reentrant(model)

@@ -12,7 +12,7 @@ output ``s = h W^T + b`` (:func:`~.factors.head_logits`), ``h`` the backbone's `
 their own transforms between ``s`` and the logits they return: Gemma 2's ``final_logit_softcapping``, xLSTM's
 ``output_logit_soft_cap``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, a fixed per-vocabulary offset; and
 some config fields of the same names are read by nothing (MPT's ``logit_scale``). So, once per model state, on the probe
-batch (:func:`~.ledger.probe_batch`, in float32, eval mode), the model's own output logits ``y`` are compared with
+batch (:func:`~.model.probe_batch`, in float32, eval mode), the model's own output logits ``y`` are compared with
 ``s`` and one of these is fitted: ``y = a s``; ``y = a s + c_v`` (a per-vocabulary offset ``c``); ``y = P tanh(Q s)``
 (a soft cap: before or after a scale, it is ``alpha = P Q``, ``C = 1 / Q``; a cap named by any config field with
 "cap" in its name is tried first and taken where it fits, else ``P`` and ``Q`` are fitted). The simplest that
@@ -23,7 +23,7 @@ model's own forward, float64, which no autocast region casts, is tried: a forwar
 whose bf16-rounded logits a fit could take for a transform); where none does, the model is refused naming the head
 and the difference.
 A scale fitted to ``1 +- 1e-6`` is taken as 1. The transform is remembered on the model's plan
-(:class:`~.plan.ModelPlan`) under the model's state (:func:`~.plan.state_key`): a hook on the head, a head of
+(:class:`~.model.ModelPlan`) under the model's state (:func:`~.model.state_key`): a hook on the head, a head of
 another class, a forward patched or a cap set in the config afterwards is observed again. Cost: one forward of the
 backbone and one of the model on the probe batch, once per model state. Models whose parameters are already shards
 (no plain forward) use the config's names (:func:`from_config`), which :func:`~.coverage.check_once` warns about.
@@ -307,7 +307,7 @@ def check(model: nn.Module) -> list[Unsupported]:
 
 def transform_of(model: nn.Module) -> HeadTransform:
     """What the engine's head computes for ``model``: observed once (:func:`check`), or, for sharded parameters
-    never observed before sharding, :func:`from_config`. Raises :class:`~.support.UnsupportedModulesError` naming the
+    never observed before sharding, :func:`from_config`. Raises :class:`~.result.UnsupportedModulesError` naming the
     head where no transform reproduces the model's logits."""
     view = view_of(model)
     if view.plan.head_transform is None and sharded(view.lm):
@@ -344,7 +344,7 @@ class HeadAdapter:
         return [self.tokens[0]] if self.tokens is not None else []
 
     def raw_output(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``s`` in float64, without dropout (the head's observation, :mod:`.head_transform`, runs in eval mode)."""
+        """``s`` in float64, without dropout (the head's observation, :mod:`.head`, runs in eval mode)."""
         weight = self.linear.weight.detach().double()
         if self.tokens is not None:
             deltas, name, idx = self.tokens
@@ -402,7 +402,7 @@ def _tokens(head: nn.Module, layer: nn.Module) -> HeadAdapter:
 
 
 def adapter_of(head: nn.Module | None) -> HeadAdapter:
-    """The head as the engine computes it (:class:`HeadAdapter`); raises :class:`~.support.UnsupportedModulesError`
+    """The head as the engine computes it (:class:`HeadAdapter`); raises :class:`~.result.UnsupportedModulesError`
     naming the head where it is none of an ``nn.Linear``, LoRA on one, or trainable tokens on one."""
     if isinstance(head, nn.Linear):
         return HeadAdapter(head)

@@ -2,12 +2,12 @@
 itself (one attribute of the ``*ForCausalLM``, as Opacus' ``GradSampleModule`` keeps its state on itself), never in a
 module global. Two models, or two trainers, in one process cannot see each other's plan.
 
-The plan holds, per model: which module takes which rule (:func:`~.support.coverage_plan` fills ``covered``, once
+The plan holds, per model: which module takes which rule (:func:`~.coverage.coverage_plan` fills ``covered``, once
 per model, again only when its trainable parameters, its modules or the rules change), what the recognisers found by
-probing each module (:mod:`.recognise`, :mod:`.experts`, :mod:`.routers`: ``memo``), which modules are used
-functionally and by whom (:func:`~.ledger.functional_owners`), the head's observed transform (:mod:`.head_transform`)
+probing each module (:mod:`.rules.recognition`, :mod:`.rules.experts`, :mod:`.rules.routers`: ``memo``), which modules are used
+functionally and by whom (:func:`~.coverage.functional_owners`), the head's observed transform (:mod:`.head`)
 and what the coverage probe passed with (:mod:`.coverage`). What one pass's forward hands to its backward is the
-pass's own (:class:`~.experts.RoutedCaptures`, owned by :class:`~.engine._Pass`). Nothing here imports a rule or a
+pass's own (:class:`~.rules.experts.RoutedCaptures`, owned by :class:`~.engine._Pass`). Nothing here imports a rule or a
 hook.
 
 The plan also keeps the model resolved (:func:`view_of`): a :class:`ModelView` of the wrapper the trainer calls, the
@@ -57,7 +57,7 @@ class ModelPlan:
         self.probing = False  # the coverage probe's own engine pass is running: it is not probed again
         self.view: ModelView | None = None  # the model resolved (view_of), with what it was resolved under
         self.structure: tuple | None = None  # the structure (state_key) what is remembered was found on
-        self.held = 0  # a check runs on copies swapped in (ledger.float32_mode): the view stands as it was
+        self.held = 0  # a check runs on copies swapped in (float32_mode): the view stands as it was
 
     def forget(self, structure: tuple, trainable_changed: bool) -> None:
         """The model's structure or trainable set changed (:func:`state_key`): what depends on it is found again.
@@ -101,10 +101,10 @@ class ModelView:
     """One model resolved (:func:`view_of`): what each room of the pass would otherwise find again from the wrapper.
 
     ``outer``: the model under DDP/Accelerate wrappers, as the trainer's forward calls it (a PEFT wrapper kept);
-    ``lm``: its ``*ForCausalLM``; ``backbone``: the module under the head (:func:`~.lm.backbone_of`); ``head``: the
-    head the logits come from (:func:`~.lm.output_head`); ``head_wrapper``: what ``get_output_embeddings`` returns
+    ``lm``: its ``*ForCausalLM``; ``backbone``: the module under the head (:func:`~.model.backbone_of`); ``head``: the
+    head the logits come from (:func:`~.model.output_head`); ``head_wrapper``: what ``get_output_embeddings`` returns
     (PEFT's ``ModulesToSaveWrapper`` around the head, or the head itself); ``config``: the text config;
-    ``prompted``: the ``PeftModel`` whose active adapter is a soft prompt (:mod:`.soft_prompt`), or None;
+    ``prompted``: the ``PeftModel`` whose active adapter is a soft prompt (:mod:`.rules.soft_prompt`), or None;
     ``trainable``: the ``*ForCausalLM``'s trainable parameter names; ``module_ids``: its modules, by identity;
     ``plan``: its :class:`ModelPlan`; ``key``: what it was resolved under (:func:`view_key`).
 
@@ -221,7 +221,7 @@ def module_names(view: "ModelView") -> dict:
 def view_of(model) -> ModelView:
     """``model`` (a causal LM, possibly PEFT/DDP-wrapped) resolved: its :class:`ModelView`, kept on its plan and
     resolved again only when asked for through another wrapper or when :func:`view_key` changes (two lookups in
-    :mod:`.lm` when nothing changed). A view passed in is returned as it is: it is one pass's, handed down."""
+    :mod:`.model` when nothing changed). A view passed in is returned as it is: it is one pass's, handed down."""
     if isinstance(model, ModelView):
         return model
     outer = unwrap_distributed(model)

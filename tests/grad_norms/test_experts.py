@@ -7,7 +7,7 @@ import torch
 from oblr_trl.grad_norms import engine, hooks
 from oblr_trl.grad_norms.rules.experts import PerExpert, RoutedCaptures, recognise_bank
 from oblr_trl.grad_norms.rules.registry import call_usages
-from oblr_trl.grad_norms.support import how_handled
+from oblr_trl.grad_norms.coverage import how_handled
 
 B, T, D, K = 4, 6, 12, 2
 

@@ -309,7 +309,7 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
     """The memory property behind the recomputation pairing: after the forward, no module inside a checkpointed layer
     holds its input (checkpointing keeps only the layers' inputs); the embedding and final norm outside them do."""
     from oblr_trl.grad_norms.engine import _hooked_modules
-    from oblr_trl.grad_norms.support import coverage_plan
+    from oblr_trl.grad_norms.coverage import coverage_plan
     from oblr_trl.grad_norms.hooks import capture as _capture, checkpointed_layers as _checkpointed_layers
 
     model = qwen3(tie=False)

@@ -12,7 +12,7 @@ import torch
 from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms.rules import per_row
 from oblr_trl.grad_norms.api import per_sequence_grads
-from oblr_trl.grad_norms.support import coverage_plan
+from oblr_trl.grad_norms.coverage import coverage_plan
 from studies.zoo import VOCAB, build
 from reference import padded_batch, per_sample_grads
 

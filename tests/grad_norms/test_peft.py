@@ -117,7 +117,7 @@ def test_head_adapters_are_exact(kind, tie):
 
 def test_dora_on_the_head_is_refused_by_name_and_the_advice_works():
     """DoRA on lm_head: refused naming the head; the advice (plain LoRA on it) is exact on the same model."""
-    from oblr_trl.grad_norms.support import UnsupportedModulesError
+    from oblr_trl.grad_norms.coverage import UnsupportedModulesError
     from studies.zoo import build
 
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms import engine, support
+from oblr_trl.grad_norms import coverage, engine
 from oblr_trl.grad_norms.rules import recognition, registry
 from oblr_trl.grad_norms.model import plan_of
 from studies.zoo import VOCAB, build
@@ -55,7 +55,8 @@ def _norms(model, seed=0):
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4, seed=seed)
     squared = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     streamed = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=2)
-    materialized = engine.per_sequence_grads(model, ids, attention, completion_mask, materialize=True)
+    materialized = engine.run_pass(model, ids, attention, completion_mask, covering=coverage.pass_plan,
+                                   materialize=True)
     return squared, streamed, materialized.inner_products(2)
 
 
@@ -81,8 +82,8 @@ def test_each_module_s_rule_is_resolved_once_per_model(monkeypatch):
     probe runs once; another set of trainable parameters, or of switched-off rules, resolves again (the recognisers'
     findings kept)."""
     resolved, recognised = Counter(), Counter()
-    resolve, probe = support.resolve, recognition.recognise
-    monkeypatch.setattr(support, "resolve", lambda module, *a: resolved.update([module]) or resolve(module, *a))
+    resolve, probe = coverage.resolve, recognition.recognise
+    monkeypatch.setattr(coverage, "resolve", lambda module, *a: resolved.update([module]) or resolve(module, *a))
     monkeypatch.setattr(recognition, "recognise", lambda module: recognised.update([module]) or probe(module))
     model = build("Qwen3-MoE")
     assert validate(model) == []
@@ -110,14 +111,14 @@ def test_switched_off_holds_in_its_own_thread_only():
 
     def other():
         with registry.switched_off("expert_bank"):
-            seen["inside"] = support.how_handled(bank)
+            seen["inside"] = coverage.how_handled(bank)
             entered.set()
             checked.wait(10)
 
     thread = threading.Thread(target=other)
     thread.start()
     entered.wait(10)
-    seen["here"] = support.how_handled(bank)
+    seen["here"] = coverage.how_handled(bank)
     checked.set()
     thread.join()
     assert seen == {"inside": "per-row", "here": "routed"}

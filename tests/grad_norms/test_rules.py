@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from oblr_trl.grad_norms import register_grad_norm_rule
-from oblr_trl.grad_norms.support import how_handled
+from oblr_trl.grad_norms.coverage import how_handled
 from reference import module_sq_norms
 
 B, T, D = 4, 5, 12

@@ -82,7 +82,7 @@ def float64_look(monkeypatch):
     """The probe's float32 look made to miss, so that it looks again with the model in float64 (what a real miss,
     a parameter whose float32 rounding is near the promise, leads to)."""
     from oblr_trl.grad_norms import coverage
-    from oblr_trl.grad_norms.support import Unsupported
+    from oblr_trl.grad_norms.coverage import Unsupported
 
     real = coverage._probe
 

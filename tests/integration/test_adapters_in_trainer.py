@@ -119,8 +119,8 @@ def test_qlora_prepared_with_its_defaults_trains_on_exact_norms(tmp_path, config
     rounding). (Before: refused wherever the norms pass met reentrant checkpointing.)"""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from oblr_trl.grad_norms import checkpointing
-    from oblr_trl.grad_norms.checkpointing import runs_reentrant
+    from oblr_trl.grad_norms import hooks as checkpointing
+    from oblr_trl.grad_norms.hooks import runs_reentrant
 
     pytest.importorskip("bitsandbytes")
     layers_run = []  # each layer run under the norms pass's own reentrant checkpoint

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import per_row as generic
+from . import per_row
 from ..factors import Usage
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, Usage]]
@@ -80,9 +80,9 @@ def _original_class(cls: type) -> type:
 
 @dataclass(frozen=True)
 class CallRule:
-    """A rule for a module whose whole call is recorded (its arguments and outputs; see :mod:`.hooks`):
+    """A rule for a module whose whole call is recorded (its arguments and outputs; see :mod:`..hooks`):
     ``recognise(module, memo)`` says whether it takes a module (each verifies that on a probe, remembered in ``memo``,
-    the model's :attr:`~.plan.ModelPlan.memo`, or None), ``usages(module, call, output_grads, batch, handoff)`` forms
+    the model's :attr:`~..model.ModelPlan.memo`, or None), ``usages(module, call, output_grads, batch, handoff)`` forms
     the module's per-sequence gradients, ``{parameter name: usage}`` (``handoff``: what the pass's forward kept for
     its backward, :class:`~.experts.RoutedCaptures`, or None). ``borrows``: its usages also cover the trainable
     parameters of descendants the module uses functionally (LoRA's factors on an expert bank, :mod:`.lora_experts`),
@@ -117,7 +117,7 @@ def switched_off(*names: str):
     """Inside, the rules named (call rules by name, tensor rules by function name, e.g. ``"linear_rule"``) are not
     used: their modules fall back to what comes next (a recognised rule, the per-row path, or a refusal). Held in a
     context variable (this thread or task only); a model's plan is resolved again under another set
-    (:func:`~.support.coverage_plan`)."""
+    (:func:`~..coverage.coverage_plan`)."""
     unknown = set(names) - set(CALL_RULES) - {rule.__name__ for rule in _all_tensor_rules()}
     if unknown:
         raise ValueError(f"No rule named {sorted(unknown)}; call rules: {list(CALL_RULES)}.")
@@ -135,7 +135,7 @@ def switched_off_now() -> frozenset[str]:
 
 def registered() -> tuple:
     """What is registered now (every type, name and call rule, and its rule): a plan resolved under other
-    registrations is resolved again (:func:`~.support.coverage_plan`), so a rule registered later is used."""
+    registrations is resolved again (:func:`~..coverage.coverage_plan`), so a rule registered later is used."""
     return tuple(GRAD_NORM_RULES.items()), tuple(_NAME_RULES.items()), tuple(CALL_RULES.items())
 
 
@@ -157,11 +157,11 @@ def find_call_rule(module: nn.Module, memo: dict | None = None, borrows: bool = 
 def call_usages(module: nn.Module, call, output_grads: list, batch: int, handoff=None) -> dict[str, Usage]:
     """The usages of a module whose whole call was recorded, its call rule looked up now (one module alone; a
     model's pass runs the rule its plan chose): the call rule's (an expert bank by its routed tokens, :mod:`.experts`;
-    a router by its logits, :mod:`.routers`), else the exact per-row path's (:mod:`.generic`)."""
+    a router by its logits, :mod:`.routers`), else the exact per-row path's (:mod:`.per_row`)."""
     rule = find_call_rule(module)
     if rule is not None:
         return rule.usages(module, call, output_grads, batch, handoff)
-    return generic.per_row_usages(module, call, output_grads, batch)
+    return per_row.per_row_usages(module, call, output_grads, batch)
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:

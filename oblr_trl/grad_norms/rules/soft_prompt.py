@@ -8,7 +8,7 @@ carries that row's gradient, so the encoder's layers take the usual rules (an em
 are the batch's sequences. The pass builds ``inputs_embeds`` and the attention mask as
 ``PeftModelForCausalLM.forward`` does and runs the backbone on them; the completion's positions, counted from the
 end, are unchanged. Prefix tuning (a past key-value cache, which GRPOTrainer itself fails on) is refused by
-:func:`~.support.outside_modules`.
+:func:`~..coverage.outside_modules`.
 """
 
 from __future__ import annotations
