@@ -283,10 +283,10 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
     """:func:`validate`'s checks on a model in its trainable layout: by module type, the head, then the probe."""
     try:
         found = unsupported_modules(model)
-        lm = unwrap_causal_lm(model)
-        if any(p.requires_grad for p in lm.parameters()):  # the head: an nn.Linear, or one under an adapter it forms
-            found = head.refusal(output_head(lm)) + found
-        found = found or head.check(model)
+        view = view_of(model)
+        if any(p.requires_grad for p in view.lm.parameters()):  # the head: an nn.Linear, or one under an adapter
+            found = head.refusal(view.head) + found
+        found = found or head.check(view)
     except UnsupportedModulesError:
         raise
     except Exception as error:  # discovery's forward fails: refused, naming the model, never a bare error later

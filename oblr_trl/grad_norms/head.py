@@ -54,7 +54,7 @@ from torch import nn
 
 from . import factors
 from .factors import Dense, Factored, SoftmaxDelta, as_operand, head_logits, mm32
-from .model import backbone_of, float32_mode, output_head, plain_mode, probe_batch, sharded, text_config, view_of
+from .model import ModelView, float32_mode, plain_mode, probe_batch, sharded, text_config
 from .result import Unsupported, UnsupportedModulesError
 
 
@@ -235,9 +235,9 @@ def fit(s: torch.Tensor, y: torch.Tensor, named_caps: list[float] = ()) -> tuple
     return transform, error, kind
 
 
-def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsupported]]:
-
-    head = output_head(lm)
+def _observe(view: ModelView, tolerance: float) -> tuple[HeadTransform, list[Unsupported]]:
+    """The transform fitted to the model's own logits on the probe batch, or the refusal, naming the head."""
+    lm, head = view.lm, view.head
     adapter = adapter_of(head)  # the head's raw output under LoRA or trained tokens (below)
     names = {m: n for n, m in lm.named_modules()}
     name, kind = names.get(head, "lm_head"), type(head).__name__
@@ -247,7 +247,7 @@ def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsup
                                       if torch.is_tensor(output) else None)
     try:
         with torch.no_grad():
-            hidden = backbone_of(lm)(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+            hidden = view.backbone(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
             ran.clear()  # the backbone alone does not run the head
             y = lm(input_ids=ids, attention_mask=attention, use_cache=False).logits
     finally:
@@ -270,7 +270,7 @@ def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsup
         return HeadTransform(), [Unsupported(name, kind, f"the model's own logits have shape {tuple(y.shape)}, its "
                                              f"head's output h W^T + b on last_hidden_state {tuple(s.shape)}")]
     keep = attention.bool()
-    config = text_config(lm)
+    config = view.config
     caps = [c for c in (_number(v) for n, v in vars(config).items() if "cap" in n.lower()) if c and c > 0]
     transform, error, what = fit(s[keep], y[keep].double(), caps)
     if error <= tolerance:
@@ -282,20 +282,20 @@ def _observe(lm: nn.Module, tolerance: float) -> tuple[HeadTransform, list[Unsup
         f"{error:.2g}, above {tolerance:g})"))]
 
 
-def check(model: nn.Module) -> list[Unsupported]:
+def check(view: ModelView) -> list[Unsupported]:
     """The head's transform observed (remembered for the engine, on the model's plan), or the refusal naming the head
-    and the difference; empty where there is nothing to observe (no Linear head, sharded parameters)."""
-    view = view_of(model)
+    and the difference; empty where there is nothing to observe (no Linear head, sharded parameters). ``view``: the
+    model resolved (:func:`~.model.view_of`)."""
     lm, plan = view.lm, view.plan
     if plan.head_transform is not None or refusal(view.head) or sharded(lm):
         return []
     with plain_mode(lm), float32_mode(lm) as upcast:
-        transform, refused = _observe(lm, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)
+        transform, refused = _observe(view, TOLERANCE if upcast else NATIVE_HALF_TOLERANCE)
     if refused and upcast:  # a forward that casts float32 itself (an autocast region inside): float64 it keeps
         try:
             with plain_mode(lm), float32_mode(lm, torch.float64) as wide:
                 if wide:
-                    wide_transform, wide_refused = _observe(lm, TOLERANCE)
+                    wide_transform, wide_refused = _observe(view, TOLERANCE)
                     if not wide_refused:
                         transform, refused = wide_transform, []
         except Exception:  # no float64 forward (grouped matmuls of MoE banks): float32's refusal stands
@@ -305,11 +305,10 @@ def check(model: nn.Module) -> list[Unsupported]:
     return refused
 
 
-def transform_of(model: nn.Module) -> HeadTransform:
-    """What the engine's head computes for ``model``: observed once (:func:`check`), or, for sharded parameters
-    never observed before sharding, :func:`from_config`. Raises :class:`~.result.UnsupportedModulesError` naming the
-    head where no transform reproduces the model's logits."""
-    view = view_of(model)
+def transform_of(view: ModelView) -> HeadTransform:
+    """What the engine's head computes for the model resolved as ``view`` (:func:`~.model.view_of`): observed once
+    (:func:`check`), or, for sharded parameters never observed before sharding, :func:`from_config`. Raises
+    :class:`~.result.UnsupportedModulesError` naming the head where no transform reproduces the model's logits."""
     if view.plan.head_transform is None and sharded(view.lm):
         return from_config(view.lm)
     refused = check(view)
