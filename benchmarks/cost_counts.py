@@ -141,7 +141,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size, PROMPT, GROUP)
     # The head's transform is observed on real logits at construction; a counted model has no values: its
     # config's transform (Qwen3: none) stands in, as for sharded heads
-    plan.plan_of(model).head_transform = head_transform.from_config(model)
+    plan.plan_of(model).head_transform = head_transform.from_config(plan.text_config(model))
 
     class PreparedGRPO(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -183,7 +183,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     # inside the counted step: the coverage, the config's head transform (see above), the probe taken as passed
     view = plan.view_of(trainer.model)
     coverage_plan(view)
-    view.plan.head_transform = head_transform.from_config(lm)
+    view.plan.head_transform = head_transform.from_config(plan.text_config(lm))
     view.plan.probed = view.key
     return trainer
 

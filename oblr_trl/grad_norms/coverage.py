@@ -179,7 +179,7 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], sho
 
     found = {n: (0.0, 0.0, 0.0) for n in params}
     try:
-        grads = run_pass(model, ids, attention, completion_mask, covering=pass_plan)
+        grads = run_pass(view_of(model), ids, attention, completion_mask, covering=pass_plan)
     except Exception as error:
         take()
         return _refused(lm, error)

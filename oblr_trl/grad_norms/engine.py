@@ -33,7 +33,7 @@ from .hooks import Record, capture, checkpointed_layers, norms_checkpointing
 from .result import PerSequenceGradients, Replay, Slot, Unsupported, UnsupportedModulesError, _fp32
 from .rules import per_row
 from .rules.experts import RoutedCaptures
-from .model import ModelPlan, ModelView, module_names, view_of
+from .model import ModelPlan, ModelView, module_names
 from .rules import soft_prompt
 
 
@@ -345,7 +345,7 @@ def _head_terms(run: _Pass, lm: nn.Module, hidden: torch.Tensor, span: slice, sc
 
 
 def run_pass(
-    model: nn.Module,
+    view: ModelView,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
@@ -359,8 +359,9 @@ def run_pass(
 ) -> PerSequenceGradients:
     """Forward and backward of ``sum_t log pi(o_{i,t})`` for every row, captured as factored per-sequence gradients.
 
-    ``covering(view)``: the rules the pass runs by, ``(the model's plan, a soft prompt's encoder's layers)``, or the
-    refusal of every module none covers (:func:`~.coverage.pass_plan`, which the public
+    ``view``: the model resolved (:func:`~.model.view_of`), which every room of the pass reads; ``covering(view)``:
+    the rules the pass runs by, ``(the model's plan, a soft prompt's encoder's layers)``, or the refusal of every
+    module none covers (:func:`~.coverage.pass_plan`, which the public
     :func:`~.api.per_sequence_grads` hands in after its coverage check).
 
     The backward goes to the hooked modules' inputs only: no parameter's ``.grad`` is touched. With
@@ -384,7 +385,6 @@ def run_pass(
     completion_length = completion_mask.shape[1]
     if completion_length >= length:
         raise ValueError("completion_mask must cover fewer positions than input_ids (a prompt token is needed).")
-    view = view_of(model)  # once: every room below reads the view
     lm, prompted = view.lm, view.prompted
     if batch == 0 or not any(p.requires_grad for p in (prompted or lm).parameters()):
         return PerSequenceGradients(defaultdict(list), batch, input_ids.device)

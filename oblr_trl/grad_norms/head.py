@@ -54,7 +54,7 @@ from torch import nn
 
 from . import factors
 from .factors import Dense, Factored, SoftmaxDelta, as_operand, head_logits, mm32
-from .model import ModelView, float32_mode, plain_mode, probe_batch, sharded, text_config
+from .model import ModelView, float32_mode, plain_mode, probe_batch, sharded
 from .result import Unsupported, UnsupportedModulesError
 
 
@@ -121,9 +121,8 @@ def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def from_config(lm: nn.Module) -> HeadTransform:
-    """The transform the config's names suggest (used only where no forward can run: sharded parameters)."""
-    config = text_config(lm)
+def from_config(config) -> HeadTransform:
+    """The transform the text config's names suggest (used only where no forward can run: sharded parameters)."""
     scale = 1.0
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         if _number(getattr(config, name, None)) is not None:
@@ -310,7 +309,7 @@ def transform_of(view: ModelView) -> HeadTransform:
     (:func:`check`), or, for sharded parameters never observed before sharding, :func:`from_config`. Raises
     :class:`~.result.UnsupportedModulesError` naming the head where no transform reproduces the model's logits."""
     if view.plan.head_transform is None and sharded(view.lm):
-        return from_config(view.lm)
+        return from_config(view.config)
     refused = check(view)
     if refused:
         raise UnsupportedModulesError(refused)

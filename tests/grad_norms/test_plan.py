@@ -14,7 +14,7 @@ import torch
 from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import coverage, engine
 from oblr_trl.grad_norms.rules import recognition, registry
-from oblr_trl.grad_norms.model import plan_of
+from oblr_trl.grad_norms.model import plan_of, view_of
 from studies.zoo import VOCAB, build
 from reference import padded_batch
 
@@ -55,8 +55,8 @@ def _norms(model, seed=0):
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4, seed=seed)
     squared = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     streamed = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=2)
-    materialized = engine.run_pass(model, ids, attention, completion_mask, covering=coverage.pass_plan,
-                                   materialize=True)
+    materialized = engine.run_pass(view_of(model), ids, attention, completion_mask,
+                                   covering=coverage.pass_plan, materialize=True)
     return squared, streamed, materialized.inner_products(2)
 
 
