@@ -4,11 +4,11 @@ module global. Two models, or two trainers, in one process cannot see each other
 
 The plan holds, per model: which module takes which rule (:func:`~.coverage.coverage_plan` fills ``covered``, once
 per model, again only when its trainable parameters, its modules or the rules change), what the recognisers found by
-probing each module (:mod:`.rules.recognition`, :mod:`.rules.experts`, :mod:`.rules.routers`: ``memo``), which modules are used
-functionally and by whom (:func:`~.coverage.functional_owners`), the head's observed transform (:mod:`.head`)
-and what the coverage probe passed with (:mod:`.coverage`). What one pass's forward hands to its backward is the
-pass's own (:class:`~.rules.experts.RoutedCaptures`, owned by :class:`~.engine._Pass`). Nothing here imports a rule or a
-hook.
+probing each module (:mod:`.rules.recognition`, :mod:`.rules.experts`, :mod:`.rules.routers`: ``memo``), which
+modules are used functionally and by whom (:func:`~.coverage.functional_owners`), the head's observed transform
+(:mod:`.head`) and what the coverage probe passed with (:mod:`.coverage`). What one pass's forward hands to its
+backward is the pass's own (:class:`~.rules.experts.RoutedCaptures`, owned by :class:`~.engine._Pass`). Nothing here
+imports a rule or a hook.
 
 The plan also keeps the model resolved (:func:`view_of`): a :class:`ModelView` of the wrapper the trainer calls, the
 ``*ForCausalLM``, its backbone, head and text config, and a soft prompt's ``PeftModel``, found once and found again
@@ -19,7 +19,11 @@ modules: no tensor data is read): each module's identity and class, the forward 
 class's), its hooks (and the global ones), each parameter's identity and dtype, the config values a rule reads (soft
 caps, scales), and the trainable parameters of the whole model handed in (a PEFT prompt encoder's included). When the
 model's structure changes, everything found about it is forgotten (:meth:`ModelPlan.forget`); when only its
-trainable set changes, the recognisers' findings and the head's transform are kept."""
+trainable set changes, the recognisers' findings and the head's transform are kept.
+
+Below the plan: the parts of a causal LM under its wrappers (:func:`unwrap_causal_lm`, :func:`output_head`,
+:func:`backbone_of`, :func:`text_config`, :func:`soft_prompt_model`), which only :func:`view_of` needs on a pass, and
+the model run plainly for the checks (:func:`plain_mode`, :func:`float32_mode`, :func:`probe_batch`)."""
 
 from __future__ import annotations
 
