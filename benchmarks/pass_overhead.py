@@ -68,7 +68,8 @@ def cpu_ms(fn, n: int) -> float:
 def bookkeeping(gn, model) -> dict:
     """Per-pass bookkeeping before the forward, in CPU milliseconds (300 calls each): the state key (absent before
     versions that key what they remember on the model's state) and ``coverage.check_once`` (which builds it)."""
-    plan, coverage = (sys.modules[f"{gn.__name__}.{m}"] for m in ("plan", "coverage"))
+    coverage = sys.modules[f"{gn.__name__}.coverage"]
+    plan = sys.modules.get(f"{gn.__name__}.model") or sys.modules[f"{gn.__name__}.plan"]  # model.py holds it now
     coverage.check_once(model)
     found = dict(check_once=cpu_ms(lambda: coverage.check_once(model), 300))
     if hasattr(plan, "state_key"):
