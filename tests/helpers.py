@@ -141,6 +141,15 @@ def zoo_trainer(model, **overrides):
 
 # ------------------------------------------------- torchrun equivalence runs (tests/integration: distributed, deepspeed)
 EQUIVALENCE_SCRIPT = os.path.join(os.path.dirname(__file__), "integration", "distributed", "equivalence_run.py")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch_env() -> dict:
+    """The environment of a launched run (torchrun, `accelerate launch`): one thread per process, no Hub, and this
+    checkout first on the path. A launched script's own folder heads its path, so without it every process would
+    import whichever oblr_trl is installed in the environment, not the one under test."""
+    path = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
 # A known defect, refused by name (never silently wrong): on the packages installed on 2026-12-02 (deepspeed 0.19.7 and
@@ -168,8 +177,7 @@ def run_equivalence(tmp_path, nproc: int, per_device: int, mode: str = "ddp") ->
     out = tmp_path / f"{mode}-{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            EQUIVALENCE_SCRIPT, str(out), str(per_device), mode]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launch_env())
     assert_ran(proc)
     return json.loads(out.read_text())
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import EQUIVALENCE_SCRIPT as SCRIPT, assert_ran, run_equivalence as run
+from helpers import EQUIVALENCE_SCRIPT as SCRIPT, assert_ran, launch_env, run_equivalence as run
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test here runs torchrun (one or two processes)
 
@@ -124,7 +124,7 @@ def test_zero_stage_0_is_refused_at_construction(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", SCRIPT, str(out),
            "16", "zero0+fp32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                          env=launch_env())
     assert proc.returncode != 0 and not out.exists()
     assert "zero_optimization.stage" in proc.stderr and "got stage 0" in proc.stderr
 
@@ -149,7 +149,7 @@ def test_accelerate_launch_with_the_example_zero3_config_on_two_processes(plain,
            os.path.join(ROOT, "examples", "accelerate_configs", "deepspeed_zero3.yaml"), "--num_processes", "2",
            "--mixed_precision", "no", SCRIPT, str(out), "8", "fp32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                          env=launch_env())
     assert_ran(proc)
     zero = json.loads(out.read_text())
     assert_ran_zero(zero, 3, world_size=2)
@@ -173,7 +173,7 @@ def test_lora_with_checkpointing_under_accelerate_zero3_matches_the_plain_run(pl
            os.path.join(ROOT, "examples", "accelerate_configs", "deepspeed_zero3.yaml"), "--num_processes",
            str(nproc), "--mixed_precision", "no", SCRIPT, str(out), str(16 // nproc), "fp32+lora"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                          env=launch_env())
     assert_ran(proc)
     zero = json.loads(out.read_text())
     assert_ran_zero(zero, 3, world_size=nproc)

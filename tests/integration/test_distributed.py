@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import EQUIVALENCE_SCRIPT as SCRIPT, assert_ran, run_equivalence as run
+from helpers import EQUIVALENCE_SCRIPT as SCRIPT, assert_ran, launch_env, run_equivalence as run
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -166,7 +166,7 @@ def test_exact_norms_on_an_fsdp2_sharded_model(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "distributed", "fsdp2_norms.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                          env=launch_env())
     assert_ran(proc)
     ranks = json.loads(out.read_text())
     assert len(ranks) == 2 and ranks[0]["reference"] != ranks[1]["reference"]  # different data per rank
