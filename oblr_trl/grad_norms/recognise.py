@@ -62,7 +62,8 @@ def _single_input(module: nn.Module) -> bool:
 
 class _Unhooked(nn.Module):
     """``module``'s own ``forward``, without its hooks: a ZeRO-3 module's hooks fetch and release its partitioned
-    parameters, which a probe's stand-in weight is not (and they would release the gathered ones mid-probe)."""
+    parameters, which a probe's stand-in weight is not (and they would release the gathered ones mid-probe); an FSDP2
+    unit's hooks would initialise its state as a root of its own, so that the model's root then refuses to run."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -77,10 +78,13 @@ def _gathered(module: nn.Module):
     """The module's own parameters whole while the probe runs, and the module to call (itself, with its hooks, as the
     model calls it). Under DeepSpeed ZeRO-3 its parameters are partitioned (0 elements) outside the module's forward:
     gathered here (every rank discovers the same modules in the same order, so the all-gather matches across ranks),
-    and the probe calls the module's own forward without ZeRO-3's hooks (:class:`_Unhooked`)."""
-    partitioned = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
+    and the probe calls the module's own forward without ZeRO-3's hooks (:class:`_Unhooked`). Under FSDP2 (DTensor
+    shards) it is called without FSDP's hooks too: a norm's probe runs on its stand-in weight, and a probe that reads
+    the sharded weights fails (no rule from here)."""
+    own = list(module.parameters(recurse=False))
+    partitioned = [p for p in own if hasattr(p, "ds_id")]
     if not partitioned:
-        yield module
+        yield _Unhooked(module) if any(hasattr(p, "device_mesh") for p in own) else module
         return
     import deepspeed  # present: the parameters are ZeRO-3's
 
