@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -152,22 +150,8 @@ def launch_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
-# A known defect, refused by name (never silently wrong): on the packages installed on 2026-12-02 (deepspeed 0.19.7 and
-# 0.19.8, accelerate 1.15.0, transformers 5.24.0, peft 0.21.2) a ZeRO-3 run's norm rules meet the RMSNorm weights as
-# ZeRO-3 leaves them outside a gathered forward (0 elements), and the norms pass refuses every trainable norm. The same
-# failure reproduces on the release before these changes with these packages. Any other failure still fails.
-ZERO3_EMPTY_WEIGHT = "The expanded size of the tensor (0) must match"
-FSDP2_LAZY_INIT = "FSDP state has already been lazily initialized"  # a known defect too (below), unresolved
-
-
 def assert_ran(proc) -> None:
-    """A launched run's exit: 0, or the known ZeRO-3 defect above (an expected failure, with its cause)."""
-    if proc.returncode != 0 and ZERO3_EMPTY_WEIGHT in proc.stderr:
-        pytest.xfail("known defect: under ZeRO-3 the norm rules meet partitioned (empty) RMSNorm weights on the "
-                     "2026-12-02 package versions; the run refuses by name")
-    if proc.returncode != 0 and FSDP2_LAZY_INIT in proc.stderr:
-        pytest.xfail("known defect: under FSDP2 a re-check of the model after the trainer's preparation runs a module "
-                     "outside FSDP's lazy initialisation order; the run stops with FSDP's error (not silently wrong)")
+    """A launched run exited 0 (else its stderr's tail)."""
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
