@@ -245,17 +245,17 @@ def check(model: nn.Module) -> list[Unsupported]:
         except Exception:  # no float64 forward (grouped matmuls of MoE banks): float32's refusal stands
             pass
     if not refused:
-        plan.head_transform = transform
+        plan.head_transform = plan.last_head_transform = transform
     return refused
 
 
 def transform_of(model: nn.Module) -> HeadTransform:
-    """What the engine's head computes for ``model``: observed once (:func:`check`), or, for sharded parameters
-    never observed before sharding, :func:`from_config`. Raises :class:`~.support.UnsupportedModulesError` naming the
+    """What the engine's head computes for ``model``: observed once (:func:`check`), or, for sharded parameters, as
+    last observed before sharding, or :func:`from_config` where it never was. Raises :class:`~.support.UnsupportedModulesError` naming the
     head where no transform reproduces the model's logits."""
     view = view_of(model)
-    if view.plan.head_transform is None and sharded(view.lm):
-        return from_config(view.lm)
+    if view.plan.head_transform is None and sharded(view.lm):  # observed before sharding, else from the config
+        return view.plan.last_head_transform or from_config(view.lm)
     refused = check(view)
     if refused:
         raise UnsupportedModulesError(refused)

@@ -57,6 +57,12 @@ class ModelPlan:
         self.view: ModelView | None = None  # the model resolved (view_of), with what it was resolved under
         self.structure: tuple | None = None  # the structure (state_key) what is remembered was found on
         self.held = 0  # a check runs on copies swapped in (ledger.float32_mode): the view stands as it was
+        # the last functional users ({borrowed module: ancestor}) and head transform found, kept through forget(): a
+        # model whose parameters were sharded since (FSDP2, ZeRO-3: new hooks, classes or parameter objects, the same
+        # modules) cannot run the forwards that find them again, and uses these (ledger.functional_owners,
+        # head_transform.transform_of)
+        self.last_owners: dict | None = None
+        self.last_head_transform = None
 
     def forget(self, structure: tuple, trainable_changed: bool) -> None:
         """The model's structure or trainable set changed (:func:`state_key`): what depends on it is found again.
