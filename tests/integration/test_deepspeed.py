@@ -191,3 +191,29 @@ def test_zero2_under_reentrant_checkpointing_matches_the_plain_run(plain, tmp_pa
     assert all(facts["reentrant_checkpointing"] for facts in zero["fsdp"])
     assert_same_training(plain, zero)
     assert_applied_is_scheduled_times_scale(zero)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_exact_norms_on_zero3_partitioned_models(tmp_path, nproc):
+    """The norms pass on models ZeRO-3 has partitioned (`deepspeed.initialize`, every parameter 0 elements outside its
+    module's forward), each rank its own batch: full fine-tuning (its RMSNorms' rules are recognised on the gathered
+    weights), LoRA on lm_head tied and untied (the head's adapter gathered for the pass), trainable_token_indices tied
+    and untied (the rows PEFT's forward reads outside their module's forward, gathered for the pass). Per-sample
+    autograd on an unpartitioned copy is the reference. (Before: every RMSNorm was refused, "The expanded size of the
+    tensor (0)"; untied trainable tokens failed in PEFT's forward; tied ones, after a first forward, left out the
+    embedding's share of the rows' gradient.)"""
+    out = tmp_path / "zero3.json"
+    script = os.path.join(os.path.dirname(__file__), "distributed", "zero3_norms.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script,
+           str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=launch_env())
+    assert_ran(proc)
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == nproc
+    assert nproc == 1 or ranks[0]["full fine-tuning, tied"]["reference"] != ranks[1]["full fine-tuning, tied"]["reference"]
+    for results in ranks:
+        assert len(results) == 5
+        for name, result in results.items():
+            assert result["partitioned"] and result["no_grad_left"], name
+            assert sum(result["reference"]) > 0, name
+            assert result["ours"] == pytest.approx(result["reference"], rel=1e-5), name
