@@ -235,7 +235,7 @@ def check_once(model: nn.Module) -> ModelView:
     if plan.probing or plan.probed == view.key:
         return view
     if sharded(lm):  # no plain forward can run on shards: what was checked before sharding stands
-        if plan.probed is None and not plan.warned_unchecked:
+        if plan.probed is None and not plan.warned_unchecked and not plan.ever_probed:
             plan.warned_unchecked = True
             logger.warning(
                 "The per-sequence gradients of %s were not checked: its parameters were already sharded (FSDP2, "
@@ -294,5 +294,5 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
         found = probe(model)
         if not found:
             view = view_of(model)
-            view.plan.probed = view.key
+            view.plan.probed, view.plan.ever_probed = view.key, True
     return found

@@ -63,6 +63,7 @@ class ModelPlan:
         # head_transform.transform_of)
         self.last_owners: dict | None = None
         self.last_head_transform = None
+        self.ever_probed = False  # the probe passed on some state of this model (kept through forget(), as above)
 
     def forget(self, structure: tuple, trainable_changed: bool) -> None:
         """The model's structure or trainable set changed (:func:`state_key`): what depends on it is found again.
