@@ -243,10 +243,13 @@ def test_a_model_first_seen_sharded_is_not_passed_silently(caplog):
     assert len(warned) == 1 and "LlamaForCausalLM" in warned[0] and "validate(model) before sharding" in warned[0]
 
 
-def test_functional_users_found_before_sharding_stand_once_sharded():
+def test_functional_users_found_before_sharding_stand_once_sharded(caplog):
     """Sharding changes the model's state (ZeRO-3 hooks every module, FSDP2 swaps classes and parameters), so what was
     found on it is forgotten, and shards cannot run the discovery's forward again: the functional users found before
-    sharding (the same modules) stand. Before, none did, and the conv's share of each norm was left out."""
+    sharding (the same modules) stand. Before, none did, and the conv's share of each norm was left out; and the
+    model, checked before sharding, was warned about as first seen sharded."""
+    import logging
+
     model = _llama_with(FunctionalConv)
     coverage.check_once(model)
     found = coverage.functional_owners(model)
@@ -256,6 +259,9 @@ def test_functional_users_found_before_sharding_stand_once_sharded():
     for p in model.parameters():
         p.ds_id = 0  # what ZeRO-3 marks a partitioned parameter with
     assert coverage.functional_owners(model) == found
+    with caplog.at_level(logging.WARNING, logger="oblr_trl.grad_norms.coverage"):
+        coverage.check_once(model)
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("family", ["Llama", "Mamba-2"])
