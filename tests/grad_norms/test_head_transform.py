@@ -1,4 +1,4 @@
-"""The LM head checked by observation (oblr_trl/grad_norms/head_transform.py): whatever a model does between its head's
+"""The LM head checked by observation (oblr_trl/grad_norms/head.py): whatever a model does between its head's
 output ``h W^T + b`` and the logits it returns (a soft cap under any name, a scale, a per-vocabulary offset) is found
 on its own logits and computed exactly, a config field nothing reads changes nothing, and a transform no fit explains
 is refused naming the head. The probe (coverage.py) holds the promise, 1e-4, and catches a head transform of that
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms import UnsupportedModulesError, coverage, engine, head_transform
-from oblr_trl.grad_norms.head_transform import HeadTransform
+from oblr_trl.grad_norms import UnsupportedModulesError, coverage, engine, head as head_transform
+from oblr_trl.grad_norms.head import HeadTransform
+from oblr_trl.grad_norms.model import view_of
 from studies.zoo import VOCAB, build
 from reference import padded_batch, per_sample_sq_norms
 
@@ -35,7 +36,7 @@ def test_xlstm_output_logit_soft_cap_is_found_and_exact(tie):
     """Before: the engine read only final_logit_softcapping, xLSTM caps by output_logit_soft_cap (30): 2.9e-4 off."""
     model = build("xLSTM", tie)
     assert validate(model) == []
-    found = head_transform.transform_of(model)
+    found = head_transform.transform_of(view_of(model))
     assert found.softcap == model.config.output_logit_soft_cap == 30 and found.scale == 1
     _exact(model)
 
@@ -46,7 +47,7 @@ def test_mpt_logit_scale_that_its_model_never_reads_changes_nothing(logit_scale)
     model = build("MPT")
     model.config.logit_scale = logit_scale
     assert validate(model) == []
-    assert head_transform.transform_of(model).scale == 1
+    assert head_transform.transform_of(view_of(model)).scale == 1
     _exact(model)
 
 
@@ -57,7 +58,7 @@ def test_an_unnamed_soft_cap_with_a_scale_is_fitted(tie):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8)  # raw logits of a few units: deep in tanh's curve
     assert validate(model) == []
-    found = head_transform.transform_of(model)
+    found = head_transform.transform_of(view_of(model))
     assert found.softcap == pytest.approx(0.6 / 0.8, rel=1e-6) and found.scale == pytest.approx(0.8, rel=1e-6)
     _exact(model)
 
@@ -66,7 +67,7 @@ def test_a_per_vocabulary_offset_is_found():
     offset = torch.linspace(-1, 1, VOCAB)
     model = _with_head_hook(build("Qwen2"), lambda out: 1.5 * out + offset)
     assert validate(model) == []
-    found = head_transform.transform_of(model)
+    found = head_transform.transform_of(view_of(model))
     assert found.scale == pytest.approx(1.5, rel=1e-6)
     torch.testing.assert_close(found.offset, offset / 1.5, rtol=1e-5, atol=1e-6)
     _exact(model)
@@ -87,7 +88,7 @@ def test_a_head_transform_of_1e4_is_caught_by_the_head_check(size):
     cap explains, is refused naming the head (the check compares logits to 1e-5)."""
     model = _with_head_hook(build("Llama"), lambda out: (1 + size) * out)
     assert validate(model) == []
-    assert head_transform.transform_of(model).scale == pytest.approx(1 + size, rel=1e-7)
+    assert head_transform.transform_of(view_of(model)).scale == pytest.approx(1 + size, rel=1e-7)
     _exact(model)
     mixed = _with_head_hook(build("Llama"), lambda out: out + size * out.roll(1, dims=-1))
     with pytest.raises(UnsupportedModulesError, match="'lm_head'.*relative 0.0001"):
@@ -144,7 +145,7 @@ def test_a_model_that_cannot_be_upcast_is_checked_at_half_precisions_rounding():
     model = _with_head_hook(build("Llama"), lambda out: 2.0 * out).to(torch.bfloat16)
     model.register_parameter("codes", torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False))
     assert validate(model) == []
-    assert head_transform.transform_of(model).scale == pytest.approx(2.0, rel=1e-2)
+    assert head_transform.transform_of(view_of(model)).scale == pytest.approx(2.0, rel=1e-2)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
@@ -191,6 +192,6 @@ def test_a_saturated_head_under_an_autocast_forward_is_observed_in_float64():
     assert validate(model) == []  # construction: the forward is still the model's own
     model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
     found = validate(model, strict=False)
-    transform = head_transform.transform_of(model)
+    transform = head_transform.transform_of(view_of(model))
     assert found == []
     assert transform.softcap is None and transform.offset is None and transform.scale == 1

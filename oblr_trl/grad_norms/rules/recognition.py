@@ -16,18 +16,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .rules import (
-    GRAD_NORM_RULES,
-    _NAME_RULES,
-    Rule,
-    _embed_scale,
-    _original_class,
-    is_on,
-    centred_norm_rule,
-    embedding_rule,
-    linear_rule,
-    rms_norm_rule,
-)
+from .embeddings import _embed_scale, embedding_rule
+from .linear import linear_rule
+from .norms import centred_norm_rule, rms_norm_rule
+from .registry import GRAD_NORM_RULES, _NAME_RULES, Rule, _original_class, is_on
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -154,7 +146,7 @@ def recognise(module: nn.Module) -> Rule | None:
 
 
 def remembered(memo: dict | None, key: tuple, find):
-    """``find()``, kept in ``memo`` (a model's :attr:`~.plan.ModelPlan.memo`) under ``key``; computed every time
+    """``find()``, kept in ``memo`` (a model's :attr:`~..model.ModelPlan.memo`) under ``key``; computed every time
     without one."""
     if memo is None:
         return find()
@@ -165,7 +157,7 @@ def remembered(memo: dict | None, key: tuple, find):
 
 def find_rule(module: nn.Module, memo: dict | None = None) -> Rule | None:
     """The module's rule: registered for its exact class (or class name), else recognised by what it computes
-    (:mod:`.recognise`: a norm, a scaled embedding, a linear map, each verified on a probe input, remembered in
+    (:mod:`.recognition`: a norm, a scaled embedding, a linear map, each verified on a probe input, remembered in
     ``memo``, the model's plan's), else None."""
     cls = _original_class(type(module))
     rule = GRAD_NORM_RULES.get(cls) or _NAME_RULES.get(cls.__name__)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .factors import Materialized
-from .hooks import Call, _map, output_tensors, replay
+from ..factors import Materialized
+from ..hooks import Call, _map, output_tensors, replay
 
 MAX_NUMEL = 1 << 21  # trainable elements of one module's own parameters that the per-row path takes at most
 

@@ -2,13 +2,13 @@
 itself (one attribute of the ``*ForCausalLM``, as Opacus' ``GradSampleModule`` keeps its state on itself), never in a
 module global. Two models, or two trainers, in one process cannot see each other's plan.
 
-The plan holds, per model: which module takes which rule (:func:`~.support.coverage_plan` fills ``covered``, once
+The plan holds, per model: which module takes which rule (:func:`~.coverage.coverage_plan` fills ``covered``, once
 per model, again only when its trainable parameters, its modules or the rules change), what the recognisers found by
-probing each module (:mod:`.recognise`, :mod:`.experts`, :mod:`.routers`: ``memo``), which modules are used
-functionally and by whom (:func:`~.ledger.functional_owners`), the head's observed transform (:mod:`.head_transform`)
-and what the coverage probe passed with (:mod:`.coverage`). What one pass's forward hands to its backward is the
-pass's own (:class:`~.experts.RoutedCaptures`, owned by :class:`~.engine._Pass`). Nothing here imports a rule or a
-hook.
+probing each module (:mod:`.rules.recognition`, :mod:`.rules.experts`, :mod:`.rules.routers`: ``memo``), which
+modules are used functionally and by whom (:func:`~.coverage.functional_owners`), the head's observed transform
+(:mod:`.head`) and what the coverage probe passed with (:mod:`.coverage`). What one pass's forward hands to its
+backward is the pass's own (:class:`~.rules.experts.RoutedCaptures`, owned by :class:`~.engine._Pass`). Nothing here
+imports a rule or a hook.
 
 The plan also keeps the model resolved (:func:`view_of`): a :class:`ModelView` of the wrapper the trainer calls, the
 ``*ForCausalLM``, its backbone, head and text config, and a soft prompt's ``PeftModel``, found once and found again
@@ -19,18 +19,23 @@ modules: no tensor data is read): each module's identity and class, the forward 
 class's), its hooks (and the global ones), each parameter's identity and dtype, the config values a rule reads (soft
 caps, scales), and the trainable parameters of the whole model handed in (a PEFT prompt encoder's included). When the
 model's structure changes, everything found about it is forgotten (:meth:`ModelPlan.forget`); when only its
-trainable set changes, the recognisers' findings and the head's transform are kept."""
+trainable set changes, the recognisers' findings and the head's transform are kept.
+
+Below the plan: the parts of a causal LM under its wrappers (:func:`unwrap_causal_lm`, :func:`output_head`,
+:func:`backbone_of`, :func:`text_config`, :func:`soft_prompt_model`), which only :func:`view_of` needs on a pass, and
+the model run plainly for the checks (:func:`plain_mode`, :func:`float32_mode`, :func:`probe_batch`)."""
 
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from . import soft_prompt
-from .lm import backbone_of, output_head, text_config, under_peft, unwrap_causal_lm, unwrap_distributed
+from .quantized import compute_dtype, packed, quantized
 
 ATTRIBUTE = "_oblr_grad_norms_plan"
 
@@ -56,11 +61,11 @@ class ModelPlan:
         self.probing = False  # the coverage probe's own engine pass is running: it is not probed again
         self.view: ModelView | None = None  # the model resolved (view_of), with what it was resolved under
         self.structure: tuple | None = None  # the structure (state_key) what is remembered was found on
-        self.held = 0  # a check runs on copies swapped in (ledger.float32_mode): the view stands as it was
+        self.held = 0  # a check runs on copies swapped in (float32_mode): the view stands as it was
         # the last functional users ({borrowed module: ancestor}) and head transform found, kept through forget(): a
         # model whose parameters were sharded since (FSDP2, ZeRO-3: new hooks, classes or parameter objects, the same
-        # modules) cannot run the forwards that find them again, and uses these (ledger.functional_owners,
-        # head_transform.transform_of)
+        # modules) cannot run the forwards that find them again, and uses these (coverage.functional_owners,
+        # head.transform_of)
         self.last_owners: dict | None = None
         self.last_head_transform = None
         self.ever_probed = False  # the probe passed on some state of this model (kept through forget(), as above)
@@ -107,10 +112,10 @@ class ModelView:
     """One model resolved (:func:`view_of`): what each room of the pass would otherwise find again from the wrapper.
 
     ``outer``: the model under DDP/Accelerate wrappers, as the trainer's forward calls it (a PEFT wrapper kept);
-    ``lm``: its ``*ForCausalLM``; ``backbone``: the module under the head (:func:`~.lm.backbone_of`); ``head``: the
-    head the logits come from (:func:`~.lm.output_head`); ``head_wrapper``: what ``get_output_embeddings`` returns
+    ``lm``: its ``*ForCausalLM``; ``backbone``: the module under the head (:func:`~.model.backbone_of`); ``head``: the
+    head the logits come from (:func:`~.model.output_head`); ``head_wrapper``: what ``get_output_embeddings`` returns
     (PEFT's ``ModulesToSaveWrapper`` around the head, or the head itself); ``config``: the text config;
-    ``prompted``: the ``PeftModel`` whose active adapter is a soft prompt (:mod:`.soft_prompt`), or None;
+    ``prompted``: the ``PeftModel`` whose active adapter is a soft prompt (:mod:`.rules.soft_prompt`), or None;
     ``trainable``: the ``*ForCausalLM``'s trainable parameter names; ``module_ids``: its modules, by identity;
     ``plan``: its :class:`ModelPlan`; ``key``: what it was resolved under (:func:`view_key`).
 
@@ -227,7 +232,7 @@ def module_names(view: "ModelView") -> dict:
 def view_of(model) -> ModelView:
     """``model`` (a causal LM, possibly PEFT/DDP-wrapped) resolved: its :class:`ModelView`, kept on its plan and
     resolved again only when asked for through another wrapper or when :func:`view_key` changes (two lookups in
-    :mod:`.lm` when nothing changed). A view passed in is returned as it is: it is one pass's, handed down."""
+    :mod:`.model` when nothing changed). A view passed in is returned as it is: it is one pass's, handed down."""
     if isinstance(model, ModelView):
         return model
     outer = unwrap_distributed(model)
@@ -244,9 +249,201 @@ def view_of(model) -> ModelView:
     wrapper = get_head() if callable(get_head) else None
     key = view_key(outer, lm, wrapper)
     plan.forget(key[0], seen is None or seen.key[1:3] != key[1:3])
-    prompted = soft_prompt.soft_prompt_model(outer)
+    prompted = soft_prompt_model(outer)
     refs = weakref.ref(outer), weakref.ref(lm), None if prompted is None else weakref.ref(prompted)
     module_ids = tuple(map(id, lm.modules()))
     plan.view = ModelView(refs, backbone_of(lm), output_head(lm), wrapper, text_config(lm), trainable_names(lm),
                           module_ids, key)
     return plan.view
+
+
+# ------------------------------------------------------------------------ the parts of a causal LM under its wrappers
+def unwrap_distributed(model: nn.Module) -> nn.Module:
+    """The model under DDP/Accelerate wrappers, as the trainer's forward calls it (a PEFT wrapper kept: its forward
+    can add what the ``*ForCausalLM`` never sees, a prompt-learning adapter's virtual tokens)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "get_base_model"):
+        model = model.module  # DistributedDataParallel
+    return model
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` module under DDP/Accelerate and PEFT wrappers."""
+    return under_peft(unwrap_distributed(model))
+
+
+def under_peft(outer: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` under a PEFT wrapper (``outer`` itself where it has none); ``outer`` is already
+    unwrapped of DDP (:func:`unwrap_distributed`)."""
+    return outer.get_base_model() if hasattr(outer, "get_base_model") else outer  # peft.PeftModel
+
+
+def output_head(lm: nn.Module) -> nn.Module | None:
+    """The LM head that computes the logits: ``get_output_embeddings()``, or, under PEFT's ``modules_to_save``
+    (``ModulesToSaveWrapper``), the trainable copy its forward runs (the original stays frozen). None where the model
+    has no head."""
+    get_head = getattr(lm, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    copies = getattr(head, "modules_to_save", None)
+    if isinstance(copies, nn.ModuleDict) and not getattr(head, "disable_adapters", False):
+        active = list(getattr(head, "active_adapters", None) or [])
+        if active and active[0] in copies:
+            return copies[active[0]]
+    return head
+
+
+def text_config(lm: nn.Module):
+    config = getattr(lm, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return config
+
+
+def backbone_of(lm: nn.Module) -> nn.Module:
+    """The module under the head whose forward returns ``last_hidden_state``: ``base_model``, or, where that is the
+    ``*ForCausalLM`` itself (Llama 4's and Mllama's text models name their prefix after a wrapper they lack), its
+    decoder or ``model``."""
+    base = getattr(lm, "base_model", lm)
+    if base is not lm:
+        return base
+    for candidate in (lm.get_decoder() if hasattr(lm, "get_decoder") else None, getattr(lm, "model", None)):
+        if isinstance(candidate, nn.Module) and candidate is not lm:
+            return candidate
+    return base
+
+
+def _config(outer: nn.Module):
+    configs = getattr(outer, "peft_config", None)
+    if not isinstance(configs, dict):
+        return None
+    return configs.get(getattr(outer, "active_adapter", None))
+
+
+def soft_prompt_model(model: nn.Module) -> nn.Module | None:
+    """The ``PeftModel`` (under DDP) when its active adapter is prompt tuning or P-tuning; else None."""
+    outer = unwrap_distributed(model)
+    config = _config(outer)
+    if config is None or not getattr(config, "is_prompt_learning", False):
+        return None
+    return outer if str(getattr(config.peft_type, "value", config.peft_type)) in SOFT_PROMPTS else None
+
+
+SOFT_PROMPTS = ("PROMPT_TUNING", "P_TUNING")
+
+
+# -------------------------------------------------- the model run plainly: for discovery, observation and the probe
+PROBE_BATCH, PROBE_PROMPT, PROBE_COMPLETION = 2, 4, 4
+
+
+def sharded(lm: nn.Module) -> bool:
+    """Parameters that are shards (FSDP2 DTensors, DeepSpeed ZeRO-3 partitions): no plain forward can run here."""
+    return any(hasattr(p, "device_mesh") or hasattr(p, "ds_id") for p in lm.parameters())
+
+
+def probe_batch(lm: nn.Module, batch: int = PROBE_BATCH, prompt: int = PROBE_PROMPT,
+                completion: int = PROBE_COMPLETION) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids``, ``attention_mask``, ``completion_mask`` of a small batch on the model's device: random token
+    ids (never the pad id 0), the first row's prompt left-padded by 2, the last row's completion ending early."""
+    embedding = lm.get_input_embeddings()
+    if hasattr(embedding, "get_base_layer"):  # PEFT's adapter on the embedding (LoRA): the nn.Embedding it wraps
+        embedding = embedding.get_base_layer()
+    vocab, device = embedding.weight.shape[0], embedding.weight.device
+    head = output_head(lm)
+    if isinstance(head, nn.Linear):  # ids the head can score too (CPM-Ant's embedding is wider than its vocabulary)
+        vocab = min(vocab, head.out_features)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, max(2, min(vocab, 1000)), (batch, prompt + completion), generator=g)
+    attention = torch.ones_like(ids)
+    completion_mask = torch.ones(batch, completion, dtype=torch.long)
+    ids[0, :2], attention[0, :2] = 0, 0
+    completion_mask[-1, completion - 1 :] = 0
+    attention[-1, -1] = 0
+    return ids.to(device), attention.to(device), completion_mask.to(device)
+
+
+def _accelerate_wrapped(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is Accelerate's mixed-precision wrapper (``prepare`` under ``bf16``/``fp16``: the
+    forward run inside an autocast region, its outputs made float32), which keeps the forward it wrapped as
+    ``_original_forward``."""
+    forward = module.__dict__.get("forward")
+    wrapped = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+    return "_original_forward" in module.__dict__ and type(wrapped).__name__ == "ConvertOutputsToFp32"
+
+
+@contextmanager
+def plain_mode(lm: nn.Module):
+    """Eval mode (no dropout, no gradient checkpointing), no autocast and full float32 matmuls (no TF32, whose 1e-3
+    rounding is above the probe's 1e-4), for discovery, the head's observation and the probe; each module's own
+    train/eval flag and the matmul precision are put back after (a model with some layers in eval and others in train
+    keeps them so). Inside an autocast region, the region's own casts are left as they were. Accelerate's
+    mixed-precision wrapper of the forward (which turns autocast on again inside) is set aside while inside, as
+    Accelerate's own ``extract_model_from_parallel`` does, and put back after: the checks see the forward the trainer
+    was constructed with. While inside, the model's plan keeps its view (what a check sets aside is the check's)."""
+    plan = plan_of_lm(lm)
+    outer = plan.view.outer if plan.view is not None else None
+    modes = [(m, m.training) for m in lm.modules()]
+    wrapped = [m for m in dict.fromkeys((lm, outer)) if m is not None and _accelerate_wrapped(m)]
+    precision = torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    device = lm.get_input_embeddings().weight.device
+    plan.held += 1
+    forwards = [(m, m.__dict__["forward"]) for m in wrapped]
+    for m in wrapped:
+        m.__dict__["forward"] = m._original_forward
+    lm.eval()
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.autocast(device_type=device.type, enabled=False):
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for m, forward in forwards:
+            m.__dict__["forward"] = forward
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        plan.held -= 1
+
+
+@contextmanager
+def float32_mode(lm: nn.Module, dtype: torch.dtype = torch.float32):
+    """The model computing in ``dtype`` (float32, or float64 for the probe's second look) while inside: each floating
+    parameter and buffer in another dtype is replaced, in its module, by a copy in ``dtype`` (tied ones by one copy,
+    a parameter's copy trainable as it is), and the originals are put back after. The user's tensors are never cast
+    in place: their values, dtypes and autograd identity stay as they were (an in-place cast would rebuild a weight's
+    autograd link, and an enclosing autocast region's cached casts of it would no longer reach it). A
+    bf16/fp16/float32 value is exact in a wider type. In half precision the reference itself is too coarse to judge
+    by: bf16 logits of a 49k vocabulary are spaced 0.125 apart near 20, which moves each sequence's gradient by tens
+    of percent. A quantized model (weights stored 4- or 8-bit, whatever the storage dtype: :func:`~.quantized.packed`)
+    keeps those weights: its floating parameters (the adapters, norms, biases) and buffers are copied upcast, and
+    layers with their own compute dtype (bitsandbytes' 4-bit) compute in float32; it cannot run in float64 (the
+    dequantizing kernels have no float64). While inside, the model's plan keeps its view (the copies are the check's).
+    Yields whether the model runs in ``dtype``. Cost: a copy of every parameter not yet in ``dtype``, while inside."""
+    wide = (torch.float32, torch.float64) if dtype == torch.float32 else (torch.float64,)
+    if quantized(lm) and dtype != torch.float32:
+        yield False
+        return
+    copies: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+
+    def copy_of(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(t) not in copies:
+            value = t.detach().to(dtype)
+            copies[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if parameter else value
+        return copies[id(t)]
+
+    plan = plan_of_lm(lm)
+    plan.held += 1
+    try:
+        for m in lm.modules():
+            for store, parameter in ((m._parameters, True), (m._buffers, False)):
+                for name, t in store.items():
+                    if t is not None and not packed(t) and t.dtype not in wide:  # codes stay as stored
+                        swapped.append((store, name, t))
+                        store[name] = copy_of(t, parameter)
+        with compute_dtype(lm, dtype):
+            yield True
+    finally:
+        for store, name, t in reversed(swapped):
+            store[name] = t
+        plan.held -= 1
