@@ -237,7 +237,7 @@ def check_once(model: nn.Module) -> ModelView:
     if plan.probing or plan.probed == view.key:
         return view
     if sharded(lm):  # no plain forward can run on shards: what was checked before sharding stands
-        if plan.probed is None and not plan.warned_unchecked:
+        if plan.probed is None and not plan.warned_unchecked and not plan.ever_probed:
             plan.warned_unchecked = True
             logger.warning(
                 "The per-sequence gradients of %s were not checked: its parameters were already sharded (FSDP2, "
@@ -297,7 +297,7 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
         found = probe(model)
         if not found:
             view = view_of(model)
-            view.plan.probed = view.key
+            view.plan.probed, view.plan.ever_probed = view.key, True
     return found
 
 
@@ -528,17 +528,22 @@ def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
     state (:func:`~.model.state_key`: its modules, their forwards and hooks, its trainable set; a tiny forward and
     backward), then remembered on the model's plan (:class:`~.model.ModelPlan`). Models whose parameters are already
     shards cannot run that forward: they keep what was found before sharding (``validate`` at trainer construction
-    finds it), or nothing."""
+    finds it; kept on the plan through the change sharding makes to the model's state), or nothing."""
     view = view_of(model)
     lm, names, plan = view.lm, view.trainable, view.plan
     known = plan.owners
     if known is not None and (known[0] == view.key or sharded(lm)):
         return known[1]
-    if not names or sharded(lm):
+    if not names:
         return {}
+    if sharded(lm):  # found before sharding (the same modules), where each still sits under its ancestor
+        modules = set(lm.modules())
+        return {m: a for m, a in (plan.last_owners or {}).items()
+                if m in modules and a in modules and any(d is m for d in a.modules())}
     with plain_mode(lm):
         owners = _discover(lm, view.backbone)
     plan.owners = (view.key, owners)
+    plan.last_owners = owners
     return owners
 
 

@@ -65,7 +65,7 @@ def _zero3_partitioned(params) -> list[torch.Tensor]:
     return [p for p in params if p is not None and hasattr(p, "ds_id")]
 
 
-def _head_params(params) -> dict[int, torch.Tensor]:
+def _head_params(params, gathered: set[int] = frozenset()) -> dict[int, torch.Tensor]:
     """Under DeepSpeed ZeRO-3: detached full copies of the head's parameters (its weight and bias, an adapter's),
     by ``id``, gathered from their partitions before the pass (the pass reads the head directly, where no ZeRO-3 hook
     gathers it; a tied head shares the input embedding, which ZeRO-3 releases after the embedding's forward). Empty
@@ -74,10 +74,29 @@ def _head_params(params) -> dict[int, torch.Tensor]:
     partitioned = _zero3_partitioned(params)
     if not partitioned:
         return {}
+    held = [p for p in partitioned if id(p) in gathered]  # gathered for the whole pass already (_borrowed_gathered)
+    rest = [p for p in partitioned if id(p) not in gathered]
     import deepspeed  # present: the parameters are ZeRO-3's
 
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-        return {id(p): p.detach().clone() for p in partitioned}
+    with deepspeed.zero.GatheredParameters(rest, enabled=bool(rest), modifier_rank=None):
+        return {id(p): p.detach().clone() for p in held + rest}
+
+
+@contextmanager
+def _borrowed_gathered(run: "_Pass"):
+    """Under DeepSpeed ZeRO-3: every parameter under a module that uses its descendants' parameters outside their own
+    forward (the ancestors that borrow them, :func:`~.ledger.functional_owners`: PEFT's trainable token rows and the
+    embedding weight they patch, a Mamba conv's weight) gathered while the pass runs, forward, backward and the
+    per-row re-runs; yields their ids. ZeRO-3's module hooks gather a module's own parameters for its forward only; the
+    engine's forward, which gathers such parameters as they are read, is not the pass's."""
+    params = _zero3_partitioned(list({id(p): p for m in run.borrowed for p in m.parameters()}.values()))
+    if not params:
+        yield set()
+        return
+    import deepspeed  # present: the parameters are ZeRO-3's
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield {id(p) for p in params}
 
 
 @contextmanager
@@ -396,9 +415,11 @@ def run_pass(
     virtual = 0 if prompted is None else prompted.peft_config[prompted.active_adapter].num_virtual_tokens
     span = slice(virtual + length - completion_length - 1, virtual + length - 1)  # those that predict completions
     labels, mask = input_ids[:, length - completion_length :], completion_mask.to(torch.float32)
-    records, (h, head_weight, head_bias, lse, head_self_done), graph = _forward_backward(
-        run, view, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph)
-    run.collect(records)
+    with _borrowed_gathered(run) as gathered:
+        records, (h, head_weight, head_bias, lse, head_self_done), graph = _forward_backward(
+            run, view, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph,
+            gathered)
+        run.collect(records)
     before = {slot: len(usages) for slot, usages in run.usages.items()}
     head = run.head
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad) or not run.adapter.plain:
@@ -412,7 +433,7 @@ def run_pass(
 
 
 def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, scored: tuple, alpha: float,
-                      transform, keep_graph: bool = False):
+                      transform, keep_graph: bool = False, gathered: set[int] = frozenset()):
     """The pass's forward and backward of ``inputs`` (``input_ids``, ``attention_mask``, ``model_inputs``) under its
     hooks and its expert banks' routed forwards: the records, and the head's operands and terms (:func:`_head_terms`:
     ``h``, weight, bias, log-sum-exp, and whether its own products were formed), and, for ``keep_graph``, the last
@@ -425,7 +446,7 @@ def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, s
     in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
     banks = [m for m in run.whole_call if m not in in_checkpointed]
     zero3_head = _head_params([run.head.weight, run.head.bias, *(p for m in run.adapter.modules
-                                                                for p in m.parameters())])  # ZeRO-3: gathered whole
+                                                                for p in m.parameters())], gathered)  # ZeRO-3
     try:
         with norms_checkpointing(checkpointed) as reentrant, _fsdp_root_unsharded(lm), \
                 run.routed.routed_forwards(banks), capture(

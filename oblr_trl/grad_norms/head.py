@@ -363,16 +363,17 @@ def check(view: ModelView) -> list[Unsupported]:
         except Exception:  # no float64 forward (grouped matmuls of MoE banks): float32's refusal stands
             pass
     if not refused:
-        plan.head_transform = transform
+        plan.head_transform = plan.last_head_transform = transform
     return refused
 
 
 def transform_of(view: ModelView) -> HeadTransform:
     """What the engine's head computes for the model resolved as ``view`` (:func:`~.model.view_of`): observed once
-    (:func:`check`), or, for sharded parameters never observed before sharding, :func:`from_config`. Raises
-    :class:`~.result.UnsupportedModulesError` naming the head where no transform reproduces the model's logits."""
-    if view.plan.head_transform is None and sharded(view.lm):
-        return from_config(view.config)
+    (:func:`check`), or, for sharded parameters, as last observed before sharding, or :func:`from_config` where it
+    never was. Raises :class:`~.result.UnsupportedModulesError` naming the head where no transform reproduces the
+    model's logits."""
+    if view.plan.head_transform is None and sharded(view.lm):  # observed before sharding, else from the config
+        return view.plan.last_head_transform or from_config(view.config)
     refused = check(view)
     if refused:
         raise UnsupportedModulesError(refused, advice=advice(refused, ADVICE))

@@ -62,6 +62,13 @@ class ModelPlan:
         self.view: ModelView | None = None  # the model resolved (view_of), with what it was resolved under
         self.structure: tuple | None = None  # the structure (state_key) what is remembered was found on
         self.held = 0  # a check runs on copies swapped in (float32_mode): the view stands as it was
+        # the last functional users ({borrowed module: ancestor}) and head transform found, kept through forget(): a
+        # model whose parameters were sharded since (FSDP2, ZeRO-3: new hooks, classes or parameter objects, the same
+        # modules) cannot run the forwards that find them again, and uses these (coverage.functional_owners,
+        # head.transform_of)
+        self.last_owners: dict | None = None
+        self.last_head_transform = None
+        self.ever_probed = False  # the probe passed on some state of this model (kept through forget(), as above)
 
     def forget(self, structure: tuple, trainable_changed: bool) -> None:
         """The model's structure or trainable set changed (:func:`state_key`): what depends on it is found again.

@@ -241,6 +241,27 @@ def test_a_model_first_seen_sharded_is_not_passed_silently(caplog):
     assert len(warned) == 1 and "LlamaForCausalLM" in warned[0] and "validate(model) before sharding" in warned[0]
 
 
+def test_functional_users_found_before_sharding_stand_once_sharded(caplog):
+    """Sharding changes the model's state (ZeRO-3 hooks every module, FSDP2 swaps classes and parameters), so what was
+    found on it is forgotten, and shards cannot run the discovery's forward again: the functional users found before
+    sharding (the same modules) stand. Before, none did, and the conv's share of each norm was left out; and the
+    model, checked before sharding, was warned about as first seen sharded."""
+    import logging
+
+    model = _llama_with(FunctionalConv)
+    coverage.check_once(model)
+    found = coverage.functional_owners(model)
+    assert found and all(isinstance(m, nn.Conv1d) for m in found)
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda module, args: None)  # as ZeRO-3's parameter fetch
+    for p in model.parameters():
+        p.ds_id = 0  # what ZeRO-3 marks a partitioned parameter with
+    assert coverage.functional_owners(model) == found
+    with caplog.at_level(logging.WARNING, logger="oblr_trl.grad_norms.coverage"):
+        coverage.check_once(model)
+    assert not caplog.records
+
+
 @pytest.mark.parametrize("family", ["Llama", "Mamba-2"])
 def test_a_float32_miss_is_looked_at_again_in_float64(monkeypatch, family):
     """A miss that float32 rounding could explain is judged again with the model in float64 (the engine runs there,
