@@ -1,5 +1,5 @@
 """The norms pass's peak memory under each gradient checkpointing: none, non-reentrant, and reentrant (where the pass
-runs each layer under its own checkpoint, ``oblr_trl/grad_norms/checkpointing.py``).
+runs each layer under its own checkpoint, ``oblr_trl/grad_norms/hooks.py``).
 
 A random tied Qwen3 (8 layers, hidden 256, vocabulary 4096, float32) and 8 rows x 1024 tokens (960 completion tokens),
 the within-group products with groups of 4, on the CPU with one thread; each setting in its own process, its peak RSS

@@ -134,14 +134,14 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer
     from oblr_trl.demo.tiny import build_tokenizer
-    from oblr_trl.grad_norms import coverage, head_transform, plan
-    from oblr_trl.grad_norms.lm import unwrap_causal_lm
-    from oblr_trl.grad_norms.support import coverage_plan
+    from oblr_trl.grad_norms import coverage, head as head_transform, model as plan
+    from oblr_trl.grad_norms.model import unwrap_causal_lm
+    from oblr_trl.grad_norms.coverage import coverage_plan
 
     prepared, rewards = prepared_batch(batch, completion, model.config.vocab_size, PROMPT, GROUP)
     # The head's transform is observed on real logits at construction; a counted model has no values: its
     # config's transform (Qwen3: none) stands in, as for sharded heads
-    plan.plan_of(model).head_transform = head_transform.from_config(model)
+    plan.plan_of(model).head_transform = head_transform.from_config(plan.text_config(model))
 
     class PreparedGRPO(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -183,7 +183,7 @@ def trainer_for(mode: str, model, batch: int, completion: int, lora: bool, ckpt:
     # inside the counted step: the coverage, the config's head transform (see above), the probe taken as passed
     view = plan.view_of(trainer.model)
     coverage_plan(view)
-    view.plan.head_transform = head_transform.from_config(lm)
+    view.plan.head_transform = head_transform.from_config(plan.text_config(lm))
     view.plan.probed = view.key
     return trainer
 

@@ -1,10 +1,10 @@
 """The exact norms pass on a Qwen3-MoE model at a realistic expert count vs a plain forward+backward (same run,
 interleaved): ``python benchmarks/moe_norms.py --experts 32 --top-k 4``.
 
-The expert banks take the routed-token rule (:mod:`oblr_trl.grad_norms.experts`: cost proportional to the tokens
-each expert sees); the routers, their logits' rule (:mod:`oblr_trl.grad_norms.routers`). With ``--per-row`` the
+The expert banks take the routed-token rule (:mod:`oblr_trl.grad_norms.rules.experts`: cost proportional to the tokens
+each expert sees); the routers, their logits' rule (:mod:`oblr_trl.grad_norms.rules.routers`). With ``--per-row`` the
 banks and routers are also timed on the per-row path (one re-run of the bank per sequence, what they took before
-the rule; the benchmark lifts ``generic.MAX_NUMEL`` so that a large bank is not refused), and the two passes'
+the rule; the benchmark lifts ``per_row.MAX_NUMEL`` so that a large bank is not refused), and the two passes'
 norms are checked equal.
 
 Measured 2026-11-23 04:47-04:49 UTC (commit 8af407d: banks by routed tokens, routers by logits) on a shared 2-core
@@ -18,7 +18,7 @@ batch 8, ``--reps 5``; plain forward+backward vs the norms pass:
     difference between the two paths' norms 1.5e-07)
 
 With ``--lora R`` the banks carry PEFT's LoRA of rank R (``target_parameters`` on both weights, everything else
-frozen), whose factors take :mod:`oblr_trl.grad_norms.lora_experts`'s rule. Measured 2026-11-28 14:21 UTC (commit
+frozen), whose factors take :mod:`oblr_trl.grad_norms.rules.lora_experts`'s rule. Measured 2026-11-28 14:21 UTC (commit
 533834a) on the same kind of shared 2-core CPU (load average 6.7), 1 thread, batch 8, ``--reps 5``:
 
     --lora 16 --experts 32 --top-k 4 --length 64 --per-row: 0.390s vs 0.722s, 1.85x; per-row path 1.571s, 4.03x
@@ -33,7 +33,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from oblr_trl import per_sequence_grad_sq_norms
-from oblr_trl.grad_norms import generic, rules
+from oblr_trl.grad_norms.rules import per_row, registry
 
 
 def main():
@@ -54,7 +54,7 @@ def main():
                    "rest frozen; 0: full fine-tuning")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    generic.MAX_NUMEL = 1 << 40
+    per_row.MAX_NUMEL = 1 << 40
     model = _model(args)
     ids = torch.randint(1, args.vocab, (args.batch, args.length), device=args.device)
     attention = torch.ones_like(ids)
@@ -69,7 +69,7 @@ def main():
         return per_sequence_grad_sq_norms(model, ids, attention, completion)
 
     def per_row():  # banks and routers on the per-row path: their rules switched off for this call
-        with rules.switched_off("expert_bank", "router", "lora_expert_bank"):
+        with registry.switched_off("expert_bank", "router", "lora_expert_bank"):
             return per_sequence_grad_sq_norms(model, ids, attention, completion)
 
     def timed(fn):

@@ -33,7 +33,7 @@ def measure(path, vocab, quant, double, compute, storage, generate) -> tuple[str
     """(what validate said, logits' relative difference from a fresh load, the norms' largest relative error
     against per-row autograd on that fresh load)."""
     from oblr_trl import per_sequence_grad_sq_norms, validate
-    from oblr_trl.grad_norms.oracle import per_row_sq_norms
+    from oblr_trl.grad_norms.coverage import per_row_sq_norms
     from studies.peft_sweep import load_quantized
 
     ids, attention, completion_mask = _batch(vocab)

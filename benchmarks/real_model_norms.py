@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms.oracle import per_row_sq_norms
+from oblr_trl.grad_norms.coverage import per_row_sq_norms
 
 
 def main():

@@ -19,9 +19,9 @@ from studies.zoo import ADAPTERS, FAMILIES, VOCAB, build, build_adapted
 
 from oblr_trl.grad_norms.api import per_sequence_grad_sq_norms
 from oblr_trl.grad_norms.coverage import validate
-from oblr_trl.grad_norms.lm import unwrap_causal_lm
-from oblr_trl.grad_norms.oracle import per_row_sq_norms
-from oblr_trl.grad_norms.support import coverage_plan
+from oblr_trl.grad_norms.model import unwrap_causal_lm
+from oblr_trl.grad_norms.coverage import per_row_sq_norms
+from oblr_trl.grad_norms.coverage import coverage_plan
 
 BEGIN, END = "<!-- support:begin -->", "<!-- support:end -->"
 

@@ -57,8 +57,8 @@ def dataset_has_images(dataset) -> bool:
 def refuse_trainable_vision(model, dataset) -> None:
     """At construction: a dataset with images and a trainable module outside the text decoder (a vision tower) is
     refused, naming the modules, with the advice (freeze the tower) that makes the norms exact."""
-    from .grad_norms.lm import output_head, unwrap_causal_lm
-    from .grad_norms.support import refuse_outside_decoder
+    from .grad_norms.model import output_head, unwrap_causal_lm
+    from .grad_norms.engine import refuse_outside_decoder
 
     if not dataset_has_images(dataset):
         return

@@ -43,8 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from . import cost_model, multimodal
-from .grad_norms.checkpointing import runs_reentrant
-from .grad_norms.lm import output_head, unwrap_causal_lm
+from .grad_norms.hooks import runs_reentrant
+from .grad_norms.model import output_head, unwrap_causal_lm
+from .grad_norms.rules.registry import declared_cost, full_shape
 from .loss_terms import terms_beyond_ratio_one
 
 # ---------------------------------------------------------------------------------------------- the targets
@@ -110,15 +111,11 @@ def initial_choice(requested: bool | None, reasons: list[str]) -> tuple[bool | N
 
 
 # ---------------------------------------------------------------------------------------------- the shapes
-def _full_shape(weight: torch.Tensor) -> tuple[int, ...]:
-    """A weight's whole shape, also where DeepSpeed ZeRO-3 holds only this rank's flat shard (its ``ds_shape``)."""
-    return tuple(getattr(weight, "ds_shape", None) or weight.shape)
-
-
 def describe(model: torch.nn.Module, rows: int, prompt: int, completion: int, itemsize: int,
              checkpointing: bool, group: int) -> cost_model.Shape:
     """``model``'s and a micro-batch's shapes for :mod:`.cost_model`: its decoder layers (those gradient checkpointing
-    wraps; their count, the first one's linear maps (``nn.Linear``, GPT-2's ``Conv1D``) and LoRA adapters), hidden
+    wraps; their count, the first one's linear maps (each as its grad-norm rule declares it,
+    :func:`~.grad_norms.rules.registry.declared_cost`: ``nn.Linear``, GPT-2's ``Conv1D``) and LoRA adapters), hidden
     width, attention heads and LM head. Other weights (experts' banks, convolutions) are not in the model."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -129,16 +126,16 @@ def describe(model: torch.nn.Module, rows: int, prompt: int, completion: int, it
     config = config.get_text_config() if config is not None else None
     linears, adapters = [], []
     for name, m in (layers[0] if layers else model).named_modules():
-        if m is head or not isinstance(getattr(m, "weight", None), torch.Tensor) or len(_full_shape(m.weight)) != 2 \
-                or not isinstance(m, torch.nn.Linear) and type(m).__name__ != "Conv1D":
+        shape = None if m is head else declared_cost(m)  # as the layer's grad-norm rule declares it
+        if shape is None:
             continue
-        n_in, n_out = (m.in_features, m.out_features) if isinstance(m, torch.nn.Linear) else _full_shape(m.weight)
+        n_in, n_out, trainable = shape
         if "lora_" in name:
-            if m.weight.requires_grad:
+            if trainable:
                 adapters.append((n_in, n_out))
         else:
-            linears.append((n_in, n_out, m.weight.requires_grad))
-    vocab, hidden = _full_shape(head.weight) if head is not None else (0, getattr(config, "hidden_size", 0))
+            linears.append((n_in, n_out, trainable))
+    vocab, hidden = full_shape(head.weight) if head is not None else (0, getattr(config, "hidden_size", 0))
     heads = getattr(config, "num_attention_heads", 0) or 0
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
     embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
@@ -500,7 +497,7 @@ class Route:
                          2 if (args.bf16 or args.fp16) else 4, args.gradient_checkpointing, group_size)
         # replayed only in one process: its second backward runs outside DDP's and FSDP's forward (untested there);
         # and only under non-reentrant checkpointing: the norms pass runs a reentrant layer under its own checkpoint
-        # (grad_norms/checkpointing.py), whose graph a second backward cannot take the update from
+        # (grad_norms/hooks.py), whose graph a second backward cannot take the update from
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         reentrant = runs_reentrant(model)

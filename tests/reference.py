@@ -2,12 +2,12 @@
 
 import torch
 
-from oblr_trl.grad_norms.oracle import completion_logprob_sums, per_row_grads  # noqa: F401 (re-exported for tests)
+from oblr_trl.grad_norms.coverage import completion_logprob_sums, per_row_grads  # noqa: F401 (re-exported for tests)
 
 
 def per_sample_grads(model, input_ids, attention_mask, completion_mask, temperature=1.0):
     """List of per-row flattened gradients of ``sum_t log pi`` over the trainable parameters (the package's oracle,
-    :func:`oblr_trl.grad_norms.oracle.per_row_grads`, flattened; zeros where a row does not reach a parameter)."""
+    :func:`oblr_trl.grad_norms.coverage.per_row_grads`, flattened; zeros where a row does not reach a parameter)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [torch.cat([(gi if gi is not None else torch.zeros_like(p)).flatten() for gi, p in zip(row, params)])
             for row in per_row_grads(model, input_ids, attention_mask, completion_mask, temperature, params)]
@@ -44,8 +44,8 @@ def module_sq_norms(module, x, seed=0, **kwargs):
     Ours: the capture hooks plus the module's rule (or the per-row path), as the whole-model pass uses them.
     Reference: one ``torch.autograd.grad`` per row, the module run on that row alone."""
     from oblr_trl.grad_norms import engine, hooks
-    from oblr_trl.grad_norms.rules import call_usages
-    from oblr_trl.grad_norms.support import how_handled, resolve
+    from oblr_trl.grad_norms.rules.registry import call_usages
+    from oblr_trl.grad_norms.coverage import how_handled, resolve
 
     batch = x.shape[0]
     how = how_handled(module)

@@ -21,7 +21,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.demo.tiny import build_tokenizer
-from oblr_trl.grad_norms.support import UnsupportedModulesError
+from oblr_trl.grad_norms.coverage import UnsupportedModulesError
 from fingerprint import differences, fingerprint
 from studies import peft_sweep
 from studies.zoo import build

@@ -121,7 +121,7 @@ def verdict(peft_type: str, family: str, tie: bool, make=None) -> Verdict:
     type's defaults), validate it, and compare its norms with per-row autograd's when validate passes."""
     from oblr_trl.grad_norms import UnsupportedModulesError, per_sequence_grad_sq_norms, validate
     from fingerprint import fingerprint
-    from oblr_trl.grad_norms.oracle import per_row_sq_norms
+    from oblr_trl.grad_norms.coverage import per_row_sq_norms
 
     if peft_type in NOT_FOR_GRPO:
         return Verdict("not applicable", NOT_FOR_GRPO[peft_type])
@@ -234,7 +234,7 @@ def quantized_verdict(setting: str, family: str, tie: bool, folder: str) -> Verd
     buffer and quantization state field); then its norms against per-row autograd on that fresh load."""
     from oblr_trl.grad_norms import UnsupportedModulesError, per_sequence_grad_sq_norms, validate
     from fingerprint import differences, fingerprint
-    from oblr_trl.grad_norms.oracle import per_row_sq_norms
+    from oblr_trl.grad_norms.coverage import per_row_sq_norms
 
     kwargs = dict(QUANTIZED[setting])
     when = kwargs.pop("generate", None)

@@ -1,5 +1,5 @@
-"""The public per-sequence gradient functions: the engine's pass (:func:`.engine.per_sequence_grads`), each after the
-coverage check (:func:`.coverage.check_once`: every trainable parameter accounted for, a probe once per model)."""
+"""The public per-sequence gradient functions: the engine's pass (:func:`.engine.run_pass`), each after the coverage
+check (:func:`.coverage.check_once`: every trainable parameter accounted for, a probe once per model)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import torch
 from torch import nn
 
 from . import engine
-from .coverage import check_once
+from .coverage import check_once, pass_plan
 from .result import PerSequenceGradients
 
 
 def per_sequence_grads(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        completion_mask: torch.Tensor, **kwargs) -> PerSequenceGradients:
-    """:func:`.engine.per_sequence_grads` (see there for the arguments), once the model's coverage is checked."""
-    view = check_once(model)  # the model resolved once (plan.view_of), read by every room of the pass
-    return engine.per_sequence_grads(view, input_ids, attention_mask, completion_mask, **kwargs)
+    """:func:`.engine.run_pass` (see there for the arguments), once the model's coverage is checked, by the rules the
+    coverage chose (:func:`.coverage.pass_plan`)."""
+    view = check_once(model)  # the model resolved once (model.view_of), read by every room of the pass
+    return engine.run_pass(view, input_ids, attention_mask, completion_mask, covering=pass_plan, **kwargs)
 
 
 def per_sequence_grad_inner_products(

@@ -8,11 +8,11 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
 1. **Discovery** (:func:`functional_owners`): one tiny forward records which modules run. A trainable module that
    never runs, but whose parameters autograd reaches from the hidden states, is used functionally by an ancestor:
    its parameters are *borrowed* by the nearest ancestor that runs, which takes them on the exact per-row path
-   (:mod:`.generic`: that ancestor's call re-run per sequence, one vector-Jacobian product each), and the borrowed
+   (:mod:`.rules.per_row`: that ancestor's call re-run per sequence, one vector-Jacobian product each), and the borrowed
    module gets no hooks of its own. Cost: one forward and one backward of a 2 x 8-token batch, once per model state
-   (:func:`~.plan.state_key`); then, in every pass, the per-row path's cost for each borrowing ancestor.
+   (:func:`~.model.state_key`); then, in every pass, the per-row path's cost for each borrowing ancestor.
 2. **The probe** (:func:`probe`, run by :func:`validate`, so at ``OBLRPOTrainer`` construction, and by the engine
-   once per model state, :func:`~.plan.state_key`): on a 2-sequence batch (one left-padded, one ending early), each
+   once per model state, :func:`~.model.state_key`): on a 2-sequence batch (one left-padded, one ending early), each
    sequence's gradient as the engine forms it must equal autograd's gradient of that sequence's log-probability run
    alone, within the promise: relative error <= 1e-4 per parameter (plus a floor of 1e-7 of the whole gradient,
    for parameters whose gradient is nearly 0) and over all parameters together. It runs in float32 (a bf16/fp16
@@ -22,7 +22,7 @@ gated delta-net), a parent's forward uses a child's weight, one weight is shared
    float64, where the model's own rounding is gone (the engine's float32 products leave about 1e-7), and only a miss
    there is refused. A parameter where it does not hold (a share no hook sees, rows paired with the wrong sequence, a
    head transform the engine does not compute), or a pass that fails, is refused by name before training. Before it,
-   the head is checked by observation (:mod:`.head_transform`).
+   the head is checked by observation (:mod:`.head`).
    What it checks is the model as the trainer runs it (:func:`trained_parameters`: under DDP, above PEFT, so a soft
    prompt's encoder is checked, never skipped), against autograd on that model; and since autograd is the reference,
    a backward through an operator with no backward formula (PyTorch's autograd fallback: bitsandbytes' CPU inference
@@ -37,22 +37,24 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .engine import per_sequence_grads
-from . import head_adapters, head_transform
-from .ledger import float32_mode, functional_owners, plain_mode, probe_batch, sharded, trainable_names  # noqa: F401
-from . import oracle
-from .lm import output_head, unwrap_causal_lm, unwrap_distributed
+from . import head
+from .engine import run_pass
+from .model import (ModelPlan, ModelView, float32_mode, output_head, plain_mode, plan_of, probe_batch, sharded,
+                    soft_prompt_model, unwrap_causal_lm, unwrap_distributed, view_of)
 from .quantized import LOST_SCALES, backward_gaps, lost_scales, quantized, restore, warn_undone
-from .plan import ModelView, plan_of, view_of
-from .support import ADVICE, Unsupported, UnsupportedModulesError, unsupported_modules
+from .result import ADVICE, Unsupported, UnsupportedModulesError
+from .rules import lora_experts, per_row, soft_prompt  # the package registers every family's rules
+from .rules.recognition import find_rule
+from .rules.registry import CallRule, Rule, find_call_rule, registered, switched_off_now
 
 logger = logging.getLogger(__name__)
 
-RTOL = 1e-4  # the promise, per parameter and in total (a half-precision model is upcast, see ledger.float32_mode)
+RTOL = 1e-4  # the promise, per parameter and in total (a half-precision model is upcast, see model.float32_mode)
 FLOOR = 1e-3  # of RTOL, relative to the whole gradient: parameters whose own gradient is nearly 0
 NATIVE_HALF_RTOL = 0.2  # where it cannot be upcast (quantized weights): only what is missing or misattributed shows
 LOST_SCALES_ADVICE = ("Reload the model and construct the trainer before any generate() or evaluation on it (from "
@@ -118,7 +120,7 @@ def trained_parameters(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[
 
 def probe(model: nn.Module) -> list[Unsupported]:
     """Every trainable parameter whose per-sequence gradients, summed over a small batch, differ from autograd's
-    gradient of that batch (see the module docstring), as :class:`~.support.Unsupported` entries by module; a pass
+    gradient of that batch (see the module docstring), as :class:`~.result.Unsupported` entries by module; a pass
     that fails, or a model whose own backward is not its forward's derivative, is one entry naming the model. Empty
     when every parameter is accounted for. Leaves ``.grad`` and the train/eval mode as they were."""
     lm = unwrap_causal_lm(model)
@@ -177,7 +179,7 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], sho
 
     found = {n: (0.0, 0.0, 0.0) for n in params}
     try:
-        grads = per_sequence_grads(model, ids, attention, completion_mask)
+        grads = run_pass(view_of(model), ids, attention, completion_mask, covering=pass_plan)
     except Exception as error:
         take()
         return _refused(lm, error)
@@ -191,7 +193,7 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], sho
         row = ids[i : i + 1], attention[i : i + 1], completion_mask[i : i + 1]
         try:  # the sequence alone through the model as the trainer calls it: autograd's gradient (the oracle)
             with backward_gaps() as gaps:
-                (reference,) = oracle.per_row_grads(outer, *row, params=list(params.values()))
+                (reference,) = per_row_grads(outer, *row, params=list(params.values()))
         except Exception as error:  # its own logits cannot score the sequences: nothing to check against
             return [Unsupported("", type(lm).__name__, f"its own forward cannot score a completion's "
                                 f"log-probability: {type(error).__name__}: {error}")]
@@ -223,19 +225,19 @@ def refuse_without_grad() -> None:
 
 
 def check_once(model: nn.Module) -> ModelView:
-    """:func:`validate` with the probe, once per model state (:func:`~.plan.state_key`: its modules, their classes,
+    """:func:`validate` with the probe, once per model state (:func:`~.model.state_key`: its modules, their classes,
     forwards and hooks, its parameters and their dtypes, the config's caps and scales, the trainable parameters of
     the whole model handed in; the engine calls this at every pass, and the key is built again each time; the
     trainer's construction has usually done the check already). Refuses a call under ``no_grad`` or
     ``inference_mode``. Raises naming every uncovered module. What passed is remembered on the model's plan
-    (:class:`~.plan.ModelPlan`). Returns the model resolved (:func:`~.plan.view_of`), for the pass that follows."""
+    (:class:`~.model.ModelPlan`). Returns the model resolved (:func:`~.model.view_of`), for the pass that follows."""
     refuse_without_grad()
     view = view_of(model)
     lm, plan = view.lm, view.plan
     if plan.probing or plan.probed == view.key:
         return view
     if sharded(lm):  # no plain forward can run on shards: what was checked before sharding stands
-        if plan.probed is None and not plan.warned_unchecked:
+        if plan.probed is None and not plan.warned_unchecked and not plan.ever_probed:
             plan.warned_unchecked = True
             logger.warning(
                 "The per-sequence gradients of %s were not checked: its parameters were already sharded (FSDP2, "
@@ -255,7 +257,7 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
     functionally are borrowed by the ancestor that uses them), then, with ``run_probe`` (the default), by the probe:
     on a 2-sequence batch the per-sequence gradients must sum to autograd's gradient, parameter by parameter (cost:
     one forward and backward of that batch, twice). Returns every unsupported module (empty when all are covered);
-    with ``strict=True`` raises :class:`~.support.UnsupportedModulesError` listing all of them at once, with advice
+    with ``strict=True`` raises :class:`~.result.UnsupportedModulesError` listing all of them at once, with advice
     that works.
 
     The model is changed only where it passes, and only to make it trainable: bitsandbytes' CPU repacking switched
@@ -273,7 +275,8 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
         else:
             warn_undone(restored.undone)
     if found and strict:
-        raise UnsupportedModulesError(found, advice=LOST_SCALES_ADVICE if lost else ADVICE)
+        advice = LOST_SCALES_ADVICE if lost else head.advice(found, ADVICE)
+        raise UnsupportedModulesError(found, advice=advice)
     return found
 
 
@@ -281,10 +284,10 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
     """:func:`validate`'s checks on a model in its trainable layout: by module type, the head, then the probe."""
     try:
         found = unsupported_modules(model)
-        lm = unwrap_causal_lm(model)
-        if any(p.requires_grad for p in lm.parameters()):  # the head: an nn.Linear, or one under an adapter it forms
-            found = head_adapters.refusal(output_head(lm)) + found
-        found = found or head_transform.check(model)
+        view = view_of(model)
+        if any(p.requires_grad for p in view.lm.parameters()):  # the head: an nn.Linear, or one under an adapter
+            found = head.refusal(view.head) + found
+        found = found or head.check(view)
     except UnsupportedModulesError:
         raise
     except Exception as error:  # discovery's forward fails: refused, naming the model, never a bare error later
@@ -294,5 +297,285 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
         found = probe(model)
         if not found:
             view = view_of(model)
-            view.plan.probed = view.key
+            view.plan.probed, view.plan.ever_probed = view.key, True
     return found
+
+
+# ---------------------------------------------------------------------------- which rule covers which module: the plan
+def resolve(module: nn.Module, borrowed: int = 0,
+            memo: dict | None = None) -> tuple[str, Rule | CallRule | None] | None:
+    """The path and rule of a module with trainable parameters of its own, or ``borrowed`` trainable elements of
+    descendants it uses functionally (those take the per-row path, with the module's own parameters, unless a call
+    rule that borrows takes the module):
+    ``('rule', rule)`` (a per-layer rule), ``('routed', call rule)`` (a fused MoE expert bank, by its routed tokens:
+    :mod:`.rules.experts`; LoRA on one, borrowing its factors: :mod:`.rules.lora_experts`; a router, by its logits:
+    :mod:`.rules.routers`), ``('per-row', None)`` (:mod:`.rules.per_row`), or None (unsupported). ``memo``: what the
+    recognisers' probes found, the model's plan's (:class:`~.model.ModelPlan`)."""
+    fits = per_row.trainable_numel(module) + borrowed <= per_row.MAX_NUMEL
+    if borrowed:
+        call_rule = find_call_rule(module, memo, borrows=True)
+        if call_rule is not None:
+            return "routed", call_rule
+        return ("per-row", None) if fits else None
+    rule = find_rule(module, memo)
+    if rule is not None:
+        return "rule", rule
+    call_rule = find_call_rule(module, memo)
+    if call_rule is not None:
+        return "routed", call_rule
+    return ("per-row", None) if fits else None
+
+
+def how_handled(module: nn.Module, borrowed: int = 0, memo: dict | None = None) -> str | None:
+    """'rule', 'routed', 'per-row' or None (unsupported): the path of :func:`resolve`."""
+    found = resolve(module, borrowed, memo)
+    return None if found is None else found[0]
+
+
+@dataclass(frozen=True)
+class Covered:
+    """One hooked module: the rule its plan chose (a tensor rule, a :class:`~.rules.registry.CallRule`, or None for the
+    per-row path), and the dotted names (relative to it) of the parameters of descendants it uses functionally and so
+    takes on the per-row path with its own."""
+    module: nn.Module
+    rule: Rule | CallRule | None
+    borrowed: tuple[str, ...] = ()
+
+    @property
+    def how(self) -> str:
+        """'rule', 'routed' or 'per-row' (see :func:`resolve`)."""
+        return "per-row" if self.rule is None else "routed" if isinstance(self.rule, CallRule) else "rule"
+
+    @property
+    def whole_call(self) -> bool:
+        """Whether its whole call is recorded (the per-row and routed paths), not its input and output gradient."""
+        return self.how != "rule"
+
+
+def borrowed_names(owners: dict[nn.Module, nn.Module]) -> dict[nn.Module, list[str]]:
+    """``{ancestor: [dotted names, relative to it, of the trainable parameters it borrows]}`` from ``owners``
+    (``{module used functionally: the ancestor that borrows it}``)."""
+    out: dict[nn.Module, list[str]] = {}
+    for module, ancestor in owners.items():
+        prefix = next(n for n, m in ancestor.named_modules() if m is module)
+        out.setdefault(ancestor, []).extend(
+            f"{prefix}.{n}" for n, p in module.named_parameters(recurse=False) if p.requires_grad)
+    return out
+
+
+def _resolve_all(view: ModelView, owners: dict[nn.Module, nn.Module], memo: dict
+                 ) -> tuple[list[Covered], list[Unsupported]]:
+    """How each trainable module of the model's backbone is covered (the head is the engine's own), given ``owners``
+    (``{module used functionally: the ancestor that borrows it}``, :func:`~.coverage.functional_owners`), and every
+    module that is not: each module's rule resolved once (:func:`resolve`)."""
+    head = view.head
+    borrowing = borrowed_names(lora_experts.outermost(owners, view.lm))  # a chain of LoRA wrappers is one call
+    covered: list[Covered] = []
+    found: list[Unsupported] = []
+    for name, module in view.backbone.named_modules():
+        if module is head or module in owners:
+            continue
+        borrowed = tuple(borrowing.get(module, ()))
+        if not borrowed and not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        extra = sum(module.get_parameter(n).numel() for n in borrowed)
+        chosen = resolve(module, extra, memo)
+        if chosen is not None:
+            covered.append(Covered(module, chosen[1], borrowed))
+            continue
+        trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad] + list(borrowed)
+        reason = ("no rule for its type, and its trainable parameters" if not borrowed else
+                  "it uses the parameters of its descendants functionally (no hook sees those uses), and with its own "
+                  "the per-row path would take") + f" {trainable} ({per_row.trainable_numel(module) + extra:,} " \
+            f"elements), more than the per-row path's limit ({per_row.MAX_NUMEL:,})"
+        found.append(Unsupported(name, type(module).__name__, lora_experts.why_not(module, name, memo) or reason))
+    return covered, found
+
+
+def coverage_plan(model: nn.Module) -> ModelPlan:
+    """The model's plan (:class:`~.model.ModelPlan`, carried on its ``*ForCausalLM``): ``covered``, each trainable
+    backbone module with the rule chosen for it, and ``unsupported``, every module none covers. Resolved once per
+    model: resolved again only when what it was resolved under changes (the model's state, :func:`~.model.state_key`:
+    its modules, forwards, hooks, parameters and trainable set; the per-row limit; the switched-off rules,
+    :func:`~.rules.registry.switched_off`; or the registered ones, :func:`~.rules.registry.registered`); the recognisers' probes are
+    kept in its ``memo`` while the model's structure stays as it was."""
+    view = view_of(model)
+    plan = view.plan
+    key = (view.key, per_row.MAX_NUMEL, switched_off_now(), registered())
+    if plan.key != key:
+        plan.covered, plan.unsupported = _resolve_all(view, functional_owners(view), plan.memo)
+        plan.key = key
+    return plan
+
+
+PROMPT_LEARNING_ADVICE = (
+    "PEFT's {kind} adds virtual tokens in the PeftModel's forward, which the per-sequence pass (it runs the "
+    "{lm} itself) does not see. Train a LoRA adapter instead (peft_config=LoraConfig(...), exact on every layer), or "
+    "keep the soft prompt without exact norms: OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
+)
+PREFIX_TUNING_ADVICE = (
+    "PEFT's prefix tuning hands the model a past key-value cache, which the per-sequence pass does not see; "
+    "GRPOTrainer itself (TRL 1.16) fails on it in its first forward. Use prompt tuning or a LoRA adapter."
+)
+
+
+def prompt_plan(prompted: nn.Module, memo: dict | None = None) -> list[Covered]:
+    """How each trainable layer of a soft prompt's encoder (:mod:`.rules.soft_prompt`: prompt tuning, P-tuning) is covered;
+    raises naming every layer that no rule or path covers (P-tuning's LSTM above the per-row path's limit)."""
+    covered, found = [], []
+    for name, module in soft_prompt.encoder_modules(prompted):
+        chosen = resolve(module, 0, memo)
+        if chosen is None:
+            trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            found.append(Unsupported(name, type(module).__name__, (
+                f"a soft prompt's encoder layer with no rule for its type, and its trainable parameters {trainable} "
+                f"({per_row.trainable_numel(module):,} elements) are more than the per-row path's limit "
+                f"({per_row.MAX_NUMEL:,})")))
+        else:
+            covered.append(Covered(module, chosen[1]))
+    if found:
+        raise UnsupportedModulesError(found)
+    return covered
+
+
+def outside_modules(model: nn.Module) -> list[Unsupported]:
+    """Trainable modules of the model as the trainer calls it that lie outside its ``*ForCausalLM`` and that the
+    per-sequence pass does not take on: a soft prompt's encoder it covers (:func:`prompt_plan`) is not listed; prefix
+    tuning's, or any other wrapper's trainable module, is refused by name, with advice that works."""
+    outer, lm = unwrap_distributed(model), unwrap_causal_lm(model)
+    prompted = soft_prompt_model(model)
+    if prompted is not None:
+        try:
+            prompt_plan(prompted, view_of(model).plan.memo)  # the plan as of the model's state now
+        except UnsupportedModulesError as error:
+            return list(error.modules)
+    inside = {id(p) for p in lm.parameters()}
+    if prompted is not None:
+        inside |= {id(p) for _, m in soft_prompt.encoder_modules(prompted) for p in m.parameters(recurse=False)}
+    config = getattr(outer, "peft_config", {}).get(getattr(outer, "active_adapter", None), None) \
+        if isinstance(getattr(outer, "peft_config", None), dict) else None
+    kind = str(getattr(getattr(config, "peft_type", None), "value", "adapter")).lower().replace("_", " ")
+    advice = (PREFIX_TUNING_ADVICE if kind == "prefix tuning" else
+              PROMPT_LEARNING_ADVICE.format(kind=kind, lm=type(lm).__name__))
+    found = []
+    for name, module in outer.named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) not in inside]
+        if own:
+            found.append(Unsupported(name, type(module).__name__,
+                                     f"trainable {own} outside the {type(lm).__name__}. {advice}"))
+    return found
+
+
+def unsupported_modules(model: nn.Module) -> list[Unsupported]:
+    """Every trainable module of ``model`` (a causal LM, possibly PEFT/DDP-wrapped) the exact norms do not cover, by
+    type; the head is :func:`~.head.refusal`'s, which :func:`~.coverage.validate` adds (its probe checks the
+    rest by running them)."""
+    lm = unwrap_causal_lm(model)
+    found = outside_modules(model)
+    if not any(p.requires_grad for p in lm.parameters()):
+        return found
+    return found + coverage_plan(model).unsupported
+
+
+def pass_plan(view: ModelView) -> tuple[ModelPlan, list[Covered]]:
+    """What a pass of the engine runs by (:func:`~.engine.run_pass`'s ``covering``): the model's plan
+    (:func:`coverage_plan`), and how a soft prompt's encoder is covered (:func:`prompt_plan`; none without one).
+    Refuses, listing every unsupported module at once."""
+    plan = coverage_plan(view)
+    if plan.unsupported:
+        raise UnsupportedModulesError(plan.unsupported)
+    prompted = view.prompted
+    return plan, [] if prompted is None else prompt_plan(prompted, plan.memo)
+
+
+# ---------------------------------------------------------------- discovery: the parameters a module uses functionally
+def _discover(lm: nn.Module, backbone: nn.Module) -> dict[nn.Module, nn.Module]:
+    head = output_head(lm)
+    called: set[nn.Module] = set()
+    handles = [m.register_forward_pre_hook(lambda m, args: called.add(m)) for m in backbone.modules()]
+    ids, attention, _ = probe_batch(lm)
+    try:
+        with torch.enable_grad():
+            hidden = backbone(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = {m: n for n, m in backbone.named_modules()}
+    silent = [m for m in backbone.modules() if m not in called and m is not head
+              and any(p.requires_grad for p in m.parameters(recurse=False))]
+    params = [p for m in silent for p in m.parameters(recurse=False) if p.requires_grad]
+    if not silent or not hidden.requires_grad:
+        return {}
+    reached = torch.autograd.grad(hidden.float().sum(), params, allow_unused=True)
+    reached_ids = {id(p) for p, g in zip(params, reached) if g is not None}
+    owners = {}
+    for module in silent:
+        if not any(id(p) in reached_ids for p in module.parameters(recurse=False)):
+            continue  # not on this forward's path at all (a vision tower without images): nothing to borrow
+        name = names[module]
+        while name:  # the nearest ancestor that ran
+            name = name.rpartition(".")[0]
+            ancestor = backbone.get_submodule(name)
+            if ancestor in called:
+                owners[module] = ancestor
+                break
+    return owners
+
+
+def functional_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
+    """``{module: ancestor}`` for every trainable module whose forward never runs while autograd reaches its
+    parameters (they are used functionally): the ancestor that takes them on the per-row path. Found once per model
+    state (:func:`~.model.state_key`: its modules, their forwards and hooks, its trainable set; a tiny forward and
+    backward), then remembered on the model's plan (:class:`~.model.ModelPlan`). Models whose parameters are already
+    shards cannot run that forward: they keep what was found before sharding (``validate`` at trainer construction
+    finds it; kept on the plan through the change sharding makes to the model's state), or nothing."""
+    view = view_of(model)
+    lm, names, plan = view.lm, view.trainable, view.plan
+    known = plan.owners
+    if known is not None and (known[0] == view.key or sharded(lm)):
+        return known[1]
+    if not names:
+        return {}
+    if sharded(lm):  # found before sharding (the same modules), where each still sits under its ancestor
+        modules = set(lm.modules())
+        return {m: a for m, a in (plan.last_owners or {}).items()
+                if m in modules and a in modules and any(d is m for d in a.modules())}
+    with plain_mode(lm):
+        owners = _discover(lm, view.backbone)
+    plan.owners = (view.key, owners)
+    plan.last_owners = owners
+    return owners
+
+
+# ------------------------------------------------------------------------ the oracle: autograd, one sequence at a time
+def completion_logprob_sums(model: nn.Module, input_ids, attention_mask, completion_mask,
+                            temperature: float = 1.0) -> torch.Tensor:
+    """``sum_t log pi(o_t | q, o_<t)`` per row, from the full logits; the last ``completion_mask.shape[1]`` positions
+    of ``input_ids`` are the completion."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    c = completion_mask.shape[1]
+    logits = logits[:, -c - 1 : -1].float() / temperature
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, -c:, None]).squeeze(-1)
+    return (logps * completion_mask).sum(-1)
+
+
+def per_row_grads(model: nn.Module, input_ids, attention_mask, completion_mask, temperature: float = 1.0,
+                  params: list[nn.Parameter] | None = None) -> list[tuple[torch.Tensor | None, ...]]:
+    """Per row, the gradient of its ``sum_t log pi`` with respect to ``params`` (default: every trainable parameter),
+    each row through the model alone; ``None`` for a parameter the row does not reach."""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else params
+    out = []
+    with torch.enable_grad():
+        for i in range(input_ids.shape[0]):
+            total = completion_logprob_sums(model, input_ids[i : i + 1], attention_mask[i : i + 1],
+                                            completion_mask[i : i + 1], temperature).sum()
+            out.append(torch.autograd.grad(total, params, allow_unused=True))
+    return out
+
+
+def per_row_sq_norms(model: nn.Module, input_ids, attention_mask, completion_mask,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """``||grad sum_t log pi(o_i)||^2`` per row over the trainable parameters, in float64."""
+    rows = per_row_grads(model, input_ids, attention_mask, completion_mask, temperature)
+    return torch.stack([sum((g.double().pow(2).sum() for g in row if g is not None),
+                            torch.zeros((), dtype=torch.float64)) for row in rows])

@@ -1,12 +1,11 @@
 """One pass of exact per-sequence gradient norms of ``sum_t log pi(o_t | q, o_<t)``: one forward and one backward.
 
-It reads plan -> hook -> record -> rule -> ledger -> head: the model's plan (:func:`.support.coverage_plan`) says
-once which rule each trainable module takes; :mod:`.hooks` record each one's input activation and output gradient (or
-whole call); the rules (:mod:`.rules`, :mod:`.experts`, :mod:`.routers`, :mod:`.generic`) turn
-each record into per-sequence gradients, factored (:mod:`.factors`); the ledger (:mod:`.ledger`, :mod:`.support`)
-says which module accounts for which parameter (a slot each, a tied weight shared); :mod:`.head` forms the LM head's
-terms in vocabulary chunks, never holding the ``(B, T, V)`` logits. No coverage check here: the public functions of
-:mod:`.api` run :func:`.coverage.check_once` first.
+It reads plan -> hook -> record -> rule -> slot -> head: the plan handed in (``covering``, the coverage's
+:func:`~.coverage.pass_plan`) says which rule each trainable module takes, chosen once per model; :mod:`.hooks` record
+each one's input activation and output gradient (or whole call); the layer rules (:mod:`.rules`) turn each record into
+per-sequence gradients, factored (:mod:`.factors`); each parameter has one slot (a tied weight shared); :mod:`.head`
+forms the LM head's terms in vocabulary chunks, never holding the ``(B, T, V)`` logits. No coverage check here: the
+public :func:`~.api.per_sequence_grads` runs :func:`~.coverage.check_once` first.
 """
 
 from __future__ import annotations
@@ -28,25 +27,20 @@ from .factors import (
     materializing_saves_memory,
     per_sample_dtype,
 )
-from . import factors, generic, hooks
-from .head import lm_head_terms
-from .head_adapters import HeadPass, adapter_of
-from .head_transform import transform_of
-from .checkpointing import norms_checkpointing
-from .hooks import Record, capture, checkpointed_layers
-from .result import PerSequenceGradients, Replay, Slot, _fp32
-from .experts import RoutedCaptures
-from .plan import ModelPlan, ModelView, module_names, view_of
-from . import soft_prompt
-from .support import Unsupported, UnsupportedModulesError, coverage_plan, prompt_plan, refuse_outside_decoder
+from . import factors, hooks
+from .head import HeadPass, adapter_of, lm_head_terms, transform_of
+from .hooks import Record, capture, checkpointed_layers, norms_checkpointing
+from .result import PerSequenceGradients, Replay, Slot, Unsupported, UnsupportedModulesError, _fp32
+from .rules import per_row
+from .rules.experts import RoutedCaptures
+from .model import ModelPlan, ModelView, module_names
+from .rules import soft_prompt
 
 
 def _hooked_modules(plan: ModelPlan) -> tuple[list[nn.Module], set[nn.Module], dict[nn.Module, tuple[str, ...]]]:
     """The trainable modules of the model's backbone to hook, those of them whose whole call is recorded (per-row and
     routed paths), and the parameters each borrows from descendants that use them functionally (dotted names), from
-    the model's plan (:func:`~.support.coverage_plan`). Refuses, listing every unsupported module at once."""
-    if plan.unsupported:
-        raise UnsupportedModulesError(plan.unsupported)
+    the model's plan (:func:`~.coverage.coverage_plan`)."""
     modules = [c.module for c in plan.covered]
     whole_call = {c.module for c in plan.covered if c.whole_call}
     return modules, whole_call, {c.module: c.borrowed for c in plan.covered if c.borrowed}
@@ -71,7 +65,7 @@ def _zero3_partitioned(params) -> list[torch.Tensor]:
     return [p for p in params if p is not None and hasattr(p, "ds_id")]
 
 
-def _head_params(params) -> dict[int, torch.Tensor]:
+def _head_params(params, gathered: set[int] = frozenset()) -> dict[int, torch.Tensor]:
     """Under DeepSpeed ZeRO-3: detached full copies of the head's parameters (its weight and bias, an adapter's),
     by ``id``, gathered from their partitions before the pass (the pass reads the head directly, where no ZeRO-3 hook
     gathers it; a tied head shares the input embedding, which ZeRO-3 releases after the embedding's forward). Empty
@@ -80,10 +74,29 @@ def _head_params(params) -> dict[int, torch.Tensor]:
     partitioned = _zero3_partitioned(params)
     if not partitioned:
         return {}
+    held = [p for p in partitioned if id(p) in gathered]  # gathered for the whole pass already (_borrowed_gathered)
+    rest = [p for p in partitioned if id(p) not in gathered]
     import deepspeed  # present: the parameters are ZeRO-3's
 
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-        return {id(p): p.detach().clone() for p in partitioned}
+    with deepspeed.zero.GatheredParameters(rest, enabled=bool(rest), modifier_rank=None):
+        return {id(p): p.detach().clone() for p in held + rest}
+
+
+@contextmanager
+def _borrowed_gathered(run: "_Pass"):
+    """Under DeepSpeed ZeRO-3: every parameter under a module that uses its descendants' parameters outside their own
+    forward (the ancestors that borrow them, :func:`~.ledger.functional_owners`: PEFT's trainable token rows and the
+    embedding weight they patch, a Mamba conv's weight) gathered while the pass runs, forward, backward and the
+    per-row re-runs; yields their ids. ZeRO-3's module hooks gather a module's own parameters for its forward only; the
+    engine's forward, which gathers such parameters as they are read, is not the pass's."""
+    params = _zero3_partitioned(list({id(p): p for m in run.borrowed for p in m.parameters()}.values()))
+    if not params:
+        yield set()
+        return
+    import deepspeed  # present: the parameters are ZeRO-3's
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield {id(p) for p in params}
 
 
 @contextmanager
@@ -121,27 +134,25 @@ def _slots(hooked: list[nn.Module], head: nn.Module, borrowed: dict[nn.Module, t
 
 
 class _Pass:
-    """One pass run from the model's plan (:func:`~.support.coverage_plan`: each module's rule, chosen once per
+    """One pass run from the model's plan (:func:`~.coverage.coverage_plan`: each module's rule, chosen once per
     model), and what it builds: each parameter's per-sequence gradients (usages), and, streamed, the within-block
     inner products of the layers consumed as their output gradients arrived. It owns what the forward hands to the
-    backward (``routed``: the expert banks' routed pairs, :class:`~.experts.RoutedCaptures`)."""
+    backward (``routed``: the expert banks' routed pairs, :class:`~.rules.experts.RoutedCaptures`)."""
 
-    def __init__(self, view: ModelView, batch: int, device: torch.device, stream_group_size: int | None,
+    def __init__(self, view: ModelView, covering, batch: int, device: torch.device, stream_group_size: int | None,
                  materialize: bool):
-        prompted = view.prompted
-        self.adapter = adapter_of(view.head)  # an nn.Linear, or one under LoRA or trained tokens (head_adapters.py)
+        self.adapter = adapter_of(view.head)  # an nn.Linear, or one under LoRA or trained tokens (head.py)
         self.head = self.adapter.linear
         self.head_pass: HeadPass | None = None  # the head's operands under its adapter, set by the pass
-        plan = coverage_plan(view)
+        plan, prompt_covered = covering(view)
         self.hooked, self.whole_call, self.borrowed = _hooked_modules(plan)
         self.rules = {c.module: c.rule for c in plan.covered}
         self.view = view
-        if prompted is not None:  # a soft prompt's encoder (soft_prompt.py): its layers, each by its own rule
-            for covered in prompt_plan(prompted, plan.memo):
-                self.hooked.append(covered.module)
-                self.rules[covered.module] = covered.rule
-                if covered.whole_call:
-                    self.whole_call.add(covered.module)
+        for covered in prompt_covered:  # a soft prompt's encoder (rules/soft_prompt.py): its layers, each by its rule
+            self.hooked.append(covered.module)
+            self.rules[covered.module] = covered.rule
+            if covered.whole_call:
+                self.whole_call.add(covered.module)
         self.routed = RoutedCaptures(plan.memo)
         self.slot_of, self.slots, self.sharing = _slots(self.hooked + self.adapter.modules, self.head, self.borrowed)
         self.batch, self.device, self.k, self.materialize = batch, device, stream_group_size, materialize
@@ -221,15 +232,15 @@ class _Pass:
             return
         found = {}
         with self.refusing(module):
-            if self.rules[module] is not None:  # its call rule (one that borrows, :mod:`.lora_experts`, if it does)
+            if self.rules[module] is not None:  # its call rule (one that borrows, :mod:`.rules.lora_experts`, if it does)
                 found = self.rules[module].usages(module, record.activation, record.output_grad, self.batch,
                                                   self.routed)
             elif module in self.borrowed:
                 names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-                found = generic.per_row_usages(module, record.activation, record.output_grad, self.batch,
+                found = per_row.per_row_usages(module, record.activation, record.output_grad, self.batch,
                                                names + list(self.borrowed[module]))
             else:
-                found = generic.per_row_usages(module, record.activation, record.output_grad, self.batch)
+                found = per_row.per_row_usages(module, record.activation, record.output_grad, self.batch)
         for name, usage in found.items():
             self.usages[self.slot_of[_slot(module, name)]].append(usage)
 
@@ -247,7 +258,7 @@ class _Pass:
 
     def add_head(self, delta: SoftmaxDelta, self_products_done: bool) -> None:
         head, h = self.head, self.head_pass.h
-        for module, name, usage in self.head_pass.usages(delta):  # an adapter's (head_adapters.py)
+        for module, name, usage in self.head_pass.usages(delta):  # an adapter's (head.py)
             self.usages[self.slot_of[_slot(module, name)]].append(usage)
         if head.weight.requires_grad:
             usage = Factored(delta, Dense(h))
@@ -274,7 +285,7 @@ class _Pass:
 
 
 REENTRANT_ADVICE = (
-    "transformers' gradient checkpointing, reentrant or not, is handled (grad_norms/checkpointing.py); a module that "
+    "transformers' gradient checkpointing, reentrant or not, is handled (grad_norms/hooks.py); a module that "
     "calls torch.utils.checkpoint.checkpoint(..., use_reentrant=True) in its own forward is not: pass "
     "use_reentrant=False in that call, or train without exact norms: "
     "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False).")
@@ -324,12 +335,12 @@ def _head_operands(lm: nn.Module, head: nn.Linear, hidden: torch.Tensor, span: s
 
 def _head_terms(run: _Pass, lm: nn.Module, hidden: torch.Tensor, span: slice, scored: tuple, alpha: float,
                 transform, gathered: dict):
-    """The head's operands (its bias with the observed offset folded in, :mod:`.head_transform`), the log-sum-exp of
+    """The head's operands (its bias with the observed offset folded in, :mod:`.head`), the log-sum-exp of
     the scored logits and the head's output gradient. Streamed, the head weight's own products come with its output
     gradient, from the same softmax chunks: streamed, in blocks of the stream's group (added to the pass's parts);
     with materialize (one_backward, which needs the norms), each row's alone (kept as the pass's presummed products).
     The last value returned says whether they were formed. Under a head adapter (LoRA, trained tokens:
-    :mod:`.head_adapters`) ``h`` and the weight returned are its widened operands, the output gradient is the head
+    :mod:`.head`) ``h`` and the weight returned are its widened operands, the output gradient is the head
     input's, and no products come with it."""
     head = run.head
 
@@ -352,12 +363,13 @@ def _head_terms(run: _Pass, lm: nn.Module, hidden: torch.Tensor, span: slice, sc
     return h, weight, bias, lse, grad_h, head_self is not None
 
 
-def per_sequence_grads(
-    model: nn.Module,
+def run_pass(
+    view: ModelView,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     *,
+    covering,
     temperature: float = 1.0,
     stream_group_size: int | None = None,
     materialize: bool = False,
@@ -365,6 +377,11 @@ def per_sequence_grads(
     keep_graph: bool = False,
 ) -> PerSequenceGradients:
     """Forward and backward of ``sum_t log pi(o_{i,t})`` for every row, captured as factored per-sequence gradients.
+
+    ``view``: the model resolved (:func:`~.model.view_of`), which every room of the pass reads; ``covering(view)``:
+    the rules the pass runs by, ``(the model's plan, a soft prompt's encoder's layers)``, or the refusal of every
+    module none covers (:func:`~.coverage.pass_plan`, which the public
+    :func:`~.api.per_sequence_grads` hands in after its coverage check).
 
     The backward goes to the hooked modules' inputs only: no parameter's ``.grad`` is touched. With
     ``stream_group_size=k``, each layer whose parameters have one usage (called once, not tied) adds its within-block
@@ -387,11 +404,10 @@ def per_sequence_grads(
     completion_length = completion_mask.shape[1]
     if completion_length >= length:
         raise ValueError("completion_mask must cover fewer positions than input_ids (a prompt token is needed).")
-    view = view_of(model)  # once: every room below reads the view
     lm, prompted = view.lm, view.prompted
     if batch == 0 or not any(p.requires_grad for p in (prompted or lm).parameters()):
         return PerSequenceGradients(defaultdict(list), batch, input_ids.device)
-    run = _Pass(view, batch, input_ids.device, stream_group_size, materialize)
+    run = _Pass(view, covering, batch, input_ids.device, stream_group_size, materialize)
     if model_inputs:  # images: the modules that see them (a vision tower) have rows that are not the sequences
         refuse_outside_decoder(lm, run.hooked, model_inputs)
     transform = transform_of(view)  # the head's scale, soft cap and offset, as observed on the model's own logits
@@ -399,9 +415,11 @@ def per_sequence_grads(
     virtual = 0 if prompted is None else prompted.peft_config[prompted.active_adapter].num_virtual_tokens
     span = slice(virtual + length - completion_length - 1, virtual + length - 1)  # those that predict completions
     labels, mask = input_ids[:, length - completion_length :], completion_mask.to(torch.float32)
-    records, (h, head_weight, head_bias, lse, head_self_done), graph = _forward_backward(
-        run, view, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph)
-    run.collect(records)
+    with _borrowed_gathered(run) as gathered:
+        records, (h, head_weight, head_bias, lse, head_self_done), graph = _forward_backward(
+            run, view, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph,
+            gathered)
+        run.collect(records)
     before = {slot: len(usages) for slot, usages in run.usages.items()}
     head = run.head
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad) or not run.adapter.plain:
@@ -415,12 +433,12 @@ def per_sequence_grads(
 
 
 def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, scored: tuple, alpha: float,
-                      transform, keep_graph: bool = False):
+                      transform, keep_graph: bool = False, gathered: set[int] = frozenset()):
     """The pass's forward and backward of ``inputs`` (``input_ids``, ``attention_mask``, ``model_inputs``) under its
     hooks and its expert banks' routed forwards: the records, and the head's operands and terms (:func:`_head_terms`:
     ``h``, weight, bias, log-sum-exp, and whether its own products were formed), and, for ``keep_graph``, the last
     hidden state and its output gradient (``(None, None)`` when it carries no gradient). The view's ``prompted``: a soft
-    prompt's ``PeftModel``, whose virtual tokens go first (:mod:`.soft_prompt`)."""
+    prompt's ``PeftModel``, whose virtual tokens go first (:mod:`.rules.soft_prompt`)."""
     input_ids, attention_mask, model_inputs = inputs
     lm, backbone, prompted = view.lm, view.backbone, view.prompted
     checkpointed = checkpointed_layers(backbone)
@@ -428,7 +446,7 @@ def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, s
     in_checkpointed = {m for layer in checkpointed for m in layer.modules()}
     banks = [m for m in run.whole_call if m not in in_checkpointed]
     zero3_head = _head_params([run.head.weight, run.head.bias, *(p for m in run.adapter.modules
-                                                                for p in m.parameters())])  # ZeRO-3: gathered whole
+                                                                for p in m.parameters())], gathered)  # ZeRO-3
     try:
         with norms_checkpointing(checkpointed) as reentrant, _fsdp_root_unsharded(lm), \
                 run.routed.routed_forwards(banks), capture(
@@ -454,3 +472,26 @@ def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, s
         raise run.refused([run.refusal(e.module, e) for e in (error, *error.more)]) from error
     graph = (hidden, full_grad) if hidden.requires_grad else (None, None)
     return records, (h, head_weight, head_bias, lse, head_self_done), graph
+
+
+def refuse_outside_decoder(lm: nn.Module, hooked: list[nn.Module], model_inputs: dict) -> None:
+    """With inputs beyond the token ids (a VLM's images), every hooked (trainable) module must be inside the text
+    decoder: the others (a vision tower: patch embedding, vision blocks, merger) see rows that are image patches, not
+    the batch's sequences, and pairing them with the sequences would be wrong. Raises, naming them all."""
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    inside = set(decoder.modules()) if isinstance(decoder, nn.Module) else set()
+    names = {m: n for n, m in lm.named_modules()}
+    outside = [m for m in hooked if m not in inside]
+    if not outside:
+        return
+    found = [Unsupported(names.get(m, ""), type(m).__name__,
+                         f"outside the text decoder, it sees the inputs {sorted(model_inputs)} (image patches, not "
+                         "sequences)") for m in outside]
+    base = getattr(lm, "base_model", lm)
+    towers = [f"model.{names[c]}" for c in base.children()
+              if c not in inside and decoder not in set(c.modules()) and set(c.modules()) & set(outside)]
+    towers = towers or sorted({f"model.{names.get(m, '')}" for m in outside})
+    raise UnsupportedModulesError(found, advice=(
+        f"Freeze the vision tower ({', '.join(f'{t}.requires_grad_(False)' for t in towers)}): its parameters then "
+        "take no gradient, and the text decoder's norms are exact with the images in the batch. Or train without "
+        "exact norms: OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."))

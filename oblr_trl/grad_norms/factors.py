@@ -867,4 +867,4 @@ def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:
     ``u`` and ``v`` must already be blocked with :meth:`blocked`. Each pair takes the cheaper of the ghost-norm Grams
     and the (block-by-block) materialized per-sample gradients.
     """
-    return u.block_inner_products(v, k)  # each usage kind pairs itself (an expert bank's too, :mod:`.experts`)
+    return u.block_inner_products(v, k)  # each usage kind pairs itself (an expert bank's too, :mod:`.rules.experts`)

@@ -1,8 +1,10 @@
-"""The per-sequence gradients of one pass (:class:`PerSequenceGradients`): their inner products (the weights of
-Theorem 7 and the SNR terms) and their weighted sum (the policy gradient, ``one_backward``'s update)."""
+"""What one pass gives: the per-sequence gradients (:class:`PerSequenceGradients`), their inner products (the weights
+of Theorem 7 and the SNR terms) and their weighted sum (the policy gradient, ``one_backward``'s update); or the
+refusal (:class:`UnsupportedModulesError`), naming every module the pass cannot cover, with advice that works."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -19,6 +21,36 @@ from .factors import (
     keep_scaled,
     summed_self_products,
 )
+
+ADVICE = (
+    "Either freeze them (module.requires_grad_(False) for each), or train without exact norms: "
+    "OBLRPOConfig(grad_norm_estimator='length', snr_lr=False) (a completion-length proxy for the baseline weights; "
+    "the SNR step size needs the exact norms, so it must be off too), or register a rule with "
+    "oblr_trl.grad_norms.register_grad_norm_rule."
+)
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    name: str  # the module's qualified name ('' for the model itself)
+    type: str  # its class name
+    reason: str
+
+    def __str__(self) -> str:
+        return f"'{self.name}' ({self.type}): {self.reason}"
+
+
+class UnsupportedModulesError(NotImplementedError):
+    """Raised by :func:`~.coverage.validate` and by a pass; ``.modules`` lists every unsupported trainable module."""
+
+    def __init__(self, modules: list[Unsupported], advice: str = ADVICE):
+        self.modules = modules
+        lines = "\n".join(f"  - {m}" for m in modules)
+        super().__init__(
+            f"Exact per-sequence gradient norms do not cover {len(modules)} trainable module(s) of this model:\n"
+            f"{lines}\n{advice}"
+        )
+
 
 Slot = tuple[nn.Module, str]  # a parameter, as (owning module, attribute name)
 

@@ -1,4 +1,4 @@
-"""Reentrant gradient checkpointing (oblr_trl/grad_norms/checkpointing.py): the pass runs each reentrant layer under
+"""Reentrant gradient checkpointing (oblr_trl/grad_norms/hooks.py): the pass runs each reentrant layer under
 its own checkpoint and gives per-row autograd's norms (taken on a fresh copy without checkpointing); the model's own
 checkpointing is put back exactly, also when the pass fails; no ``.grad`` is written.
 
@@ -12,7 +12,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms
-from oblr_trl.grad_norms import checkpointing, engine, per_sequence_grads
+from oblr_trl.grad_norms import engine, hooks as checkpointing, per_sequence_grads
 from reference import padded_batch, per_sample_grads, per_sample_sq_norms, within_group_products
 
 VOCAB = 40

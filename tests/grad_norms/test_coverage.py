@@ -82,10 +82,9 @@ def test_a_child_weight_used_functionally_is_borrowed_and_exact(tie):
 def test_without_borrowing_the_probe_refuses_the_functional_conv_by_name(monkeypatch):
     """The probe alone (no discovery) finds the share no hook sees: conv.weight and conv.bias get no per-sequence
     gradient at all, and are named."""
-    from oblr_trl.grad_norms import support
 
     model = _llama_with(FunctionalConv)
-    monkeypatch.setattr(support, "functional_owners", lambda model: {})
+    monkeypatch.setattr(coverage, "functional_owners", lambda model: {})
     found = validate(model, strict=False)
     assert [m.name for m in found] == [f"model.layers.{i}.mlp.act_fn.1.conv" for i in range(2)]
     assert all("weight" in m.reason and "bias" in m.reason and "projection on autograd's per-sequence gradients 0%" in m.reason
@@ -129,11 +128,10 @@ def test_the_probe_leaves_grads_and_mode_as_they_were():
 def test_a_bf16_model_is_probed_in_float32_and_put_back_bit_for_bit(monkeypatch, borrow):
     """In bf16 the reference's own logits are too coarse (a real 49k-vocabulary model was refused everywhere before
     the upcast); the verdict must be the float32 one, and the weights must come back unchanged."""
-    from oblr_trl.grad_norms import support
 
     model = _llama_with(FunctionalConv).to(torch.bfloat16)
     if not borrow:
-        monkeypatch.setattr(support, "functional_owners", lambda model: {})
+        monkeypatch.setattr(coverage, "functional_owners", lambda model: {})
     before = {n: t.clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
     found = validate(model, strict=False)
     assert [m.name for m in found] == ([] if borrow else [f"model.layers.{i}.mlp.act_fn.1.conv" for i in range(2)])
@@ -159,7 +157,7 @@ def test_gated_norms_take_the_per_row_path_not_the_plain_rms_rule():
     """MambaRMSNormGated(x, gate) normalises x * silu(gate): the RMSNorm rule, fed x alone, was wrong by 1.3-19x."""
     from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
-    from oblr_trl.grad_norms.support import how_handled
+    from oblr_trl.grad_norms.coverage import how_handled
 
     assert how_handled(MambaRMSNormGated(8, group_size=8)) == "per-row"
 
@@ -204,22 +202,22 @@ def test_the_trainer_changes_every_parameter(family, one_backward):
 
 # ------------------------------------------------------------------ one registry for call rules, and switching one off
 def test_call_rules_are_registered_once_and_can_be_switched_off():
-    from oblr_trl.grad_norms import rules
-    from oblr_trl.grad_norms.support import how_handled
+    from oblr_trl.grad_norms.rules import registry
+    from oblr_trl.grad_norms.coverage import how_handled
 
-    assert list(rules.CALL_RULES) == ["expert_bank", "lora_expert_bank", "router"]
+    assert list(registry.CALL_RULES) == ["expert_bank", "lora_expert_bank", "router"]
     with pytest.raises(ValueError, match="already registered"):
-        rules.register_call_rule("router", lambda m: False)(lambda *a: {})
+        registry.register_call_rule("router", lambda m: False)(lambda *a: {})
     with pytest.raises(ValueError, match="No rule named"):
-        with rules.switched_off("no_such_rule"):
+        with registry.switched_off("no_such_rule"):
             pass
     model = build("Qwen3-MoE")
     bank = model.model.layers[0].mlp.experts
     lin = model.model.layers[0].self_attn.q_proj
     assert how_handled(bank) == "routed" and how_handled(lin) == "rule"
-    with rules.switched_off("expert_bank", "linear_rule"):  # a Linear then passes the router rule's probe
+    with registry.switched_off("expert_bank", "linear_rule"):  # a Linear then passes the router rule's probe
         assert how_handled(bank) == "per-row" and how_handled(lin) == "routed"
-    with rules.switched_off("expert_bank", "linear_rule", "router"):
+    with registry.switched_off("expert_bank", "linear_rule", "router"):
         assert how_handled(bank) == "per-row" and how_handled(lin) == "per-row"
         _exact(model)  # the per-row path stands in, exactly
     assert how_handled(bank) == "routed" and how_handled(lin) == "rule"
@@ -241,6 +239,27 @@ def test_a_model_first_seen_sharded_is_not_passed_silently(caplog):
         coverage.check_once(checked)
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "LlamaForCausalLM" in warned[0] and "validate(model) before sharding" in warned[0]
+
+
+def test_functional_users_found_before_sharding_stand_once_sharded(caplog):
+    """Sharding changes the model's state (ZeRO-3 hooks every module, FSDP2 swaps classes and parameters), so what was
+    found on it is forgotten, and shards cannot run the discovery's forward again: the functional users found before
+    sharding (the same modules) stand. Before, none did, and the conv's share of each norm was left out; and the
+    model, checked before sharding, was warned about as first seen sharded."""
+    import logging
+
+    model = _llama_with(FunctionalConv)
+    coverage.check_once(model)
+    found = coverage.functional_owners(model)
+    assert found and all(isinstance(m, nn.Conv1d) for m in found)
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda module, args: None)  # as ZeRO-3's parameter fetch
+    for p in model.parameters():
+        p.ds_id = 0  # what ZeRO-3 marks a partitioned parameter with
+    assert coverage.functional_owners(model) == found
+    with caplog.at_level(logging.WARNING, logger="oblr_trl.grad_norms.coverage"):
+        coverage.check_once(model)
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("family", ["Llama", "Mamba-2"])

@@ -1,13 +1,13 @@
-"""Fused MoE expert banks by their routed tokens (oblr_trl/grad_norms/experts.py), one bank at a time against
+"""Fused MoE expert banks by their routed tokens (oblr_trl/grad_norms/rules/experts.py), one bank at a time against
 per-sequence autograd: squared norms, within-group inner products and the weighted sum one_backward forms."""
 
 import pytest
 import torch
 
 from oblr_trl.grad_norms import engine, hooks
-from oblr_trl.grad_norms.experts import PerExpert, RoutedCaptures, recognise_bank
-from oblr_trl.grad_norms.rules import call_usages
-from oblr_trl.grad_norms.support import how_handled
+from oblr_trl.grad_norms.rules.experts import PerExpert, RoutedCaptures, recognise_bank
+from oblr_trl.grad_norms.rules.registry import call_usages
+from oblr_trl.grad_norms.coverage import how_handled
 
 B, T, D, K = 4, 6, 12, 2
 
@@ -148,8 +148,8 @@ def test_a_bank_with_all_zero_weights_is_not_recognised():
 def test_routers_alone_by_their_logits_equal_per_row_autograd(family):
     """Only the routers trainable, so that their share is the whole norm (in the full model it is a small part)."""
     from oblr_trl import per_sequence_grad_sq_norms
-    from oblr_trl.grad_norms import generic
-    from oblr_trl.grad_norms.routers import recognise_router
+    from oblr_trl.grad_norms.rules import per_row
+    from oblr_trl.grad_norms.rules.routers import recognise_router
     from studies.zoo import VOCAB, build
     from reference import padded_batch, per_sample_sq_norms
 
@@ -159,12 +159,12 @@ def test_routers_alone_by_their_logits_equal_per_row_autograd(family):
     for router in routers:
         router.requires_grad_(True)
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
-    limit = generic.MAX_NUMEL
-    generic.MAX_NUMEL = 0  # no per-row fallback: the routers must take their rule
+    limit = per_row.MAX_NUMEL
+    per_row.MAX_NUMEL = 0  # no per-row fallback: the routers must take their rule
     try:
         ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     finally:
-        generic.MAX_NUMEL = limit
+        per_row.MAX_NUMEL = limit
     reference = per_sample_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     assert reference[[0, 1, 3]].min() > 0
     torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-9)
@@ -191,7 +191,7 @@ def test_routers_that_mix_tokens_or_reuse_their_weight_are_left_to_the_per_row_p
             z = torch.nn.functional.linear(x, self.weight).cumsum(0)
             return z, torch.softmax(z, -1).topk(2, -1).values
 
-    from oblr_trl.grad_norms.routers import recognise_router
+    from oblr_trl.grad_norms.rules.routers import recognise_router
 
     for router in (BatchNormalisedRouter(), WeightTwice(), RunningSum()):
         assert not recognise_router(router) and how_handled(router) == "per-row"

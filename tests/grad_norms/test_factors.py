@@ -103,7 +103,7 @@ def test_frozen_model_gives_zero_norms():
 
 def test_module_without_rule_is_named_then_its_rule_is_used(monkeypatch):
     """Above the per-row path's size limit a module with no rule is refused by name; a registered rule is used."""
-    from oblr_trl.grad_norms import generic
+    from oblr_trl.grad_norms.rules import per_row
 
     class Scale(torch.nn.Module):
         def __init__(self):
@@ -113,7 +113,7 @@ def test_module_without_rule_is_named_then_its_rule_is_used(monkeypatch):
         def forward(self, x):
             return x * self.gain
 
-    monkeypatch.setattr(generic, "MAX_NUMEL", 0)
+    monkeypatch.setattr(per_row, "MAX_NUMEL", 0)
     model = qwen3(tie=True)
     model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), Scale())
     ids, attention, completion_mask = padded_batch()
@@ -309,7 +309,7 @@ def test_checkpointed_layers_keep_no_input_from_the_forward():
     """The memory property behind the recomputation pairing: after the forward, no module inside a checkpointed layer
     holds its input (checkpointing keeps only the layers' inputs); the embedding and final norm outside them do."""
     from oblr_trl.grad_norms.engine import _hooked_modules
-    from oblr_trl.grad_norms.support import coverage_plan
+    from oblr_trl.grad_norms.coverage import coverage_plan
     from oblr_trl.grad_norms.hooks import capture as _capture, checkpointed_layers as _checkpointed_layers
 
     model = qwen3(tie=False)

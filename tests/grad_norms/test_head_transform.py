@@ -1,4 +1,4 @@
-"""The LM head checked by observation (oblr_trl/grad_norms/head_transform.py): whatever a model does between its head's
+"""The LM head checked by observation (oblr_trl/grad_norms/head.py): whatever a model does between its head's
 output ``h W^T + b`` and the logits it returns (a soft cap under any name, a scale, a per-vocabulary offset) is found
 on its own logits and computed exactly, a config field nothing reads changes nothing, and a transform no fit explains
 is refused naming the head. The probe (coverage.py) holds the promise, 1e-4, and catches a head transform of that
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms import UnsupportedModulesError, coverage, engine, head_transform
-from oblr_trl.grad_norms.head_transform import HeadTransform
+from oblr_trl.grad_norms import UnsupportedModulesError, coverage, engine, head as head_transform
+from oblr_trl.grad_norms.head import HeadTransform
+from oblr_trl.grad_norms.model import view_of
 from studies.zoo import VOCAB, build
 from reference import padded_batch, per_sample_sq_norms
 
@@ -35,7 +36,7 @@ def test_xlstm_output_logit_soft_cap_is_found_and_exact(tie):
     """Before: the engine read only final_logit_softcapping, xLSTM caps by output_logit_soft_cap (30): 2.9e-4 off."""
     model = build("xLSTM", tie)
     assert validate(model) == []
-    found = head_transform.transform_of(model)
+    found = head_transform.transform_of(view_of(model))
     assert found.softcap == model.config.output_logit_soft_cap == 30 and found.scale == 1
     _exact(model)
 
@@ -46,7 +47,7 @@ def test_mpt_logit_scale_that_its_model_never_reads_changes_nothing(logit_scale)
     model = build("MPT")
     model.config.logit_scale = logit_scale
     assert validate(model) == []
-    assert head_transform.transform_of(model).scale == 1
+    assert head_transform.transform_of(view_of(model)).scale == 1
     _exact(model)
 
 
@@ -57,7 +58,7 @@ def test_an_unnamed_soft_cap_with_a_scale_is_fitted(tie):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8)  # raw logits of a few units: deep in tanh's curve
     assert validate(model) == []
-    found = head_transform.transform_of(model)
+    found = head_transform.transform_of(view_of(model))
     assert found.softcap == pytest.approx(0.6 / 0.8, rel=1e-6) and found.scale == pytest.approx(0.8, rel=1e-6)
     _exact(model)
 
@@ -66,7 +67,7 @@ def test_a_per_vocabulary_offset_is_found():
     offset = torch.linspace(-1, 1, VOCAB)
     model = _with_head_hook(build("Qwen2"), lambda out: 1.5 * out + offset)
     assert validate(model) == []
-    found = head_transform.transform_of(model)
+    found = head_transform.transform_of(view_of(model))
     assert found.scale == pytest.approx(1.5, rel=1e-6)
     torch.testing.assert_close(found.offset, offset / 1.5, rtol=1e-5, atol=1e-6)
     _exact(model)
@@ -87,7 +88,7 @@ def test_a_head_transform_of_1e4_is_caught_by_the_head_check(size):
     cap explains, is refused naming the head (the check compares logits to 1e-5)."""
     model = _with_head_hook(build("Llama"), lambda out: (1 + size) * out)
     assert validate(model) == []
-    assert head_transform.transform_of(model).scale == pytest.approx(1 + size, rel=1e-7)
+    assert head_transform.transform_of(view_of(model)).scale == pytest.approx(1 + size, rel=1e-7)
     _exact(model)
     mixed = _with_head_hook(build("Llama"), lambda out: out + size * out.roll(1, dims=-1))
     with pytest.raises(UnsupportedModulesError, match="'lm_head'.*relative 0.0001"):
@@ -144,7 +145,7 @@ def test_a_model_that_cannot_be_upcast_is_checked_at_half_precisions_rounding():
     model = _with_head_hook(build("Llama"), lambda out: 2.0 * out).to(torch.bfloat16)
     model.register_parameter("codes", torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False))
     assert validate(model) == []
-    assert head_transform.transform_of(model).scale == pytest.approx(2.0, rel=1e-2)
+    assert head_transform.transform_of(view_of(model)).scale == pytest.approx(2.0, rel=1e-2)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
@@ -191,6 +192,80 @@ def test_a_saturated_head_under_an_autocast_forward_is_observed_in_float64():
     assert validate(model) == []  # construction: the forward is still the model's own
     model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
     found = validate(model, strict=False)
-    transform = head_transform.transform_of(model)
+    transform = head_transform.transform_of(view_of(model))
     assert found == []
     assert transform.softcap is None and transform.offset is None and transform.scale == 1
+
+
+def _fused_logprob_sq_norms(model, ids, attention, completion_mask):
+    """Per-row autograd of the loss path TRL's GRPOTrainer differentiates: ``model(..., fused_lm_head=True)``'s
+    completion log-probabilities (its fused head), summed, one row at a time; squared norms over trainable params."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    c = completion_mask.shape[1]
+    norms = []
+    for i in range(ids.shape[0]):
+        row_ids, row_mask = ids[i : i + 1], attention[i : i + 1]
+        labels = row_ids.masked_fill(row_mask == 0, -100)
+        labels[:, :-c] = -100
+        logps = model(input_ids=row_ids, attention_mask=row_mask, labels=labels, fused_lm_head=True).log_probs
+        total = (logps[:, -c:] * completion_mask[i : i + 1]).sum()
+        grads = torch.autograd.grad(total, params, allow_unused=True)
+        norms.append(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
+    return torch.tensor(norms, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_under_trls_fused_head_the_norms_are_those_of_its_loss(temperature):
+    """GRPOTrainer patches a fused LM head on the model (trl's add_fused_lm_head) and its loss scores completions
+    through it: where nothing sits on the head, the norms equal per-row autograd of that loss path."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = build("Llama")
+    add_fused_lm_head(model, temperature=temperature)
+    assert head_transform.trl_fused_forward(model) is not None
+    assert validate(model) == []
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=temperature)
+    torch.testing.assert_close(ours.double(), _fused_logprob_sq_norms(model, ids, attention, completion_mask),
+                               rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("change", ["hook", "patched forward", "config scale the model never reads"])
+def test_under_trls_fused_head_a_head_its_loss_does_not_see_is_refused_with_the_model_unchanged(change):
+    """TRL's fused head reads lm_head.weight and bias and the config's scale and cap, never the head's forward: a x2
+    hook on the head, a patched head forward, or MPT's logit_scale (read by TRL, never by MPT's model) makes the model's
+    own logits, which the norms follow, differ from the loss GRPO differentiates. Refused naming the head and the fix,
+    the model left as it was; the fix (the hook removed, the patch deleted, the scale unset) passes."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = build("MPT" if change.startswith("config") else "Llama")
+    head = model.get_output_embeddings()
+    if change == "config scale the model never reads":
+        model.config.logit_scale = 0.5
+    add_fused_lm_head(model)  # as GRPOTrainer does at construction: reads the config's scale and cap then
+    if change == "hook":
+        handle = head.register_forward_hook(lambda module, args, out: 2 * out)
+    elif change == "patched forward":
+        head.forward = lambda x: 2 * torch.nn.functional.linear(x, head.weight, head.bias)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModulesError, match=r"(?s)'lm_head' \(Linear\): TRL's loss scores completions through "
+                                                      r"its fused LM head.*Remove it.*Freezing the head does not help") as refused:
+        validate(model)
+    assert [m.name for m in refused.value.modules] == ["lm_head"]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+    with pytest.raises(UnsupportedModulesError, match="(?s)'lm_head'.*grad_norm_estimator='length', snr_lr=False"):
+        per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    if change == "hook":
+        assert len(head._forward_hooks) == 1
+        handle.remove()
+    elif change == "patched forward":
+        del head.forward
+    else:  # the scale TRL read, undone where it reads it: a fused head built again without it
+        model.config.logit_scale = None
+        del model.forward
+        add_fused_lm_head(model)
+    assert validate(model) == []
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), _fused_logprob_sq_norms(model, ids, attention, completion_mask),
+                               rtol=1e-5, atol=1e-9)

@@ -1,4 +1,4 @@
-"""LoRA on fused MoE expert banks (PEFT's ``ParamWrapper``, oblr_trl/grad_norms/lora_experts.py): through
+"""LoRA on fused MoE expert banks (PEFT's ``ParamWrapper``, oblr_trl/grad_norms/rules/lora_experts.py): through
 ``target_parameters`` (the gpt-oss recipe) and ``target_modules="all-linear"`` (which PEFT turns into expert-bank
 targets on Qwen3-MoE and Mixtral), on tiny Qwen3-MoE, GPT-OSS and Mixtral models, tied and untied: the norms, the
 within-group products and one_backward's weighted sum equal per-sequence autograd on a freshly built copy.
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms import generic
+from oblr_trl.grad_norms.rules import per_row
 from oblr_trl.grad_norms.api import per_sequence_grads
-from oblr_trl.grad_norms.support import coverage_plan
+from oblr_trl.grad_norms.coverage import coverage_plan
 from studies.zoo import VOCAB, build
 from reference import padded_batch, per_sample_grads
 
@@ -119,14 +119,14 @@ def test_rank_stabilised_scaling_and_one_bank_parameter():
 def test_switched_off_the_chain_takes_the_per_row_path_whole():
     """Without the rule, the chain of wrappers is re-run row by row as one call (its outermost wrapper borrows every
     factor, so the inner wrapper runs inside the outer one's delta): exact too, where it fits the per-row limit."""
-    from oblr_trl.grad_norms import rules
+    from oblr_trl.grad_norms.rules import registry
 
     model = adapted("Qwen3-MoE", False, "target_parameters")
     reference_model = fresh_copy(model, "Qwen3-MoE", False, "target_parameters")
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
     reference = torch.stack([g.double().pow(2).sum() for g in per_sample_grads(
         reference_model, ids, attention, completion_mask)])
-    with rules.switched_off("lora_expert_bank"):
+    with registry.switched_off("lora_expert_bank"):
         plan = coverage_plan(model)
         wrapped = [c for c in plan.covered if type(c.module).__name__ == "ParamWrapper"]
         assert len(wrapped) == 2 and all(c.how == "per-row" and len(c.borrowed) == 4 for c in wrapped)
@@ -137,7 +137,7 @@ def test_switched_off_the_chain_takes_the_per_row_path_whole():
 def test_a_wrapper_whose_forward_is_not_the_formula_is_not_taken_by_the_rule():
     """A ParamWrapper whose forward computes something else (here, its output scaled by 1.01): the probe (random
     factors, the formula's output) tells it apart, and the rule does not take it."""
-    from oblr_trl.grad_norms.lora_experts import recognise_lora_bank
+    from oblr_trl.grad_norms.rules.lora_experts import recognise_lora_bank
 
     model = adapted("Qwen3-MoE", False, "target_parameters")
     outer = model.base_model.model.model.layers[0].mlp.experts
@@ -169,8 +169,8 @@ def test_a_chain_the_rule_cannot_take_is_refused_by_name_and_the_advice_works(ca
         for layer in model.base_model.model.model.layers:
             layer.mlp.experts.base_layer.base_layer.gate_up_proj.requires_grad_(True)
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
-    limit = generic.MAX_NUMEL
-    generic.MAX_NUMEL = 0
+    limit = per_row.MAX_NUMEL
+    per_row.MAX_NUMEL = 0
     try:
         found = validate(model, strict=False)
         assert [f.name for f in found] == ["layers.0.mlp.experts", "layers.1.mlp.experts"], found
@@ -184,7 +184,7 @@ def test_a_chain_the_rule_cannot_take_is_refused_by_name_and_the_advice_works(ca
         assert validate(advised) == []
         ours = per_sequence_grad_sq_norms(advised, ids, attention, completion_mask)
     finally:
-        generic.MAX_NUMEL = limit
+        per_row.MAX_NUMEL = limit
     torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-9)
 
 

@@ -68,7 +68,8 @@ def test_prefix_tuning_is_refused_by_name():
 def test_a_trainable_parameter_outside_the_causal_lm_is_checked_not_skipped():
     """The class of hole soft prompts fell through: the probe's parameters are the model's as the trainer calls it.
     A prompt-tuning encoder the pass cannot see (its soft-prompt path switched off here) is refused, by the probe."""
-    from oblr_trl.grad_norms import coverage, soft_prompt
+    from oblr_trl.grad_norms import coverage
+    from oblr_trl.grad_norms import model as soft_prompt
     from studies.zoo import build
 
     model = peft.get_peft_model(build("Llama", True), SOFT_PROMPTS["prompt tuning"]())
@@ -116,7 +117,7 @@ def test_head_adapters_are_exact(kind, tie):
 
 def test_dora_on_the_head_is_refused_by_name_and_the_advice_works():
     """DoRA on lm_head: refused naming the head; the advice (plain LoRA on it) is exact on the same model."""
-    from oblr_trl.grad_norms.support import UnsupportedModulesError
+    from oblr_trl.grad_norms.coverage import UnsupportedModulesError
     from studies.zoo import build
 
     torch.manual_seed(0)

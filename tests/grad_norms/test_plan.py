@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from oblr_trl import per_sequence_grad_inner_products, per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms import engine, recognise, rules, support
-from oblr_trl.grad_norms.plan import plan_of
+from oblr_trl.grad_norms import coverage, engine
+from oblr_trl.grad_norms.rules import recognition, registry
+from oblr_trl.grad_norms.model import plan_of, view_of
 from studies.zoo import VOCAB, build
 from reference import padded_batch
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "oblr_trl" / "grad_norms"
 # registries filled at import, constant tables, and a capability probe of the platform (not of a model)
-ALLOWED = {"GRAD_NORM_RULES", "_NAME_RULES", "CALL_RULES", "FAMILIES", "ADAPTERS", "_COMMON", "_NOT_LLAMA_NAMES",
+ALLOWED = {"GRAD_NORM_RULES", "_NAME_RULES", "UNREGISTERED_RULES", "RULE_COSTS", "CALL_RULES", "FAMILIES", "ADAPTERS", "_COMMON", "_NOT_LLAMA_NAMES",
            "_MOE", "_ATTENTION", "_OUT_DTYPE", "__all__"}
 MUTABLE_CALLS = {"WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "dict", "list", "set", "defaultdict",
                  "deque", "Counter", "OrderedDict"}
@@ -45,7 +46,8 @@ def test_the_scan_finds_module_level_state():
 
 
 def test_no_module_level_mutable_state_in_the_engine():
-    found = {p.name: _module_level_mutables(p.read_text()) for p in sorted(PACKAGE.glob("*.py"))}
+    found = {str(p.relative_to(PACKAGE)): _module_level_mutables(p.read_text())
+             for p in sorted(PACKAGE.rglob("*.py"))}  # the rules' folder too
     assert {name: names for name, names in found.items() if names} == {}
 
 
@@ -53,7 +55,8 @@ def _norms(model, seed=0):
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4, seed=seed)
     squared = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
     streamed = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=2)
-    materialized = engine.per_sequence_grads(model, ids, attention, completion_mask, materialize=True)
+    materialized = engine.run_pass(view_of(model), ids, attention, completion_mask,
+                                   covering=coverage.pass_plan, materialize=True)
     return squared, streamed, materialized.inner_products(2)
 
 
@@ -79,9 +82,9 @@ def test_each_module_s_rule_is_resolved_once_per_model(monkeypatch):
     probe runs once; another set of trainable parameters, or of switched-off rules, resolves again (the recognisers'
     findings kept)."""
     resolved, recognised = Counter(), Counter()
-    resolve, probe = support.resolve, recognise.recognise
-    monkeypatch.setattr(support, "resolve", lambda module, *a: resolved.update([module]) or resolve(module, *a))
-    monkeypatch.setattr(recognise, "recognise", lambda module: recognised.update([module]) or probe(module))
+    resolve, probe = coverage.resolve, recognition.recognise
+    monkeypatch.setattr(coverage, "resolve", lambda module, *a: resolved.update([module]) or resolve(module, *a))
+    monkeypatch.setattr(recognition, "recognise", lambda module: recognised.update([module]) or probe(module))
     model = build("Qwen3-MoE")
     assert validate(model) == []
     for _ in range(2):
@@ -95,7 +98,7 @@ def test_each_module_s_rule_is_resolved_once_per_model(monkeypatch):
     model.model.layers[0].mlp.requires_grad_(False)
     _norms(model)
     assert resolved == Counter(covered) + Counter(c.module for c in plan_of(model).covered)
-    with rules.switched_off("expert_bank"):
+    with registry.switched_off("expert_bank"):
         _norms(model)
     assert recognised == before
 
@@ -107,15 +110,15 @@ def test_switched_off_holds_in_its_own_thread_only():
     entered, checked = threading.Event(), threading.Event()
 
     def other():
-        with rules.switched_off("expert_bank"):
-            seen["inside"] = support.how_handled(bank)
+        with registry.switched_off("expert_bank"):
+            seen["inside"] = coverage.how_handled(bank)
             entered.set()
             checked.wait(10)
 
     thread = threading.Thread(target=other)
     thread.start()
     entered.wait(10)
-    seen["here"] = support.how_handled(bank)
+    seen["here"] = coverage.how_handled(bank)
     checked.set()
     thread.join()
     assert seen == {"inside": "per-row", "here": "routed"}

@@ -16,7 +16,7 @@ import torch
 from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import coverage, keep_differentiable
 from oblr_trl.grad_norms.quantized import Restored, backward_gaps
-from oblr_trl.grad_norms.support import Unsupported, UnsupportedModulesError
+from oblr_trl.grad_norms.coverage import Unsupported, UnsupportedModulesError
 from fingerprint import differences, fingerprint
 from reference import padded_batch, per_sample_sq_norms
 
@@ -330,7 +330,7 @@ def test_a_quantized_model_that_cannot_run_in_float32_is_judged_as_it_computes_w
 
 def test_prepare_model_for_kbit_training_defaults_are_exact(saved):
     """PEFT's QLoRA preparation turns reentrant checkpointing on by default (transformers' and TRL's default is
-    non-reentrant); the pass runs those layers under its own checkpoint (grad_norms/checkpointing.py) and gives
+    non-reentrant); the pass runs those layers under its own checkpoint (grad_norms/hooks.py) and gives
     per-row autograd's norms, taken on a fresh copy without checkpointing. (Before, refused.)"""
     import copy
 
@@ -340,7 +340,7 @@ def test_prepare_model_for_kbit_training_defaults_are_exact(saved):
     torch.manual_seed(0)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0,
                                                       init_lora_weights="gaussian")).train()
-    from oblr_trl.grad_norms.checkpointing import runs_reentrant
+    from oblr_trl.grad_norms.hooks import runs_reentrant
 
     assert runs_reentrant(model)
     ids, attention, completion_mask = padded_batch(VOCAB, batch=4)

@@ -1,11 +1,13 @@
 """One layer at a time against per-sample autograd (Opacus's ``run_test``: tests/reference.py ``module_sq_norms``)."""
 
+import sys
+
 import pytest
 import torch
 from torch import nn
 
 from oblr_trl.grad_norms import register_grad_norm_rule
-from oblr_trl.grad_norms.support import how_handled
+from oblr_trl.grad_norms.coverage import how_handled
 from reference import module_sq_norms
 
 B, T, D = 4, 5, 12
@@ -182,3 +184,67 @@ def test_a_sequence_first_layout_is_refused_not_mistaken_for_flattened_tokens():
     with pytest.raises(hooks.RowsError, match="Linear's input has leading dimension 8"):
         with hooks.capture([lin], 4) as _:
             lin(torch.randn(8, 4, D)).sum().backward()  # sequence-first: 8 tokens of a batch of 4
+
+
+# ---------------------------------------------------------------------- a new layer rule is one module, used as it is
+TOY_RULE = '''
+"""A layer family of its own, outside the package: one module, nothing else touched."""
+import torch
+from torch import nn
+
+from oblr_trl.grad_norms.factors import Dense, Factored
+from oblr_trl.grad_norms.rules.registry import register_grad_norm_rule
+
+
+class Mix(nn.Module):
+    """``y = x M^T``, its matrix a bare parameter ``mix`` (no nn.Linear: no rule of the package knows it)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+
+    def forward(self, x):
+        return x @ self.mix.T
+
+
+CALLS = []
+
+
+@register_grad_norm_rule(Mix, cost=lambda layer: (layer.mix.shape[1], layer.mix.shape[0], layer.mix.requires_grad))
+def mix_rule(layer, activation, output_grad):
+    CALLS.append(layer)
+    tokens = lambda t: t.reshape(t.shape[0], -1, t.shape[-1])
+    return {"mix": Factored(Dense(tokens(output_grad)), Dense(tokens(activation)))}
+'''
+
+
+def test_a_rule_added_in_a_module_of_its_own_is_used_exactly_and_counted_by_the_cost_model(tmp_path, monkeypatch):
+    """A new layer rule touches one file: a module that registers it (with its cost). The pass takes the layer by it
+    (not the per-row fallback), the norms equal per-sample autograd's, and the path choice counts its map."""
+    import importlib
+
+    from oblr_trl import per_sequence_grad_sq_norms
+    from oblr_trl.grad_norms.rules import registry
+    from oblr_trl.path_choice import describe
+    from reference import padded_batch, per_sample_sq_norms
+    from studies.zoo import VOCAB, build
+
+    (tmp_path / "toy_mix_rule.py").write_text(TOY_RULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    toy = importlib.import_module("toy_mix_rule")
+    try:
+        model = build("Qwen3")
+        mlp = model.model.layers[0].mlp
+        mlp.down_proj = toy.Mix(mlp.down_proj.in_features, mlp.down_proj.out_features)
+        assert how_handled(mlp.down_proj) == "rule"
+        ids, attention, completion_mask = padded_batch(VOCAB, batch=4)
+        ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+        assert mlp.down_proj in toy.CALLS
+        torch.testing.assert_close(ours.double(), per_sample_sq_norms(model, ids, attention, completion_mask).double(),
+                                   rtol=1e-4, atol=1e-6)
+        first_layer_maps = describe(model, 4, 5, 7, 2, False, 2).linears
+        assert (48, 32, True) in first_layer_maps and len(first_layer_maps) == 7
+    finally:
+        del registry.GRAD_NORM_RULES[toy.Mix]
+        registry.RULE_COSTS.pop(toy.mix_rule)
+        sys.modules.pop("toy_mix_rule")

@@ -12,8 +12,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oblr_trl.grad_norms import UnsupportedModulesError, per_sequence_grad_sq_norms, validate
-from oblr_trl.grad_norms.ledger import float32_mode
-from oblr_trl.grad_norms.plan import plan_of
+from oblr_trl.grad_norms.model import float32_mode, plan_of
 from reference import padded_batch, per_sample_grads, per_sample_sq_norms
 
 VOCAB = 97
@@ -83,7 +82,7 @@ def float64_look(monkeypatch):
     """The probe's float32 look made to miss, so that it looks again with the model in float64 (what a real miss,
     a parameter whose float32 rounding is near the promise, leads to)."""
     from oblr_trl.grad_norms import coverage
-    from oblr_trl.grad_norms.support import Unsupported
+    from oblr_trl.grad_norms.coverage import Unsupported
 
     real = coverage._probe
 

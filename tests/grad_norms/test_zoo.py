@@ -86,9 +86,9 @@ class Gain(torch.nn.Module):
 
 def _with_unsupported_gains(monkeypatch):
     from oblr_trl.demo.tiny import build_model, build_tokenizer
-    from oblr_trl.grad_norms import generic
+    from oblr_trl.grad_norms.rules import per_row
 
-    monkeypatch.setattr(generic, "MAX_NUMEL", 0)  # no per-row path: a module without a rule is unsupported
+    monkeypatch.setattr(per_row, "MAX_NUMEL", 0)  # no per-row path: a module without a rule is unsupported
     model = build_model(build_tokenizer())
     for layer in model.model.layers:
         layer.mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), Gain(layer.mlp.up_proj.out_features))

@@ -43,9 +43,9 @@ def test_qlora_the_trl_way_trains_on_exact_norms(tmp_path, quant):
     """TRL casts a QLoRA model's adapters to bf16 (grpo_trainer.py, "converted to bf16 to follow the recommendations
     from the original paper"): the batch's norms are those of bf16 weights, against per-row autograd's of the same
     bf16 weights within bf16's rounding; and the same batch with the model upcast to float32 (the probe's reference,
-    ledger.float32_mode) is exact to 1e-5."""
+    model.float32_mode) is exact to 1e-5."""
     from oblr_trl import per_sequence_grad_sq_norms
-    from oblr_trl.grad_norms.ledger import float32_mode
+    from oblr_trl.grad_norms.model import float32_mode
 
     bnb_config = pytest.importorskip("transformers").BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=True,
@@ -119,8 +119,8 @@ def test_qlora_prepared_with_its_defaults_trains_on_exact_norms(tmp_path, config
     rounding). (Before: refused wherever the norms pass met reentrant checkpointing.)"""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from oblr_trl.grad_norms import checkpointing
-    from oblr_trl.grad_norms.checkpointing import runs_reentrant
+    from oblr_trl.grad_norms import hooks as checkpointing
+    from oblr_trl.grad_norms.hooks import runs_reentrant
 
     pytest.importorskip("bitsandbytes")
     layers_run = []  # each layer run under the norms pass's own reentrant checkpoint

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import EQUIVALENCE_SCRIPT as SCRIPT, assert_ran, run_equivalence as run
+from helpers import EQUIVALENCE_SCRIPT as SCRIPT, assert_ran, launch_env, run_equivalence as run
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test here runs torchrun (one or two processes)
 
@@ -124,7 +124,7 @@ def test_zero_stage_0_is_refused_at_construction(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", SCRIPT, str(out),
            "16", "zero0+fp32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                          env=launch_env())
     assert proc.returncode != 0 and not out.exists()
     assert "zero_optimization.stage" in proc.stderr and "got stage 0" in proc.stderr
 
@@ -149,7 +149,7 @@ def test_accelerate_launch_with_the_example_zero3_config_on_two_processes(plain,
            os.path.join(ROOT, "examples", "accelerate_configs", "deepspeed_zero3.yaml"), "--num_processes", "2",
            "--mixed_precision", "no", SCRIPT, str(out), "8", "fp32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                          env=launch_env())
     assert_ran(proc)
     zero = json.loads(out.read_text())
     assert_ran_zero(zero, 3, world_size=2)
@@ -173,7 +173,7 @@ def test_lora_with_checkpointing_under_accelerate_zero3_matches_the_plain_run(pl
            os.path.join(ROOT, "examples", "accelerate_configs", "deepspeed_zero3.yaml"), "--num_processes",
            str(nproc), "--mixed_precision", "no", SCRIPT, str(out), str(16 // nproc), "fp32+lora"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                          env=launch_env())
     assert_ran(proc)
     zero = json.loads(out.read_text())
     assert_ran_zero(zero, 3, world_size=nproc)
@@ -191,3 +191,29 @@ def test_zero2_under_reentrant_checkpointing_matches_the_plain_run(plain, tmp_pa
     assert all(facts["reentrant_checkpointing"] for facts in zero["fsdp"])
     assert_same_training(plain, zero)
     assert_applied_is_scheduled_times_scale(zero)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_exact_norms_on_zero3_partitioned_models(tmp_path, nproc):
+    """The norms pass on models ZeRO-3 has partitioned (`deepspeed.initialize`, every parameter 0 elements outside its
+    module's forward), each rank its own batch: full fine-tuning (its RMSNorms' rules are recognised on the gathered
+    weights), LoRA on lm_head tied and untied (the head's adapter gathered for the pass), trainable_token_indices tied
+    and untied (the rows PEFT's forward reads outside their module's forward, gathered for the pass). Per-sample
+    autograd on an unpartitioned copy is the reference. (Before: every RMSNorm was refused, "The expanded size of the
+    tensor (0)"; untied trainable tokens failed in PEFT's forward; tied ones, after a first forward, left out the
+    embedding's share of the rows' gradient.)"""
+    out = tmp_path / "zero3.json"
+    script = os.path.join(os.path.dirname(__file__), "distributed", "zero3_norms.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script,
+           str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=launch_env())
+    assert_ran(proc)
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == nproc
+    assert nproc == 1 or ranks[0]["full fine-tuning, tied"]["reference"] != ranks[1]["full fine-tuning, tied"]["reference"]
+    for results in ranks:
+        assert len(results) == 5
+        for name, result in results.items():
+            assert result["partitioned"] and result["no_grad_left"], name
+            assert sum(result["reference"]) > 0, name
+            assert result["ours"] == pytest.approx(result["reference"], rel=1e-5), name

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import EQUIVALENCE_SCRIPT as SCRIPT, assert_ran, run_equivalence as run
+from helpers import EQUIVALENCE_SCRIPT as SCRIPT, assert_ran, launch_env, run_equivalence as run
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -166,7 +166,7 @@ def test_exact_norms_on_an_fsdp2_sharded_model(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "distributed", "fsdp2_norms.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                          env=launch_env())
     assert_ran(proc)
     ranks = json.loads(out.read_text())
     assert len(ranks) == 2 and ranks[0]["reference"] != ranks[1]["reference"]  # different data per rank
@@ -189,3 +189,20 @@ def test_two_ddp_processes_under_reentrant_checkpointing_match_one_plain_process
     assert two["lr_scale"] == pytest.approx(one["lr_scale"], rel=1e-5) and 0 < one["lr_scale"][0] < 1
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
+
+
+def test_two_fsdp2_processes_under_reentrant_checkpointing_match_one_plain_process(tmp_path):
+    """`gradient_checkpointing_kwargs={"use_reentrant": True}` under Accelerate's FSDP2 path on two processes: the
+    norms pass runs the reentrant layers under its own checkpoint, inside the FSDP units' gathers (the model keeps its
+    setting); the same advantages, lr scales and gradient norms as one non-reentrant plain process (fp32)."""
+    one, two = run(tmp_path, 1, 16, "fp32"), run(tmp_path, 2, 8, "fsdp2+fp32+reentrant")
+    assert_ran_fsdp2(two)
+    assert all(f["reentrant_checkpointing"] for f in two["fsdp"])
+    assert not any(f["reentrant_checkpointing"] for f in one["fsdp"])
+    for ours, theirs in zip(one["records"], two["records"]):
+        assert [r[:2] for r in ours] == [r[:2] for r in theirs]
+        assert max(abs(a[2] - b[2]) for a, b in zip(ours, theirs)) < 1e-4
+    assert two["lr_scale"] == pytest.approx(one["lr_scale"], rel=1e-4) and 0 < one["lr_scale"][0] < 1
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    for step in range(2):  # every rank steps with the one scaled lr
+        assert_every_rank_applied(two, step, two["lr"][step])

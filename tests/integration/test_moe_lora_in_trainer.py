@@ -1,4 +1,4 @@
-"""LoRA on MoE expert banks the TRL way (oblr_trl/grad_norms/lora_experts.py): OBLRPOTrainer with
+"""LoRA on MoE expert banks the TRL way (oblr_trl/grad_norms/rules/lora_experts.py): OBLRPOTrainer with
 ``peft_config=LoraConfig(target_parameters=[...experts.gate_up_proj, ...experts.down_proj])`` (the gpt-oss recipe)
 on tiny GPT-OSS and Qwen3-MoE models trains the banks' factors one step (one_backward, the default, and two
 passes), and the first batch's norms (``oblr_gram``'s diagonal) equal per-row autograd's at the parameters they were taken at.

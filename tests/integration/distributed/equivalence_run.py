@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 from oblr_trl.demo.tiny import build_model, build_tokenizer
-from oblr_trl.grad_norms.checkpointing import runs_reentrant
+from oblr_trl.grad_norms.hooks import runs_reentrant
 
 GROUP = 4
 TOKENIZER = build_tokenizer()

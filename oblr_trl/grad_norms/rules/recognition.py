@@ -9,24 +9,17 @@ differentiates. A module that computes anything else gets no rule from here.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from .rules import (
-    GRAD_NORM_RULES,
-    _NAME_RULES,
-    Rule,
-    _embed_scale,
-    _original_class,
-    is_on,
-    centred_norm_rule,
-    embedding_rule,
-    linear_rule,
-    rms_norm_rule,
-)
+from .embeddings import _embed_scale, embedding_rule
+from .linear import linear_rule
+from .norms import centred_norm_rule, rms_norm_rule
+from .registry import GRAD_NORM_RULES, _NAME_RULES, Rule, _original_class, is_on
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -59,22 +52,55 @@ def _single_input(module: nn.Module) -> bool:
     return sum(p.kind in kinds for p in params) == 1
 
 
+class _Unhooked(nn.Module):
+    """``module``'s own ``forward``, without its hooks: a ZeRO-3 module's hooks fetch and release its partitioned
+    parameters, which a probe's stand-in weight is not (and they would release the gathered ones mid-probe); an FSDP2
+    unit's hooks would initialise its state as a root of its own, so that the model's root then refuses to run."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.inner = module
+
+    def forward(self, *args):
+        return self.inner.forward(*args)
+
+
+@contextlib.contextmanager
+def _gathered(module: nn.Module):
+    """The module's own parameters whole while the probe runs, and the module to call (itself, with its hooks, as the
+    model calls it). Under DeepSpeed ZeRO-3 its parameters are partitioned (0 elements) outside the module's forward:
+    gathered here (every rank discovers the same modules in the same order, so the all-gather matches across ranks),
+    and the probe calls the module's own forward without ZeRO-3's hooks (:class:`_Unhooked`). Under FSDP2 (DTensor
+    shards) it is called without FSDP's hooks too: a norm's probe runs on its stand-in weight, and a probe that reads
+    the sharded weights fails (no rule from here)."""
+    own = list(module.parameters(recurse=False))
+    partitioned = [p for p in own if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield _Unhooked(module) if any(hasattr(p, "device_mesh") for p in own) else module
+        return
+    import deepspeed  # present: the parameters are ZeRO-3's
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield _Unhooked(module)
+
+
 def _norm_rule(module: nn.Module) -> Rule | None:
     if not _single_input(module):
         return None
     params = _own_trainable(module)
     weight = params.get("weight")
-    if set(params) != {"weight"} or weight.dim() != 1 or any(True for _ in module.children()):
+    shape = getattr(weight, "ds_shape", None) or weight.shape  # ZeRO-3: the shape before partitioning
+    if set(params) != {"weight"} or len(shape) != 1 or any(True for _ in module.children()):
         return None
     eps = _eps(module)
     if eps is None:
         return None
     g = torch.Generator().manual_seed(0)
-    d = weight.numel()
+    d = shape[0]
     x = torch.randn(2, 3, d, generator=g).to(weight.device, weight.dtype)
     w = torch.randn(d, generator=g).to(weight.device, weight.dtype)
-    with torch.no_grad():
-        y = functional_call(module, {"weight": w}, (x,))
+    with torch.no_grad(), _gathered(module) as call:
+        y = functional_call(call, {"weight" if call is module else "inner.weight": w}, (x,))
         if not torch.is_tensor(y):
             return None
         xf, wf = x.float(), w.float()
@@ -89,8 +115,8 @@ def _norm_rule(module: nn.Module) -> Rule | None:
 def _embedding_rule(module: nn.Embedding) -> Rule | None:
     ids = torch.randint(0, module.num_embeddings, (2, 5), generator=torch.Generator().manual_seed(0))
     ids = ids.to(module.weight.device)
-    with torch.no_grad():
-        y = module(ids)
+    with torch.no_grad(), _gathered(module) as call:
+        y = call(ids)
         expected = nn.functional.embedding(ids, module.weight)
         scale = _embed_scale(module)
         if scale is not None:
@@ -101,8 +127,8 @@ def _embedding_rule(module: nn.Embedding) -> Rule | None:
 def _linear_rule(module: nn.Linear) -> Rule | None:
     x = torch.randn(2, 3, module.in_features, generator=torch.Generator().manual_seed(0))
     x = x.to(module.weight.device, module.weight.dtype)
-    with torch.no_grad():
-        y = module(x)
+    with torch.no_grad(), _gathered(module) as call:
+        y = call(x)
         expected = nn.functional.linear(x, module.weight, module.bias)
     return linear_rule if torch.is_tensor(y) and _close(y, expected) else None
 
@@ -120,7 +146,7 @@ def recognise(module: nn.Module) -> Rule | None:
 
 
 def remembered(memo: dict | None, key: tuple, find):
-    """``find()``, kept in ``memo`` (a model's :attr:`~.plan.ModelPlan.memo`) under ``key``; computed every time
+    """``find()``, kept in ``memo`` (a model's :attr:`~..model.ModelPlan.memo`) under ``key``; computed every time
     without one."""
     if memo is None:
         return find()
@@ -131,7 +157,7 @@ def remembered(memo: dict | None, key: tuple, find):
 
 def find_rule(module: nn.Module, memo: dict | None = None) -> Rule | None:
     """The module's rule: registered for its exact class (or class name), else recognised by what it computes
-    (:mod:`.recognise`: a norm, a scaled embedding, a linear map, each verified on a probe input, remembered in
+    (:mod:`.recognition`: a norm, a scaled embedding, a linear map, each verified on a probe input, remembered in
     ``memo``, the model's plan's), else None."""
     cls = _original_class(type(module))
     rule = GRAD_NORM_RULES.get(cls) or _NAME_RULES.get(cls.__name__)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .factors import Materialized
-from .hooks import Call, _map, output_tensors, replay
+from ..factors import Materialized
+from ..hooks import Call, _map, output_tensors, replay
 
 MAX_NUMEL = 1 << 21  # trainable elements of one module's own parameters that the per-row path takes at most
 
@@ -44,7 +44,9 @@ def per_row_usages(module: nn.Module, call: Call, output_grads: list, batch: int
             "(module.requires_grad_(False)) or use OBLRPOConfig(grad_norm_estimator='length', snr_lr=False)."
         )
     per = lead // batch  # output rows per sequence
-    grads = [torch.zeros(batch, *p.shape, dtype=torch.float32, device=p.device) for p in params]
+    # a ZeRO-3 parameter is partitioned (0 elements) outside its module's forward: its shape before partitioning
+    grads = [torch.zeros(batch, *(getattr(p, "ds_shape", None) or p.shape), dtype=torch.float32, device=p.device)
+             for p in params]
 
     def rows(t: torch.Tensor, b: int) -> torch.Tensor:
         if per and t.dim() and t.shape[0] == lead:

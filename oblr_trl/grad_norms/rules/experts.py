@@ -10,16 +10,16 @@ when ``is_transposed``), optional biases ``(E, out)``, and computes, for token `
 
 with ``up_e(x) = x W_e^T + b_e`` and ``gate`` the module's own ``_apply_gate`` (``act(gate) * up``, GPT-OSS's clamped
 SwiGLU) or, without a gate, its ``act_fn``. A bank is taken by this rule only when its forward, run on a probe, equals
-that formula (:func:`recognise_bank`); anything else stays on the exact per-row path (:mod:`.generic`).
+that formula (:func:`recognise_bank`); anything else stays on the exact per-row path (:mod:`.per_row`).
 
 The engine records the bank's whole call (input ``(N, d)`` with ``N = B * T`` tokens, routing indices and weights)
 and its output gradient ``G``. For each pair ``(n, j)`` routed to ``e`` the rule recomputes (one forward of the bank's
 matmuls on the routed tokens, in float32): ``u = up_e(x_n)``, ``h = gate(u)``, the gradient reaching ``down_e``'s
 output ``g = w[n, j] G_n``, and ``du = J_gate(u)^T (g W_down_e)`` (one vector-Jacobian product of ``gate`` over all
 pairs at once). Then expert ``e``'s weights get, per sequence ``b``, ``sum_{t in b, routed to e} g_t (x) h_t``
-(down) and ``du_t (x) x_t`` (gate_up): a :class:`~.factors.Factored` gradient over that expert's tokens, padded per
+(down) and ``du_t (x) x_t`` (gate_up): a :class:`~..factors.Factored` gradient over that expert's tokens, padded per
 sequence to the most any sequence routes to it, whose inner products take the cheaper of the token Grams and the
-materialized per-sequence gradients (:func:`~.factors.block_inner_products`), expert by expert.
+materialized per-sequence gradients (:func:`~..factors.block_inner_products`), expert by expert.
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .factors import Dense, Factored, Materialized, block_inner_products, block_weighted_rows
-from . import generic, hooks
-from .recognise import remembered
-from .rules import register_call_rule
+from ..factors import Dense, Factored, Materialized, block_inner_products, block_weighted_rows
+from .. import hooks
+from . import per_row
+from .recognition import remembered
+from .registry import register_call_rule
 
 
 class PerExpert:
     """The per-sample gradient of one 3-D expert-bank parameter ``(E, n_L, n_R)``, by the tokens routed to each
     expert: experts grouped by how many tokens one sequence routes to them at most (``T_e``, in bands of a factor
-    ``2^(1/4)``), each group a :class:`~.factors.Factored` usage with factors ``(E_g * B, W_g, n)`` (expert-major,
+    ``2^(1/4)``), each group a :class:`~..factors.Factored` usage with factors ``(E_g * B, W_g, n)`` (expert-major,
     then sequence; ``W_g``: the group's largest ``T_e``; padding rows are zero). One batched Gram or materialization
     per group, not per expert; a group's width is at most ``2^(1/4)`` times any of its experts' ``T_e``."""
 
@@ -323,7 +324,7 @@ def below_wrappers(module: nn.Module) -> nn.Module:
 
 class RoutedCaptures:
     """What one pass's routed forwards (:func:`_routed_forward`) keep for its backward, by bank, each call's entry
-    matched to the recorded call by its input's storage (:meth:`take`). Owned by the pass (:class:`~.engine._Pass`),
+    matched to the recorded call by its input's storage (:meth:`take`). Owned by the pass (:class:`~..engine._Pass`),
     so two passes, of two models or of one, never see each other's; ``memo`` (the model's plan's) remembers each
     bank's layout."""
 
@@ -434,7 +435,7 @@ def bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch: 
     handoff = RoutedCaptures() if handoff is None else handoff
     layout = handoff.layout(module)
     if layout is None or call_arguments(module, call.args, call.kwargs) is None or len(output_grads) != 1:
-        return generic.per_row_usages(module, call, output_grads, batch)
+        return per_row.per_row_usages(module, call, output_grads, batch)
     if output_grads[0] is None:
         return {}
     with torch.autocast(device_type=output_grads[0].device.type, enabled=False), torch.no_grad():

@@ -1,4 +1,5 @@
-"""One per-sample gradient rule per module type (in the manner of Opacus' ``grad_sample/``).
+"""Where the layer rules register (in the manner of Opacus' ``grad_sample/``: one rule per module type; the rules
+themselves live beside this module, one module per family).
 
 A rule maps ``(module, activation, output_grad)`` of one call of the module, both shaped ``(B, ..., features)``, to
 ``{parameter_name: usage}``: each usage is the per-sample gradient of that parameter from this call, either
@@ -17,18 +18,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import generic
-from .factors import Dense, Factored, Materialized, OneHot, Usage
+from . import per_row
+from ..factors import Usage
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, Usage]]
 GRAD_NORM_RULES: dict[type, Rule] = {}
 _NAME_RULES: dict[str, Rule] = {}
+UNREGISTERED_RULES: list[Rule] = []  # rules that recognition alone hands out (no type or name of their own)
 
 
-def register_grad_norm_rule(*module_types: type | str) -> Callable[[Rule], Rule]:
+RULE_COSTS: dict[Rule, Callable[[nn.Module], tuple[int, int, bool] | None]] = {}  # a rule's declared cost (cost=)
+
+
+def register_grad_norm_rule(*module_types: type | str,
+                            cost: Callable[[nn.Module], tuple[int, int, bool] | None] | None = None
+                            ) -> Callable[[Rule], Rule]:
     """Register a rule for exact module types, or for class names (for model-specific classes that share a formula
     without sharing a base class). Registering a second rule for a type (or name) raises: a rule is replaced only by
-    removing the first from :data:`GRAD_NORM_RULES` explicitly."""
+    removing the first from :data:`GRAD_NORM_RULES` explicitly.
+
+    ``cost(module)``: the linear map one call of such a module multiplies each token by, ``(inputs, outputs,
+    trainable)`` (whether that map's matrix trains; None where it multiplies by none), which the path choice's cost
+    model counts (:func:`declared_cost`); a rule without one is not counted there."""
 
     def decorator(rule: Rule) -> Rule:
         for module_type in module_types:
@@ -36,9 +47,27 @@ def register_grad_norm_rule(*module_types: type | str) -> Callable[[Rule], Rule]
             if module_type in table:
                 raise ValueError(f"A grad-norm rule is already registered for {module_type!r}: {table[module_type]}.")
             table[module_type] = rule
+        if cost is not None:
+            RULE_COSTS[rule] = cost
         return rule
 
     return decorator
+
+
+def full_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """A weight's whole shape, also where DeepSpeed ZeRO-3 holds only this rank's flat shard (its ``ds_shape``)."""
+    return tuple(getattr(weight, "ds_shape", None) or weight.shape)
+
+
+def declared_cost(module: nn.Module) -> tuple[int, int, bool] | None:
+    """The linear map ``(inputs, outputs, trainable)`` one call of ``module`` multiplies each token by, as the rule registered
+    for its class name, or for its class or a base class, declares it (``cost=`` of :func:`register_grad_norm_rule`);
+    None where that rule declares none, or no rule is registered."""
+    rule = _NAME_RULES.get(type(module).__name__)
+    if rule is None:
+        rule = next((GRAD_NORM_RULES[c] for c in type(module).__mro__ if c in GRAD_NORM_RULES), None)
+    cost = RULE_COSTS.get(rule)
+    return None if cost is None else cost(module)
 
 
 def _original_class(cls: type) -> type:
@@ -51,9 +80,9 @@ def _original_class(cls: type) -> type:
 
 @dataclass(frozen=True)
 class CallRule:
-    """A rule for a module whose whole call is recorded (its arguments and outputs; see :mod:`.hooks`):
+    """A rule for a module whose whole call is recorded (its arguments and outputs; see :mod:`..hooks`):
     ``recognise(module, memo)`` says whether it takes a module (each verifies that on a probe, remembered in ``memo``,
-    the model's :attr:`~.plan.ModelPlan.memo`, or None), ``usages(module, call, output_grads, batch, handoff)`` forms
+    the model's :attr:`~..model.ModelPlan.memo`, or None), ``usages(module, call, output_grads, batch, handoff)`` forms
     the module's per-sequence gradients, ``{parameter name: usage}`` (``handoff``: what the pass's forward kept for
     its backward, :class:`~.experts.RoutedCaptures`, or None). ``borrows``: its usages also cover the trainable
     parameters of descendants the module uses functionally (LoRA's factors on an expert bank, :mod:`.lora_experts`),
@@ -88,7 +117,7 @@ def switched_off(*names: str):
     """Inside, the rules named (call rules by name, tensor rules by function name, e.g. ``"linear_rule"``) are not
     used: their modules fall back to what comes next (a recognised rule, the per-row path, or a refusal). Held in a
     context variable (this thread or task only); a model's plan is resolved again under another set
-    (:func:`~.support.coverage_plan`)."""
+    (:func:`~..coverage.coverage_plan`)."""
     unknown = set(names) - set(CALL_RULES) - {rule.__name__ for rule in _all_tensor_rules()}
     if unknown:
         raise ValueError(f"No rule named {sorted(unknown)}; call rules: {list(CALL_RULES)}.")
@@ -106,7 +135,7 @@ def switched_off_now() -> frozenset[str]:
 
 def registered() -> tuple:
     """What is registered now (every type, name and call rule, and its rule): a plan resolved under other
-    registrations is resolved again (:func:`~.support.coverage_plan`), so a rule registered later is used."""
+    registrations is resolved again (:func:`~..coverage.coverage_plan`), so a rule registered later is used."""
     return tuple(GRAD_NORM_RULES.items()), tuple(_NAME_RULES.items()), tuple(CALL_RULES.items())
 
 
@@ -115,7 +144,7 @@ def is_on(rule) -> bool:
 
 
 def _all_tensor_rules() -> list[Rule]:
-    return list(GRAD_NORM_RULES.values()) + list(_NAME_RULES.values()) + [centred_norm_rule]
+    return list(GRAD_NORM_RULES.values()) + list(_NAME_RULES.values()) + UNREGISTERED_RULES
 
 
 def find_call_rule(module: nn.Module, memo: dict | None = None, borrows: bool = False) -> CallRule | None:
@@ -128,11 +157,11 @@ def find_call_rule(module: nn.Module, memo: dict | None = None, borrows: bool = 
 def call_usages(module: nn.Module, call, output_grads: list, batch: int, handoff=None) -> dict[str, Usage]:
     """The usages of a module whose whole call was recorded, its call rule looked up now (one module alone; a
     model's pass runs the rule its plan chose): the call rule's (an expert bank by its routed tokens, :mod:`.experts`;
-    a router by its logits, :mod:`.routers`), else the exact per-row path's (:mod:`.generic`)."""
+    a router by its logits, :mod:`.routers`), else the exact per-row path's (:mod:`.per_row`)."""
     rule = find_call_rule(module)
     if rule is not None:
         return rule.usages(module, call, output_grads, batch, handoff)
-    return generic.per_row_usages(module, call, output_grads, batch)
+    return per_row.per_row_usages(module, call, output_grads, batch)
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -147,91 +176,3 @@ def _sum_tokens(x: torch.Tensor) -> torch.Tensor:
     :func:`_tokens` reshape and a sum (q/k norms' (B, T, heads, d) output gradients are not contiguous: that reshape
     would be a copy)."""
     return x if x.dim() == 2 else x.sum(dim=tuple(range(1, x.dim() - 1)))
-
-
-@register_grad_norm_rule(nn.Linear, "FalconLinear")
-def linear_rule(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
-    """``y = x W^T + b``: per-sample ``dW = sum_t g_t (x) x_t`` (factored), ``db = sum_t g_t``."""
-    g, x = _tokens(output_grad), _tokens(activation)
-    return _affine_usages(layer, g, x, g)
-
-
-def _affine_usages(layer: nn.Module, left: torch.Tensor, right: torch.Tensor, g: torch.Tensor) -> dict[str, Usage]:
-    """An affine layer's per-sample gradients: ``weight`` as ``sum_t left_t (x) right_t``, ``bias`` as ``sum_t g_t``."""
-    usages: dict[str, Usage] = {}
-    if layer.weight.requires_grad:
-        usages["weight"] = Factored(Dense(left), Dense(right))
-    if layer.bias is not None and layer.bias.requires_grad:
-        usages["bias"] = Materialized(g.float().sum(1))
-    return usages
-
-
-def _embed_scale(layer: nn.Module) -> float | None:
-    scale = getattr(layer, "embed_scale", None)
-    if scale is None:
-        return None
-    return float(scale)
-
-
-@register_grad_norm_rule(nn.Embedding)
-def embedding_rule(layer: nn.Embedding, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
-    """``y_t = W[x_t]``: per-sample ``dW = sum_t onehot(x_t) (x) g_t``; the ``padding_idx`` row gets no gradient."""
-    if not layer.weight.requires_grad:
-        return {}
-    ids = activation.reshape(activation.shape[0], -1)
-    g = _tokens(output_grad)
-    scale = _embed_scale(layer)
-    if scale is not None:  # Gemma's *ScaledWordEmbedding: y = W[x] * embed_scale
-        g = g * scale
-    if layer.padding_idx is not None:
-        g = g * (ids != layer.padding_idx)[..., None].to(g.dtype)
-    return {"weight": Factored(OneHot(ids, layer.num_embeddings), Dense(g))}
-
-
-def _rms_normalized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    eps = getattr(layer, "variance_epsilon", getattr(layer, "eps", None))
-    if eps is None:  # torch.nn.RMSNorm(eps=None) uses the dtype's machine epsilon
-        eps = torch.finfo(x.dtype).eps
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-@register_grad_norm_rule(nn.RMSNorm)
-def rms_norm_rule(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
-    """``y = w * x / rms(x)`` (Llama/Qwen form) or ``y = (1 + w) * x / rms(x)`` (Gemma's): per-sample
-    ``dw = sum_t g_t * xhat_t`` either way (materialized, d values)."""
-    if not layer.weight.requires_grad:
-        return {}
-    xhat = _rms_normalized(layer, activation)
-    return {"weight": Materialized(_sum_tokens(output_grad.float() * xhat.float()))}
-
-
-@register_grad_norm_rule(nn.LayerNorm)
-def layer_norm_rule(layer: nn.LayerNorm, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
-    """``y = w * (x - mean) / std + b``: per-sample ``dw = sum_t g_t * xhat_t``, ``db = sum_t g_t``."""
-    if len(layer.normalized_shape) != 1:
-        raise NotImplementedError("LayerNorm over more than one trailing dimension has no per-sample rule.")
-    g = output_grad.float()
-    usages: dict[str, Usage] = {}
-    if layer.weight is not None and layer.weight.requires_grad:
-        xhat = nn.functional.layer_norm(activation.float(), layer.normalized_shape, eps=layer.eps)
-        usages["weight"] = Materialized(_sum_tokens(g * xhat))
-    if layer.bias is not None and layer.bias.requires_grad:
-        usages["bias"] = Materialized(_sum_tokens(g))
-    return usages
-
-
-def centred_norm_rule(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
-    """``y = w * (x - mean) / std`` with no bias (Cohere's LayerNorm): per-sample ``dw = sum_t g_t * xhat_t``."""
-    if not layer.weight.requires_grad:
-        return {}
-    eps = getattr(layer, "variance_epsilon", getattr(layer, "eps", 1e-5))
-    xhat = nn.functional.layer_norm(activation.float(), activation.shape[-1:], eps=eps)
-    return {"weight": Materialized(_sum_tokens(output_grad.float() * xhat))}
-
-
-@register_grad_norm_rule("Conv1D")
-def conv1d_rule(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Usage]:
-    """GPT-2's ``Conv1D``, ``y = x W + b`` with ``W`` stored ``(in, out)``: per-sample ``dW = sum_t x_t (x) g_t``."""
-    g, x = _tokens(output_grad), _tokens(activation)
-    return _affine_usages(layer, x, g, g)

@@ -1,7 +1,7 @@
 """MoE routers (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``, ``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``,
 ``GptOssTopKRouter``...) by their logits: a router computes ``z_t = x_t W^T (+ b)`` and then a function of each
 token's logits alone (softmax, top-k, renormalisation, group-limited choice, scaling), so a sequence's gradient is
-``sum_t dz_t (x) x_t`` (``db = sum_t dz_t``): a :class:`~.factors.Factored` usage with ghost norms, like a linear
+``sum_t dz_t (x) x_t`` (``db = sum_t dz_t``): a :class:`~..factors.Factored` usage with ghost norms, like a linear
 layer's, instead of one re-run of the router per sequence.
 
 ``dz`` comes from one re-run of the router on the recorded call, with ``F.linear`` intercepted (a
@@ -17,10 +17,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import generic, hooks
-from .recognise import remembered
-from .rules import register_call_rule
-from .factors import Dense, Factored, Materialized
+from .. import hooks
+from . import per_row
+from .recognition import remembered
+from .registry import register_call_rule
+from ..factors import Dense, Factored, Materialized
 
 
 class _LinearTap(TorchFunctionMode):
@@ -123,7 +124,7 @@ def router_usages(module: nn.Module, call: hooks.Call, output_grads: list, batch
         tap, out = _run_tapped(module, call.args, call.kwargs)
         outs = hooks.output_tensors(out)
         if len(tap.logits) != 1 or tap.other_uses or len(outs) != len(output_grads):
-            return generic.per_row_usages(module, call, output_grads, batch)
+            return per_row.per_row_usages(module, call, output_grads, batch)
         pairs = [(o, g) for o, g in zip(outs, output_grads) if g is not None]
         if not pairs:
             return {}

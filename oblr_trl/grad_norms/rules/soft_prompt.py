@@ -8,7 +8,7 @@ carries that row's gradient, so the encoder's layers take the usual rules (an em
 are the batch's sequences. The pass builds ``inputs_embeds`` and the attention mask as
 ``PeftModelForCausalLM.forward`` does and runs the backbone on them; the completion's positions, counted from the
 end, are unchanged. Prefix tuning (a past key-value cache, which GRPOTrainer itself fails on) is refused by
-:func:`~.support.outside_modules`.
+:func:`~..coverage.outside_modules`.
 """
 
 from __future__ import annotations
@@ -16,26 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .lm import unwrap_distributed
-
-
-def _config(outer: nn.Module):
-    configs = getattr(outer, "peft_config", None)
-    if not isinstance(configs, dict):
-        return None
-    return configs.get(getattr(outer, "active_adapter", None))
-
-
-def soft_prompt_model(model: nn.Module) -> nn.Module | None:
-    """The ``PeftModel`` (under DDP) when its active adapter is prompt tuning or P-tuning; else None."""
-    outer = unwrap_distributed(model)
-    config = _config(outer)
-    if config is None or not getattr(config, "is_prompt_learning", False):
-        return None
-    return outer if str(getattr(config.peft_type, "value", config.peft_type)) in SOFT_PROMPTS else None
-
-
-SOFT_PROMPTS = ("PROMPT_TUNING", "P_TUNING")
+from ..model import _config, unwrap_distributed
 
 
 def kind(model: nn.Module) -> str | None:

@@ -29,12 +29,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import generic, hooks
+from .. import hooks
+from . import per_row
 from .experts import PerExpert, RoutedCaptures, agrees, below_wrappers, call_arguments, mirror, probe_inputs, routed
 from .experts import recognise_bank
-from .factors import Dense, Factored
-from .recognise import remembered
-from .rules import register_call_rule
+from ..factors import Dense, Factored
+from .recognition import remembered
+from .registry import register_call_rule
 
 
 def is_wrapper(module: nn.Module) -> bool:
@@ -43,7 +44,7 @@ def is_wrapper(module: nn.Module) -> bool:
 
 
 def outermost(owners: dict[nn.Module, nn.Module], lm: nn.Module) -> dict[nn.Module, nn.Module]:
-    """``owners`` (``{module used functionally: the ancestor that borrows it}``, :func:`~.ledger.functional_owners`)
+    """``owners`` (``{module used functionally: the ancestor that borrows it}``, :func:`~..coverage.functional_owners`)
     with every ancestor that is a ``ParamWrapper`` nested in another replaced by the outermost of its chain: a chain
     is one call, whose inner wrappers run inside the outer ones' LoRA deltas."""
     parent = {m.base_layer: m for m in lm.modules() if is_wrapper(m) and is_wrapper(m.base_layer)}
@@ -169,7 +170,7 @@ def why_not(module: nn.Module, name: str, memo: dict | None = None) -> str | Non
     else:
         why = "its forward, on a probe with random factors, is not the bank's formula with W_e + s B_e A_e"
     return (f"LoRA (PEFT's ParamWrapper) on {type(bank).__name__}'s {wrapped} takes no exact rule: {why}; and the "
-            f"per-row path's limit ({generic.MAX_NUMEL:,} elements) is below its factors. "
+            f"per-row path's limit ({per_row.MAX_NUMEL:,} elements) is below its factors. "
             + fix.replace("<up>", layout["up"] if layout else "gate_up_proj") + ".")
 
 
@@ -241,7 +242,7 @@ def lora_bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, ba
     names = [f"{prefix}{n}" for prefix, w in chain for n, p in w.named_parameters() if p.requires_grad
              and not n.startswith("base_layer.")]
     if found is None or len(output_grads) != 1 or call_arguments(found["bank"], call.args, call.kwargs) is None:
-        return generic.per_row_usages(module, call, output_grads, batch, names)
+        return per_row.per_row_usages(module, call, output_grads, batch, names)
     if output_grads[0] is None:
         return {}
     bank, layout = found["bank"], found["layout"]
@@ -258,5 +259,5 @@ def lora_bank_usages(module: nn.Module, call: hooks.Call, output_grads: list, ba
                     if name in names:
                         usages[name] = usage
     if set(names) - set(usages):  # a trainable parameter of the chain beyond its active factors
-        return generic.per_row_usages(module, call, output_grads, batch, names)
+        return per_row.per_row_usages(module, call, output_grads, batch, names)
     return usages
