@@ -59,7 +59,8 @@ def edits_of_the_import_path(path: Path) -> list[int]:
 
 
 # scripts that the tests run in child processes, which find tests/ through their own location
-CHILD_SCRIPTS = {"tests/integration/save_crash_child.py", "tests/integration/distributed/fsdp2_norms.py"}
+CHILD_SCRIPTS = {"tests/integration/save_crash_child.py", "tests/integration/distributed/fsdp2_norms.py",
+                 "tests/integration/distributed/zero3_norms.py"}
 
 
 def test_no_benchmark_or_test_edits_the_import_path():
