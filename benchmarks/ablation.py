@@ -62,7 +62,7 @@ main-ablation runs, seed-major (every arm's seed 0, then every arm's seed 1, ...
 power seeds;
 ``--first_arms`` puts the named arms' training runs before the others', ``--first_lrs`` those at the named lrs (in
 that order) before the rest; ``--no_large_eval`` trains only (the lr window reads the runs' own 100 problems), leaving
-each trained run's large evaluation to a later call without it.
+each trained run's large evaluation to a later call without it; a cell with a record is then not trained again.
 
     python benchmarks/ablation.py                       # run what is missing, then tabulate
     python benchmarks/ablation.py --no_run              # tabulate what exists under --run_dir
@@ -157,7 +157,7 @@ def pending(args) -> list[dict]:
         if state == "large" and not args.no_large_eval:
             quick.append(dict(kind="large", name=f"large eval of {name}", out=out, seed=seed, arm=arm,
                               argv=[*large, str(out)]))
-        elif state == "train":
+        elif state == "train" and not (args.no_large_eval and record_path(args.records, out).exists()):
             train.append(dict(kind="train", name=name, out=out, seed=seed, arm=arm, steps=steps,
                               argv=demo_args(args, arm, lr, steps, long)))
     def order(job: dict) -> tuple[bool, int]:  # --first_arms, then --first_lrs in their order; stable: jobs' order within
