@@ -117,7 +117,7 @@ def jobs(args) -> list[tuple[str, float, int, int, Path]]:
             for seed in args.power_seeds for arm in args.power_arms if arm in args.arms]
     listed = {(arm, lr, seed, long) for arm, lr, seed, _, long in out}  # the window's cells already listed serve
     window = [(arm, lr_of(arm, args.grpo_lr, m, eta=eta), seed) for seed in args.window_seeds
-              for arm in args.window_arms for m in window_multiples(arm)]
+              for arm in args.window_arms for m in window_multiples(arm, args.window_arms)]
     out += [(arm, lr, seed, args.window_steps, False) for arm, lr, seed in window if (arm, lr, seed, False) not in listed]
     return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed, long))
             for arm, lr, seed, steps, long in out]
