@@ -118,7 +118,8 @@ class ModelView:
     (PEFT's ``ModulesToSaveWrapper`` around the head, or the head itself); ``config``: the text config;
     ``prompted``: the ``PeftModel`` whose active adapter is a soft prompt (:mod:`.rules.soft_prompt`), or None;
     ``trainable``: the ``*ForCausalLM``'s trainable parameter names; ``module_ids``: its modules, by identity;
-    ``plan``: its :class:`ModelPlan`; ``key``: what it was resolved under (:func:`view_key`).
+    ``quantized``: whether a parameter holds quantized codes (:func:`~.quantized.quantized`); ``plan``: its
+    :class:`ModelPlan`; ``key``: what it was resolved under (:func:`view_key`).
 
     The view is kept on the ``*ForCausalLM``'s plan, so it holds the model, its wrappers and the plan by weak
     references: strong ones would make a cycle, and a deleted model's memory would wait for the garbage collector."""
@@ -130,6 +131,7 @@ class ModelView:
     config: object
     trainable: tuple[str, ...]
     module_ids: tuple[int, ...]
+    quantized: bool
     key: tuple
 
     @property
@@ -262,7 +264,7 @@ def view_of(model) -> ModelView:
     refs = weakref.ref(outer), weakref.ref(lm), None if prompted is None else weakref.ref(prompted)
     module_ids = tuple(map(id, lm.modules()))
     plan.view = ModelView(refs, backbone_of(lm), output_head(lm), wrapper, text_config(lm), trainable_names(lm),
-                          module_ids, key)
+                          module_ids, quantized(lm), key)
     return plan.view
 
 
