@@ -27,6 +27,7 @@ the model run plainly for the checks (:func:`plain_mode`, :func:`float32_mode`, 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -193,12 +194,20 @@ def _walk(root: nn.Module, stop: nn.Module | None, structure: list, trainable: l
         push(d["_modules"].values())
 
 
+@functools.lru_cache(maxsize=4096)
+def _read_by_rules(field: str) -> bool:
+    """Whether a config field's name is one a rule or the head's transform reads (:data:`_CONFIG_WORDS`); by name
+    alone, so each name is judged once."""
+    lowered = field.lower()
+    return any(w in lowered for w in _CONFIG_WORDS)
+
+
 def _config_values(config) -> tuple:
     """The text config's numbers a rule or the head's transform reads (soft caps, scales, multipliers)."""
     if config is None:
         return ()
     return tuple((k, v) for k, v in vars(config).items()
-                 if (v is None or isinstance(v, (int, float))) and any(w in k.lower() for w in _CONFIG_WORDS))
+                 if (v is None or isinstance(v, (int, float))) and _read_by_rules(k))
 
 
 def state_key(outer: nn.Module, lm: nn.Module) -> tuple[tuple, tuple, tuple]:

@@ -161,6 +161,32 @@ def test_half_autocast_layer_inputs_are_held_as_the_matmul_cast_them(monkeypatch
     assert float32_held - held >= saved > 0, (float32_held, held, cast_sources)
 
 
+def gpt2_without_dropout():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()
+
+
+@pytest.mark.parametrize("build", [lambda: llama(False), lambda: llama(True), gpt2_without_dropout],
+                         ids=["llama", "llama-checkpointed", "gpt2"])
+def test_the_pass_forms_no_parameter_gradient(build):
+    """The backward stops at the hooked outputs of the modules whose input carries no gradient (the token and
+    position embeddings) instead of going on to their weights: no parameter's gradient is formed, not even the
+    embedding's dense ``(V, d)`` one, and the norms are still autograd's, row by row. (A hook on a parameter changes
+    no module's state key: the pass after it runs as the one before.)"""
+    model = build()
+    ids, attention, completion_mask = reference.padded_batch(VOCAB)
+    per_sequence_grad_sq_norms(model, ids, attention, completion_mask)  # the first checks the model: autograd's own
+    formed = []
+    handles = [p.register_hook(lambda g, name=name: formed.append(name)) for name, p in model.named_parameters()]
+    got = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    for handle in handles:
+        handle.remove()
+    assert formed == []
+    expected = reference.per_sample_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(got, expected.to(got.dtype), rtol=1e-4, atol=0)
+
+
 # ----------------------------------------------------------------------------- the rows: per sequence, or refused
 def _randomised(module):
     torch.manual_seed(3)
