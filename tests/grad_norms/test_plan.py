@@ -1,4 +1,4 @@
-"""The model's plan (oblr_trl/grad_norms/plan.py): each module's rule resolved once per model and carried on the model,
+"""The model's plan (oblr_trl/grad_norms/model.py): each module's rule resolved once per model and carried on the model,
 every per-model cache on that one object, the forward-to-backward hand-off owned by the pass. Two models in one
 process never see each other's state, and nothing sits in a module global."""
 
