@@ -68,13 +68,8 @@ demo-seeds: install
 	$(PY) benchmarks/demo_seeds.py --seeds 3 -- --model smollm2
 	$(PY) benchmarks/update_readme.py
 
-# Two pytest-xdist workers (the tests run one torch thread each; tests/conftest.py keeps each module on one worker and
-# every multi-process launch on one worker, one at a time). TEST_WORKERS=0 runs them all in this one process.
-TEST_WORKERS ?= 2
-XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
-
 test: install-dev
-	$(PY) -m pytest -q $(XDIST) tests
+	$(PY) -m pytest -q tests
 
 # The trainer tests on the lowest versions setup.cfg declares (.ci/floors.txt), in their own virtualenv.
 FLOORS_VENV ?= .venv-floors
@@ -82,10 +77,10 @@ test-floors:
 	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install -q --upgrade pip
 	$(FLOORS_VENV)/bin/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(FLOORS_VENV)/bin/python -m pip install -q -r .ci/floors.txt pytest hypothesis pytest-xdist
+	$(FLOORS_VENV)/bin/python -m pip install -q -r .ci/floors.txt pytest hypothesis
 	$(FLOORS_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(FLOORS_VENV)/bin/python -m pip check
-	$(FLOORS_VENV)/bin/python -m pytest -q $(XDIST) tests/test_loss_terms.py tests/test_trainer.py tests/integration/test_drop_in.py tests/test_one_backward.py \
+	$(FLOORS_VENV)/bin/python -m pytest -q tests/test_loss_terms.py tests/test_trainer.py tests/integration/test_drop_in.py tests/test_one_backward.py \
 		tests/test_state_file.py tests/integration/test_resume.py
 
 # Quick modes, 12 minutes on a quiet 2-core CPU (2026-11-23); drop --quick for the full runs (see benchmarks/README.md, the studies' index).

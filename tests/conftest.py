@@ -30,22 +30,3 @@ def fresh_accelerator_state():
         os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
     else:
         os.environ["ACCELERATE_MIXED_PRECISION"] = saved
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`: two workers, ``--dist loadgroup``) a test module runs whole on one worker, so
-    its module fixtures are built once; the modules that launch several processes (marker ``distributed``) run
-    together on one worker, one launch at a time, so two launched runs never compete for the cores. Those go first,
-    then the modules with end-to-end (``slow``) tests, so that no long module is left for the end of the run."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    group, rank = {}, {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        group[item] = "launched" if item.get_closest_marker("distributed") else module
-        order = 0 if item.get_closest_marker("distributed") else 1 if item.get_closest_marker("slow") else 2
-        rank[group[item]] = min(rank.get(group[item], 2), order)
-    items.sort(key=lambda item: rank[group[item]])  # stable: the collection's order within each rank
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group[item]))

@@ -46,13 +46,3 @@ def test_make_bench_gpu_runs_this_checkouts_package_without_installing_it(tmp_pa
     the checkout (and the wheels' folder) on PYTHONPATH."""
     line = next(line for line in dry_run("bench-gpu", tmp_path) if "benchmarks/bench_gpu.py" in line)
     assert line.startswith(f"PYTHONPATH={ROOT}:/tmp/site:")
-
-
-def test_make_test_runs_two_workers_grouped_and_test_workers_0_runs_one_process(tmp_path):
-    """`make test` runs pytest-xdist's two workers, scheduled by the groups tests/conftest.py gives (a module whole on
-    one worker, every multi-process launch on one worker) in collection order; TEST_WORKERS=0 runs plain pytest."""
-    line = next(line for line in dry_run("test", tmp_path) if "-m pytest" in line)
-    assert line.split("-m pytest", 1)[1].split() == ["-q", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder",
-                                                     "tests"]
-    line = next(line for line in dry_run("test", tmp_path, "TEST_WORKERS=0") if "-m pytest" in line)
-    assert line.split("-m pytest", 1)[1].split() == ["-q", "tests"]
