@@ -62,7 +62,7 @@ main-ablation runs, seed-major (every arm's seed 0, then every arm's seed 1, ...
 power seeds;
 ``--first_arms`` puts the named arms' training runs before the others', ``--first_lrs`` those at the named lrs (in
 that order) before the rest; ``--no_large_eval`` trains only (the lr window reads the runs' own 100 problems), leaving
-each trained run's large evaluation to a later call without it.
+each trained run's large evaluation to a later call without it; a cell with a record is then not trained again.
 
     python benchmarks/ablation.py                       # run what is missing, then tabulate
     python benchmarks/ablation.py --no_run              # tabulate what exists under --run_dir
@@ -117,7 +117,7 @@ def jobs(args) -> list[tuple[str, float, int, int, Path]]:
             for seed in args.power_seeds for arm in args.power_arms if arm in args.arms]
     listed = {(arm, lr, seed, long) for arm, lr, seed, _, long in out}  # the window's cells already listed serve
     window = [(arm, lr_of(arm, args.grpo_lr, m, eta=eta), seed) for seed in args.window_seeds
-              for arm in args.window_arms for m in window_multiples(arm)]
+              for arm in args.window_arms for m in window_multiples(arm, args.window_arms)]
     out += [(arm, lr, seed, args.window_steps, False) for arm, lr, seed in window if (arm, lr, seed, False) not in listed]
     return [(arm, lr, seed, steps, run_dir_of(args.run_dir, arm, lr, seed, long))
             for arm, lr, seed, steps, long in out]
@@ -157,7 +157,7 @@ def pending(args) -> list[dict]:
         if state == "large" and not args.no_large_eval:
             quick.append(dict(kind="large", name=f"large eval of {name}", out=out, seed=seed, arm=arm,
                               argv=[*large, str(out)]))
-        elif state == "train":
+        elif state == "train" and not (args.no_large_eval and record_path(args.records, out).exists()):
             train.append(dict(kind="train", name=name, out=out, seed=seed, arm=arm, steps=steps,
                               argv=demo_args(args, arm, lr, steps, long)))
     def order(job: dict) -> tuple[bool, int]:  # --first_arms, then --first_lrs in their order; stable: jobs' order within

@@ -51,7 +51,7 @@ def window_rows(runs: list[dict], args) -> list[dict]:
     rows = []
     for arm in args.window_arms:
         arm_rows = []
-        for m in window_multiples(arm):
+        for m in window_multiples(arm, args.window_arms):
             lr = lr_of(arm, args.grpo_lr, m, eta=args.eta_multiple)
             cell = cell_values(runs, arm, lr, args.window_seeds, args.window_steps)
             values = [v for _, v, _ in cell]

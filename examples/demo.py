@@ -105,7 +105,7 @@ def parse_args(argv=None):
     parser.add_argument("--format_reward", type=float, default=None,
                         help="Weight of oblr_trl.demo.tasks.make_format_reward (reply is a bare number) added to the verifier's "
                         "reward in training; 0 = the verifier alone. Held-out accuracy is the verifier alone.")
-    parser.add_argument("--lr_scheduler_type", default=None, help="transformers schedule of eta_max (constant, linear, ...).")
+    parser.add_argument("--lr_scheduler_type", default=None, help="transformers schedule of learning_rate (constant, linear, ...).")
     parser.add_argument(
         "--trainer", default="oblrpo", choices=("oblrpo", "grpo"),
         help="oblrpo (default: OBLRPOTrainer) or grpo (trl.GRPOTrainer with scale_rewards='group', everything else "

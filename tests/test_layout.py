@@ -186,3 +186,28 @@ def test_the_wheel_check_sees_test_apparatus(tmp_path):
         archive.writestr("oblr_trl/grad_norms/fingerprint.py", "def fingerprint(model): ...\nclass Other: ...\n")
     assert wheel_names(wheel) == {"oblr_trl/trl_seam.py": {"SEAMS", "sequence_inputs"},
                                   "oblr_trl/grad_norms/fingerprint.py": {"fingerprint", "Other"}}
+
+
+# ----------------------------------------------------------------------------- the tests mirror the package: the rules
+RULE_TESTS = Path(__file__).resolve().parent / "grad_norms" / "rules"
+
+
+def rule_modules() -> list[str]:
+    """The layer-rule modules of oblr_trl/grad_norms/rules/ (one per family, and the registry)."""
+    return sorted(f.stem for f in (PACKAGE / "grad_norms" / "rules").glob("*.py") if f.stem != "__init__")
+
+
+def missing_rule_tests(modules: list[str], tests: Path = RULE_TESTS) -> list[str]:
+    """Each of ``modules`` without its ``test_<module>.py`` in ``tests``."""
+    return [f"tests/grad_norms/rules/test_{m}.py" for m in modules if not (tests / f"test_{m}.py").is_file()]
+
+
+def test_every_rule_module_has_its_own_test_file():
+    """oblr_trl/grad_norms/rules/<module>.py is tested in tests/grad_norms/rules/test_<module>.py."""
+    assert len(rule_modules()) >= 10
+    assert missing_rule_tests(rule_modules()) == []
+
+
+def test_the_mirror_check_names_a_rule_module_without_tests():
+    """The check above can fail: a rule module with no test file is named."""
+    assert missing_rule_tests(["linear", "no_such_family"]) == ["tests/grad_norms/rules/test_no_such_family.py"]

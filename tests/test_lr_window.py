@@ -147,3 +147,18 @@ def test_the_runner_lists_each_window_cell_once(tmp_path):
 def test_grid_verdict_counts_the_grids_steps_between_two_best_lrs(a, b, expected):
     grid = [1.5e-5, 5e-5, 1.5e-4, 5e-4, 1.5e-3, 5e-3]
     assert lr_window.grid_verdict(a, b, grid) == expected
+
+
+def test_with_the_calibrated_arm_grpo_and_it_also_run_the_grids_midpoint(tmp_path):
+    """GRPO's best lr against the calibrated arm's: the midpoint of 1x and 10/3x (1.83x) makes the grid's step there
+    finer than 2x, for those two arms only, and only when the window holds the calibrated arm."""
+    a = ablation.build_parser().parse_args(["--run_dir", str(tmp_path), "--records", str(tmp_path / "rec"),
+                                            "--window_seeds", "0", "--window_arms", "GRPO", "OBLR-PO-calibrated"])
+    cells = {(arm, lr) for arm, lr, *_ in ablation.jobs(a)}
+    assert {("GRPO", 2.74e-4), ("OBLR-PO-calibrated", 2.74e-4)} <= cells
+    assert ablation.window_multiples("GRPO") == ablation.window_multiples("GRPO", ["GRPO", "OBLR-PO"])
+    fine = ablation.window_multiples("GRPO", ["GRPO", "OBLR-PO-calibrated"])
+    assert len(fine) == 7 and fine == sorted(fine)
+    steps = [b / x for x, b in zip(fine, fine[1:])]
+    assert max(steps[2:4]) < 2 and steps[2] * steps[3] == pytest.approx(10 / 3)
+    assert ablation.window_multiples("OBLR-PO", ["GRPO", "OBLR-PO-calibrated"]) == ablation.window_multiples("OBLR-PO")

@@ -44,9 +44,9 @@ from torch import nn
 
 from . import head
 from .engine import run_pass
-from .model import (ModelPlan, ModelView, float32_mode, output_head, plain_mode, plan_of, probe_batch, sharded,
+from .model import (ModelPlan, ModelView, float32_mode, output_head, plain_mode, probe_batch, sharded,
                     soft_prompt_model, unwrap_causal_lm, unwrap_distributed, view_of)
-from .quantized import LOST_SCALES, backward_gaps, lost_scales, quantized, restore, warn_undone
+from .quantized import LOST_SCALES, backward_gaps, lost_scales, restore, warn_undone
 from .result import ADVICE, Unsupported, UnsupportedModulesError
 from .rules import lora_experts, per_row, soft_prompt  # the package registers every family's rules
 from .rules.recognition import find_rule
@@ -118,31 +118,33 @@ def trained_parameters(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[
     return params, shown, modules
 
 
-def probe(model: nn.Module) -> list[Unsupported]:
+def probe(model) -> list[Unsupported]:
     """Every trainable parameter whose per-sequence gradients, summed over a small batch, differ from autograd's
     gradient of that batch (see the module docstring), as :class:`~.result.Unsupported` entries by module; a pass
     that fails, or a model whose own backward is not its forward's derivative, is one entry naming the model. Empty
-    when every parameter is accounted for. Leaves ``.grad`` and the train/eval mode as they were."""
-    lm = unwrap_causal_lm(model)
-    params, shown, modules = trained_parameters(model)
+    when every parameter is accounted for. Leaves ``.grad`` and the train/eval mode as they were. ``model``: the model,
+    or its view (:func:`~.model.view_of`), which the whole probe reads."""
+    view = view_of(model)  # a view handed in (validate's) is used as it is
+    lm = view.lm
+    params, shown, modules = trained_parameters(view.outer)
     if not params or sharded(lm):
         return []
     saved = {n: p.grad for n, p in params.items()}
-    plan = plan_of(lm)
+    plan = view.plan
     plan.probing = True  # its own engine pass is not probed again
     try:
         for p in params.values():
             p.grad = None
         with plain_mode(lm):
             with float32_mode(lm) as upcast:
-                found = _probe(model, lm, params, shown, modules, RTOL if upcast else NATIVE_HALF_RTOL)
-            if found and not upcast or _pass_failed(found) and quantized(lm):
+                found = _probe(view, RTOL if upcast else NATIVE_HALF_RTOL)
+            if found and not upcast or _pass_failed(found) and view.quantized:
                 logger.warning("%s cannot be checked in float32 (%s): checked as it computes, within %g.",
                                type(lm).__name__, found[0].reason, NATIVE_HALF_RTOL)
-                found = _probe(model, lm, params, shown, modules, NATIVE_HALF_RTOL)
+                found = _probe(view, NATIVE_HALF_RTOL)
             elif found and upcast and all(f.name for f in found):  # float32 rounding, or a real miss: float64 says
                 with float32_mode(lm, torch.float64) as wide_ok:
-                    wide = _probe(model, lm, params, shown, modules, RTOL) if wide_ok else found
+                    wide = _probe(view, RTOL) if wide_ok else found
                 found = found if any(not f.name for f in wide) else wide  # a pass that fails in float64: float32's
             return found
     finally:
@@ -165,11 +167,12 @@ def _refused(lm: nn.Module, error: Exception) -> list[Unsupported]:
                         f"the per-sequence gradient pass fails on it: {type(error).__name__}: {error}")]
 
 
-def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], shown: dict[str, str],
-           modules: dict[str, nn.Module], rtol: float) -> list[Unsupported]:
-    params, shown, modules = trained_parameters(model)  # as the model is now: float32_mode's copies, where swapped
+def _probe(view: ModelView, rtol: float) -> list[Unsupported]:
+    """:func:`probe`'s one look, within ``rtol``, at the model resolved as ``view`` (under :func:`~.model.plain_mode`,
+    which keeps the view while a check's copies are swapped in)."""
+    lm, outer = view.lm, view.outer
+    params, shown, modules = trained_parameters(outer)  # as the model is now: float32_mode's copies, where swapped
     ids, attention, completion_mask = probe_batch(lm)
-    outer = unwrap_distributed(model)
 
     def take() -> dict[str, torch.Tensor | None]:
         found = {n: p.grad for n, p in params.items()}
@@ -179,7 +182,7 @@ def _probe(model: nn.Module, lm: nn.Module, params: dict[str, nn.Parameter], sho
 
     found = {n: (0.0, 0.0, 0.0) for n in params}
     try:
-        grads = run_pass(view_of(model), ids, attention, completion_mask, covering=pass_plan)
+        grads = run_pass(view, ids, attention, completion_mask, covering=pass_plan)
     except Exception as error:
         take()
         return _refused(lm, error)
@@ -281,7 +284,8 @@ def validate(model: nn.Module, *, strict: bool = True, run_probe: bool = True) -
 
 
 def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
-    """:func:`validate`'s checks on a model in its trainable layout: by module type, the head, then the probe."""
+    """:func:`validate`'s checks on a model in its trainable layout: by module type, the head, then the probe, these two
+    on the model resolved once (its view, :func:`~.model.view_of`)."""
     try:
         found = unsupported_modules(model)
         view = view_of(model)
@@ -294,7 +298,7 @@ def _checked(model: nn.Module, run_probe: bool) -> list[Unsupported]:
         found = [Unsupported("", type(unwrap_causal_lm(model)).__name__,
                              f"a forward of its backbone fails: {type(error).__name__}: {error}")]
     if not found and run_probe:
-        found = probe(model)
+        found = probe(view)
         if not found:
             view = view_of(model)
             view.plan.probed, view.plan.ever_probed = view.key, True

@@ -295,14 +295,17 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
                        inputs_with_grad: list[torch.Tensor], backbone: nn.Module,
                        borrowed: dict[nn.Module, tuple[str, ...]], retain_graph: bool = False) -> None:
     """The backward of ``<hidden, grad>`` to the hooked modules' inputs (their output gradients are all the rules
-    need) plus the trainable parameters of modules whose input carries no gradient (the input embedding; the first
-    layer's adapters), their own and those they borrow (VeRA's, LoHa's, LoKr's and IA3's sit in ParameterDicts that
-    their layer uses functionally; before, the backward stopped short of them, and their gradient was 0): no other
-    parameter's gradient is computed, and no ``.grad`` is touched."""
+    need) plus, for modules whose input carries no gradient (the input embedding; the first layer's adapters), their
+    hooked output where the record holds it (``Record.output_edge``: the backward stops there, and the embedding's
+    dense ``(V, d)`` weight gradient is never formed), else their trainable parameters, their own and those they
+    borrow (VeRA's, LoHa's, LoKr's and IA3's sit in ParameterDicts that their layer uses functionally; before, the
+    backward stopped short of them, and their gradient was 0): no other parameter's gradient is computed, and no
+    ``.grad`` is touched."""
     first_layer_params = [
         p for r in records if not r.input_has_grad
-        for p in [*r.module.parameters(recurse=False), *map(r.module.get_parameter, borrowed.get(r.module, ()))]
-        if p.requires_grad
+        for p in ([r.output_edge] if r.output_edge is not None else
+                  [*r.module.parameters(recurse=False), *map(r.module.get_parameter, borrowed.get(r.module, ()))])
+        if r.output_edge is not None or p.requires_grad
     ]
     targets = inputs_with_grad + first_layer_params or [p for p in backbone.parameters() if p.requires_grad]
     if not targets:  # nothing trainable below the head (LoRA on the head alone, the inputs' gradients on)

@@ -136,10 +136,16 @@ class Call:
 
 
 class Record:
-    __slots__ = ("module", "activation", "output_grad", "input_has_grad")
+    """One hooked call: the module, its input activation (or whole call, :class:`Call`), its output gradient once the
+    backward reaches it, whether its input carries a gradient, and, for a module outside checkpointed layers whose
+    input carries none (the input embedding), the gradient edge of its hooked output (``output_edge``): the backward
+    is taken to that edge, so that it reaches the output and stops there, computing no parameter's gradient."""
+
+    __slots__ = ("module", "activation", "output_grad", "input_has_grad", "output_edge")
 
     def __init__(self, module: nn.Module, activation):
         self.module, self.activation, self.output_grad, self.input_has_grad = module, activation, None, True
+        self.output_edge = None
 
 
 def batch_rows(t: torch.Tensor, batch: int, module: nn.Module, what: str) -> torch.Tensor:
@@ -302,6 +308,8 @@ class _Capture:
             record.input_has_grad = False
             if stage == "recompute":
                 _recompute_targets(module)
+            elif not deferred and not in_backward():
+                record.output_edge = gradient_edge(output)
         elif not deferred and stage != "recompute":
             self.inputs_with_grad.append(gradient_edge(args[0]))
 
@@ -340,6 +348,8 @@ class _Capture:
         close over this object, which holds tensors of the graph (``inputs_with_grad``): a cycle through C++ nodes that
         Python's garbage collector cannot see, which kept every pass's graph and factors alive (memory grew each step)."""
         self.inputs_with_grad.clear()
+        for record in self.records:  # an output edge is a graph node too
+            record.output_edge = None
         self.cast.clear()
         self.on_grad, self.layer_output, self.closed = None, None, True
 

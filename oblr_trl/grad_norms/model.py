@@ -27,6 +27,7 @@ the model run plainly for the checks (:func:`plain_mode`, :func:`float32_mode`, 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -117,7 +118,8 @@ class ModelView:
     (PEFT's ``ModulesToSaveWrapper`` around the head, or the head itself); ``config``: the text config;
     ``prompted``: the ``PeftModel`` whose active adapter is a soft prompt (:mod:`.rules.soft_prompt`), or None;
     ``trainable``: the ``*ForCausalLM``'s trainable parameter names; ``module_ids``: its modules, by identity;
-    ``plan``: its :class:`ModelPlan`; ``key``: what it was resolved under (:func:`view_key`).
+    ``quantized``: whether a parameter holds quantized codes (:func:`~.quantized.quantized`); ``plan``: its
+    :class:`ModelPlan`; ``key``: what it was resolved under (:func:`view_key`).
 
     The view is kept on the ``*ForCausalLM``'s plan, so it holds the model, its wrappers and the plan by weak
     references: strong ones would make a cycle, and a deleted model's memory would wait for the garbage collector."""
@@ -129,6 +131,7 @@ class ModelView:
     config: object
     trainable: tuple[str, ...]
     module_ids: tuple[int, ...]
+    quantized: bool
     key: tuple
 
     @property
@@ -191,12 +194,20 @@ def _walk(root: nn.Module, stop: nn.Module | None, structure: list, trainable: l
         push(d["_modules"].values())
 
 
+@functools.lru_cache(maxsize=4096)
+def _read_by_rules(field: str) -> bool:
+    """Whether a config field's name is one a rule or the head's transform reads (:data:`_CONFIG_WORDS`); by name
+    alone, so each name is judged once."""
+    lowered = field.lower()
+    return any(w in lowered for w in _CONFIG_WORDS)
+
+
 def _config_values(config) -> tuple:
     """The text config's numbers a rule or the head's transform reads (soft caps, scales, multipliers)."""
     if config is None:
         return ()
     return tuple((k, v) for k, v in vars(config).items()
-                 if (v is None or isinstance(v, (int, float))) and any(w in k.lower() for w in _CONFIG_WORDS))
+                 if (v is None or isinstance(v, (int, float))) and _read_by_rules(k))
 
 
 def state_key(outer: nn.Module, lm: nn.Module) -> tuple[tuple, tuple, tuple]:
@@ -253,7 +264,7 @@ def view_of(model) -> ModelView:
     refs = weakref.ref(outer), weakref.ref(lm), None if prompted is None else weakref.ref(prompted)
     module_ids = tuple(map(id, lm.modules()))
     plan.view = ModelView(refs, backbone_of(lm), output_head(lm), wrapper, text_config(lm), trainable_names(lm),
-                          module_ids, key)
+                          module_ids, quantized(lm), key)
     return plan.view
 
 

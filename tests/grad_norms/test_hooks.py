@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from oblr_trl import per_sequence_grad_sq_norms
@@ -14,6 +15,7 @@ from oblr_trl.grad_norms import per_sequence_grads
 import reference
 
 VOCAB = 40
+B, T, D = 4, 5, 12
 
 
 def graph_tensors() -> int:
@@ -157,3 +159,99 @@ def test_half_autocast_layer_inputs_are_held_as_the_matmul_cast_them(monkeypatch
     assert len(cast_sources) >= 4  # per layer: the q/k/v input, o's, gate/up's, down's (a freed one's address reused)
     saved = 0.4 * sum(cast_sources.values()) - max(cast_sources.values())
     assert float32_held - held >= saved > 0, (float32_held, held, cast_sources)
+
+
+def gpt2_without_dropout():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()
+
+
+@pytest.mark.parametrize("build", [lambda: llama(False), lambda: llama(True), gpt2_without_dropout],
+                         ids=["llama", "llama-checkpointed", "gpt2"])
+def test_the_pass_forms_no_parameter_gradient(build):
+    """The backward stops at the hooked outputs of the modules whose input carries no gradient (the token and
+    position embeddings) instead of going on to their weights: no parameter's gradient is formed, not even the
+    embedding's dense ``(V, d)`` one, and the norms are still autograd's, row by row. (A hook on a parameter changes
+    no module's state key: the pass after it runs as the one before.)"""
+    model = build()
+    ids, attention, completion_mask = reference.padded_batch(VOCAB)
+    per_sequence_grad_sq_norms(model, ids, attention, completion_mask)  # the first checks the model: autograd's own
+    formed = []
+    handles = [p.register_hook(lambda g, name=name: formed.append(name)) for name, p in model.named_parameters()]
+    got = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    for handle in handles:
+        handle.remove()
+    assert formed == []
+    expected = reference.per_sample_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(got, expected.to(got.dtype), rtol=1e-4, atol=0)
+
+
+# ----------------------------------------------------------------------------- the rows: per sequence, or refused
+def _randomised(module):
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module
+
+
+def _hidden(seed=1):
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+def test_an_input_shared_by_the_batch_is_expanded_per_row():
+    """GPT-Neo's position embedding runs on (1, T) ids: each row's gradient comes from its own output gradient."""
+    emb = _randomised(nn.Embedding(20, D))
+    shared = torch.arange(T)[None]
+
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wpe = emb
+
+        def forward(self, x):
+            return x + self.wpe(shared)
+
+    from oblr_trl.grad_norms import hooks
+
+    x = _hidden()
+    r = torch.randn(B, T, D)
+    model = Positions()
+    with hooks.capture([emb], B) as (records, _):
+        (model(x) * r).sum().backward(inputs=[emb.weight])
+    (record,) = records
+    assert record.activation.shape == (B, T) and record.output_grad.shape == (B, T, D)
+    torch.testing.assert_close(record.output_grad, r)  # per row, not summed over the batch
+
+
+def test_a_leading_dimension_that_is_not_the_batch_is_refused_by_name():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x):
+            return self.lin(x.reshape(-1, 3, D))  # B*T = 20 rows regrouped by 3: no per-sequence layout
+
+    from oblr_trl.grad_norms import hooks
+
+    model = Odd()
+    x = torch.randn(3, 4, D)  # a batch of 3 sequences of 4 tokens regrouped as 4 rows of 3: 4 is no multiple of 3
+    with pytest.raises(hooks.RowsError, match="Linear's input has leading dimension 4") as refused:
+        with hooks.capture([model.lin], 3) as _:
+            model(x).sum().backward()
+    assert refused.value.module is model.lin
+    with hooks.capture([model.lin], 3) as (records, _):  # no gradient reaches it (as DoRA's detached weight norm):
+        model(x).detach()  # no refusal, nothing recorded
+    assert records == []
+
+
+def test_a_sequence_first_layout_is_refused_not_mistaken_for_flattened_tokens():
+    """(T, B, d) with T a multiple of B must not be reshaped to (B, T/B*..., d): that would pair the wrong tokens."""
+    from oblr_trl.grad_norms import hooks
+
+    lin = nn.Linear(D, D)
+    with pytest.raises(hooks.RowsError, match="Linear's input has leading dimension 8"):
+        with hooks.capture([lin], 4) as _:
+            lin(torch.randn(8, 4, D)).sum().backward()  # sequence-first: 8 tokens of a batch of 4

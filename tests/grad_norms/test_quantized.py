@@ -15,6 +15,7 @@ import torch
 
 from oblr_trl import per_sequence_grad_sq_norms, validate
 from oblr_trl.grad_norms import coverage, keep_differentiable
+from oblr_trl.grad_norms.model import view_of
 from oblr_trl.grad_norms.quantized import Restored, backward_gaps
 from oblr_trl.grad_norms.coverage import Unsupported, UnsupportedModulesError
 from fingerprint import differences, fingerprint
@@ -314,17 +315,18 @@ def test_a_quantized_model_that_cannot_run_in_float32_is_judged_as_it_computes_w
     model = qlora(saved, compute=torch.bfloat16)
     real, rtols = coverage._probe, []
 
-    def failing_upcast(model, lm, params, shown, modules, rtol):
+    def failing_upcast(view, rtol):
         rtols.append(rtol)
         if len(rtols) == 1:  # the float32 look: its pass fails
             return [coverage.Unsupported("", "LlamaForCausalLM", "the per-sequence gradient pass fails on it: "
                                          "RuntimeError: no float32 kernel")]
-        return real(model, lm, params, shown, modules, rtol)
+        return real(view, rtol)
 
     monkeypatch.setattr(coverage, "_probe", failing_upcast)
     with caplog.at_level(logging.WARNING, logger="oblr_trl.grad_norms.coverage"):
         assert validate(model) == []
     assert rtols == [coverage.RTOL, coverage.NATIVE_HALF_RTOL]
+    assert view_of(model).quantized  # what the probe asks of the model resolved: its packed 4-bit weights
     assert any("cannot be checked in float32" in r.getMessage() for r in caplog.records)
 
 

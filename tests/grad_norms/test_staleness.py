@@ -86,10 +86,10 @@ def float64_look(monkeypatch):
 
     real = coverage._probe
 
-    def probe(model, lm, *args):
-        if next(lm.parameters()).dtype == torch.float32:
+    def probe(view, rtol):
+        if next(view.lm.parameters()).dtype == torch.float32:
             return [Unsupported("model.layers.0.mlp.up_proj", "Linear", "a float32 miss")]
-        return real(model, lm, *args)
+        return real(view, rtol)
 
     monkeypatch.setattr(coverage, "_probe", probe)
 

@@ -69,9 +69,17 @@ WINDOW_MULTIPLES = [0.1, 1 / 3, 1.0, 10 / 3, 10.0, 100 / 3]  # of L, for the arm
 WINDOW_ETA_MULTIPLES = [0.1, 0.3, 1.0, 10 / 3, 10.0, 100 / 3]  # of eta_max, for the SNR arms
 
 
-def window_multiples(arm: str) -> list[float]:
-    """The lr window's multiples of an arm's lr (``WINDOW_ETA_MULTIPLES`` for an SNR arm)."""
-    return WINDOW_ETA_MULTIPLES if ARMS[arm][1] else WINDOW_MULTIPLES
+# GRPO's lr against the calibrated arm's: the grid's 3.33x step between L and 10 L/3 cannot tell a 2x goal, so when the
+# window holds the calibrated arm, it and GRPO also run their geometric midpoint (1.83x L).
+FINE_MULTIPLE = (10 / 3) ** 0.5
+
+
+def window_multiples(arm: str, arms: tuple[str, ...] | list[str] = ()) -> list[float]:
+    """The lr window's multiples of an arm's lr (``WINDOW_ETA_MULTIPLES`` for an SNR arm), with ``FINE_MULTIPLE``
+    for GRPO and the calibrated arm when `arms` (the window's) hold the calibrated arm."""
+    grid = WINDOW_ETA_MULTIPLES if ARMS[arm][1] else WINDOW_MULTIPLES
+    fine = CALIBRATED in arms and arm in (REFERENCE, CALIBRATED)
+    return sorted([*grid, FINE_MULTIPLE]) if fine else grid
 
 def lr_of(arm: str, grpo_lr: float, multiple: float = 1.0, *, eta: float) -> float:
     """An arm's lr in a round (GRPO's lr `grpo_lr` = L, the SNR arms' eta_max = `eta` x L), times `multiple`."""

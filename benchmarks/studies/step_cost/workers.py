@@ -116,10 +116,19 @@ def step_worker(kind: str, spec: str, completion: int, steps: int, batch: int, t
     print(json.dumps(dict(step_s=statistics.median(timed), steps=len(timed), sections=med, peak_bytes=mem["peak_bytes"],
                           mem_method=mem["method"] + " over the whole train() call",
                           gradient_checkpointing=bool(trainer.args.gradient_checkpointing),
-                          mode=("grpo" if base is GRPOTrainer else
-                                f"{'replay' if trainer.route.replay else 'one_backward'}/"
-                                f"{trainer.route.chunk_rows or trainer.args.per_device_train_batch_size}"
-                                if trainer.uses_one_backward else "two_pass"))))
+                          mode=_mode_taken(trainer, base is GRPOTrainer))))
+
+
+def _mode_taken(trainer, grpo: bool) -> str:
+    """The path a trainer took: ``grpo``, ``two_pass``, or ``one_backward``/``replay`` with its chunk's rows (an older
+    ``oblr_trl``, run under ``PYTHONPATH`` to compare checkouts, has no route: its rows are the batch's)."""
+    if grpo:
+        return "grpo"
+    if not trainer.uses_one_backward:
+        return "two_pass"
+    route = getattr(trainer, "route", None)
+    rows = getattr(route, "chunk_rows", None) or trainer.args.per_device_train_batch_size
+    return f"{'replay' if getattr(route, 'replay', False) else 'one_backward'}/{rows}"
 
 def run_steps(spec: str, completion: int, args, log) -> dict:
     """Stage 3: every trainer kind in its own subprocess, same arguments otherwise; ratios to GRPO (checkpointed)."""

@@ -100,6 +100,14 @@ def test_the_trainable_set_changed_is_resolved_again():
     assert not any(".layers.0.mlp." in n for n in after.trainable)
 
 
+def test_the_view_says_whether_a_parameter_holds_quantized_codes():
+    model = _qwen3()
+    assert not view_of(model).quantized
+    codes = nn.Parameter(torch.zeros(4, dtype=torch.uint8), requires_grad=False)  # 4-bit weights' packed bytes
+    model.model.layers[0].mlp.down_proj.register_parameter("codes", codes)
+    assert view_of(model).quantized and _fresh(model).quantized
+
+
 def test_an_adapter_added_and_switched_is_resolved_again():
     model = _lora()
     first = view_of(model)
