@@ -155,15 +155,34 @@ def assert_ran(proc) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+_EQUIVALENCE_RUNS: dict = {}  # (nproc, per_device, flags) -> the JSON of that run, once per test session
+
+
 def run_equivalence(tmp_path, nproc: int, per_device: int, mode: str = "ddp") -> dict:
     """`EQUIVALENCE_SCRIPT` under torchrun on `nproc` CPU processes (gloo), `per_device` completions each, in `mode`;
-    returns the JSON it writes."""
+    returns the JSON it writes.
+
+    A run is deterministic (seeded, generation replaced by a pure function), so each distinct run is launched once
+    per session and its JSON shared by the tests that compare against it (most compare with the same 1-process
+    reference), each getting its own copy. Runs that save or resume a checkpoint read and write their folder and are
+    always launched. ``fsdp2`` only acts under several processes (the 1-process reference of that mode is a plain
+    run), so at 1 process it is left out of the key."""
+    flags = mode.split("+")
+    if nproc == 1:
+        flags = [f for f in flags if f != "fsdp2"] or ["ddp"]
+    key = (nproc, per_device, tuple(sorted(flags)))
+    cacheable = not {"save", "resume"} & set(flags)
+    if cacheable and key in _EQUIVALENCE_RUNS:
+        return json.loads(_EQUIVALENCE_RUNS[key])
     out = tmp_path / f"{mode}-{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            EQUIVALENCE_SCRIPT, str(out), str(per_device), mode]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launch_env())
     assert_ran(proc)
-    return json.loads(out.read_text())
+    text = out.read_text()
+    if cacheable:
+        _EQUIVALENCE_RUNS[key] = text
+    return json.loads(text)
 
 
 # ------------------------------------------- cost-model shapes and benchmark scripts (test_cost_*, memory, overhead)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oblr_trl.demo.tasks import evaluate_accuracy, extract_answer, make_dataset, make_reward_func
-from oblr_trl.demo.tiny import build_model, build_tokenizer, load_or_build_warm_model, warmup_sft
+from oblr_trl.demo.tiny import build_model, build_tokenizer, load_or_build_warm_model, publish_cached, warmup_sft
 from oblr_trl.plotting import plot_training
 
 
@@ -148,6 +148,33 @@ def test_warm_model_is_cached_and_reloaded(tmp_path):
     assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
     assert tokenizer_again.chat_template == tokenizer.chat_template
     assert tokenizer_again.padding_side == "left"
+
+
+def test_a_cache_entry_appears_whole_and_the_first_of_two_builds_wins(tmp_path):
+    """Two processes building the same entry (two demos, two test workers): neither ever sees the entry half-written,
+    the first to finish is kept, and no work folder is left behind."""
+    entry = tmp_path / "chain_sum-tiny"
+
+    def write(text):
+        def into(folder):
+            (folder / "config.json").write_text("{}")
+            # never visible half-written: a config.json under the entry's name comes with its weights
+            assert not (entry / "config.json").exists() or (entry / "model.safetensors").exists()
+            (folder / "model.safetensors").write_text(text)
+        return into
+
+    publish_cached(entry, write("first"))
+    publish_cached(entry, write("second"))  # the same entry built again, finished after the first: dropped
+    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors"]
+    assert (entry / "model.safetensors").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["chain_sum-tiny"]
+    # a folder an interrupted build left without its config (builds wrote in place before) is replaced
+    entry = tmp_path / "broken"
+    entry.mkdir()
+    (entry / "tokenizer.json").write_text("partial")
+    publish_cached(entry, write("rebuilt"))
+    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors"]
+    assert (entry / "model.safetensors").read_text() == "rebuilt"
 
 
 def test_plot_training_writes_png(tmp_path):

