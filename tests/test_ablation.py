@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shutil
 import statistics
 import sys
 
@@ -657,14 +658,20 @@ def test_first_lrs_launch_in_their_order_and_no_large_eval_trains_only(ab, tmp_p
     a = args_for(ab, tmp_path, **kw)
     ab.base_path(a.records, 0).parent.mkdir(parents=True)
     ab.base_path(a.records, 0).write_text("{}")
-    plain = [j["name"] for j in ab.pending(a)]
-    assert plain == [f"OBLR-PO-calibrated lr={lr:.3g} seed=0" for lr in (1.5e-5, 5e-5, 1.5e-4, 5e-4, 1.5e-3, 5e-3)]
+    plain = [j["name"] for j in ab.pending(a)]  # the calibrated arm's grid: GRPO's, with the midpoint of L and 10L/3
+    assert plain == [f"OBLR-PO-calibrated lr={lr:.3g} seed=0"
+                     for lr in (1.5e-5, 5e-5, 1.5e-4, 2.74e-4, 5e-4, 1.5e-3, 5e-3)]
     first = [j["name"] for j in ab.pending(args_for(ab, tmp_path, **kw, first_lrs=[1.5e-4, 5e-4, 5e-5]))]
-    assert first == [plain[2], plain[3], plain[1], plain[0], plain[4], plain[5]]  # the rest in their own order
-    write_run(ab, a.run_dir, abl_design.CALIBRATED, 1.5e-4, 0, 0.5, steps=20, adapter=True)  # trained, not scored
+    assert first == [plain[2], plain[4], plain[1], plain[0], plain[3], plain[5], plain[6]]  # the rest in own order
+    out = write_run(ab, a.run_dir, abl_design.CALIBRATED, 1.5e-4, 0, 0.5, steps=20, adapter=True)  # not scored
     assert [j["kind"] for j in ab.pending(a)][0] == "large"
     skipped = ab.pending(args_for(ab, tmp_path, **kw, no_large_eval=True))
-    assert [j["kind"] for j in skipped] == ["train"] * 5 and plain[2] not in [j["name"] for j in skipped]
+    assert [j["kind"] for j in skipped] == ["train"] * 6 and plain[2] not in [j["name"] for j in skipped]
+    # its record written and its output folder lost: --no_large_eval does not train it again; a plain call must
+    ab.sync_records(a.run_dir, a.records)
+    shutil.rmtree(out)
+    assert plain[2] not in [j["name"] for j in ab.pending(args_for(ab, tmp_path, **kw, no_large_eval=True))]
+    assert plain[2] in [j["name"] for j in ab.pending(a) if j["kind"] == "train"]
 
 
 def test_power_seeds_run_last_for_their_arms_and_serve_only_the_contrasts_between_them(ab, tmp_path):

@@ -105,3 +105,33 @@ def test_how_it_works_says_what_the_smollm2_rows_of_the_applied_lr_table_show():
     page = " ".join((ROOT / "docs" / "how-it-works.md").read_text().split())
     assert ("On SmolLM2 at 8 prompts per step (the lr window's runs, the same table) the first 10 steps applied "
             "`learning_rate` within ±25% too.") in page
+
+
+def test_how_it_works_reads_the_smollm2_lr_window_from_its_table():
+    """The figures of "The SmolLM2 lr window, read" are the calibrated window's (lr_window_calibrated.json) and the
+    applied-lr table's: both best lrs with their points, their ratio, the shared window, the cells where OBLR-PO
+    loses and the collapse at 1.5e-3."""
+    result = json.loads((ROOT / "benchmarks" / "results" / "lr_window_calibrated.json").read_text())
+    g, c = result["summaries"]["GRPO"], result["summaries"]["OBLR-PO-calibrated"]
+    page = " ".join((ROOT / "docs" / "how-it-works.md").read_text().split())
+    ratio = max(g["best_lr"], c["best_lr"]) / min(g["best_lr"], c["best_lr"])
+    assert ratio > 2
+    assert (f"The two best lrs are not within 2x: GRPO's is {lr(g['best_lr'])} ({g['best_mean']:.0f} points), "
+            f"OBLR-PO's `learning_rate` {lr(c['best_lr'])} ({c['best_mean']:.0f} points), {ratio:.3g}x apart.") in page
+    assert g["in_window_lrs"] == c["in_window_lrs"]
+    evidence = " ".join((ROOT / "docs" / "evidence.md").read_text().split())
+    assert (f"OBLR-PO's window was GRPO's, and its best `learning_rate` sat {ratio:.3g}x "
+            f"{'above' if c['best_lr'] > g['best_lr'] else 'below'} GRPO's best") in evidence
+    assert f"are the same three lrs, {lr(g['lo'])} to {lr(g['hi'])}." in page
+    cell = {(r["arm"], r["lr"]): r["mean"] for r in result["rows"] if r["n"]}
+    losses = [x for (arm, x), v in cell.items() if arm == "OBLR-PO-calibrated" and v < cell[("GRPO", x)]]
+    assert losses == [1.5e-4, 2.74e-4]
+    assert (f"OBLR-PO loses at GRPO's best lr ({cell[('OBLR-PO-calibrated', 1.5e-4)]:.0f} against "
+            f"{cell[('GRPO', 1.5e-4)]:.0f}) and at 2.74e-4 ({cell[('OBLR-PO-calibrated', 2.74e-4)]:.0f} against "
+            f"{cell[('GRPO', 2.74e-4)]:.0f}).") in page
+    assert (f"At 1.5e-3 GRPO collapsed to {cell[('GRPO', 1.5e-3)]:.0f} points and OBLR-PO kept "
+            f"{cell[('OBLR-PO-calibrated', 1.5e-3)]:.0f}.") in page
+    rows = json.loads((ROOT / "benchmarks" / "results" / "applied_lr.json").read_text())["rows"]
+    late = sorted(r["later"] for r in rows if r["model"].startswith("SmolLM2") and r["learning_rate"] >= 1.5e-4)
+    assert len(late) == 4 and late[-1] < 1
+    assert f"from 1.5e-4 up steps 11-20 applied {late[0]:.2f}-{late[-1]:.2f}x `learning_rate`" in page
