@@ -74,3 +74,38 @@ def module_sq_norms(module, x, seed=0, **kwargs):
         grads = torch.autograd.grad((module(x[b : b + 1], **kwargs).float() * rb).sum(), params, allow_unused=True)
         reference.append(sum(g.double().pow(2).sum() for g in grads if g is not None))
     return ours.double(), torch.stack(reference)
+
+
+# One layer at a time: the shapes, inputs and weights every rule's test feeds `module_sq_norms`.
+B, T, D = 4, 5, 12
+
+
+def randomised(module):
+    """The module with every parameter drawn from N(0, 1) (seed 3): no zero or one left at its initial value."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module
+
+
+def hidden(seed=1):
+    """A (B, T, D) batch of hidden states."""
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+def token_ids(n=20):
+    """A (B, T) batch of token ids below n."""
+    return torch.randint(0, n, (B, T), generator=torch.Generator().manual_seed(2))
+
+
+def assert_rule_matches_per_sample_autograd(build, inputs):
+    """The layer `build()` (randomised) is handled by a rule, registered or recognised by what it computes, and its
+    per-row squared norms on `inputs()` equal per-row autograd's (all above 0)."""
+    from oblr_trl.grad_norms.coverage import how_handled
+
+    module = randomised(build())
+    assert how_handled(module) == "rule"
+    ours, reference = module_sq_norms(module, inputs())
+    assert reference.min() > 0
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=0)

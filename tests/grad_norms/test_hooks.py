@@ -13,9 +13,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from oblr_trl import per_sequence_grad_sq_norms
 from oblr_trl.grad_norms import per_sequence_grads
 import reference
+from reference import B, D, T, hidden, randomised
 
 VOCAB = 40
-B, T, D = 4, 5, 12
 
 
 def graph_tensors() -> int:
@@ -188,21 +188,9 @@ def test_the_pass_forms_no_parameter_gradient(build):
 
 
 # ----------------------------------------------------------------------------- the rows: per sequence, or refused
-def _randomised(module):
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_()
-    return module
-
-
-def _hidden(seed=1):
-    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
-
-
 def test_an_input_shared_by_the_batch_is_expanded_per_row():
     """GPT-Neo's position embedding runs on (1, T) ids: each row's gradient comes from its own output gradient."""
-    emb = _randomised(nn.Embedding(20, D))
+    emb = randomised(nn.Embedding(20, D))
     shared = torch.arange(T)[None]
 
     class Positions(nn.Module):
@@ -215,7 +203,7 @@ def test_an_input_shared_by_the_batch_is_expanded_per_row():
 
     from oblr_trl.grad_norms import hooks
 
-    x = _hidden()
+    x = hidden()
     r = torch.randn(B, T, D)
     model = Positions()
     with hooks.capture([emb], B) as (records, _):

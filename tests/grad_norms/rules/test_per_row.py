@@ -6,21 +6,7 @@ import torch
 from torch import nn
 
 from oblr_trl.grad_norms.coverage import how_handled
-from reference import module_sq_norms
-
-B, T, D = 4, 5, 12
-
-
-def _randomised(module):
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_()
-    return module
-
-
-def _hidden(seed=1):
-    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+from reference import T, D, randomised, hidden, module_sq_norms
 
 
 class Sinks(nn.Module):
@@ -52,9 +38,9 @@ class NotAnRMSNorm(nn.Module):
 
 @pytest.mark.parametrize("build", [Sinks, NotAnRMSNorm], ids=["sinks", "rms-shaped-but-not"])
 def test_small_parameters_without_rule_take_the_exact_per_row_path(build):
-    module = _randomised(build())
+    module = randomised(build())
     assert how_handled(module) == "per-row"
-    ours, reference = module_sq_norms(module, _hidden())
+    ours, reference = module_sq_norms(module, hidden())
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=0)
 
 
@@ -68,4 +54,4 @@ def test_per_row_path_refuses_a_module_that_mixes_rows():
             return (x - x.mean(0, keepdim=True)) * self.weight
 
     with pytest.raises(NotImplementedError, match="BatchCentred does not treat the sequences independently"):
-        module_sq_norms(BatchCentred(), _hidden())
+        module_sq_norms(BatchCentred(), hidden())

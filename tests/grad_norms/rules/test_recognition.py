@@ -3,28 +3,8 @@ whose class names say nothing), one layer at a time against per-sample autograd 
 tests/reference.py ``module_sq_norms``); a norm fed a second input is not taken."""
 
 import pytest
-import torch
 
-from oblr_trl.grad_norms.coverage import how_handled
-from reference import module_sq_norms
-
-B, T, D = 4, 5, 12
-
-
-def _randomised(module):
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_()
-    return module
-
-
-def _hidden(seed=1):
-    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
-
-
-def _ids(n=20):
-    return torch.randint(0, n, (B, T), generator=torch.Generator().manual_seed(2))
+from reference import D, hidden, token_ids, assert_rule_matches_per_sample_autograd
 
 
 def _transformers_layers():
@@ -35,13 +15,13 @@ def _transformers_layers():
     from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
 
     return {
-        "Phi3RMSNorm": (lambda: Phi3RMSNorm(D), _hidden),
-        "Olmo2RMSNorm": (lambda: Olmo2RMSNorm(D), _hidden),
-        "GemmaRMSNorm (1 + w)": (lambda: GemmaRMSNorm(D), _hidden),
-        "Gemma3RMSNorm (1 + w)": (lambda: Gemma3RMSNorm(D), _hidden),
-        "CohereLayerNorm": (lambda: CohereLayerNorm(D), _hidden),
+        "Phi3RMSNorm": (lambda: Phi3RMSNorm(D), hidden),
+        "Olmo2RMSNorm": (lambda: Olmo2RMSNorm(D), hidden),
+        "GemmaRMSNorm (1 + w)": (lambda: GemmaRMSNorm(D), hidden),
+        "Gemma3RMSNorm (1 + w)": (lambda: Gemma3RMSNorm(D), hidden),
+        "CohereLayerNorm": (lambda: CohereLayerNorm(D), hidden),
         "Gemma3TextScaledWordEmbedding": (lambda: Gemma3TextScaledWordEmbedding(20, D, padding_idx=0, embed_scale=3.5),
-                                          _ids),
+                                          token_ids),
     }
 
 
@@ -52,12 +32,7 @@ LAYERS = {
 
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_rule_matches_per_sample_autograd(name):
-    build, inputs = LAYERS[name]
-    module = _randomised(build())
-    assert how_handled(module) == "rule"  # a rule (registered, or recognised by what the layer computes)
-    ours, reference = module_sq_norms(module, inputs())
-    assert reference.min() > 0
-    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=0)
+    assert_rule_matches_per_sample_autograd(*LAYERS[name])
 
 
 def test_gated_norms_take_the_per_row_path_not_the_plain_rms_rule():
