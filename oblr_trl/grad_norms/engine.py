@@ -300,7 +300,8 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
     dense ``(V, d)`` weight gradient is never formed), else their trainable parameters, their own and those they
     borrow (VeRA's, LoHa's, LoKr's and IA3's sit in ParameterDicts that their layer uses functionally; before, the
     backward stopped short of them, and their gradient was 0): no other parameter's gradient is computed, and no
-    ``.grad`` is touched."""
+    ``.grad`` is touched. Taken to the lowest of these only (:func:`~.hooks.lowest_edges`: the embeddings' outputs, in
+    a plain decoder), it runs the same nodes and holds one gradient each instead of one per hooked layer's input."""
     first_layer_params = [
         p for r in records if not r.input_has_grad
         for p in ([r.output_edge] if r.output_edge is not None else
@@ -308,6 +309,7 @@ def _backward_to_hooks(hidden: torch.Tensor, grad: torch.Tensor, records: list[R
         if r.output_edge is not None or p.requires_grad
     ]
     targets = inputs_with_grad + first_layer_params or [p for p in backbone.parameters() if p.requires_grad]
+    targets = hooks.lowest_edges(targets)
     if not targets:  # nothing trainable below the head (LoRA on the head alone, the inputs' gradients on)
         return
     try:

@@ -47,8 +47,9 @@ GATHER_BUDGET = 1 << 25
 PIECE = 1024
 SPLIT_MIN = 4096
 # Float32 materialized gradients of at most this many elements (norm gains, biases) are concatenated, SMALL_BATCH at
-# a time, into one product by summed_self_products: a few operator calls instead of one per parameter.
-SMALL_MATERIALIZED = 1 << 20
+# a time, into one product by summed_self_products: a few operator calls instead of one per parameter. Larger ones
+# (one_backward's per-sample gradients of whole layers) take their own: copying 2 MB costs more than an operator call.
+SMALL_MATERIALIZED = 1 << 14
 SMALL_BATCH = 64
 # TRL's fused head holds (up to HEAD_TILE_TOKENS tokens) x vocab float32 logits at a time; the head's passes here take
 # vocabulary chunks of at most 1 / HEAD_TILE_SHARE of that (tokens x chunk float32), VOCAB_CHUNK columns at least
@@ -571,16 +572,18 @@ def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
     n_R`` (``kT_u n_L n_R`` alone when ``u`` is ``v``: its gradients are formed once). On CUDA, where the matmuls run
     on the tensor cores, the float32 buffers each writes and reads are priced too (``CUDA_MACS_PER_BYTE``
     multiply-adds a byte): the two Grams and their product, ``(kT_u)(kT_v)`` elements of ~24 bytes, against the
-    per-sample gradients, ``k n_L n_R`` elements of 8 bytes per usage formed. On the CPU (flops bound) the historical
-    count, both usages formed, is kept.
+    per-sample gradients, ``k n_L n_R`` elements of 8 bytes per usage formed. On the CPU (flops bound) the count
+    alone: there it picks the faster route at every shape measured (``benchmarks/pass_overhead.py``'s neighbours; 8
+    rows, T from 96 to 544, widths 32 to 512), where counting a usage's own gradients twice took the Grams, up to 1.7x
+    slower, for the MLPs of short sequences.
     """
+    formed = 1 if v is u else 2
     if not (u.dense_pair and v.dense_pair):
         return False
     t_u, t_v = u.left.t.shape[1], v.left.t.shape[1]  # already blocked: k*T
     n_l, n_r = u.left.width, u.right.width
     if not u.left.t.is_cuda:
-        return (t_u + t_v) * n_l * n_r + k * k * n_l * n_r < t_u * t_v * (n_l + n_r)
-    formed = 1 if v is u else 2
+        return (t_u if v is u else t_u + t_v) * n_l * n_r + k * k * n_l * n_r < t_u * t_v * (n_l + n_r)
     gram = t_u * t_v * (n_l + n_r + 24 * CUDA_MACS_PER_BYTE)
     materialized = (t_u if v is u else t_u + t_v) * n_l * n_r + k * n_l * n_r * (k + 8 * formed * CUDA_MACS_PER_BYTE)
     return materialized < gram

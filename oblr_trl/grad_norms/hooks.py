@@ -115,6 +115,48 @@ def input_tensors(args, kwargs) -> list[torch.Tensor]:
     return [t for t in _tensors((args, kwargs)) if t.requires_grad]
 
 
+def lowest_edges(targets: list) -> list:
+    """The targets (gradient edges, or leaf tensors) a backward must be taken to so that it runs every node it would
+    run for all of ``targets``: those with no other target below them in the graph, once each. A node on a path to a
+    dropped target is on a path through it to a kept one, so the backward runs it all the same; it only no longer
+    holds each dropped target's gradient (one per hooked layer's input) to its end. One walk down from the targets,
+    each node's children in order until one is found to lead to a target."""
+    edges = [t if isinstance(t, tuple) else gradient_edge(t) for t in targets]
+    leads: dict = {e.node: True for e in edges}  # whether a node is a target's or leads to one
+    if len(leads) < 2:
+        return targets
+    above = {node: _leads_to_target(node, leads) for node in list(leads)}
+    kept = {}  # one of each edge (the layers reading one input name it once each)
+    for t, e in zip(targets, edges):
+        if not above[e.node]:
+            kept.setdefault((e.node, e.output_nr), t)
+    return list(kept.values())
+
+
+def _leads_to_target(root, leads: dict) -> bool:
+    """Whether a child of ``root`` is, or leads to, a node ``leads`` marks True (depth first, iterative; each node
+    whose answer is found is remembered in ``leads``)."""
+    path, children = [root], [iter(root.next_functions)]
+    while children:
+        for child, _ in children[-1]:
+            if child is None:
+                continue
+            known = leads.get(child)
+            if known is None:
+                path.append(child)
+                children.append(iter(child.next_functions))
+                break
+            if known:
+                leads.update(dict.fromkeys(path[1:], True))
+                return True
+        else:  # every child seen, none leads to a target
+            children.pop()
+            done = path.pop()
+            if path:
+                leads[done] = False
+    return False
+
+
 class RowsError(NotImplementedError):
     """A module's rows cannot be paired with the batch's sequences; ``module`` names it (the engine refuses it by its
     path, :class:`~.result.UnsupportedModulesError`)."""

@@ -87,6 +87,52 @@ def test_the_backward_targets_one_input_per_chain_of_checkpointed_layers():
         assert len(layers) == 2 and len(targets) == 1
 
 
+def test_lowest_edges_keeps_the_targets_no_other_target_is_reached_through():
+    """A target with another below it in the graph is dropped: the backward to the lower one runs every node on the
+    way, the dropped one's included. Targets on separate branches, and leaf tensors, are kept."""
+    from torch.autograd.graph import get_gradient_edge as edge
+
+    from oblr_trl.grad_norms.hooks import lowest_edges
+
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    a = x * 2
+    b = a.exp()
+    c = b + a  # a diamond: a reaches c directly and through b
+    d = y.sin()
+    targets = [edge(c), edge(b), edge(a), edge(d), edge(a)]
+    assert lowest_edges(targets) == [edge(a), edge(d)]  # once each
+    assert lowest_edges([edge(c), x]) == [x]
+    assert lowest_edges([edge(c), edge(d)]) == [edge(c), edge(d)]
+    assert lowest_edges([edge(b)]) == [edge(b)]
+
+    seen = []
+    for name, t in dict(a=a, b=b, c=c).items():
+        t.register_hook(lambda g, name=name: seen.append(name))
+    torch.autograd.grad((c * d).sum(), lowest_edges([edge(c), edge(b), edge(a), edge(d)]))
+    assert sorted(seen) == ["a", "b", "c"]  # every dropped target's node ran
+
+
+@pytest.mark.parametrize("build", [lambda: llama(False), mixtral, lambda: gpt2_without_dropout()],
+                         ids=["llama", "mixtral", "gpt2"])
+def test_the_backward_holds_one_gradient_per_lowest_target(build, monkeypatch):
+    """The backward is taken to the lowest of the hooked inputs only (the embeddings' outputs here): it no longer
+    holds one gradient per hooked layer's input to its end, and every layer's output gradient still arrives (the
+    norms are autograd's, row by row)."""
+    from oblr_trl.grad_norms import hooks
+
+    kept = []
+    lowest = hooks.lowest_edges
+    monkeypatch.setattr(hooks, "lowest_edges", lambda targets: kept.append((len(targets), len(lowest(targets))))
+                        or lowest(targets))
+    model = build()
+    ids, attention, completion_mask = reference.padded_batch(VOCAB)
+    got = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    embeddings = sum(isinstance(m, nn.Embedding) for m in model.modules())
+    assert kept[-1][0] > 4 * embeddings and kept[-1][1] == embeddings
+    expected = reference.per_sample_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(got, expected.to(got.dtype), rtol=1e-4, atol=0)
+
+
 def test_a_replayed_backward_records_nothing_and_frees_the_graph(monkeypatch):
     """one_backward's replayed update runs a second backward of the pass's graph, whose output-gradient hooks are
     still on its nodes: once the capture is closed they record nothing (else every module's output gradient would be
