@@ -11,9 +11,13 @@ other jobs barely move) and in wall time. Each version's norms are checked equal
 
 It also times the bookkeeping every pass does before its forward: the model's state key (``plan.state_key``: one
 walk of the modules) and ``coverage.check_once`` (the key, the grad mode; the checks only when the key changed).
+With ``--memory N``, N rounds of peak memory too: each checkout's own ``step_cost.py --mem-worker`` (peak RSS of one
+call in a fresh process, the checkout on ``PYTHONPATH``) for GRPO's forward+backward, the norms pass and the
+``one_backward`` update, the checkouts in a shuffled order each round; the ratios are each round's own.
 Nothing is asserted.
 
     python benchmarks/pass_overhead.py --against /path/to/old/checkout --configs tiny:64 small:256 --rounds 16
+    python benchmarks/pass_overhead.py --against /path/to/old/checkout --configs small:256 --rounds 0 --memory 3
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +43,8 @@ def parse_args(argv=None):
     parser.add_argument("--configs", nargs="+", default=["tiny:64", "small:256"], metavar="SIZE:LENGTH",
                         help="step_cost.py's model sizes and completion lengths (batch 8, prompts of 32)")
     parser.add_argument("--rounds", type=int, default=16, help="timed rounds after two warm-up calls of each")
+    parser.add_argument("--memory", type=int, default=0, metavar="N",
+                        help="rounds of peak memory (fresh processes, each checkout's step_cost.py --mem-worker)")
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for every round's times")
     return parser.parse_args(argv)
 
@@ -102,6 +109,42 @@ def calls(gn, spec: str, completion: int) -> dict:
     return dict(fns=dict(fwdbwd=fwdbwd, norms=norms, update_one_backward=update_one_backward), model=model)
 
 
+MEMORY_MODES = ("fwdbwd", "norms", "update_one_backward")
+
+
+def peak_rss(checkout: Path, spec: str, completion: int, mode: str) -> float:
+    """Peak RSS (bytes) of one call of ``mode`` in a fresh process of ``checkout``'s own memory worker."""
+    command = [sys.executable, str(checkout / "benchmarks" / "step_cost.py"), "--mem-worker", spec, str(completion),
+               "8", "32", mode, "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": str(checkout), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=checkout / "benchmarks")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{checkout}: the memory worker failed: {done.stderr[-500:]}")
+    return float(json.loads(lines[-1])["peak_bytes"])
+
+
+def memory(checkouts: dict[str, Path], config: str, rounds: int) -> dict:
+    """``rounds`` rounds of each checkout's peak RSS per mode, the checkouts shuffled each round; printed as each
+    round's ratio over its own forward+backward, median (quartiles)."""
+    spec, completion = config.split(":")
+    peaks = {name: {mode: [] for mode in MEMORY_MODES} for name in checkouts}
+    for r in range(rounds):
+        order = list(checkouts)
+        random.Random(1000 + r).shuffle(order)
+        for name in order:
+            for mode in MEMORY_MODES:
+                peaks[name][mode].append(peak_rss(checkouts[name], spec, int(completion), mode))
+    print(f"\n{config}: peak RSS, {rounds} rounds of fresh processes")
+    for name, by_mode in peaks.items():
+        fb = statistics.median(by_mode["fwdbwd"]) / 2**20
+        for mode in MEMORY_MODES[1:]:
+            med, lo, hi = quartiles([a / b for a, b in zip(by_mode[mode], by_mode["fwdbwd"])])
+            print(f"  peak {name:14s} {mode:20s} / fwdbwd: median {med:.3f} (quartiles {lo:.3f}-{hi:.3f}); "
+                  f"fwdbwd {fb:.1f} MiB")
+    return peaks
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
@@ -115,7 +158,7 @@ def main(argv=None) -> None:
     modules = {name: load_version(name, folder) for name, folder in versions.items()}
     record = dict(machine=machine_info(1), versions={k: str(v) for k, v in versions.items()}, configs={})
     print(f"versions: {record['versions']}\nload average at start: {os.getloadavg()[0]:.2f}", flush=True)
-    for config in args.configs:
+    for config in (args.configs if args.rounds else []):  # --rounds 0: memory only
         spec, completion = config.split(":")
         runs = {name: calls(gn, spec, int(completion)) for name, gn in modules.items()}
         for run in runs.values():
@@ -152,6 +195,10 @@ def main(argv=None) -> None:
                           f"{hi:.3f}); fwdbwd {fb:.1f} ms")
         for name, book in books.items():
             print(f"  bookkeeping {name:14s} " + ", ".join(f"{k} {v:.3f} ms" for k, v in book.items()))
+    if args.memory:
+        checkouts = {"v_this": HERE.parent, **{name: folder.parent.parent for name, folder in versions.items()
+                                               if name != "v_this"}}
+        record["memory"] = {config: memory(checkouts, config, args.memory) for config in args.configs}
     if args.out:
         args.out.write_text(json.dumps(record, default=float))
 

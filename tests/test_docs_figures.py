@@ -276,3 +276,31 @@ def test_home_and_evidence_agree_on_the_baseline_s_variance():
     home, evidence = read(DOCS / "index.md"), read(DOCS / "evidence.md")
     assert "does not measurably beat RLOO" in evidence
     assert "lower-variance" not in home and "ties RLOO's" in home
+
+
+# ------------------------------------------------------------------------------------------- the CPU quick run
+def test_the_cpu_quick_runs_figures_are_its_results_files():
+    """Performance and the step-cost study quote the quick run's headline as `results/step_cost.json` has it."""
+    run = json.loads((RESULTS / "step_cost.json").read_text())
+    headline, date = run["headline"], run["machine"]["date"][:10]
+
+    def x(key: str) -> str:
+        return f"{headline[key]:.2f}x"
+
+    perf = read(DOCS / "performance.md")
+    assert f"`make bench` (`benchmarks/step_cost.py --quick --threads 1`), {date}" in perf
+    assert (f"**The whole RL step: {x('step_default_vs_grpo')} GRPO's time at {x('step_peak_mem_default_vs_grpo')} "
+            "its peak RSS.**") in perf
+    assert (f"exact norms pass costs {x('norms_vs_fwdbwd')} a forward+backward, the update alone "
+            f"{x('update_vs_grpo')}; two passes cost {x('step_two_pass_vs_grpo')} the step") in perf
+    study = read(ROOT / "benchmarks" / "step_cost.md")
+    assert f"--quick --threads 1`, {date}" in study
+    for figure in (f"norms pass costs {x('norms_vs_fwdbwd')} a forward+backward",
+                   f"is {x('norms_vs_loop')} faster than the per-sequence loop",
+                   f"the update costs {x('update_one_backward_vs_grpo')} GRPO's loss pass with `one_backward` "
+                   f"(two passes {x('update_two_pass_vs_grpo')})",
+                   f"at {x('peak_mem_one_backward_vs_grpo')} its peak memory without checkpointing and "
+                   f"{x('peak_mem_one_backward_ckpt_vs_grpo_ckpt')} with both checkpointed",
+                   f"default mode costs {x('step_default_vs_grpo')} GRPO's at {x('step_peak_mem_default_vs_grpo')}",
+                   f"`one_backward=True` {x('step_one_backward_vs_grpo')}, two passes {x('step_two_pass_vs_grpo')}"):
+        assert figure in study, figure
