@@ -46,10 +46,13 @@ GATHER_BUDGET = 1 << 25
 # SPLIT_MIN entries are one piece (~4e-6 at most).
 PIECE = 1024
 SPLIT_MIN = 4096
-# Float32 materialized gradients of at most this many elements (norm gains, biases) are concatenated, SMALL_BATCH at
-# a time, into one product by summed_self_products: a few operator calls instead of one per parameter. Larger ones
-# (one_backward's per-sample gradients of whole layers) take their own: copying 2 MB costs more than an operator call.
-SMALL_MATERIALIZED = 1 << 14
+# Float32 materialized gradients of at most this many elements (norm gains, biases, LoRA's per-sample gradients) are
+# concatenated, SMALL_BATCH at a time, into one product by summed_self_products: a few operator calls instead of one
+# per parameter, which on a GPU (a launch each) costs more than the copy. On a CPU copying costs more than a call (a
+# small model's one_backward update spent 32 of 48 ms of its inner products copying its layers' per-sample gradients):
+# there only norm gains and biases are concatenated.
+SMALL_MATERIALIZED = 1 << 20
+SMALL_MATERIALIZED_CPU = 1 << 14
 SMALL_BATCH = 64
 # TRL's fused head holds (up to HEAD_TILE_TOKENS tokens) x vocab float32 logits at a time; the head's passes here take
 # vocabulary chunks of at most 1 / HEAD_TILE_SHARE of that (tokens x chunk float32), VOCAB_CHUNK columns at least
@@ -465,8 +468,10 @@ class Materialized:
 
     @property
     def concatenable(self) -> bool:
-        """Small and float32: :func:`summed_self_products` concatenates such gradients into one product."""
-        return self.g.dtype == torch.float32 and self.g.numel() <= SMALL_MATERIALIZED
+        """Small and float32: :func:`summed_self_products` concatenates such gradients into one product (smaller ones
+        on a CPU, where a copy costs more than an operator call)."""
+        small = SMALL_MATERIALIZED_CPU if self.g.device.type == "cpu" else SMALL_MATERIALIZED
+        return self.g.dtype == torch.float32 and self.g.numel() <= small
 
     def blocked(self, k: int) -> "Materialized":
         return Materialized(self.g, k)

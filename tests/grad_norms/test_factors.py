@@ -554,11 +554,14 @@ def test_on_the_cpu_a_layers_own_products_take_the_route_of_fewer_multiply_adds(
 
 
 def test_only_small_materialized_gradients_are_concatenated():
-    """Norm gains and biases are concatenated into one product (fewer operator calls); a layer's per-sample
+    """Norm gains and biases are concatenated into one product (fewer operator calls); on a CPU a layer's per-sample
     gradients (``one_backward``'s, 2 MB for 8 rows of a 512 x 128 map) take their own: copying them cost more (32 ms
-    of an update's inner products on 4 layers, of 48)."""
+    of an update's inner products on 4 layers, of 48). Elsewhere (a GPU, a launch per call; the meta tensors the
+    operator calls are counted on) gradients up to 1M values are concatenated, LoRA's per-sample gradients among them."""
     from oblr_trl.grad_norms.factors import Materialized
 
     assert Materialized(torch.randn(8, 128)).concatenable
     assert not Materialized(torch.randn(8, 512, 128)).concatenable
     assert not Materialized(torch.randn(8, 128, dtype=torch.bfloat16)).concatenable
+    assert Materialized(torch.empty(8, 512, 128, device="meta")).concatenable
+    assert not Materialized(torch.empty(8, 1024, 1024, device="meta")).concatenable
