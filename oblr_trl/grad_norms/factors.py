@@ -578,17 +578,16 @@ def _materialize_cheaper(u: Factored, v: Factored, k: int) -> bool:
     on the tensor cores, the float32 buffers each writes and reads are priced too (``CUDA_MACS_PER_BYTE``
     multiply-adds a byte): the two Grams and their product, ``(kT_u)(kT_v)`` elements of ~24 bytes, against the
     per-sample gradients, ``k n_L n_R`` elements of 8 bytes per usage formed. On the CPU (flops bound) the count
-    alone: there it picks the faster route at every shape measured (``benchmarks/pass_overhead.py``'s neighbours; 8
-    rows, T from 96 to 544, widths 32 to 512), where counting a usage's own gradients twice took the Grams, up to 1.7x
-    slower, for the MLPs of short sequences.
+    alone, which picked the faster route at each of 32 shapes timed (8 rows, T from 96 to 544, widths 32 to 512);
+    counting a usage's own gradients twice sent the MLPs of short sequences to the Grams, up to 1.65x slower.
     """
-    formed = 1 if v is u else 2
     if not (u.dense_pair and v.dense_pair):
         return False
     t_u, t_v = u.left.t.shape[1], v.left.t.shape[1]  # already blocked: k*T
     n_l, n_r = u.left.width, u.right.width
     if not u.left.t.is_cuda:
         return (t_u if v is u else t_u + t_v) * n_l * n_r + k * k * n_l * n_r < t_u * t_v * (n_l + n_r)
+    formed = 1 if v is u else 2
     gram = t_u * t_v * (n_l + n_r + 24 * CUDA_MACS_PER_BYTE)
     materialized = (t_u if v is u else t_u + t_v) * n_l * n_r + k * n_l * n_r * (k + 8 * formed * CUDA_MACS_PER_BYTE)
     return materialized < gram
