@@ -1,9 +1,13 @@
 import os
 
-import pytest
-import torch
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every process a test starts (a script, the notebook's kernel, a launched run) gets one intra-op thread, as this one
+# (`one_thread`): two threads on two cores that something else is also using run the real model's matmuls several
+# times slower than one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -145,9 +145,15 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def launch_env() -> dict:
     """The environment of a launched run (torchrun, `accelerate launch`): one thread per process, no Hub, and this
     checkout first on the path. A launched script's own folder heads its path, so without it every process would
-    import whichever oblr_trl is installed in the environment, not the one under test."""
+    import whichever oblr_trl is installed in the environment, not the one under test.
+
+    DeepSpeed compiles a C++ op at its first launch (its CPU communication kernel, about a minute); it is kept in this
+    environment's own folder, so that test runs from another virtualenv on the same machine (another torch) do not
+    rebuild it in turn in the one shared default folder at every launch."""
     path = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path,
+            "TORCH_EXTENSIONS_DIR": extensions}
 
 
 def assert_ran(proc) -> None:

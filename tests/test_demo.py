@@ -65,34 +65,42 @@ def _demo(tmp_path, out, *flags):
     )
 
 
+@pytest.fixture(scope="module")
+def grpo_demo(tmp_path_factory):
+    """``--trainer grpo`` at the quick size, run once: (its folder's parent, which holds the warmed model's cache the
+    runs compared with it reuse, and the finished process). The tests only read its folder."""
+    root = tmp_path_factory.mktemp("grpo_demo")
+    return root, _demo(root, root / "grpo", "--trainer", "grpo")
+
+
 @pytest.mark.slow
-def test_demo_grpo_trainer_reused_before_accuracy_and_pass_through_flags(tmp_path):
+def test_demo_grpo_trainer_reused_before_accuracy_and_pass_through_flags(grpo_demo, tmp_path):
     # --trainer grpo: TRL's GRPOTrainer on the same setting; its first step sees the same samples as OBLR-PO's
-    grpo = _demo(tmp_path, tmp_path / "grpo", "--trainer", "grpo")
+    root, grpo = grpo_demo
     assert grpo.returncode == 0, grpo.stdout[-3000:] + grpo.stderr[-3000:]
     assert re.search(r"GRPO: 100%.*3/3", grpo.stdout + grpo.stderr) and "before GRPO" in grpo.stdout
-    g = json.loads((tmp_path / "grpo" / "summary.json").read_text())
+    g = json.loads((root / "grpo" / "summary.json").read_text())
     assert g["trainer"] == "grpo" and g["mean_lr_scale"] is None and "baseline" not in g
     # GRPO has no SNR factor: its applied lr is the schedule's (the tiny preset: linear from 3e-4 over 3 steps)
-    history = json.loads((tmp_path / "grpo" / "log_history.json").read_text())
+    history = json.loads((root / "grpo" / "log_history.json").read_text())
     scheduled = [e["learning_rate"] for e in history if "loss" in e]
     assert len(scheduled) == 3 and g["mean_applied_lr"] == pytest.approx(sum(scheduled) / 3)
     assert max(scheduled) == pytest.approx(3e-4)
-    before = json.loads((tmp_path / "grpo" / "before.json").read_text())
+    before = json.loads((root / "grpo" / "before.json").read_text())
     assert before["accuracy_before"] == g["accuracy_before"] and before["seed"] == 0
 
     # OPO through the pass-through flags, its before-RL accuracy reused from the GRPO run (same seed: identical)
-    opo = _demo(tmp_path, tmp_path / "opo", "--grad_norm_estimator", "length", "--snr_lr", "false",
-                "--leave_one_out", "true", "--before_from", str(tmp_path / "grpo"))
+    opo = _demo(root, tmp_path / "opo", "--grad_norm_estimator", "length", "--snr_lr", "false",
+                "--leave_one_out", "true", "--before_from", str(root / "grpo"))
     assert opo.returncode == 0, opo.stdout[-3000:] + opo.stderr[-3000:]
-    assert f"(from {tmp_path / 'grpo'})" in opo.stdout
+    assert f"(from {root / 'grpo'})" in opo.stdout
     o = json.loads((tmp_path / "opo" / "summary.json").read_text())
     assert (o["trainer"], o["grad_norm_estimator"], o["snr_lr"], o["leave_one_out"]) == ("oblrpo", "length", False, True)
     assert (o["accuracy_before"], o["sampled_accuracy_before"]) == (g["accuracy_before"], g["sampled_accuracy_before"])
     assert o["reward_first_steps"] == pytest.approx(g["reward_first_steps"])  # same data, seed and sampling
 
     # --skip_before_eval: null before-RL entries, "n/a" in the table, and the run completes
-    skip = _demo(tmp_path, tmp_path / "skip", "--skip_before_eval", "--max_steps", "1")
+    skip = _demo(root, tmp_path / "skip", "--skip_before_eval", "--max_steps", "1")
     assert skip.returncode == 0, skip.stdout[-3000:] + skip.stderr[-3000:]
     assert re.search(r"accuracy \(exact answers\), greedy\s+n/a\s+[\d.]+%", skip.stdout)
     s = json.loads((tmp_path / "skip" / "summary.json").read_text())
@@ -103,17 +111,20 @@ def test_demo_grpo_trainer_reused_before_accuracy_and_pass_through_flags(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("arm", [["--trainer", "grpo"], ["--baseline", "mean", "--snr_lr", "false"]],
                          ids=["GRPO", "RLOO"])
-def test_demo_micro_batch_makes_the_same_run_in_micro_batches(tmp_path, arm):
+def test_demo_micro_batch_makes_the_same_run_in_micro_batches(tmp_path, arm, request):
     """--micro_batch: the step's 64 completions in 4 backward passes of 16 (what lets the ablation run GRPO and RLOO
-    beside another arm): the same losses, gradient norms and rewards, step after step, as all 64 at once."""
-    def steps(out, *flags):
-        run = _demo(tmp_path, out, *arm, *flags)
+    beside another arm): the same losses, gradient norms and rewards, step after step, as all 64 at once. (GRPO's
+    whole run is the one `grpo_demo` made.)"""
+    root, whole_run = request.getfixturevalue("grpo_demo") if arm == ["--trainer", "grpo"] else (tmp_path, None)
+
+    def steps(out, *flags, run=None):
+        run = run or _demo(root, out, *arm, *flags)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         history = json.loads((out / "log_history.json").read_text())
         return [(e["loss"], e["grad_norm"], e["reward"]) for e in history if "loss" in e], \
             json.loads((out / "summary.json").read_text())
 
-    whole, whole_summary = steps(tmp_path / "whole")
+    whole, whole_summary = steps(root / ("grpo" if whole_run else "whole"), run=whole_run)
     micro, micro_summary = steps(tmp_path / "micro", "--micro_batch", "16")
     assert len(whole) == len(micro) == 3
     for (loss_w, norm_w, reward_w), (loss_m, norm_m, reward_m) in zip(whole, micro):
