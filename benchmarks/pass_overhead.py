@@ -112,16 +112,17 @@ def calls(gn, spec: str, completion: int) -> dict:
 MEMORY_MODES = ("fwdbwd", "norms", "update_one_backward")
 
 
-def peak_rss(checkout: Path, spec: str, completion: int, mode: str) -> float:
+def checkout_peak(checkout: Path, spec: str, completion: int, mode: str) -> float:
     """Peak RSS (bytes) of one call of ``mode`` in a fresh process of ``checkout``'s own memory worker."""
+    from studies.step_cost.workers import _subprocess_json
+
     command = [sys.executable, str(checkout / "benchmarks" / "step_cost.py"), "--mem-worker", spec, str(completion),
                "8", "32", mode, "--threads", "1"]
-    env = {**os.environ, "PYTHONPATH": str(checkout), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=checkout / "benchmarks")
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"{checkout}: the memory worker failed: {done.stderr[-500:]}")
-    return float(json.loads(lines[-1])["peak_bytes"])
+    found = _subprocess_json(command, env={"PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"},
+                             cwd=checkout / "benchmarks")
+    if "failed" in found:
+        raise RuntimeError(f"{checkout}: the memory worker failed: {found['failed']}")
+    return float(found["peak_bytes"])
 
 
 def memory(checkouts: dict[str, Path], config: str, rounds: int) -> dict:
@@ -134,7 +135,7 @@ def memory(checkouts: dict[str, Path], config: str, rounds: int) -> dict:
         random.Random(1000 + r).shuffle(order)
         for name in order:
             for mode in MEMORY_MODES:
-                peaks[name][mode].append(peak_rss(checkouts[name], spec, int(completion), mode))
+                peaks[name][mode].append(checkout_peak(checkouts[name], spec, int(completion), mode))
     print(f"\n{config}: peak RSS, {rounds} rounds of fresh processes")
     for name, by_mode in peaks.items():
         fb = statistics.median(by_mode["fwdbwd"]) / 2**20

@@ -123,9 +123,8 @@ def lowest_edges(targets: list) -> list:
     each node's children in order until one is found to lead to a target."""
     edges = [t if isinstance(t, tuple) else gradient_edge(t) for t in targets]
     leads: dict = {e.node: True for e in edges}  # whether a node is a target's or leads to one
-    if len(leads) < 2:
-        return targets
-    above = {node: _leads_to_target(node, leads) for node in list(leads)}
+    several = len(leads) > 1  # else nothing to walk: one node cannot lie below itself
+    above = {node: several and _leads_to_target(node, leads) for node in list(leads)}
     kept = {}  # one of each edge (the layers reading one input name it once each)
     for t, e in zip(targets, edges):
         if not above[e.node]:

@@ -103,7 +103,7 @@ def test_lowest_edges_keeps_the_targets_no_other_target_is_reached_through():
     assert lowest_edges(targets) == [edge(a), edge(d)]  # once each
     assert lowest_edges([edge(c), x]) == [x]
     assert lowest_edges([edge(c), edge(d)]) == [edge(c), edge(d)]
-    assert lowest_edges([edge(b)]) == [edge(b)]
+    assert lowest_edges([edge(b), edge(b)]) == [edge(b)]
 
     seen = []
     for name, t in dict(a=a, b=b, c=c).items():

@@ -36,8 +36,10 @@ def mem_worker(spec: str, completion: int, batch: int, prompt: int, mode: str, t
         fns[mode]()
     print(json.dumps(mem))
 
-def _subprocess_json(cmd: list[str]) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+def _subprocess_json(cmd: list[str], env: dict | None = None, cwd=None) -> dict:
+    """The last JSON line a worker printed (``failed``: its stderr's end, where it printed none)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore",
+                                                                       **(env or {})}, cwd=cwd)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         return dict(failed=proc.stderr.strip()[-400:])
