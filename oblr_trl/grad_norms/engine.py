@@ -24,8 +24,10 @@ from .factors import (
     Usage,
     autocast_operands,
     block_inner_products,
+    TokenSpans,
     materializing_saves_memory,
     per_sample_dtype,
+    trimmed,
 )
 from . import factors, hooks
 from .head import HeadPass, adapter_of, lm_head_terms, transform_of
@@ -159,6 +161,7 @@ class _Pass:
         self.failed: list[Unsupported] = []
         self.usages: dict[Slot, list[Usage]] = defaultdict(list)
         self.cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
+        self.spans: TokenSpans | None = None  # each row's tokens that can carry a gradient (set by run_pass)
         self.parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
         self.self_done: set[int] = set()
         self.presummed = None  # without streaming: the head's own (B, 1, 1) products, formed with its output gradient
@@ -208,7 +211,10 @@ class _Pass:
             usage = autocast_operands(usage, self.cast_cache)
             if materialize_now and materializing_saves_memory(usage):
                 with _fp32(self.device):
+                    usage = trimmed(usage, self.spans, 1, formed=True)
                     usage = Materialized(usage.materialize().to(per_sample_dtype(usage)))
+            else:
+                usage = trimmed(usage, self.spans, self.k or 1)
             self.usages[self.slot_of[(record.module, name)]].append(usage)
 
     def on_grad(self, record: Record, calls: dict) -> None:
@@ -217,7 +223,7 @@ class _Pass:
         if self.streamed is not None and calls[module] == 1 and module not in self.sharing:
             with _fp32(self.device), self.refusing(module):
                 for usage in self.rules[module](module, record.activation, record.output_grad).values():
-                    blocked = autocast_operands(usage, self.cast_cache).blocked(self.k)
+                    blocked = trimmed(autocast_operands(usage, self.cast_cache), self.spans, self.k).blocked(self.k)
                     self.parts.append(block_inner_products(blocked, blocked, self.k))
         elif self.materialize:
             self.keep(record, materialize_now=True)
@@ -420,6 +426,7 @@ def run_pass(
     virtual = 0 if prompted is None else prompted.peft_config[prompted.active_adapter].num_virtual_tokens
     span = slice(virtual + length - completion_length - 1, virtual + length - 1)  # those that predict completions
     labels, mask = input_ids[:, length - completion_length :], completion_mask.to(torch.float32)
+    run.spans = token_spans(attention_mask, mask, span, virtual)
     with _borrowed_gathered(run) as gathered:
         records, (h, head_weight, head_bias, lse, head_self_done), graph = _forward_backward(
             run, view, (input_ids, attention_mask, model_inputs), span, (labels, mask), alpha, transform, keep_graph,
@@ -435,6 +442,22 @@ def run_pass(
         result.replay = Replay(*graph, {slot: usages[before.get(slot, 0):] for slot, usages in run.usages.items()
                                         if len(usages) > before.get(slot, 0)})
     return result
+
+
+def token_spans(attention_mask: torch.Tensor, mask: torch.Tensor, span: slice, virtual: int) -> TokenSpans | None:
+    """Each row's tokens that can carry a gradient (:class:`~.factors.TokenSpans`), on a CPU (elsewhere None: the
+    rows' products stay batched): from its first attended token (the first, under a soft prompt's virtual tokens) to
+    the one that predicts its last scored token. Only read as a claim: :func:`~.factors.trimmed` checks each factor
+    zero outside them before it skips anything."""
+    if mask.device.type != "cpu":
+        return None
+    scored = mask > 0
+    last = torch.where(scored.any(1), scored.shape[1] - 1 - scored.flip(1).int().argmax(1), -1)
+    ends = (last + 1 + span.start).clamp_(min=0)
+    ends = torch.where(scored.any(1), ends, torch.zeros_like(ends))
+    attended = attention_mask > 0
+    starts = torch.zeros_like(ends) if virtual else torch.where(attended.any(1), attended.int().argmax(1), 0)
+    return TokenSpans.of(starts.tolist(), ends.tolist(), attention_mask.shape[1] + virtual, mask.device)
 
 
 def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, scored: tuple, alpha: float,

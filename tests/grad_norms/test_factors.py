@@ -565,3 +565,91 @@ def test_only_small_materialized_gradients_are_concatenated():
     assert not Materialized(torch.randn(8, 128, dtype=torch.bfloat16)).concatenable
     assert Materialized(torch.empty(8, 512, 128, device="meta")).concatenable
     assert not Materialized(torch.empty(8, 1024, 1024, device="meta")).concatenable
+
+
+def _spans_everywhere(monkeypatch):
+    """Every dense layer formed per row over its spans (the CPU's threshold lifted, the route forced), with a record of
+    the rows' products: the tiny test models' padding is far below the threshold that makes it pay."""
+    from oblr_trl.grad_norms import factors
+
+    monkeypatch.setattr(factors, "CPU_MACS_PER_CALL", 0)
+    monkeypatch.setattr(factors, "_materialize_cheaper", lambda u, v, k: u.dense_pair and v.dense_pair)
+    formed = []
+    products = factors.TokenSpans.products
+    monkeypatch.setattr(factors.TokenSpans, "products", lambda self, *a: formed.append(a[0].shape) or products(self, *a))
+    return formed
+
+
+@pytest.mark.parametrize("build", [qwen3, llama], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_layers_formed_over_each_rows_tokens_skip_its_padding_exactly(build, tie, monkeypatch):
+    """Per-sample gradients formed row by row over each row's span (first attended token to the last scored one) give
+    the norms, the within-group products and, materialized, the weighted gradient of per-row autograd: the padding
+    skipped adds nothing. Rows with no scored token are zero."""
+    from reference import completion_logprob_sums
+
+    from oblr_trl.grad_norms import per_sequence_grads
+
+    from oblr_trl.grad_norms.factors import Materialized
+
+    formed = _spans_everywhere(monkeypatch)
+    model = build(tie)
+    ids, attention, completion_mask = padded_batch(completion=24)  # long enough for one_backward to form them all
+    per_sample = torch.stack(per_sample_grads(model, ids, attention, completion_mask, temperature=0.7)).double()
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask, temperature=0.7)
+    torch.testing.assert_close(ours.double(), per_sample.pow(2).sum(1), rtol=1e-4, atol=1e-6)
+    assert ours[2] == 0 and len(formed) == 14  # q, k, v, o, gate, up, down of both layers
+    products = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=3, temperature=0.7)
+    torch.testing.assert_close(products.double(), within_group_products(list(per_sample), 3), rtol=1e-4, atol=1e-6)
+    assert len(formed) == 28
+    scale = torch.tensor([0.5, -1.25, 3.0, 0.0, -0.75, 2.0])
+    grads = per_sequence_grads(model, ids, attention, completion_mask, temperature=0.7, materialize=True)
+    held = [u for usages in grads.usages.values() for u in usages if isinstance(u, Materialized) and u.g.dim() == 3]
+    assert len(held) == 14 and len(formed) == 42  # one_backward's layers, materialized over the spans
+    grads.accumulate_grad(scale)
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    (completion_logprob_sums(model, ids, attention, completion_mask, temperature=0.7) * scale).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_layer_whose_output_gradient_reaches_the_padding_is_formed_over_every_token(monkeypatch):
+    """Nothing is assumed of the model: a hook that mixes each position with its mirror (not causal) sends gradient
+    to the padding of the first layer's MLP and everything below it; those layers are formed over every token, the
+    layers above over their spans, and the norms still equal per-row autograd's."""
+    formed = _spans_everywhere(monkeypatch)
+    model = qwen3(tie=False)
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out + 0.5 * out.flip(1))
+    ids, attention, completion_mask = padded_batch()
+    ours = per_sequence_grad_sq_norms(model, ids, attention, completion_mask)
+    reference = per_sample_sq_norms(model, ids, attention, completion_mask)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-6)
+    assert len(formed) == 7  # the second layer's seven maps; none of the first layer's
+
+
+def test_a_usage_takes_spans_only_where_a_factor_is_read_zero_outside_them(monkeypatch):
+    from oblr_trl.grad_norms import factors
+    from oblr_trl.grad_norms.factors import Dense, Factored, TokenSpans, trimmed
+
+    monkeypatch.setattr(factors, "CPU_MACS_PER_CALL", 0)
+    assert TokenSpans.of([0, 0], [5, 5], 5, "cpu") is None  # nothing to skip
+    spans = TokenSpans.of([1, 0], [5, 2], 5, "cpu")
+    assert spans.outside.tolist() == [0, 7, 8, 9] and spans.kept_share == 0.6
+    g, x = torch.randn(2, 5, 16), torch.randn(2, 5, 8)
+    g.view(-1, 16)[spans.outside] = 0
+    usage = Factored(Dense(g), Dense(x))
+    assert trimmed(usage, spans, 1).spans is spans
+    torch.testing.assert_close(trimmed(usage, spans, 1).materialize(), usage.materialize())
+    for value in (1e-30, float("nan")):  # any value outside, a NaN too, keeps every token
+        leaked = g.clone()
+        leaked[1, 3, 0] = value
+        assert trimmed(Factored(Dense(leaked), Dense(x)), spans, 1).spans is None
+    assert trimmed(Factored(Dense(x), Dense(g)), spans, 1).spans is spans  # either factor may be the zero one
+    assert trimmed(usage, spans, 2).spans is spans  # blocks of rows: each row still formed over its own span
+    meta = Factored(Dense(g.to("meta")), Dense(x.to("meta")))
+    assert trimmed(meta, spans, 1) is meta  # off the CPU: batched as before
+    monkeypatch.setattr(factors, "CPU_MACS_PER_CALL", 1 << 19)
+    assert trimmed(usage, spans, 1) is usage  # 4 tokens x 128 multiply-adds do not pay for a call per row
+    empty = TokenSpans.of([3, 0], [1, 5], 5, "cpu")  # a row with no scored token
+    assert empty.products(g, x)[0].abs().max() == 0
