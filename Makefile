@@ -68,8 +68,12 @@ demo-seeds: install
 	$(PY) benchmarks/demo_seeds.py --seeds 3 -- --model smollm2
 	$(PY) benchmarks/update_readme.py
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (its module fixtures made
+# once); every test and every process it starts runs on one intra-op thread (tests/conftest.py). TEST_WORKERS=0:
+# in this process, one test at a time.
+TEST_WORKERS ?= 2
 test: install-dev
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The trainer tests on the lowest versions setup.cfg declares (.ci/floors.txt), in their own virtualenv.
 FLOORS_VENV ?= .venv-floors

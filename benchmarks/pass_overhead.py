@@ -18,6 +18,10 @@ Nothing is asserted.
 
     python benchmarks/pass_overhead.py --against /path/to/old/checkout --configs tiny:64 small:256 --rounds 16
     python benchmarks/pass_overhead.py --against /path/to/old/checkout --configs small:256 --rounds 0 --memory 3
+    python benchmarks/pass_overhead.py --against /path/to/old/checkout --configs small:256 --rounds 8 --spread
+
+``--spread`` times a batch with more padding (completions of 1/8 to 8/8 of the length), as RL batches have; the
+memory rounds keep step_cost.py's batch.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=16, help="timed rounds after two warm-up calls of each")
     parser.add_argument("--memory", type=int, default=0, metavar="N",
                         help="rounds of peak memory (fresh processes, each checkout's step_cost.py --mem-worker)")
+    parser.add_argument("--spread", action="store_true",
+                        help="completions of C/8, 2C/8, ..., C tokens (44%% of the completion positions are padding) "
+                             "instead of step_cost.py's batch, where three of eight end early (17%%)")
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for every round's times")
     return parser.parse_args(argv)
 
@@ -84,13 +91,16 @@ def bookkeeping(gn, model) -> dict:
     return found
 
 
-def calls(gn, spec: str, completion: int) -> dict:
+def calls(gn, spec: str, completion: int, spread: bool = False) -> dict:
     import torch
 
     from studies.step_cost.calls import completion_logp_sum, load_model, make_batch
 
     model, _ = load_model(spec, torch.device("cpu"))
     ids, attention, completion_mask = make_batch(model.config.vocab_size, 8, 32, completion, "cpu")
+    if spread:  # row r's completion ends after (r + 1) C / 8 tokens
+        for row in range(8):
+            completion_mask[row, (row + 1) * completion // 8 :] = 0
     scale = torch.linspace(-1.0, 1.0, ids.shape[0])
 
     def fwdbwd():
@@ -161,7 +171,7 @@ def main(argv=None) -> None:
     print(f"versions: {record['versions']}\nload average at start: {os.getloadavg()[0]:.2f}", flush=True)
     for config in (args.configs if args.rounds else []):  # --rounds 0: memory only
         spec, completion = config.split(":")
-        runs = {name: calls(gn, spec, int(completion)) for name, gn in modules.items()}
+        runs = {name: calls(gn, spec, int(completion), args.spread) for name, gn in modules.items()}
         for run in runs.values():
             for fn in run["fns"].values():
                 fn(), fn()

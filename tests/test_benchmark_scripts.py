@@ -90,3 +90,17 @@ def test_memory_is_read_and_the_runner_log_written_in_one_place():
                          ("/proc/meminfo", "harness/memory.py"), ('"runner.json"', "harness/log.py")):
         users = sorted(str(p.relative_to(BENCH)) for p in BENCH.rglob("*.py") if needle in p.read_text())
         assert users == [home], (needle, users)
+
+
+def test_pass_overhead_times_this_checkout_on_a_spread_batch(tmp_path):
+    """`pass_overhead.py --spread`: one round on the tiny model, its norms checked equal across versions before timing
+    (here one), every call's times written."""
+    import json
+
+    out = tmp_path / "times.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "pass_overhead.py"), "--configs", "tiny:16", "--rounds",
+                           "1", "--spread", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    times = json.loads(out.read_text())["configs"]["tiny:16"]["times"]["v_this"]
+    assert set(times) == {"fwdbwd", "norms", "update_one_backward"}
+    assert all(len(t["cpu"]) == 1 and t["cpu"][0] > 0 for t in times.values())
