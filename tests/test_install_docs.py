@@ -3,8 +3,11 @@ can check it, its commands parse with the tools' own parsers, the extras it name
 recipes use, and the configs it points to load."""
 
 import configparser
+import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,18 +42,32 @@ def test_gpu_install_section_exists_with_cuda_torch_vllm_and_accelerate_config(p
     assert '".[vllm]"' in text
 
 
+PIP_INSTALL_ARGS = ("import json, sys; from pip._internal.commands import create_command; "
+                    "options, requirements = create_command('install').parse_args(sys.argv[1:]); "
+                    "print(json.dumps([requirements, options.editables]))")
+
+
+def pip_install_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """``pip install ARGS`` as pip parses them: (requirements, editables). In a process of its own: importing pip
+    turns setuptools' distutils override off for the rest of the process, and a later test that builds an extension
+    (PEFT's BOFT) then fails on setuptools' own check."""
+    out = subprocess.run([sys.executable, "-c", PIP_INSTALL_ARGS, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    requirements, editables = json.loads(out.stdout.strip().splitlines()[-1])
+    return requirements, editables
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_gpu_install_commands_parse(page):
     from accelerate.commands.accelerate_cli import main as _  # noqa: F401  (accelerate's CLI is installed)
     from accelerate.commands.config import get_config_parser
-    from pip._internal.commands import create_command
 
     for words in commands(section("Install on a GPU machine", page)):
         if words[:2] == ["pip", "install"]:
-            options, requirements = create_command("install").parse_args(words[2:])
+            requirements, editables = pip_install_args(words[2:])
             for requirement in requirements:
                 assert requirement in ("torch", "pip"), requirement
-            for editable in options.editables:
+            for editable in editables:
                 path, _, extra = editable.partition("[")
                 assert Path(ROOT, path).resolve() == ROOT and (not extra or extra.rstrip("]") in extras())
         elif words[:2] == ["accelerate", "config"]:

@@ -57,6 +57,10 @@ SMALL_MATERIALIZED_CPU = 1 << 14
 # measured): forming a layer's per-sample gradients row by row, each over its own tokens (:class:`TokenSpans`), takes a
 # call per row instead of one batched call, and is taken where the padding it skips saves more than that.
 CPU_MACS_PER_CALL = 1 << 19
+# The share of a batch's tokens that must lie outside the rows' spans for the pass to look for them at all (each layer
+# that would skip them reads its output gradient there first): less is not worth a check per layer. A batch with no
+# padding leaves out only each row's last token, which predicts nothing.
+MIN_PADDING_SHARE = 1 / 16
 SMALL_BATCH = 64
 # TRL's fused head holds (up to HEAD_TILE_TOKENS tokens) x vocab float32 logits at a time; the head's passes here take
 # vocabulary chunks of at most 1 / HEAD_TILE_SHARE of that (tokens x chunk float32), VOCAB_CHUNK columns at least
@@ -172,9 +176,9 @@ class TokenSpans:
 
     @classmethod
     def of(cls, starts: list[int], ends: list[int], length: int, device) -> "TokenSpans | None":
-        """The spans, or None where they leave out no token (nothing to skip)."""
+        """The spans, or None where they leave out less than :data:`MIN_PADDING_SHARE` of the tokens."""
         ends = [max(s, e) for s, e in zip(starts, ends)]
-        if all(s == 0 and e == length for s, e in zip(starts, ends)):
+        if sum(length - e + s for s, e in zip(starts, ends)) < MIN_PADDING_SHARE * len(starts) * length:
             return None
         out = [b * length + t for b, (s, e) in enumerate(zip(starts, ends)) for t in (*range(s), *range(e, length))]
         return cls(tuple(starts), tuple(ends), length, torch.tensor(out, dtype=torch.long, device=device))
@@ -756,10 +760,9 @@ def _materialized_block_products(u: Factored, v: Factored, k: int) -> torch.Tens
 def trimmed(u: Usage, spans: TokenSpans | None, k: int, formed: bool = False) -> Usage:
     """``u`` with ``spans`` (:class:`TokenSpans`) where that pays: a layer's dense pair on a CPU, whose per-sample
     gradients are formed (``formed``: materialized now; else where its products take them, ``k`` rows to a block),
-    whose padding outside the spans costs more
-    multiply-adds than a matmul call per row (:data:`CPU_MACS_PER_CALL`), and one of whose factors is read exactly
-    zero there (else ``u`` as it is: nothing is assumed of the model). On a GPU, where a call per row costs a launch
-    each, unchanged."""
+    whose padding outside the spans costs more multiply-adds than a matmul call per row (:data:`CPU_MACS_PER_CALL`),
+    and one of whose factors is read exactly zero there (else ``u`` as it is: nothing is assumed of the model). On a
+    GPU, where a call per row costs a launch each, unchanged."""
     if spans is None or not getattr(u, "dense_pair", False) or u.spans is not None or u.left.t.device.type != "cpu":
         return u
     n = u.left.width * u.right.width

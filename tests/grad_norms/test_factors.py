@@ -634,6 +634,7 @@ def test_a_usage_takes_spans_only_where_a_factor_is_read_zero_outside_them(monke
 
     monkeypatch.setattr(factors, "CPU_MACS_PER_CALL", 0)
     assert TokenSpans.of([0, 0], [5, 5], 5, "cpu") is None  # nothing to skip
+    assert TokenSpans.of([0] * 4, [19] * 4, 20, "cpu") is None  # only the last token, which predicts nothing: 5%
     spans = TokenSpans.of([1, 0], [5, 2], 5, "cpu")
     assert spans.outside.tolist() == [0, 7, 8, 9] and spans.kept_share == 0.6
     g, x = torch.randn(2, 5, 16), torch.randn(2, 5, 8)
