@@ -451,13 +451,11 @@ def token_spans(attention_mask: torch.Tensor, mask: torch.Tensor, span: slice, v
     zero outside them before it skips anything."""
     if mask.device.type != "cpu":
         return None
-    scored = mask > 0
-    last = torch.where(scored.any(1), scored.shape[1] - 1 - scored.flip(1).int().argmax(1), -1)
-    ends = (last + 1 + span.start).clamp_(min=0)
-    ends = torch.where(scored.any(1), ends, torch.zeros_like(ends))
-    attended = attention_mask > 0
+    scored, attended = mask > 0, attention_mask > 0
+    ends = torch.where(scored.any(1), span.stop - scored.flip(1).int().argmax(1), 0)  # a row scoring none: empty
     starts = torch.zeros_like(ends) if virtual else torch.where(attended.any(1), attended.int().argmax(1), 0)
-    return TokenSpans.of(starts.tolist(), ends.tolist(), attention_mask.shape[1] + virtual, mask.device)
+    starts, ends = torch.stack([starts, ends]).tolist()  # one read of both
+    return TokenSpans.of(starts, ends, attention_mask.shape[1] + virtual, mask.device)
 
 
 def _forward_backward(run: _Pass, view: ModelView, inputs: tuple, span: slice, scored: tuple, alpha: float,
