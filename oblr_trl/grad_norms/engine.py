@@ -222,7 +222,10 @@ class _Pass:
         module = record.module
         if self.streamed is not None and calls[module] == 1 and module not in self.sharing:
             with _fp32(self.device), self.refusing(module):
-                for usage in self.rules[module](module, record.activation, record.output_grad).values():
+                for name, usage in self.rules[module](module, record.activation, record.output_grad).items():
+                    if getattr(usage, "concatenable", False):  # a norm gain's or a bias's few values: kept, and
+                        self.usages[self.slot_of[(module, name)]].append(usage)  # all their products taken at the
+                        continue  # end in one (summed_self_products), fewer operator calls than one each
                     blocked = trimmed(autocast_operands(usage, self.cast_cache), self.spans, self.k).blocked(self.k)
                     self.parts.append(block_inner_products(blocked, blocked, self.k))
         elif self.materialize:
@@ -397,7 +400,8 @@ def run_pass(
     The backward goes to the hooked modules' inputs only: no parameter's ``.grad`` is touched. With
     ``stream_group_size=k``, each layer whose parameters have one usage (called once, not tied) adds its within-block
     inner products as its output gradient arrives and drops its factors, so the pass holds no more than autograd does
-    (only :meth:`PerSequenceGradients.inner_products` with that ``k`` can be taken then).
+    (only :meth:`PerSequenceGradients.inner_products` with that ``k`` can be taken then); small per-sample gradients
+    (norm gains, biases: ``B x d`` values) are kept, and their products taken together at the end.
 
     With ``materialize=True`` (what ``OBLRPOConfig(one_backward=True)`` uses), each layer whose per-sample gradients
     take no more memory than its factors (:func:`~.factors.materializing_saves_memory`: long sequences through narrow

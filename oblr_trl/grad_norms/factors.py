@@ -53,10 +53,13 @@ SPLIT_MIN = 4096
 # there only norm gains and biases are concatenated.
 SMALL_MATERIALIZED = 1 << 20
 SMALL_MATERIALIZED_CPU = 1 << 14
-# On a CPU, the multiply-adds one more matmul call costs in overhead (~8 us at ~40 G multiply-adds/s on one core,
-# measured): forming a layer's per-sample gradients row by row, each over its own tokens (:class:`TokenSpans`), takes a
-# call per row instead of one batched call, and is taken where the padding it skips saves more than that.
-CPU_MACS_PER_CALL = 1 << 19
+# On a CPU, the multiply-adds one more matmul call costs in place (~50 us at ~40 G multiply-adds/s on one core): forming
+# a layer's per-sample gradients row by row, each over its own tokens (:class:`TokenSpans`), takes a call per row
+# instead of one batched call, and a read of the layer's output gradient at the padding; it is taken where the padding
+# it skips saves more than that. A call alone costs ~8 us in a tight loop, but inside the pass (operands not in cache,
+# the check) 2^19 made the small benchmark model's norms pass 3.5% slower than 2^21 at 64-token completions (60
+# interleaved rounds), and no faster at 256.
+CPU_MACS_PER_CALL = 1 << 21
 # The share of a batch's tokens that must lie outside the rows' spans for the pass to look for them at all (each layer
 # that would skip them reads its output gradient there first): less is not worth a check per layer. A batch with no
 # padding leaves out only each row's last token, which predicts nothing.
@@ -201,14 +204,15 @@ class TokenSpans:
         written in place for float32 operands)."""
         out = torch.empty(a.shape[0], a.shape[-1], b.shape[-1], dtype=torch.float32, device=a.device)
         in_place = a.dtype == b.dtype == torch.float32
-        for r in range(a.shape[0]):
-            start, end = self.starts[first_row + r], self.ends[first_row + r]
+        rows = len(out)  # each row's views from one unbind (fewer operator calls than indexing row by row)
+        spans = zip(self.starts[first_row : first_row + rows], self.ends[first_row : first_row + rows])
+        for x, y, o, (start, end) in zip(a.unbind(0), b.unbind(0), out.unbind(0), spans):
             if end > start and in_place:
-                torch.mm(a[r, start:end].t(), b[r, start:end], out=out[r])
+                torch.mm(x[start:end].t(), y[start:end], out=o)
             elif end > start:
-                out[r] = mm32(a[r, start:end].t(), b[r, start:end])
+                o.copy_(mm32(x[start:end].t(), y[start:end]))
             else:
-                out[r].zero_()  # no scored token: no gradient
+                o.zero_()  # no scored token: no gradient
         return out
 
 
@@ -777,11 +781,15 @@ def trimmed(u: Usage, spans: TokenSpans | None, k: int, formed: bool = False) ->
     return candidate
 
 
-def _unique_slots(ids: torch.Tensor) -> dict:
-    """Each block's unique token ids, found by a sort (``ids``: ``(nb, m)``): ``rank``, the slot of each id among its
-    block's unique ids (token order); ``rows``, the unique ids then padding; ``valid``, the slots that are not
-    padding."""
+def _unique_slots(ids: torch.Tensor, vocab: int) -> dict:
+    """Each block's slots for its token ids (``ids``: ``(nb, m)``, below ``vocab``): ``rank``, the slot of each id;
+    ``rows``, the id in each slot; ``valid``, the slots that hold an id; ``m``, the slots a block has. Where the
+    vocabulary is no larger than the block's tokens, every id has its own slot (no sort: ``rank`` is the id itself);
+    else each block's unique ids, found by a sort, in token order, then padding (masked)."""
     m = ids.shape[1]
+    if vocab <= m:  # every id a slot: fewer slots than unique-id padding would take
+        rows = torch.arange(vocab, device=ids.device).expand(ids.shape[0], vocab)
+        return dict(rank=ids, rows=rows, valid=torch.ones_like(rows, dtype=torch.bool), m=vocab)
     sorted_ids, order = ids.sort(dim=1)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
@@ -818,16 +826,18 @@ def _sparse_per_sample(f: Factored, slots: dict, b0: int, b1: int, c0: int, c1: 
 def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
     """Pairs with an embedding (one-hot left factor): only the rows of the tokens it saw enter the inner product.
 
-    Per block, both per-sample gradients are formed on the ``U`` unique token ids of the one-hot side(s), ``(k, U, d)``:
-    an embedding's by scattering its output gradients, any other (the tied LM head's) from its left factor's columns
-    at those ids. ``k T U d`` work at most, against the ``(kT)^2 (U + d)`` of the token Grams. All blocks at once
-    (as many as ``MATERIALIZE_BUDGET`` holds): each block's unique ids are found by a sort, padded to the block's
-    token count and masked, so nothing waits on the device (no ``torch.unique``, whose size the host must read).
+    Per block, both per-sample gradients are formed on the ``U`` unique token ids of the one-hot side(s), ``(k, U, d)``
+    (on every id where the vocabulary is no larger than the block's tokens, :func:`_unique_slots`): an embedding's by
+    scattering its output gradients, any other (the tied LM head's) from its left factor's columns at those ids.
+    ``k T U d`` work at most, against the ``(kT)^2 (U + d)`` of the token Grams. All blocks at once (as many as
+    ``MATERIALIZE_BUDGET`` holds): each block's unique ids are found by a sort, padded to the block's token count and
+    masked, so nothing waits on the device (no ``torch.unique``, whose size the host must read).
     """
     sides = [u] if v is u else [u, v]
-    ids = torch.cat([f.left.ids for f in sides if f.left.ids is not None], dim=1)  # (nb, m)
-    nb, m = ids.shape
-    slots = _unique_slots(ids)
+    ids = torch.cat([f.left.ids for f in sides if f.left.ids is not None], dim=1)  # (nb, tokens)
+    nb = ids.shape[0]
+    slots = _unique_slots(ids, min(f.left.width for f in sides))
+    m = slots["m"]
     slots["offsets"], offset = {}, 0
     for f in sides:
         if f.left.ids is not None:

@@ -4,6 +4,7 @@ refusal (:class:`UnsupportedModulesError`), naming every module the pass cannot 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -65,7 +66,10 @@ def _reduce_scatter_like(grad: torch.Tensor, param) -> torch.Tensor:
 
 def _fp32(device: torch.device):
     """Autocast off: the Grams, the head's softmax terms and the weighted sums are accumulated in float32 even when
-    the forward runs under bf16/fp16 autocast (which would otherwise run these matmuls in half precision)."""
+    the forward runs under bf16/fp16 autocast (which would otherwise run these matmuls in half precision). Where
+    autocast is off already, nothing is entered (an autocast region's exit may also clear its cast cache)."""
+    if not torch.is_autocast_enabled(device.type):
+        return nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 

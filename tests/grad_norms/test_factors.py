@@ -276,7 +276,8 @@ def test_products_accumulate_in_fp32_under_autocast():
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_streamed_products_equal_the_kept_ones_and_free_the_layers(checkpointing):
     """per_sequence_grad_inner_products consumes each single-use layer's factors as its output gradient arrives
-    (stream_group_size): same products as keeping every factor to the end, and only the tied embedding is kept."""
+    (stream_group_size): same products as keeping every factor to the end. Only the tied embedding is kept, and the
+    norm gains (a few values per row each, whose products are taken together at the end)."""
     from oblr_trl.grad_norms import per_sequence_grads
 
     model = qwen3(tie=True)
@@ -288,7 +289,10 @@ def test_streamed_products_equal_the_kept_ones_and_free_the_layers(checkpointing
     streamed = per_sequence_grads(model, ids, attention, completion_mask, stream_group_size=3)
     torch.testing.assert_close(streamed.inner_products(3), kept.inner_products(3), rtol=1e-5, atol=1e-4)
     assert streamed.streamed.abs().max() > 0
-    assert list(streamed.params.values()) == [model.model.embed_tokens.weight]  # tied to the head: kept
+    gains = [m.weight for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm"]
+    assert {id(p) for p in streamed.params.values()} == {id(model.model.embed_tokens.weight), *map(id, gains)}
+    assert all(len(usages) == 1 and usages[0].concatenable for slot, usages in streamed.usages.items()
+               if getattr(*slot) is not model.model.embed_tokens.weight)
     with pytest.raises(ValueError, match="streamed"):
         streamed.inner_products(2)
 
@@ -390,14 +394,19 @@ def test_row_products_split_into_a_batch_equal_the_plain_product(monkeypatch, k)
 
 
 @pytest.mark.parametrize("group", [1, 3])
-def test_tied_head_sparse_rows_in_slot_chunks_are_exact(monkeypatch, group):
+@pytest.mark.parametrize("completion", [COMPLETION, 4 * VOCAB], ids=["unique-ids", "every-id"])
+def test_tied_head_sparse_rows_in_slot_chunks_are_exact(monkeypatch, group, completion):
     """The tied embedding/head cross terms gather the head's softmax columns at the embedding's unique token ids in
-    chunks of slots (bounded memory): one slot at a time gives the per-row autograd products."""
+    chunks of slots (bounded memory): one slot at a time gives the per-row autograd products. Where a block has more
+    tokens than the vocabulary has ids, every id is a slot (no sort), with the same products."""
     from oblr_trl.grad_norms import factors
 
     monkeypatch.setattr(factors, "GATHER_BUDGET", 1)  # one slot at a time
+    found = []
+    unique_slots = factors._unique_slots
+    monkeypatch.setattr(factors, "_unique_slots", lambda ids, vocab: found.append(unique_slots(ids, vocab)) or found[-1])
     model = qwen3(tie=True)
-    ids, attention, completion_mask = padded_batch()
+    ids, attention, completion_mask = padded_batch(completion=completion)
     grads = per_sample_grads(model, ids, attention, completion_mask)
     ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=group)
     nb = len(grads) // group
@@ -405,6 +414,7 @@ def test_tied_head_sparse_rows_in_slot_chunks_are_exact(monkeypatch, group):
                                                        for j in range(group)]) for i in range(group)])
                              for q in range(nb)])
     torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+    assert found and all(slots["m"] == (VOCAB if completion > VOCAB else group * ids.shape[1]) for slots in found)
 
 
 def test_half_precision_operands_as_on_a_gpu_are_accurate_to_bf16(monkeypatch):
@@ -514,11 +524,13 @@ def test_materialized_half_squared_norms_as_a_reduction_equal_the_product(monkey
         product = per_sequence_grad_sq_norms(model, *batch)
     monkeypatch.setattr(factors, "_row_products", real)
     reductions, vector_norm = [], torch.linalg.vector_norm
-    monkeypatch.setattr(torch.linalg, "vector_norm", lambda x, *a, **kw: reductions.append(x.dim()) or vector_norm(
-        x, *a, **kw))
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda x, *a, **kw: reductions.append(tuple(x.shape)) or
+                        vector_norm(x, *a, **kw))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reduced = per_sequence_grad_sq_norms(model, *batch)
-    assert reductions.count(4) >= 4  # the layers' materialized gradients took it, as (B, 1, pieces, piece)
+    # the materialized gradients (at least the norm gains, concatenated) took it, as (B, 1, pieces, piece)
+    pieces = [shape for shape in reductions if len(shape) == 4]
+    assert len(pieces) >= 2 and all(shape[:2] == (6, 1) for shape in pieces)
     torch.testing.assert_close(reduced, product, rtol=1e-6, atol=0)
 
 
@@ -650,7 +662,7 @@ def test_a_usage_takes_spans_only_where_a_factor_is_read_zero_outside_them(monke
     assert trimmed(usage, spans, 2).spans is spans  # blocks of rows: each row still formed over its own span
     meta = Factored(Dense(g.to("meta")), Dense(x.to("meta")))
     assert trimmed(meta, spans, 1) is meta  # off the CPU: batched as before
-    monkeypatch.setattr(factors, "CPU_MACS_PER_CALL", 1 << 19)
+    monkeypatch.setattr(factors, "CPU_MACS_PER_CALL", 1 << 21)
     assert trimmed(usage, spans, 1) is usage  # 4 tokens x 128 multiply-adds do not pay for a call per row
     empty = TokenSpans.of([3, 0], [1, 5], 5, "cpu")  # a row with no scored token
     assert empty.products(g, x)[0].abs().max() == 0
