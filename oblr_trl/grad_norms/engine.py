@@ -223,9 +223,11 @@ class _Pass:
         if self.streamed is not None and calls[module] == 1 and module not in self.sharing:
             with _fp32(self.device), self.refusing(module):
                 for name, usage in self.rules[module](module, record.activation, record.output_grad).items():
-                    if getattr(usage, "concatenable", False):  # a norm gain's or a bias's few values: kept, and
-                        self.usages[self.slot_of[(module, name)]].append(usage)  # all their products taken at the
-                        continue  # end in one (summed_self_products), fewer operator calls than one each
+                    if getattr(usage, "concatenable", False):
+                        # a norm gain's or a bias's few values: kept, and all their products taken at the end in one
+                        # (summed_self_products), fewer operator calls than a set of them each
+                        self.usages[self.slot_of[(module, name)]].append(usage)
+                        continue
                     blocked = trimmed(autocast_operands(usage, self.cast_cache), self.spans, self.k).blocked(self.k)
                     self.parts.append(block_inner_products(blocked, blocked, self.k))
         elif self.materialize:
