@@ -27,6 +27,7 @@ from .factors import (
     block_inner_products,
     materializing_saves_memory,
     per_sample_dtype,
+    self_products,
     trimmed,
 )
 from . import factors, hooks
@@ -161,6 +162,7 @@ class _Pass:
         self.failed: list[Unsupported] = []
         self.usages: dict[Slot, list[Usage]] = defaultdict(list)
         self.cast_cache: dict = {}  # the last half-precision cast of a layer input, for the layers that share it
+        self.gram_cache: dict = {}  # streamed: the last token Gram of a layer input, for the layers that share it
         self.spans: TokenSpans | None = None  # each row's tokens that can carry a gradient (set by run_pass)
         self.parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
         self.self_done: set[int] = set()
@@ -228,8 +230,8 @@ class _Pass:
                         # (summed_self_products), fewer operator calls than a set of them each
                         self.usages[self.slot_of[(module, name)]].append(usage)
                         continue
-                    blocked = trimmed(autocast_operands(usage, self.cast_cache), self.spans, self.k).blocked(self.k)
-                    self.parts.append(block_inner_products(blocked, blocked, self.k))
+                    usage = trimmed(autocast_operands(usage, self.cast_cache), self.spans, self.k)
+                    self.parts.append(self_products(usage, self.k, self.gram_cache))
         elif self.materialize:
             self.keep(record, materialize_now=True)
         else:
@@ -258,6 +260,7 @@ class _Pass:
     def collect(self, records: list[Record]) -> None:
         """After the backward: every record not consumed on the way."""
         self.cast_cache.clear()
+        self.gram_cache.clear()
         if self.parts:
             self.streamed += torch.stack(self.parts).sum(0)
             self.parts.clear()

@@ -21,6 +21,7 @@ block's sequences: that is how inner products ``<u_i, u_j>`` between completions
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -317,8 +318,10 @@ class OneHot:
         return (self.idx[:, :, None] == idx[:, None, :]).float()
 
     def materialize_with(self, right: Dense) -> torch.Tensor:
-        out = right.t.new_zeros(right.t.shape[0], self.n, right.t.shape[-1], dtype=torch.float32)
-        return out.scatter_add_(1, self.idx[..., None].expand(-1, -1, right.t.shape[-1]), right.t.float())
+        batch, tokens, d = right.t.shape
+        rows = (self.idx + torch.arange(batch, device=self.idx.device)[:, None] * self.n).reshape(-1)  # (b, id)'s row
+        out = right.t.new_zeros(batch * self.n, d, dtype=torch.float32)  # whole rows added: faster than a scatter_add_
+        return out.index_add_(0, rows, right.t.reshape(-1, d).float()).view(batch, self.n, d)
 
 
 def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: float,
@@ -811,10 +814,12 @@ def _sparse_per_sample(f: Factored, slots: dict, b0: int, b1: int, c0: int, c1: 
         if id(f) not in scattered:  # every slot at once (the scatter is cheap), sliced per chunk below
             offset = slots["offsets"][id(f)]
             slot = slots["rank"][b0:b1, offset : offset + kt]  # (n, kT)
-            sample = torch.arange(k, device=slot.device).repeat_interleave(kt // k)
-            index = (sample[None, :] * m + slot)[..., None].expand(-1, -1, right.shape[-1])
-            grads = right.new_zeros(n, k * m, right.shape[-1], dtype=torch.float32)
-            scattered[id(f)] = grads.scatter_add_(1, index, right.float()).reshape(n, k, m, -1)
+            # each token's row of the (n k m, d) gradients: its sequence's (n k of them) m slots, then its slot. An
+            # index_add_ of whole rows, 3x faster on a CPU than a scatter_add_ along an axis (8 x 96 tokens of 128)
+            sample = torch.arange(n * k, device=slot.device).repeat_interleave(kt // k).view(n, kt)
+            grads = right.new_zeros(n * k * m, right.shape[-1], dtype=torch.float32)
+            grads.index_add_(0, (sample * m + slot).reshape(-1), right.reshape(-1, right.shape[-1]).float())
+            scattered[id(f)] = grads.view(n, k, m, -1)
         return scattered[id(f)][:, :, c0:c1].reshape(n, k, -1)
     left = f.left.rows(b0, b1).gather_cols(slots["rows"][b0:b1, c0:c1]) * slots["valid"][b0:b1, None, c0:c1]
     dtype = _operand_dtype(f.left, f.right)
@@ -974,6 +979,21 @@ def summed_self_products(usages: list[Usage], k: int) -> torch.Tensor | None:
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+
+
+def self_products(u: Usage, k: int, cache: dict) -> torch.Tensor:
+    """``block_inner_products(u.blocked(k), u.blocked(k), k)`` of an unblocked usage, one layer at a time as the
+    streamed pass takes them: a dense pair that takes the token Grams takes its input's Gram from ``cache`` (the
+    caller's, one pass long) where the last such layer read the same input tensor (the gate and up projections read
+    one): one batched product fewer. Only the last input's Gram is kept, by a weak reference to the input (a freed
+    input is never matched)."""
+    blocked = u.blocked(k)
+    if not getattr(u, "dense_pair", False) or _materialize_cheaper(blocked, blocked, k):
+        return block_inner_products(blocked, blocked, k)
+    source = cache.get("input")
+    if source is None or source() is not u.right.t or cache["k"] != k:
+        cache["input"], cache["k"], cache["gram"] = weakref.ref(u.right.t), k, gram(blocked.right, blocked.right)
+    return _block_sums(gram(blocked.left, blocked.left).mul_(cache["gram"]), k)
 
 
 def block_inner_products(u: Usage, v: Usage, k: int) -> torch.Tensor:

@@ -666,3 +666,38 @@ def test_a_usage_takes_spans_only_where_a_factor_is_read_zero_outside_them(monke
     assert trimmed(usage, spans, 1) is usage  # 4 tokens x 128 multiply-adds do not pay for a call per row
     empty = TokenSpans.of([3, 0], [1, 5], 5, "cpu")  # a row with no scored token
     assert empty.products(g, x)[0].abs().max() == 0
+
+
+def test_layers_reading_one_input_share_its_token_gram(monkeypatch):
+    """The streamed pass takes one layer's products at a time (``self_products``): a dense pair on the token Grams
+    whose input is the tensor the last one read (the gate and up projections) reuses that input's Gram; another
+    tensor, even of equal values, does not. Each equals the pair's own products."""
+    from oblr_trl.grad_norms import factors
+    from oblr_trl.grad_norms.factors import Dense, Factored
+
+    grams = []
+    monkeypatch.setattr(factors, "gram", lambda a, b, _f=factors.gram: grams.append(a.width) or _f(a, b))
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16)  # 3 tokens through 16 -> 40 maps: the Grams are cheaper than materializing
+    gate, up = Factored(Dense(torch.randn(4, 3, 40)), Dense(x)), Factored(Dense(torch.randn(4, 3, 40)), Dense(x))
+    other = Factored(Dense(torch.randn(4, 3, 40)), Dense(x.clone()))
+    for k in (1, 2):
+        assert not factors._materialize_cheaper(gate.blocked(k), gate.blocked(k), k)
+        cache, grams[:] = {}, []
+        for u in (gate, up, other):
+            expected = factors.block_inner_products(u.blocked(k), u.blocked(k), k)
+            grams.clear()
+            torch.testing.assert_close(factors.self_products(u, k, cache), expected)
+            assert grams == ([40] if u is up else [16, 40]), (k, grams)  # up: its output side's Gram alone
+
+
+def test_one_hot_gradients_formed_by_rows_equal_a_one_hot_product():
+    """An embedding's per-sample gradients ``sum_t onehot(id_t) (x) g_t``, formed by adding each token's row at its
+    id, equal the product of the one-hot matrix with the output gradients (repeated ids summed)."""
+    from oblr_trl.grad_norms.factors import Dense, OneHot
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[3, 1, 3, 0], [2, 2, 2, 4]])
+    g = torch.randn(2, 4, 6)
+    onehot = torch.nn.functional.one_hot(ids, 5).float()  # (B, T, V)
+    torch.testing.assert_close(OneHot(ids, 5).materialize_with(Dense(g)), onehot.transpose(1, 2) @ g)
