@@ -518,9 +518,8 @@ class Factored:
         """:func:`block_inner_products` of two factored usages."""
         if not isinstance(v, Factored):
             raise TypeError("Mixed factored and materialized usages must be materialized first.")
-        if (self.left.ids is not None or v.left.ids is not None) and self.right.dense is not None \
-                and v.right.dense is not None:
-            return _sparse_rows_block_products(self, v, k)
+        if _sparse_pair(self, v):
+            return _sparse_rows_block_products([self] if v is self else [self, v], [(0, 0) if v is self else (0, 1)], k)
         if v is self and self.left.dense is None and self.left.ids is None and _head_materialize_cheaper(self, k):
             return _head_materialized_block_products(self, k)
         if _materialize_cheaper(self, v, k):
@@ -828,44 +827,73 @@ def _sparse_per_sample(f: Factored, slots: dict, b0: int, b1: int, c0: int, c1: 
     return grads.reshape(n, k, -1)
 
 
-def _sparse_rows_block_products(u: Factored, v: Factored, k: int) -> torch.Tensor:
-    """Pairs with an embedding (one-hot left factor): only the rows of the tokens it saw enter the inner product.
+def _sparse_pair(u: Usage, v: Usage) -> bool:
+    """Whether a pair's products take :func:`_sparse_rows_block_products`: factored, one of them an embedding's
+    (one-hot left factor), both inputs held whole."""
+    return (isinstance(u, Factored) and isinstance(v, Factored) and (u.left.ids is not None or v.left.ids is not None)
+            and u.right.dense is not None and v.right.dense is not None)
 
-    Per block, both per-sample gradients are formed on the ``U`` unique token ids of the one-hot side(s), ``(k, U, d)``
+
+def _sparse_rows_block_products(usages: list[Factored], pairs: list[tuple[int, int]], k: int,
+                                symmetric: bool = False) -> torch.Tensor:
+    """Pairs with an embedding (one-hot left factor): only the rows of the tokens it saw enter the inner product.
+    Returns ``sum <u_a, u_b>`` over the ``pairs`` of ``usages`` (``symmetric``: each ``a != b`` pair with its
+    transpose too, the pair's two cross terms), all from one set of slots, each usage's rows formed once (a tied
+    embedding's and head's three products in one call).
+
+    Per block, the per-sample gradients are formed on the ``U`` unique token ids of the one-hot side(s), ``(k, U, d)``
     (on every id where the vocabulary is no larger than the block's tokens, :func:`_unique_slots`): an embedding's by
-    scattering its output gradients, any other (the tied LM head's) from its left factor's columns at those ids.
+    adding its output gradients' rows, any other (the tied LM head's) from its left factor's columns at those ids.
     ``k T U d`` work at most, against the ``(kT)^2 (U + d)`` of the token Grams. All blocks at once (as many as
     ``MATERIALIZE_BUDGET`` holds): each block's unique ids are found by a sort, padded to the block's token count and
     masked, so nothing waits on the device (no ``torch.unique``, whose size the host must read).
     """
-    sides = [u] if v is u else [u, v]
-    ids = torch.cat([f.left.ids for f in sides if f.left.ids is not None], dim=1)  # (nb, tokens)
+    sides = sorted({i for pair in pairs for i in pair})
+    ids = torch.cat([usages[i].left.ids for i in sides if usages[i].left.ids is not None], dim=1)  # (nb, tokens)
     nb = ids.shape[0]
-    slots = _unique_slots(ids, min(f.left.width for f in sides))
+    slots = _unique_slots(ids, min(usages[i].left.width for i in sides))
     m = slots["m"]
     slots["offsets"], offset = {}, 0
-    for f in sides:
-        if f.left.ids is not None:
-            slots["offsets"][id(f)] = offset
-            offset += f.left.ids.shape[1]
-    d = u.right.width
+    for i in sides:
+        if usages[i].left.ids is not None:
+            slots["offsets"][id(usages[i])] = offset
+            offset += usages[i].left.ids.shape[1]
+    first = usages[sides[0]]
+    d = first.right.width
     step = max(1, MATERIALIZE_BUDGET // max(1, k * m * d * len(sides)))
-    gathered = any(f.left.ids is None for f in sides)
+    gathered = any(usages[i].left.ids is None for i in sides)
     out = []
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
         scattered: dict[int, torch.Tensor] = {}
         # a gathered side's (n, kT, slots) softmax columns are bounded by GATHER_BUDGET: slots in chunks
-        chunk = max(1, GATHER_BUDGET // max(1, (b1 - b0) * u.right.t.shape[1])) if gathered else m
+        chunk = max(1, GATHER_BUDGET // max(1, (b1 - b0) * first.right.t.shape[1])) if gathered else m
         part = None
         for c0 in range(0, m, chunk):
             c1 = min(m, c0 + chunk)
-            grads_u = _sparse_per_sample(u, slots, b0, b1, c0, c1, k, scattered)
-            grads_v = grads_u if v is u else _sparse_per_sample(v, slots, b0, b1, c0, c1, k, scattered)
-            prod = _row_products(grads_u, grads_v, d)
-            part = prod if part is None else part + prod
+            grads = {i: _sparse_per_sample(usages[i], slots, b0, b1, c0, c1, k, scattered) for i in sides}
+            for a, b in pairs:
+                prod = _row_products(grads[a], grads[b], d)
+                if symmetric and a != b:
+                    prod = prod + prod.transpose(1, 2)
+                part = prod if part is None else part + prod
         out.append(part)
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def slot_products(usages: list[Usage], pairs: list[tuple[int, int]], k: int) -> torch.Tensor:
+    """``sum <u_a, u_b>`` over the ``pairs`` (``a <= b``) of one parameter's blocked usages, each ``a != b`` pair with
+    its transpose (its two cross terms), ``(B/k, k, k)``: the pairs with an embedding's side all from one set of slots
+    (:func:`_sparse_rows_block_products`), the rest one by one (:func:`block_inner_products`)."""
+    sparse = [(a, b) for a, b in pairs if _sparse_pair(usages[a], usages[b])]
+    total = _sparse_rows_block_products(usages, sparse, k, symmetric=True) if sparse else None
+    for a, b in pairs:
+        if (a, b) in sparse:
+            continue
+        prod = block_inner_products(usages[a], usages[b], k)
+        prod = prod if a == b else prod + prod.transpose(1, 2)
+        total = prod if total is None else total + prod
+    return total
 
 
 def _head_materialize_cheaper(u: Factored, k: int) -> bool:

@@ -17,9 +17,9 @@ from .factors import (
     Materialized,
     SoftmaxDelta,
     Usage,
-    block_inner_products,
     block_weighted_rows,
     keep_scaled,
+    slot_products,
     summed_self_products,
 )
 
@@ -139,12 +139,10 @@ class PerSequenceGradients:
                     u if isinstance(u, Materialized) else Materialized(u.materialize().flatten(1)) for u in param_usages
                 ]
             blocked = [u.blocked(group_size) for u in param_usages]
-            for a in range(len(blocked)):
-                if id(param_usages[a]) not in done:
-                    out += block_inner_products(blocked[a], blocked[a], group_size)
-                for b in range(a + 1, len(blocked)):
-                    cross = block_inner_products(blocked[a], blocked[b], group_size)
-                    out += cross + cross.transpose(1, 2)
+            pairs = [(a, b) for a in range(len(blocked)) for b in range(a, len(blocked))
+                     if a != b or id(param_usages[a]) not in done]  # each cross term, and each self not done
+            if pairs:
+                out += slot_products(blocked, pairs, group_size)
         summed = summed_self_products(alone, group_size)
         if summed is not None:
             out += summed
