@@ -39,11 +39,11 @@ def sync():
 class Breakdown:
     """Patches the engine's and factors' module-level functions with device-synchronised timers."""
 
-    TARGETS = [(engine, "_lm_head_terms", "head_terms"), (factors, "_sparse_rows_block_products", "tied_sparse_rows"),
+    TARGETS = [(engine, "lm_head_terms", "head_terms"), (factors, "_sparse_rows_block_products", "tied_sparse_rows"),
                (factors, "_head_materialized_block_products", "head_per_sample"),
                (factors, "_head_gram_block_products", "head_gram"),
                (factors, "_materialized_block_products", "materialized"), (factors, "gram", "gram"),
-               (engine, "block_inner_products", "products_total")]
+               (engine, "self_products", "products_total")]
 
     def __init__(self):
         self.seconds = defaultdict(float)

@@ -24,7 +24,6 @@ from .factors import (
     TokenSpans,
     Usage,
     autocast_operands,
-    block_inner_products,
     materializing_saves_memory,
     per_sample_dtype,
     self_products,
@@ -167,6 +166,7 @@ class _Pass:
         self.parts: list[torch.Tensor] = []  # each streamed layer's products, summed once at the end (fewer launches)
         self.self_done: set[int] = set()
         self.presummed = None  # without streaming: the head's own (B, 1, 1) products, formed with its output gradient
+        self.head_grads = None  # streamed: a small tied head's (B, V, d) per-sample gradients, kept (_head_terms)
         self.streamed = None
         if stream_group_size is not None:
             if batch % stream_group_size:
@@ -275,7 +275,9 @@ class _Pass:
         for module, name, usage in self.head_pass.usages(delta):  # an adapter's (head.py)
             self.usages[self.slot_of[_slot(module, name)]].append(usage)
         if head.weight.requires_grad:
-            usage = Factored(delta, Dense(h))
+            # the tied head's per-sample gradients where the pass kept them (_head_terms): the embedding's share of the
+            # weight is then materialized too, and their cross terms are two products (result.PerSequenceGradients)
+            usage = Factored(delta, Dense(h)) if self.head_grads is None else Materialized(self.head_grads)
             self.usages[self.slot_of[(head, "weight")]].append(usage)
             if self_products_done:
                 self.self_done.add(id(usage))
@@ -372,9 +374,14 @@ def _head_terms(run: _Pass, lm: nn.Module, hidden: torch.Tensor, span: slice, sc
     bias = transform.bias(bias)
     k = (run.k if run.streamed is not None else 1 if run.materialize else None) if head.weight.requires_grad else None
     k = k if run.adapter.plain else None
+    # streamed, a tied head's per-sample gradients where they are formed and small (factors.TIED_HEAD_KEPT)
+    kept = [] if (k is not None and run.streamed is not None and head in run.sharing
+                  and run.batch * weight.shape[0] * weight.shape[1] <= factors.TIED_HEAD_KEPT) else None
     with _fp32(hidden.device):
-        lse, grad_h, head_self = lm_head_terms(h, *scored, weight, bias, alpha, transform.softcap, k)
+        lse, grad_h, head_self = lm_head_terms(h, *scored, weight, bias, alpha, transform.softcap, k, kept)
         grad_h = run.head_pass.input_grad(grad_h)
+    if kept:
+        run.head_grads = kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)  # (B, V, d)
     if head_self is not None and run.streamed is not None:
         run.parts.append(head_self)
     elif head_self is not None:

@@ -60,13 +60,14 @@ from .result import ADVICE, Unsupported, UnsupportedModulesError
 
 @torch.no_grad()
 def lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, weight, bias, alpha: float,
-                   softcap: float | None = None, self_products: int | None = None):
+                   softcap: float | None = None, self_products: int | None = None, kept: list | None = None):
     """Log-sum-exp of the scored logits and ``d sum_t log p / d h`` of the head, in vocabulary chunks. ``h`` and
     ``weight`` in half precision (the head under autocast) are multiplied as they are, into float32 (:func:`mm32`).
 
     With ``self_products=k``, also the head weight's own ``(B/k, k, k)`` per-sample inner products, from the same
     chunks of the softmax delta as the output gradient (:func:`~.factors.head_self_products`), else None: the widest
-    tensors of the pass are then formed twice (log-sum-exp, then delta) instead of three times."""
+    tensors of the pass are then formed twice (log-sum-exp, then delta) instead of three times. ``kept``: a list the
+    per-sample gradients are appended to, chunk by chunk, where those products form them."""
     lse = torch.full(h.shape[:-1], -float("inf"), device=h.device)
     size = factors.vocab_chunk(h.shape[0] * h.shape[1], weight.shape[0])  # VOCAB_CHUNK columns at least
     chunks = [(start, min(start + size, weight.shape[0])) for start in range(0, weight.shape[0], size)]
@@ -89,7 +90,7 @@ def lm_head_terms(h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, wei
             pass
         return lse, grad_h, None
     usage = Factored(delta, Dense(h)).blocked(k)
-    return lse, grad_h, factors.head_self_products(usage, k, columns())
+    return lse, grad_h, factors.head_self_products(usage, k, columns(), kept)
 
 
 # -------------------------------------------------------------------------------- what the head computes, observed

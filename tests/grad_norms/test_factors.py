@@ -403,6 +403,7 @@ def test_tied_head_sparse_rows_in_slot_chunks_are_exact(monkeypatch, group, comp
     from oblr_trl.grad_norms import factors
 
     monkeypatch.setattr(factors, "GATHER_BUDGET", 1)  # one slot at a time
+    monkeypatch.setattr(factors, "TIED_HEAD_KEPT", 0)  # the head's gradients not kept: the cross terms by slots
     found = []
     unique_slots = factors._unique_slots
     monkeypatch.setattr(factors, "_unique_slots", lambda ids, vocab: found.append(unique_slots(ids, vocab)) or found[-1])
@@ -703,3 +704,32 @@ def test_one_hot_gradients_formed_by_rows_equal_a_one_hot_product():
     g = torch.randn(2, 4, 6)
     onehot = torch.nn.functional.one_hot(ids, 5).float()  # (B, T, V)
     torch.testing.assert_close(OneHot(ids, 5).materialize_with(Dense(g)), onehot.transpose(1, 2) @ g)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("head_route", ["materialized", "grams"])
+def test_small_tied_head_keeps_its_gradients_for_the_cross_terms(monkeypatch, group, head_route):
+    """Streamed, a tied head with a small vocabulary keeps the per-sample gradients its own products form; the
+    embedding's are then scattered whole and the cross terms are two products (no slots). Where the head's products
+    take the token Grams (no gradients formed), the cross terms take the slots. Both equal per-row autograd."""
+    from oblr_trl.grad_norms import engine, factors
+    from oblr_trl.grad_norms.factors import Materialized
+
+    monkeypatch.setattr(factors, "_head_materialize_cheaper", lambda u, k: head_route == "materialized")
+    slotted, kept = [], []
+    unique_slots = factors._unique_slots
+    monkeypatch.setattr(factors, "_unique_slots", lambda *a: slotted.append(1) or unique_slots(*a))
+    add_head = engine._Pass.add_head
+    monkeypatch.setattr(engine._Pass, "add_head", lambda self, *a: kept.append(self.head_grads) or add_head(self, *a))
+    model = qwen3(tie=True)
+    ids, attention, completion_mask = padded_batch()
+    grads = [g.double() for g in per_sample_grads(model, ids, attention, completion_mask)]
+    ours = per_sequence_grad_inner_products(model, ids, attention, completion_mask, group_size=group)
+    reference = torch.stack([torch.stack([torch.stack([grads[group * q + i] @ grads[group * q + j]
+                                                       for j in range(group)]) for i in range(group)])
+                             for q in range(len(grads) // group)])
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+    if head_route == "materialized":
+        assert kept[-1].shape == (ids.shape[0], VOCAB, 32) and not slotted  # the last pass's (the check runs one)
+    else:
+        assert kept[-1] is None and slotted
